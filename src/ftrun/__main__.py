@@ -1,0 +1,7 @@
+"""``python -m ftrun``."""
+
+import sys
+
+from ftrun.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The per-node agent: starts, watches, stops and restarts the local workers."""

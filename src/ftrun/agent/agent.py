@@ -1,0 +1,270 @@
+"""The agent: the composition root that runs one node's part of a job.
+
+It owns the worker group, the event log and the signal wake-up, feeds every
+fact it observes into the pure restart policy and executes the commands that
+come back. All waiting happens in one place (:meth:`WorkerGroup.wait`).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+
+from ftrun.agent import env as worker_env
+from ftrun.agent import policy, proctree
+from ftrun.agent.logs import Console, RankOutput, RankPaths
+from ftrun.agent.signals import SignalWakeup
+from ftrun.agent.workers import ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
+from ftrun.clock import Clock, SystemClock
+from ftrun.config import LaunchConfig, Std
+from ftrun.events import EventKind, EventLog, summarize
+from ftrun.ports import reserve_port
+from ftrun.reporting import build_report, render, write_json
+
+DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
+
+
+class Agent:
+    def __init__(
+        self, config: LaunchConfig, *, clock: Clock, spawner: Spawner, console: Console, host: str
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._spawner = spawner
+        self._console = console
+        self._host = host
+        self._group: WorkerGroup | None = None
+        self._attempt = 0
+        self._master_port = 0
+        self._signals_seen = 0
+        self._pending: deque[policy.Event] = deque()
+        self._last_reason = ""
+        self.run_dir = Path()
+        self.events: EventLog | None = None
+
+    @classmethod
+    def from_config(cls, config: LaunchConfig) -> Agent:
+        return cls(
+            config,
+            clock=SystemClock(),
+            spawner=ProcessSpawner(),
+            console=Console(sys.stdout.buffer, sys.stderr.buffer),
+            host=socket.gethostname(),
+        )
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the job to its end; returns ftrun's exit code."""
+        proctree.become_subreaper()
+        self.run_dir = _fresh_dir(self.config.logs.base_dir / self.config.run_id)
+        self.events = EventLog(self.config.event_log or self.run_dir / "events.jsonl", self._clock)
+        self._say(f"run {self.config.run_id}: {self.config.nproc_per_node} workers, logs in {self.run_dir}")
+        self._emit(
+            EventKind.RUN_STARTED,
+            run_id=self.config.run_id,
+            host=self._host,
+            nproc=self.config.nproc_per_node,
+            max_restarts=self.config.max_restarts,
+            log_dir=str(self.run_dir),
+        )
+        state = policy.RunState(max_restarts=self.config.max_restarts)
+        self._pending.append(policy.Start())
+        with SignalWakeup() as self._wakeup:
+            try:
+                while True:
+                    if not self._pending:
+                        self._pending.extend(self._wait())
+                    decision = policy.decide(state, self._pending.popleft())
+                    state = decision.state
+                    if decision.commands:
+                        self._note(decision.reason)
+                    for command in decision.commands:
+                        if isinstance(command, policy.Finish):
+                            return self._finish(command.exit_code, state)
+                        self._pending.extend(self._execute(command))
+            finally:
+                self._abandon()
+
+    def _wait(self) -> list[policy.Event]:
+        assert self._group is not None
+        exited, woken = self._group.wait(None)
+        found: list[policy.Event] = [self._exited(w) for w in exited]
+        if woken:
+            found += self._signals()
+        return found
+
+    def _execute(self, command: policy.Command) -> list[policy.Event]:
+        if isinstance(command, policy.StartAttempt):
+            return self._start_attempt(command.restart_count)
+        if isinstance(command, policy.StopGroup):
+            return self._stop_group()
+        assert isinstance(command, policy.ReportFailure)
+        self._report_failure(command.will_restart)
+        return []
+
+    # --- commands -------------------------------------------------------------------------
+
+    def _start_attempt(self, attempt: int) -> list[policy.Event]:
+        c = self.config
+        if self._group is not None:
+            self._group.close()
+        self._group = WorkerGroup(self._spawner, self._clock, self._wakeup.fd)
+        self._attempt = attempt
+        # A fresh port every attempt: nothing a worker could read is left from the last one.
+        self._master_port = c.master_port or reserve_port("", self._clock.wall())
+        if attempt:
+            self._emit(EventKind.RESTART, restart_count=attempt)
+        self._emit(
+            EventKind.ATTEMPT_STARTED,
+            attempt=attempt,
+            workers=c.nproc_per_node,
+            master_port=self._master_port,
+        )
+        attempt_dir = self.run_dir / f"attempt_{attempt}"
+        argv = c.entrypoint.command(c.python)
+        for local_rank in range(c.nproc_per_node):
+            rank = c.node_rank * c.nproc_per_node + local_rank
+            paths = RankPaths.under(attempt_dir, rank)
+            assignment = worker_env.single_node(
+                local_rank,
+                c.nproc_per_node,
+                role=c.role,
+                master_addr=c.master_addr,
+                master_port=self._master_port,
+                restart_count=attempt,
+                max_restarts=c.max_restarts,
+                run_id=c.run_id,
+                error_file=str(paths.error_file),
+            )
+            worker = Worker(
+                rank, local_rank, attempt, paths, argv, worker_env.worker_env(c.worker_base_env, assignment)
+            )
+            self._group.spawn(worker, RankOutput(paths, rank, local_rank, c.logs, self._console), c.cwd)
+            self._emit(
+                EventKind.WORKER_SPAWNED, attempt=attempt, rank=rank, local_rank=local_rank, pid=worker.pid
+            )
+        return [policy.AttemptStarted(frozenset(range(c.nproc_per_node)))]
+
+    def _stop_group(self) -> list[policy.Event]:
+        assert self._group is not None
+        self._emit(
+            EventKind.GROUP_STOPPING, attempt=self._attempt, running=[w.rank for w in self._group.running]
+        )
+        late: list[policy.Event] = []
+
+        def on_wake() -> bool:
+            late.extend(self._signals())
+            return self._signals_seen > 1  # a second signal: the user does not want to wait
+
+        self._group.stop(self.config.term_timeout_s, on_exit=self._exited, on_wake=on_wake)
+        self._settle()
+        self._emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
+        return [policy.GroupStopped(), *late]
+
+    def _report_failure(self, will_restart: bool) -> None:
+        assert self._group is not None
+        report = build_report(
+            self._group.workers,
+            run_id=self.config.run_id,
+            attempt=self._attempt,
+            will_restart=will_restart,
+            master_port=self._master_port,
+            host=self._host,
+        )
+        path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
+        write_json(report, path)
+        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
+        root = report.root_cause
+        self._emit(
+            EventKind.FAILURE,
+            attempt=self._attempt,
+            will_restart=will_restart,
+            report=str(path),
+            root_cause={
+                "rank": root.rank,
+                "local_rank": root.local_rank,
+                "pid": root.pid,
+                "exit_code": root.exit_code,
+                "signal": root.signal,
+                "exit_mono": root.exit_mono,
+                "exit_wall": root.exit_wall,
+                "summary": root.summary(),
+            },
+        )
+
+    def _finish(self, exit_code: int, state: policy.RunState) -> int:
+        self._settle()
+        self._emit(EventKind.RUN_FINISHED, exit_code=exit_code, outcome=state.phase.value)
+        assert self.events is not None
+        self._say(summarize(self.events.events).render())
+        return exit_code
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _exited(self, w: Worker) -> policy.Event:
+        self._emit(
+            EventKind.WORKER_EXITED,
+            attempt=w.attempt,
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            exit_code=w.exit_code,
+            signal=w.signal_name,
+            state=w.state.value,
+        )
+        return policy.WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
+
+    def _signals(self) -> list[policy.Event]:
+        found = self._wakeup.drain()
+        self._signals_seen += len(found)
+        return [policy.Interrupted(s) for s in found]
+
+    def _settle(self) -> None:
+        """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush."""
+        assert self._group is not None
+        self._group.sweep()
+        for w in self._group.workers:
+            if w.output is not None and not w.output.wait_drained(DRAIN_TIMEOUT_S):
+                self._say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut")
+
+    def _abandon(self) -> None:
+        """On any exit from run(): no worker outlives the agent, even after an ftrun bug."""
+        if self._group is not None:
+            if self._group.running:
+                self._group.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
+            self._group.sweep()
+            self._group.close()
+        if self.events is not None:
+            self.events.close()
+
+    def _emit(self, kind: EventKind, **data: object) -> None:
+        assert self.events is not None
+        self.events.emit(kind, **data)
+
+    def _note(self, reason: str) -> None:
+        """Log a decision's reason, once: a repeated reason adds nothing."""
+        if reason != self._last_reason:
+            self._last_reason = reason
+            self._say(reason)
+
+    def _say(self, text: str) -> None:
+        # ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers.
+        self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+
+
+def _fresh_dir(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
+    candidates: Iterable[Path] = (
+        path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000)
+    )
+    for candidate in candidates:
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(f"{path}: too many runs with this id; pass another --rdzv-id")

@@ -1,0 +1,90 @@
+"""PURE: a worker's assignment -> its environment. The torchrun contract in one place.
+
+No ``os`` here: the base environment is passed in, so a test can check every
+variable without touching the process environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Everything that makes one worker different from the others, for one attempt."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    role_rank: int
+    role_world_size: int
+    role_name: str
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    error_file: str
+
+
+def single_node(
+    local_rank: int,
+    nproc: int,
+    *,
+    role: str,
+    master_addr: str,
+    master_port: int,
+    restart_count: int,
+    max_restarts: int,
+    run_id: str,
+    error_file: str,
+) -> Assignment:
+    """The assignment of ``local_rank`` when the whole job is this one node."""
+    return Assignment(
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=nproc,
+        local_world_size=nproc,
+        group_rank=0,
+        group_world_size=1,
+        role_rank=local_rank,
+        role_world_size=nproc,
+        role_name=role,
+        master_addr=master_addr,
+        master_port=master_port,
+        restart_count=restart_count,
+        max_restarts=max_restarts,
+        run_id=run_id,
+        error_file=error_file,
+    )
+
+
+def worker_env(base: Mapping[str, str], a: Assignment) -> dict[str, str]:
+    """The environment of one worker: ``base`` plus the torchrun variables and ftrun's own.
+
+    Values set here always win over ``base``, so a stale RANK inherited from a
+    parent launcher can never leak into a worker.
+    """
+    return {
+        **base,
+        "RANK": str(a.rank),
+        "LOCAL_RANK": str(a.local_rank),
+        "WORLD_SIZE": str(a.world_size),
+        "LOCAL_WORLD_SIZE": str(a.local_world_size),
+        "GROUP_RANK": str(a.group_rank),
+        "GROUP_WORLD_SIZE": str(a.group_world_size),
+        "ROLE_RANK": str(a.role_rank),
+        "ROLE_WORLD_SIZE": str(a.role_world_size),
+        "ROLE_NAME": a.role_name,
+        "MASTER_ADDR": a.master_addr,
+        "MASTER_PORT": str(a.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(a.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
+        "TORCHELASTIC_RUN_ID": a.run_id,
+        "TORCHELASTIC_ERROR_FILE": a.error_file,
+        "FTRUN_ERROR_FILE": a.error_file,
+    }

@@ -1,0 +1,132 @@
+"""Worker output: one file per rank and stream, and the console as --redirects/--tee say.
+
+A stream that only goes to its file is the file itself (the worker writes to
+it directly; nothing of ftrun is in the path, nothing is lost when ftrun or
+the worker dies). A stream that also shows on the console goes through a pipe
+that a pump thread copies, unchanged, to the file and, line by line and
+optionally prefixed with ``[<rank>]:``, to the console. The pump reads until
+every writer is gone, so lines written just before a crash are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from ftrun.config import LogSpec, Std
+
+_CHUNK = 65536
+
+
+class Console:
+    """ftrun's own stdout/stderr, shared by every pump; whole lines only, never interleaved."""
+
+    def __init__(self, stdout: BinaryIO, stderr: BinaryIO) -> None:
+        self._streams = {Std.OUT: stdout, Std.ERR: stderr}
+        self._lock = threading.Lock()
+
+    def write_lines(self, stream: Std, data: bytes) -> None:
+        with self._lock:
+            out = self._streams[stream]
+            out.write(data)
+            out.flush()
+
+
+@dataclass(frozen=True, slots=True)
+class RankPaths:
+    dir: Path
+    stdout: Path
+    stderr: Path
+    error_file: Path
+
+    @staticmethod
+    def under(attempt_dir: Path, rank: int) -> RankPaths:
+        d = attempt_dir / str(rank)
+        return RankPaths(d, d / "stdout.log", d / "stderr.log", d / "error.json")
+
+
+class _Pump(threading.Thread):
+    def __init__(self, read_fd: int, file_fd: int, console: Console, stream: Std, prefix: bytes) -> None:
+        super().__init__(name=f"ftrun-pump-{prefix.decode(errors='replace')}{stream.name}", daemon=True)
+        self._read_fd, self._file_fd = read_fd, file_fd
+        self._console, self._stream, self._prefix = console, stream, prefix
+
+    def run(self) -> None:
+        pending = b""
+        try:
+            while chunk := os.read(self._read_fd, _CHUNK):
+                os.write(self._file_fd, chunk)
+                pending += chunk
+                cut = pending.rfind(b"\n") + 1
+                if cut:
+                    self._show(pending[:cut])
+                    pending = pending[cut:]
+            if pending:
+                self._show(pending + b"\n")
+        finally:
+            os.close(self._read_fd)
+            os.close(self._file_fd)
+
+    def _show(self, lines: bytes) -> None:
+        if self._prefix:
+            lines = b"".join(self._prefix + line for line in lines.splitlines(keepends=True))
+        self._console.write_lines(self._stream, lines)
+
+
+class RankOutput:
+    """The stdout/stderr of one worker: fds to give the child, and the pumps that copy them."""
+
+    def __init__(self, paths: RankPaths, rank: int, local_rank: int, spec: LogSpec, console: Console) -> None:
+        paths.dir.mkdir(parents=True, exist_ok=True)
+        self._child_fds: dict[Std, int] = {}
+        self._pumps: list[_Pump] = []
+        for stream, path in ((Std.OUT, paths.stdout), (Std.ERR, paths.stderr)):
+            file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            if not spec.console(local_rank, stream):
+                self._child_fds[stream] = file_fd
+                continue
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+            prefix = f"[{rank}]:".encode() if spec.prefixed(local_rank, stream) else b""
+            self._child_fds[stream] = write_fd
+            self._pumps.append(_Pump(read_fd, file_fd, console, stream, prefix))
+
+    @property
+    def stdout_fd(self) -> int:
+        return self._child_fds[Std.OUT]
+
+    @property
+    def stderr_fd(self) -> int:
+        return self._child_fds[Std.ERR]
+
+    def child_started(self) -> None:
+        """Close the child's ends in the agent (the child has its copies) and start copying."""
+        for fd in self._child_fds.values():
+            os.close(fd)
+        self._child_fds.clear()
+        for pump in self._pumps:
+            pump.start()
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Wait until every writer (the worker and its children) has closed the pipes."""
+        for pump in self._pumps:
+            pump.join(timeout_s)
+        return not any(p.is_alive() for p in self._pumps)
+
+
+def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
+    """The last ``count`` lines of a log file (decoded leniently), [] when missing."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes and lines:
+        lines = lines[1:]  # the first line is probably cut
+    return lines[-count:]

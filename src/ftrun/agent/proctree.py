@@ -1,0 +1,102 @@
+"""The process tree under the agent, read from /proc, and the prctl calls that shape it.
+
+Workers start their own process groups, so a signal to the group reaches the
+worker and the children it forked. A grandchild that started its own session
+escapes the group; the tree walk below still finds it through its parent link,
+and because the agent is a child subreaper, orphans are re-parented to the
+agent (not to init), where the walk finds them too and the agent reaps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+from collections.abc import Callable, Iterable
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _parents() -> dict[int, int]:
+    """pid -> ppid for every process visible in /proc (racy by nature: processes come and go)."""
+    result: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command name, which is in parentheses and may contain spaces.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        result[int(entry)] = int(fields[1])
+    return result
+
+
+def descendants(roots: Iterable[int]) -> set[int]:
+    """Every live process below ``roots`` (not the roots themselves)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def signal_quietly(pid: int, sig: int, *, group: bool = False) -> None:
+    """Send ``sig``; a process that is already gone is not an error."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _prctl() -> Callable[..., int]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn: Callable[..., int] = libc.prctl
+    return fn
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants of the workers are re-parented to this process, not to init."""
+    _prctl()(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_orphans(keep: set[int]) -> list[int]:
+    """Reap exited children of this process that are not in ``keep`` (adopted orphans)."""
+    me = os.getpid()
+    reaped = []
+    for pid, ppid in _parents().items():
+        if ppid == me and pid not in keep:
+            with contextlib.suppress(ChildProcessError):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    reaped.append(pid)
+    return reaped
+
+
+def die_with_parent_hook() -> Callable[[], None]:
+    """A ``preexec_fn`` that makes the child receive SIGKILL when the agent dies.
+
+    The kernel sends the parent-death signal when the *thread* that forked the
+    child exits, so workers must be spawned from the agent's main thread. The
+    libc handle is resolved here, before the fork, so the child only calls it.
+    """
+    prctl = _prctl()
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the agent died between fork and prctl
+            os._exit(1)
+
+    return hook

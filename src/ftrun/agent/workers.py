@@ -1,0 +1,248 @@
+"""The local workers: one record per worker, how they are spawned, watched and stopped.
+
+A worker's exit is seen when it happens: each worker has a pidfd (or any file
+descriptor that becomes readable at exit, for spawners that do not fork the
+worker themselves), and the agent sleeps in ``select`` on those and on the
+signal wake-up fd. No polling loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import selectors
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ftrun.agent import proctree
+from ftrun.agent.logs import RankOutput, RankPaths
+from ftrun.clock import Clock
+from ftrun.errors import SpawnError
+
+KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle of one worker process::
+
+    RUNNING --exit 0--------------------------> SUCCEEDED
+       |----exit != 0 or signal -------------> FAILED   (the failure ftrun reacts to)
+       '----ftrun began stopping the group --> STOPPED  (whatever the exit code: ftrun caused it)
+    """
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ProcessHandle(Protocol):
+    """A started worker process, as the group needs to see it."""
+
+    pid: int
+
+    def fileno(self) -> int:
+        """An fd that becomes readable when the process exits."""
+        ...
+
+    def reap(self) -> int:
+        """Collect the exit status (after ``fileno`` is readable): code, or -signal."""
+        ...
+
+
+class Spawner(Protocol):
+    """Starts one worker process. The warm pool of a later issue is another Spawner."""
+
+    def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int
+    ) -> ProcessHandle:
+        """Raises SpawnError when the process cannot be started."""
+        ...
+
+
+class _PopenHandle:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._pidfd = os.pidfd_open(popen.pid)
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def reap(self) -> int:
+        code = self._popen.wait()
+        os.close(self._pidfd)
+        return code
+
+
+class ProcessSpawner:
+    """Fresh processes: own session and process group, SIGKILL when the agent dies."""
+
+    def spawn(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int
+    ) -> ProcessHandle:
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
+            )
+        except OSError as e:
+            raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
+        return _PopenHandle(popen)
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker process of one attempt: what it was given and what became of it."""
+
+    rank: int
+    local_rank: int
+    attempt: int
+    paths: RankPaths
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    handle: ProcessHandle | None = None
+    output: RankOutput | None = None
+    state: WorkerState = WorkerState.RUNNING
+    spawn_mono: float = 0.0
+    spawn_wall: float = 0.0
+    exit_mono: float | None = None
+    exit_wall: float | None = None
+    returncode: int | None = None  # negative: killed by that signal
+
+    @property
+    def pid(self) -> int:
+        return self.handle.pid if self.handle else 0
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.returncode if self.returncode is not None and self.returncode >= 0 else None
+
+    @property
+    def signal(self) -> int | None:
+        return -self.returncode if self.returncode is not None and self.returncode < 0 else None
+
+    @property
+    def signal_name(self) -> str | None:
+        sig = self.signal
+        if sig is None:
+            return None
+        try:
+            return signal.Signals(sig).name
+        except ValueError:
+            return f"signal {sig}"
+
+
+class WorkerGroup:
+    """The workers of one attempt on this node, and the selector that watches them.
+
+    Must be used from the agent's main thread only (see
+    :func:`ftrun.agent.proctree.die_with_parent_hook`).
+    """
+
+    def __init__(self, spawner: Spawner, clock: Clock, wake_fd: int) -> None:
+        self._spawner = spawner
+        self._clock = clock
+        self._selector = selectors.DefaultSelector()
+        self._wake_fd = wake_fd
+        self._selector.register(wake_fd, selectors.EVENT_READ)
+        self.workers: list[Worker] = []
+
+    def close(self) -> None:
+        self._selector.close()
+
+    def spawn(self, worker: Worker, output: RankOutput, cwd: Path) -> None:
+        try:
+            handle = self._spawner.spawn(worker.argv, worker.env, cwd, output.stdout_fd, output.stderr_fd)
+        finally:
+            output.child_started()
+        worker.handle, worker.output = handle, output
+        worker.spawn_mono, worker.spawn_wall = self._clock.monotonic(), self._clock.wall()
+        self.workers.append(worker)
+        self._selector.register(handle.fileno(), selectors.EVENT_READ, worker)
+
+    @property
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    def wait(self, timeout_s: float | None) -> tuple[list[Worker], bool]:
+        """Sleep until a worker exits or the wake fd is readable, at most ``timeout_s``.
+
+        Returns the workers that exited (already reaped) and whether the wake fd fired.
+        """
+        exited: list[Worker] = []
+        woken = False
+        for key, _ in self._selector.select(timeout_s):
+            if key.fd == self._wake_fd:
+                woken = True
+                continue
+            worker: Worker = key.data
+            self._reap(worker)
+            exited.append(worker)
+        return exited, woken
+
+    def _reap(self, worker: Worker) -> None:
+        assert worker.handle is not None
+        self._selector.unregister(worker.handle.fileno())
+        worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
+        worker.returncode = worker.handle.reap()
+        if worker.state is WorkerState.RUNNING:
+            worker.state = WorkerState.SUCCEEDED if worker.returncode == 0 else WorkerState.FAILED
+
+    def stop(
+        self,
+        grace_s: float,
+        on_exit: Callable[[Worker], object],
+        on_wake: Callable[[], bool],
+    ) -> None:
+        """SIGTERM every worker's process group, wait ``grace_s``, then SIGKILL what is left.
+
+        Descendants that left their worker's group are signalled too. Returns once
+        every worker is reaped. ``on_wake`` is called when the wake fd fires (a
+        signal to ftrun) and returns True to skip the rest of the grace period.
+        """
+        running = self.running
+        for w in running:
+            w.state = WorkerState.STOPPED
+        self._signal_all(signal.SIGTERM)
+        deadline = self._clock.monotonic() + grace_s
+        while self.running:
+            left = deadline - self._clock.monotonic()
+            if left <= 0:
+                break
+            exited, woken = self.wait(left)
+            for w in exited:
+                on_exit(w)
+            if woken and on_wake():
+                break
+        self._signal_all(signal.SIGKILL)
+        # SIGKILL cannot be refused; only a process stuck in the kernel (D state) outlives it.
+        deadline = self._clock.monotonic() + KILL_WAIT_S
+        while self.running and (left := deadline - self._clock.monotonic()) > 0:
+            for w in self.wait(left)[0]:
+                on_exit(w)
+
+    def sweep(self) -> None:
+        """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
+        self._signal_all(signal.SIGKILL)
+        proctree.reap_orphans(keep={w.pid for w in self.running})
+
+    def _signal_all(self, sig: int) -> None:
+        leaders = {w.pid for w in self.workers if w.handle}
+        # Found before signalling: descendants that left their worker's process group,
+        # and orphans the agent adopted as subreaper.
+        strays = proctree.descendants([os.getpid()]) - leaders
+        for pid in leaders:  # a worker's process group id is its pid (own session)
+            proctree.signal_quietly(pid, sig, group=True)
+        for pid in strays:
+            proctree.signal_quietly(pid, sig)

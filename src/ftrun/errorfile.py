@@ -1,0 +1,166 @@
+"""Error files: a worker's structured account of why it failed.
+
+A worker decorated with :func:`record` (or torch's own ``@record``) writes
+one JSON file to ``TORCHELASTIC_ERROR_FILE`` when its entry point raises. The
+file holds torch's layout (so torchrun can read it too) plus ftrun's own,
+richer record. :func:`read_error_file` accepts both and validates everything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from ftrun.config import WorkerSettings
+from ftrun.errors import ErrorFileError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MAX_ERROR_FILE_BYTES = 4 * 1024 * 1024  # a traceback is a few KB; anything larger is not ours
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRecord:
+    exc_type: str
+    message: str
+    traceback: str
+    timestamp: float
+    rank: int | None
+    pid: int | None
+    source: str  # "ftrun" or "torch"
+
+
+def exception_record(exc: BaseException, rank: int | None) -> dict[str, Any]:
+    """The JSON document written for ``exc`` (torch's keys plus an ``ftrun`` section)."""
+    tb = "".join(traceback.format_exception(exc))
+    now = time.time()
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": tb, "timestamp": str(int(now))},
+        },
+        "ftrun": {
+            "v": 1,
+            "exc_type": type(exc).__qualname__,
+            "message": str(exc),
+            "traceback": tb,
+            "timestamp": now,
+            "rank": rank,
+            "pid": os.getpid(),
+        },
+    }
+
+
+def write_error_file(path: str, exc: BaseException, rank: int | None) -> None:
+    """Write atomically (temp + rename): a reader never sees half a record."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(exception_record(exc, rank), f)
+    os.replace(tmp, path)
+
+
+def record(fn: Callable[P, R]) -> Callable[P, R | None]:
+    """Decorate a worker's entry point so that an uncaught exception is reported.
+
+    The exception is written to the worker's error file and then re-raised, so
+    the process still exits as it would have. ``SystemExit(0)`` is a success and
+    writes nothing. Outside ftrun (no error file in the environment) it does
+    nothing but call ``fn``.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as e:
+            if e.code in (0, None):
+                return None
+            raise
+        except BaseException as e:
+            settings = WorkerSettings.current()
+            if settings.error_file:
+                write_error_file(settings.error_file, e, settings.rank)
+            raise
+
+    return wrapper
+
+
+def read_error_file(path: Path) -> ErrorRecord | None:
+    """The record in ``path``, or None when the worker wrote none.
+
+    Raises:
+        ErrorFileError: the file exists but is not a valid error record.
+    """
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_ERROR_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    if len(raw) > MAX_ERROR_FILE_BYTES:
+        raise ErrorFileError(f"{path}: larger than {MAX_ERROR_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ErrorFileError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ErrorFileError(f"{path}: not a JSON object")
+    if isinstance(doc.get("ftrun"), dict):
+        return _ftrun_record(path, doc["ftrun"])
+    return _torch_record(path, doc)
+
+
+def _text(path: Path, doc: dict[str, Any], key: str) -> str:
+    value = doc.get(key, "")
+    if not isinstance(value, str):
+        raise ErrorFileError(f"{path}: {key!r} is not a string")
+    return value
+
+
+def _optional_int(path: Path, doc: dict[str, Any], key: str) -> int | None:
+    value = doc.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ErrorFileError(f"{path}: {key!r} is not an integer")
+    return value
+
+
+def _ftrun_record(path: Path, doc: dict[str, Any]) -> ErrorRecord:
+    if doc.get("v") != 1:
+        raise ErrorFileError(f"{path}: unknown ftrun error record version {doc.get('v')!r}")
+    stamp = doc.get("timestamp")
+    if not isinstance(stamp, int | float) or isinstance(stamp, bool):
+        raise ErrorFileError(f"{path}: 'timestamp' is not a number")
+    return ErrorRecord(
+        exc_type=_text(path, doc, "exc_type"),
+        message=_text(path, doc, "message"),
+        traceback=_text(path, doc, "traceback"),
+        timestamp=float(stamp),
+        rank=_optional_int(path, doc, "rank"),
+        pid=_optional_int(path, doc, "pid"),
+        source="ftrun",
+    )
+
+
+def _torch_record(path: Path, doc: dict[str, Any]) -> ErrorRecord:
+    message = doc.get("message")
+    if isinstance(message, str):  # torch writes a plain string for some failures
+        return ErrorRecord("", message, "", 0.0, None, None, "torch")
+    if not isinstance(message, dict):
+        raise ErrorFileError(f"{path}: neither an ftrun nor a torch error record")
+    extra = message.get("extraInfo", {})
+    if not isinstance(extra, dict):
+        raise ErrorFileError(f"{path}: 'extraInfo' is not an object")
+    text = _text(path, message, "message")
+    exc_type, _, _ = text.partition(":")
+    try:
+        stamp = float(extra.get("timestamp", 0))
+    except (TypeError, ValueError):
+        raise ErrorFileError(f"{path}: 'timestamp' is not a number") from None
+    return ErrorRecord(exc_type.strip(), text, _text(path, extra, "py_callstack"), stamp, None, None, "torch")

@@ -1,0 +1,160 @@
+"""Events: everything the agent learns, as versioned JSON lines.
+
+The end-of-run summary (and later the status view and metrics) is computed
+from these records, never from ad-hoc prints. Each line carries both clocks:
+``mono`` for durations on this machine, ``wall`` for humans and other machines.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from ftrun.clock import Clock
+
+SCHEMA_VERSION = 1
+
+
+class EventKind(enum.Enum):
+    RUN_STARTED = "run_started"
+    ATTEMPT_STARTED = "attempt_started"
+    WORKER_SPAWNED = "worker_spawned"
+    WORKER_EXITED = "worker_exited"
+    GROUP_STOPPING = "group_stopping"
+    GROUP_STOPPED = "group_stopped"
+    FAILURE = "failure"
+    RESTART = "restart"
+    RUN_FINISHED = "run_finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: EventKind
+    mono: float
+    wall: float
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        record = {
+            "v": SCHEMA_VERSION,
+            "kind": self.kind.value,
+            "mono": self.mono,
+            "wall": self.wall,
+            **self.data,
+        }
+        return json.dumps(record, sort_keys=False, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(line: str) -> Event:
+        """Parse one line; raises ValueError naming what is wrong with it."""
+        record = json.loads(line)
+        if not isinstance(record, dict):
+            raise ValueError(f"event is not a JSON object: {line[:80]!r}")
+        if record.pop("v", None) != SCHEMA_VERSION:
+            raise ValueError(f"event schema version is not {SCHEMA_VERSION}: {line[:80]!r}")
+        try:
+            kind = EventKind(record.pop("kind"))
+            mono, wall = float(record.pop("mono")), float(record.pop("wall"))
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"event lacks a valid kind/mono/wall ({e}): {line[:80]!r}") from None
+        return Event(kind, mono, wall, record)
+
+
+class EventLog:
+    """Appends events to a JSONL file, one flushed line each, and keeps them in memory."""
+
+    def __init__(self, path: Path, clock: Clock) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._clock = clock
+        self._file: TextIO = path.open("a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.events: list[Event] = []
+
+    def emit(self, kind: EventKind, **data: Any) -> Event:
+        event = Event(kind, self._clock.monotonic(), self._clock.wall(), data)
+        with self._lock:
+            self.events.append(event)
+            self._file.write(event.to_json() + "\n")
+            self._file.flush()
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_events(path: Path) -> list[Event]:
+    with path.open(encoding="utf-8") as f:
+        return [Event.from_json(line) for line in f if line.strip()]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """What happened in a run, derived from its events.
+
+    ``downtime_s`` is the time from each failure (the root-cause exit) until the
+    next attempt's workers were all started again (or the run ended); it is the
+    launcher's share of the time lost. ``failed_work_s`` is the time the failed
+    attempts had been running, an upper bound on training lost since the last
+    checkpoint.
+    """
+
+    outcome: str
+    exit_code: int | None
+    attempts: int
+    restarts: int
+    downtime_s: float
+    failed_work_s: float
+    root_causes: tuple[Mapping[str, Any], ...]
+
+    def render(self) -> str:
+        restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
+        line = (
+            f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}; "
+            f"{self.downtime_s:.3f} s down between failure and restart, "
+            f"{self.failed_work_s:.3f} s of work in failed attempts"
+        )
+        for cause in self.root_causes:
+            line += f"\n  root cause: {cause.get('summary', cause)}"
+        return line
+
+
+def summarize(events: Iterable[Event]) -> RunSummary:
+    outcome, exit_code = "unfinished", None
+    attempts = restarts = 0
+    downtime = failed_work = 0.0
+    attempt_start: float | None = None
+    failed_at: float | None = None  # mono of the pending failure's root-cause exit
+    spawned_pending = 0
+    root_causes: list[Mapping[str, Any]] = []
+    for e in events:
+        if e.kind is EventKind.ATTEMPT_STARTED:
+            attempts += 1
+            attempt_start = e.mono
+            spawned_pending = int(e.data.get("workers", 0))
+        elif e.kind is EventKind.WORKER_SPAWNED:
+            spawned_pending -= 1
+            if failed_at is not None and spawned_pending <= 0:
+                downtime += e.mono - failed_at
+                failed_at = None
+        elif e.kind is EventKind.FAILURE:
+            cause = e.data.get("root_cause") or {}
+            root_causes.append(cause)
+            failed_mono = float(cause.get("exit_mono", e.mono))
+            failed_at = failed_mono
+            if attempt_start is not None:
+                failed_work += max(0.0, failed_mono - attempt_start)
+        elif e.kind is EventKind.RESTART:
+            restarts += 1
+        elif e.kind is EventKind.RUN_FINISHED:
+            outcome, exit_code = str(e.data.get("outcome")), int(e.data.get("exit_code", 1))
+            if failed_at is not None:
+                downtime += e.mono - failed_at
+                failed_at = None
+    return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes))

@@ -1,0 +1,183 @@
+"""Failure reports: one per failure cycle, the root cause (earliest failure) first.
+
+Built from the worker records of the failed attempt, their error files (ftrun's
+or torch's ``@record``) and, when a worker wrote none, the last lines of its
+stderr log, so that a plain script without any decorator still shows its
+traceback. Exits that ftrun caused (it stopped the other ranks) are listed
+apart from the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ftrun.agent.logs import tail_lines
+from ftrun.agent.workers import Worker, WorkerState
+from ftrun.errorfile import ErrorRecord, read_error_file
+from ftrun.errors import ErrorFileError
+
+STDERR_TAIL_LINES = 20
+_PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutcome:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    state: str  # WorkerState value
+    exit_code: int | None
+    signal: str | None
+    exit_wall: float | None
+    exit_mono: float | None
+    error: ErrorRecord | None
+    error_file_problem: str | None
+    stderr_tail: tuple[str, ...]
+    stdout_log: str
+    stderr_log: str
+    error_file: str
+
+    @property
+    def how(self) -> str:
+        if self.signal:
+            return f"killed by {self.signal}"
+        return f"exit code {self.exit_code}"
+
+    def summary(self) -> str:
+        what = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid} on {self.host}) {self.how}"
+        if self.error:
+            what += f": {self.error.exc_type}: {self.error.message}".rstrip(": ")
+        return what
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReport:
+    run_id: str
+    attempt: int
+    will_restart: bool
+    master_port: int
+    root_cause: WorkerOutcome
+    other_failures: tuple[WorkerOutcome, ...]
+    stopped_by_ftrun: tuple[WorkerOutcome, ...]
+    hint: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": 1, **asdict(self)}
+
+
+def outcome(worker: Worker, host: str) -> WorkerOutcome:
+    error: ErrorRecord | None = None
+    problem: str | None = None
+    try:
+        error = read_error_file(worker.paths.error_file)
+    except ErrorFileError as e:
+        problem = str(e)
+    return WorkerOutcome(
+        rank=worker.rank,
+        local_rank=worker.local_rank,
+        host=host,
+        pid=worker.pid,
+        state=worker.state.value,
+        exit_code=worker.exit_code,
+        signal=worker.signal_name,
+        exit_wall=worker.exit_wall,
+        exit_mono=worker.exit_mono,
+        error=error,
+        error_file_problem=problem,
+        stderr_tail=tuple(tail_lines(worker.paths.stderr, STDERR_TAIL_LINES)),
+        stdout_log=str(worker.paths.stdout),
+        stderr_log=str(worker.paths.stderr),
+        error_file=str(worker.paths.error_file),
+    )
+
+
+def _earliest_first(o: WorkerOutcome) -> tuple[float, float, int]:
+    # The error file's own timestamp is the worker's clock, taken before it exited;
+    # the exit time is when ftrun saw the exit. Both order the same failures.
+    mono = o.exit_mono if o.exit_mono is not None else float("inf")
+    return (mono, o.error.timestamp if o.error else 0.0, o.rank)
+
+
+def build_report(
+    workers: Sequence[Worker], *, run_id: str, attempt: int, will_restart: bool, master_port: int, host: str
+) -> FailureReport:
+    """The report of a failed attempt; raises ValueError if no worker failed."""
+    outcomes = [outcome(w, host) for w in workers]
+    failed = sorted((o for o in outcomes if o.state == WorkerState.FAILED.value), key=_earliest_first)
+    if not failed:
+        raise ValueError(f"attempt {attempt} has no failed worker to report")
+    root = failed[0]
+    stopped = tuple(o for o in outcomes if o.state == WorkerState.STOPPED.value)
+    return FailureReport(
+        run_id, attempt, will_restart, master_port, root, tuple(failed[1:]), stopped, _hint(root, master_port)
+    )
+
+
+def _hint(root: WorkerOutcome, port: int) -> str | None:
+    text = "\n".join([*root.stderr_tail, root.error.message if root.error else ""])
+    if _PORT_IN_USE.search(text):
+        return (
+            f"MASTER_PORT {port} was already in use when the workers bound it "
+            "(another job on this machine?); ftrun picks a fresh free port for the next attempt, "
+            "or pass a free --master-port"
+        )
+    if root.signal == "SIGKILL":
+        return "SIGKILL from outside ftrun is often the kernel's out-of-memory killer: check `dmesg`"
+    return None
+
+
+def _when(wall: float | None) -> str:
+    if wall is None:
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"
+
+
+def _who(o: WorkerOutcome) -> str:
+    return f"rank {o.rank} (local rank {o.local_rank}, pid {o.pid})"
+
+
+def render(report: FailureReport) -> str:
+    """The report as text for a terminal: root cause first, with its traceback."""
+    r = report.root_cause
+    verdict = "restarting" if report.will_restart else "not restarting"
+    lines = [
+        "=" * 78,
+        f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
+        f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.exit_wall)}",
+    ]
+    if r.error and r.error.traceback:
+        lines.append(f"  traceback (from {r.error.source} error file {r.error_file}):")
+        lines += ["    " + line for line in r.error.traceback.rstrip().splitlines()]
+    elif r.error:
+        lines.append(f"  error: {r.error.message}")
+    if not (r.error and r.error.traceback):
+        if r.stderr_tail:
+            lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")
+            lines += ["    " + line for line in r.stderr_tail]
+        else:
+            lines.append("  (the worker wrote nothing to stderr)")
+    if r.error_file_problem:
+        lines.append(f"  error file unreadable: {r.error_file_problem}")
+    if report.hint:
+        lines.append(f"  hint: {report.hint}")
+    lines.append(f"  logs: {r.stdout_log}, {r.stderr_log}")
+    for o in report.other_failures:
+        lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {_when(o.exit_wall)}")
+        lines.append(f"  logs: {o.stderr_log}")
+    for o in report.stopped_by_ftrun:
+        lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def write_json(report: FailureReport, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2), encoding="utf-8")
+    tmp.replace(path)
