@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but errors become one ConfigError instead of usage text on stderr."""
 
     def error(self, message: str) -> NoReturn:
+        unknown = re.match(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            raise ConfigError(
+                unknown.group(1), "unknown flag", "see `ftrun --help` for the flags ftrun takes"
+            )
+        named = re.match(r"argument ([^:/\s]+)\S*: (.*)", message)
+        if named:
+            raise ConfigError(named.group(1), named.group(2), "see `ftrun --help`")
         raise ConfigError("ftrun", message, "see `ftrun --help`")
 
 

@@ -1,0 +1,208 @@
+"""Parsing and validating the command line, torchrun-compatible. No processes are started."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from ftrun import cli
+from ftrun.config import EntrypointKind, RdzvConf, Std, count_gpus, omp_threads, parse_rdzv_conf
+from ftrun.errors import ConfigError
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return path
+
+
+def parse(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> cli.cfg.LaunchConfig:
+    return cli.parse(list(argv), environ or {}, tmp_path)
+
+
+def test_defaults(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "train.py", "--lr", "0.1")
+    assert c.entrypoint.kind is EntrypointKind.SCRIPT
+    assert c.entrypoint.args == ("--lr", "0.1")
+    assert c.nproc_per_node == 1
+    assert c.max_restarts == 0
+    assert c.master_port is None
+    assert c.term_timeout_s == 5.0
+    assert c.role == "default"
+    assert c.rdzv.conf == RdzvConf()
+    assert c.run_id.startswith("ftrun-")
+
+
+@pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node"])
+def test_both_spellings(tmp_path: Path, script: Path, spelling: str) -> None:
+    assert parse(tmp_path, spelling, "3", "train.py").nproc_per_node == 3
+    assert parse(tmp_path, f"{spelling}=2", "train.py").nproc_per_node == 2
+
+
+def test_flags_after_the_script_belong_to_the_script(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "train.py", "--nproc-per-node", "8")
+    assert c.nproc_per_node == 1
+    assert c.entrypoint.args == ("--nproc-per-node", "8")
+
+
+def test_torchrun_flags_are_accepted(tmp_path: Path, script: Path) -> None:
+    c = parse(
+        tmp_path,
+        "--nnodes=1:1",
+        "--node_rank=0",
+        "--master_addr=127.0.0.1",
+        "--master_port=29999",
+        "--standalone",
+        "--max_restarts=3",
+        "--monitor_interval=1",
+        "--role=trainer",
+        "--log_dir=logs",
+        "-r",
+        "0:1,1:2",
+        "-t",
+        "3",
+        "--local_ranks_filter=0",
+        "--start_method=fork",
+        "--local_addr=127.0.0.1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        "--rdzv_id=job7",
+        "--rdzv_conf=join_timeout=900,last_call_timeout=5,keep_alive_max_attempt=4",
+        "--nproc_per_node=2",
+        "--term-timeout=2.5",
+        "--event-log=ev.jsonl",
+        "train.py",
+    )
+    assert c.master_port == 29999
+    assert c.max_restarts == 3
+    assert c.role == "trainer"
+    assert c.logs.base_dir == (Path.cwd() / "logs")
+    assert c.logs.redirects == {0: Std.OUT, 1: Std.ERR}
+    assert c.logs.tee == {0: Std.ALL, 1: Std.ALL}
+    assert c.logs.local_ranks_filter == {0}
+    assert c.run_id == "job7"
+    assert c.rdzv.backend == "c10d"
+    assert c.rdzv.conf.join_timeout_s == 900
+    assert c.rdzv.conf.last_call_timeout_s == 5
+    assert c.rdzv.conf.keep_alive_max_attempt == 4
+    assert c.term_timeout_s == 2.5
+
+
+def test_module_and_no_python(tmp_path: Path) -> None:
+    assert parse(tmp_path, "-m", "pkg.train", "x").entrypoint.command("py") == [
+        "py",
+        "-u",
+        "-m",
+        "pkg.train",
+        "x",
+    ]
+    exe = tmp_path / "run.sh"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    c = parse(tmp_path, "--no-python", str(exe), "a")
+    assert c.entrypoint.command("py") == [str(exe), "a"]
+
+
+def test_no_python_finds_commands_on_path(tmp_path: Path) -> None:
+    c = parse(tmp_path, "--no-python", "true")
+    assert c.entrypoint.kind is EntrypointKind.EXECUTABLE
+    assert os.path.isabs(c.entrypoint.target)
+
+
+def test_nproc_words(tmp_path: Path, script: Path) -> None:
+    cpus = os.cpu_count() or 1
+    assert parse(tmp_path, "--nproc-per-node", "cpu", "train.py").nproc_per_node == cpus
+    assert parse(tmp_path, "--nproc-per-node", "auto", "train.py", environ={}).nproc_per_node in (
+        cpus,
+        count_gpus({}),
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+    assert parse(tmp_path, "--nproc-per-node", "gpu", "train.py", environ=env).nproc_per_node == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--nproc-per-node", "0", "train.py"], "--nproc-per-node"),
+        (["--nproc-per-node", "many", "train.py"], "--nproc-per-node"),
+        (["--nproc-per-node", "gpu", "train.py"], "--nproc-per-node"),
+        (["--nnodes", "3:1", "train.py"], "--nnodes"),
+        (["--nnodes", "2", "train.py"], "--nnodes"),
+        (["--nnodes", "a:b", "train.py"], "--nnodes"),
+        (["--max-restarts", "-1", "train.py"], "--max-restarts"),
+        (["--term-timeout", "soon", "train.py"], "--term-timeout"),
+        (["--master-port", "70000", "train.py"], "--master-port"),
+        (["--rdzv-conf", "join_timeout", "train.py"], "--rdzv-conf"),
+        (["--rdzv-conf", "jion_timeout=5", "train.py"], "--rdzv-conf"),
+        (["--rdzv-conf", "join_timeout=-5", "train.py"], "--rdzv-conf join_timeout"),
+        (["--rdzv-backend", "zookeeper", "train.py"], "--rdzv-backend"),
+        (["--rdzv-id", "../x", "train.py"], "--rdzv-id"),
+        (["--redirects", "4", "train.py"], "--redirects"),
+        (["--tee", "5:1", "train.py"], "--tee"),
+        (["--local-ranks-filter", "a", "train.py"], "--local-ranks-filter"),
+        (["--start-method", "vfork", "train.py"], "--start-method"),
+        (["--node-rank", "1", "train.py"], "--node-rank"),
+        (["missing.py"], "SCRIPT"),
+        ([], "SCRIPT"),
+        (["--no-python", "no-such-binary-xyz"], "--no-python"),
+        (["-m", "--no-python", "x"], "--module"),
+        (["--bogus", "train.py"], "--bogus"),
+        (["train.py", "--nproc-per-node"], None),
+        (["--nproc-per-node"], "--nproc-per-node"),
+    ],
+)
+def test_bad_input_names_the_flag(
+    tmp_path: Path, script: Path, gpu_free: None, argv: list[str], flag: str | None
+) -> None:
+    if flag is None:  # flags after the script are the script's, whatever they look like
+        parse(tmp_path, *argv)
+        return
+    with pytest.raises(ConfigError) as e:
+        parse(tmp_path, *argv)
+    assert e.value.flag == flag
+    assert e.value.fix  # every error says how to fix it
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture
+def gpu_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'gpu' must fail on this machine; make sure no /dev/nvidia* leaks in."""
+    monkeypatch.setattr(cli.cfg, "count_gpus", lambda environ: 0)
+
+
+def test_non_executable_no_python_binary(tmp_path: Path) -> None:
+    exe = tmp_path / "tool"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o644)
+    with pytest.raises(ConfigError, match="not executable"):
+        parse(tmp_path, "--no-python", str(exe))
+
+
+def test_rdzv_conf_accepts_torchrun_keys() -> None:
+    conf = parse_rdzv_conf("timeout=10, read_timeout=3,is_host=true,use_agent_store=false,close_timeout=1")
+    assert conf.join_timeout_s == 10
+    assert conf.read_timeout_s == 3
+    assert conf.is_host is True
+    assert conf.close_timeout_s == 1
+
+
+def test_omp_threads_follows_torchrun() -> None:
+    assert omp_threads({}, 2) == {"OMP_NUM_THREADS": "1"}
+    assert omp_threads({}, 1) == {}
+    assert omp_threads({"OMP_NUM_THREADS": "4"}, 2) == {}
+
+
+def test_console_routing(tmp_path: Path, script: Path) -> None:
+    logs = parse(
+        tmp_path, "--nproc-per-node", "3", "-r", "1", "-t", "0:2", "--local-ranks-filter", "0,1", "train.py"
+    ).logs
+    assert not logs.console(0, Std.OUT)  # redirected
+    assert logs.console(0, Std.ERR)
+    assert logs.prefixed(0, Std.ERR)
+    assert not logs.prefixed(1, Std.ERR)
+    assert logs.console(1, Std.ERR)
+    assert not logs.console(2, Std.ERR)  # filtered out

@@ -1,0 +1,73 @@
+"""The worker environment: exactly torchrun's variables plus ftrun's own."""
+
+from __future__ import annotations
+
+from ftrun.agent.env import Assignment, single_node, worker_env
+
+TORCHRUN_VARS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+}
+
+
+def assignment(**overrides: object) -> Assignment:
+    a = single_node(
+        1,
+        4,
+        role="trainer",
+        master_addr="127.0.0.1",
+        master_port=29511,
+        restart_count=2,
+        max_restarts=3,
+        run_id="job7",
+        error_file="/logs/1/error.json",
+    )
+    return Assignment(**{**{f: getattr(a, f) for f in a.__slots__}, **overrides})  # type: ignore[arg-type]
+
+
+def test_exactly_the_contract_variables_are_added() -> None:
+    env = worker_env({}, assignment())
+    assert set(env) == TORCHRUN_VARS | {"FTRUN_ERROR_FILE"}
+
+
+def test_values_for_a_single_node_job() -> None:
+    env = worker_env({"PATH": "/bin"}, assignment())
+    assert env["PATH"] == "/bin"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "1",
+        "1",
+        "4",
+        "4",
+    )
+    assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("0", "1")
+    assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"], env["ROLE_NAME"]) == ("1", "4", "trainer")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29511")
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+    assert env["TORCHELASTIC_RUN_ID"] == "job7"
+    assert env["TORCHELASTIC_ERROR_FILE"] == env["FTRUN_ERROR_FILE"] == "/logs/1/error.json"
+
+
+def test_inherited_values_never_override_the_assignment() -> None:
+    env = worker_env({"RANK": "7", "MASTER_PORT": "1"}, assignment())
+    assert env["RANK"] == "1"
+    assert env["MASTER_PORT"] == "29511"
+
+
+def test_base_is_not_modified() -> None:
+    base = {"HOME": "/root"}
+    worker_env(base, assignment())
+    assert base == {"HOME": "/root"}

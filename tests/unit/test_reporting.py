@@ -1,0 +1,102 @@
+"""Failure reports from worker records: root cause first, ftrun's own stops set apart."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from ftrun.agent.logs import RankPaths
+from ftrun.agent.workers import Worker, WorkerState
+from ftrun.errorfile import exception_record
+from ftrun.reporting import build_report, render, write_json
+
+
+def worker(
+    tmp_path: Path,
+    rank: int,
+    state: WorkerState,
+    returncode: int,
+    exit_mono: float,
+    stderr: str = "",
+) -> Worker:
+    paths = RankPaths.under(tmp_path, rank)
+    paths.dir.mkdir(parents=True)
+    paths.stderr.write_text(stderr)
+    return Worker(
+        rank=rank,
+        local_rank=rank,
+        attempt=0,
+        paths=paths,
+        argv=["x"],
+        env={},
+        state=state,
+        exit_mono=exit_mono,
+        exit_wall=1_700_000_000.0 + exit_mono,
+        returncode=returncode,
+    )
+
+
+def report_of(workers: list[Worker], port: int = 29500) -> str:
+    r = build_report(workers, run_id="r", attempt=0, will_restart=True, master_port=port, host="h")
+    return render(r)
+
+
+def test_earliest_failure_is_the_root_cause(tmp_path: Path) -> None:
+    late = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, "RuntimeError: Connection closed by peer\n")
+    early = worker(tmp_path, 1, WorkerState.FAILED, -signal.SIGSEGV, 4.0)
+    stopped = worker(tmp_path, 2, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
+    r = build_report(
+        [late, early, stopped], run_id="r", attempt=0, will_restart=False, master_port=1, host="h"
+    )
+    assert r.root_cause.rank == 1
+    assert r.root_cause.signal == "SIGSEGV"
+    assert [o.rank for o in r.other_failures] == [0]
+    assert [o.rank for o in r.stopped_by_ftrun] == [2]
+    text = render(r)
+    assert (
+        text.index("ROOT CAUSE  rank 1")
+        < text.index("ALSO FAILED rank 0")
+        < text.index("STOPPED BY FTRUN rank 2")
+    )
+    assert "killed by SIGSEGV" in text
+
+
+def test_stderr_tail_stands_in_for_a_missing_error_file(tmp_path: Path) -> None:
+    tb = "Traceback (most recent call last):\n  File 'train.py', line 3\nValueError: bad shape\n"
+    text = report_of([worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, "noise\n" * 50 + tb)])
+    assert "last 20 lines of stderr" in text
+    assert "ValueError: bad shape" in text
+
+
+def test_error_file_traceback_wins(tmp_path: Path) -> None:
+    w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, "unrelated\n")
+    try:
+        raise OSError("disk full")
+    except OSError as e:
+        w.paths.error_file.write_text(json.dumps(exception_record(e, 0)))
+    text = report_of([w])
+    assert "traceback (from ftrun error file" in text
+    assert "OSError: disk full" in text
+
+
+def test_corrupt_error_file_is_reported_not_fatal(tmp_path: Path) -> None:
+    w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, "boom\n")
+    w.paths.error_file.write_text("{garbage")
+    text = report_of([w])
+    assert "error file unreadable" in text
+    assert "boom" in text
+
+
+def test_port_in_use_is_named(tmp_path: Path) -> None:
+    w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, "OSError: [Errno 98] Address already in use\n")
+    assert "MASTER_PORT 29544 was already in use" in report_of([w], port=29544)
+
+
+def test_json_report(tmp_path: Path) -> None:
+    w = worker(tmp_path, 0, WorkerState.FAILED, 3, 1.0)
+    r = build_report([w], run_id="r", attempt=2, will_restart=False, master_port=1, host="h")
+    write_json(r, tmp_path / "report.json")
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["attempt"] == 2
+    assert doc["root_cause"]["exit_code"] == 3
