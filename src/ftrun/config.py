@@ -333,15 +333,15 @@ def resolve_entrypoint(
     if module:
         return Entrypoint(EntrypointKind.MODULE, target, tuple(args))
     if no_python and not run_path:
-        found = shutil.which(target) if os.sep not in target else target
-        path = Path(found) if found else None
-        if path is None or not path.is_file():
+        # A name with a slash is a path (relative to the cwd), otherwise a command on PATH, as in a shell.
+        found = str(cwd / target) if os.sep in target else shutil.which(target)
+        if found is None or not Path(found).is_file():
             raise ConfigError(
                 "--no-python", f"executable {target!r} not found", "give a path or a command on PATH"
             )
-        if not os.access(path, os.X_OK):
+        if not os.access(found, os.X_OK):
             raise ConfigError("--no-python", f"{target!r} is not executable", f"run: chmod +x {target}")
-        return Entrypoint(EntrypointKind.EXECUTABLE, str(path), tuple(args))
+        return Entrypoint(EntrypointKind.EXECUTABLE, found, tuple(args))
     script = cwd / target
     if not script.is_file():
         raise ConfigError(

@@ -1,0 +1,175 @@
+"""Helpers for running the real ftrun command on real worker scripts.
+
+Every process a test starts is stopped at teardown, even when the test fails:
+ftrun runs in its own session and is killed with SIGKILL if still alive: list[LiveFtrun], and
+its workers die with it (parent-death signal). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+RUN_ID = "t"
+WAIT_S = 60.0  # generous bound for one step of a test on a loaded 2-core machine
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    def events(self) -> list[dict[str, object]]:
+        return [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
+
+    def report(self, attempt: int) -> dict[str, object]:
+        doc: dict[str, object] = json.loads(
+            (self.run_dir / f"attempt_{attempt}" / "failure_report.json").read_text()
+        )
+        return doc
+
+    def log(self, attempt: int, rank: int, stream: str = "stdout") -> str:
+        return (self.run_dir / f"attempt_{attempt}" / str(rank) / f"{stream}.log").read_text()
+
+
+def ftrun_argv(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", RUN_ID, *args]
+
+
+def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
+    """Run ftrun to its end; its workers' scripts are looked up in tmp_path."""
+    proc = subprocess.Popen(
+        ftrun_argv(tmp_path, *args),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return Result(proc.returncode, out, err, tmp_path / "logs" / RUN_ID)
+
+
+class LiveFtrun:
+    """ftrun running in the background; the test reads its stdout line by line."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.stderr_path = tmp_path / "ftrun.stderr"
+        self._stderr = self.stderr_path.open("w")
+        self.proc = subprocess.Popen(
+            ftrun_argv(tmp_path, *args),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self._stdout = self.proc.stdout
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._stdout, selectors.EVENT_READ)
+        self._buffer = b""
+        self.lines: list[str] = []
+        self.run_dir = tmp_path / "logs" / RUN_ID
+
+    def wait_for_lines(self, pattern: str, count: int, timeout: float = WAIT_S) -> list[re.Match[str]]:
+        """Block until ``count`` stdout lines match ``pattern`` (or fail after ``timeout``)."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [m for m in map(regex.search, self.lines) if m]
+            if len(found) >= count:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._selector.select(left):
+                raise AssertionError(
+                    f"{count} lines like {pattern!r} not seen in {timeout} s; saw {self.lines}"
+                )
+            chunk = os.read(self._stdout.fileno(), 65536)
+            if not chunk:
+                raise AssertionError(f"ftrun closed stdout; saw {self.lines}; stderr: {self.stderr()}")
+            self._buffer += chunk
+            *complete, self._buffer = self._buffer.split(b"\n")
+            self.lines += [line.decode(errors="replace") for line in complete]
+
+    def wait(self, timeout: float = WAIT_S) -> int:
+        return self.proc.wait(timeout)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(WAIT_S)
+        self._selector.close()
+        self._stdout.close()
+        self._stderr.close()
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[list[LiveFtrun]]:
+    """Start with ``live.append(LiveFtrun(tmp_path, ...))``; all are killed at teardown."""
+    started: list[LiveFtrun] = []
+    yield started
+    for f in started:
+        f.close()
+
+
+WriteScript = Callable[[str, str], str]
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> WriteScript:
+    """``script("name.py", body)`` writes a worker script into tmp_path and returns its name."""
+
+    def write(name: str, body: str) -> str:
+        (tmp_path / name).write_text(textwrap.dedent(body))
+        return name
+
+    return write
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait (on pidfds, not by polling) until the processes exit; returns those still alive."""
+    alive = []
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                if not sel.select(max(0.0, deadline - time.monotonic())) and not _zombie(pid):
+                    alive.append(pid)
+        finally:
+            os.close(fd)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(")") + 2] in "ZX"

@@ -1,0 +1,79 @@
+"""The ftrun command itself: bad input, entry points, console script."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import WriteScript, run_ftrun
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--bogus", "w.py"], "--bogus"),
+        (["--nproc-per-node", "0", "w.py"], "--nproc-per-node"),
+        (["--nnodes", "3:1", "w.py"], "--nnodes"),
+        (["missing.py"], "SCRIPT"),
+        (["--no-python", "./not-exec.sh"], "--no-python"),
+        (["--rdzv-conf", "join_timeout=abc", "w.py"], "--rdzv-conf join_timeout"),
+        (["--nnodes", "2:4", "w.py"], "--nnodes"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, script: WriteScript, args: list[str], flag: str
+) -> None:
+    script("w.py", "open('started', 'w').close()\n")
+    (tmp_path / "not-exec.sh").write_text("#!/bin/sh\n")
+    r = run_ftrun(tmp_path, *args)
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"ftrun: error: {flag}: ")
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "logs").exists()
+    assert not (tmp_path / "started").exists()
+
+
+def test_module_entrypoint(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("VALUE = 42\n")
+    (pkg / "train.py").write_text(
+        "import sys\nfrom .helper import VALUE\nprint(__name__, VALUE, sys.argv[1:])\n"
+    )
+    r = run_ftrun(tmp_path, "-m", "pkg.train", "--x", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "__main__ 42 ['--x', '1']"
+
+
+def test_no_python_entrypoint(tmp_path: Path) -> None:
+    exe = tmp_path / "job.sh"
+    exe.write_text('#!/bin/sh\necho "shell rank $RANK of $WORLD_SIZE: $1"\n')
+    exe.chmod(0o755)
+    r = run_ftrun(tmp_path, "--no-python", "--nproc-per-node", "2", "./job.sh", "hi")
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["shell rank 0 of 2: hi", "shell rank 1 of 2: hi"]
+
+
+def test_run_path_entrypoint(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import sys\nprint(__name__, sys.argv)\n")
+    r = run_ftrun(tmp_path, "--run-path", "w.py", "a")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"__main__ ['{tmp_path / 'w.py'}', 'a']"
+
+
+def test_console_script_and_help() -> None:
+    exe = shutil.which("ftrun")
+    assert exe, "pip install -e . installs the ftrun command"
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    for flag in ("--nproc-per-node", "--max-restarts", "--term-timeout", "--rdzv-conf", "--tee"):
+        assert flag in out
+    mod = subprocess.run(
+        [sys.executable, "-m", "ftrun", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert mod.returncode == 0

@@ -1,0 +1,98 @@
+"""Restarts and failure reports with real worker processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from tests.integration.conftest import WriteScript, run_ftrun
+
+CRASH_FIRST_ATTEMPT = """
+import json, os, sys
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"]
+keys += ["TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"]
+print(json.dumps({k: os.environ[k] for k in keys}), flush=True)
+if attempt == 0 and os.environ["RANK"] == "1":
+    sys.exit(3)
+if attempt == 0:
+    import time; time.sleep(60)  # rank 0 is busy when rank 1 fails: ftrun must stop it
+"""
+
+
+def test_crash_of_one_rank_restarts_all_then_succeeds(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", CRASH_FIRST_ATTEMPT)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--term-timeout", "10", "w.py")
+    assert r.returncode == 0, r.stderr
+    envs = {(a, rank): json.loads(r.log(a, rank)) for a in (0, 1) for rank in (0, 1)}
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for (a, _), e in envs.items() if a == 1} == {"1"}
+    # a fresh MASTER_PORT for the new attempt: nothing stale from the last one
+    assert envs[0, 0]["MASTER_PORT"] == envs[0, 1]["MASTER_PORT"] != envs[1, 0]["MASTER_PORT"]
+    assert envs[1, 1]["TORCHELASTIC_ERROR_FILE"].endswith("attempt_1/1/error.json")
+    report = r.report(0)
+    assert report["root_cause"]["rank"] == 1  # type: ignore[index]
+    assert report["root_cause"]["exit_code"] == 3  # type: ignore[index]
+    assert [o["rank"] for o in report["stopped_by_ftrun"]] == [0]  # type: ignore[union-attr]
+    assert "ROOT CAUSE  rank 1" in r.stderr
+    assert "STOPPED BY FTRUN rank 0" in r.stderr
+    kinds = [e["kind"] for e in r.events()]
+    for kind in (
+        "run_started",
+        "worker_spawned",
+        "worker_exited",
+        "group_stopping",
+        "group_stopped",
+        "failure",
+    ):
+        assert kind in kinds
+    assert kinds.count("attempt_started") == 2
+    assert kinds.count("restart") == 1
+    assert kinds[-1] == "run_finished"
+    assert "run succeeded (exit 0) after 2 attempt(s), 1 restart" in r.stderr
+
+
+def test_budget_spent_exits_1_with_one_report_per_failure(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import os, sys\nsys.exit(4 if os.environ['RANK'] == '1' else 0)\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 1
+    for attempt in (0, 1):
+        assert r.report(attempt)["root_cause"]["rank"] == 1  # type: ignore[index]
+        assert r.report(attempt)["will_restart"] is (attempt == 0)
+    assert r.stderr.count("ROOT CAUSE") == 2
+    assert "not restarting" in r.stderr
+    assert "run failed (exit 1)" in r.stderr
+
+
+def test_success_needs_no_restart(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "3", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert sorted(line for line in r.stdout.splitlines()) == [f"rank {i} of 3" for i in range(3)]
+    assert not (r.run_dir / "attempt_1").exists()
+
+
+def test_death_by_signal_is_named(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    assert "killed by SIGSEGV" in r.stderr
+    assert r.report(0)["root_cause"]["signal"] == "SIGSEGV"  # type: ignore[index]
+
+
+def test_port_taken_when_workers_bind_it_is_reported(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        """
+        import os, socket
+        s = socket.socket()
+        s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))  # what TCPStore does on rank 0
+        """,
+    )
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        r = run_ftrun(tmp_path, "--master-port", str(port), "w.py")
+    assert r.returncode == 1
+    assert f"MASTER_PORT {port} was already in use" in r.stderr

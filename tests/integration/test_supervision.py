@@ -1,0 +1,119 @@
+"""No orphans: signals to ftrun, SIGKILL of ftrun, stubborn workers and grandchildren."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import LiveFtrun, WriteScript, run_ftrun, wait_gone
+
+SLEEPER = """
+import os, signal, sys, time
+def on_term(signum, frame):
+    print(f"rank {os.environ['RANK']} got SIGTERM", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print(f"ready {os.getpid()}", flush=True)
+time.sleep(600)
+"""
+
+STUBBORN = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(f"ready {os.getpid()}", flush=True)
+time.sleep(600)
+"""
+
+WITH_GRANDCHILDREN = """
+import os, subprocess, sys, time
+same_group = subprocess.Popen(["sleep", "600"])
+own_session = subprocess.Popen(["sleep", "601"], start_new_session=True)
+print(f"ready {os.getpid()} {same_group.pid} {own_session.pid}", flush=True)
+if os.environ["RANK"] == "1":
+    sys.exit(1)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_to_ftrun_stops_workers_with_sigterm_first(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun], sig: int
+) -> None:
+    script("w.py", SLEEPER)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    live.append(f)
+    pids = [int(m.group(1)) for m in f.wait_for_lines(r"ready (\d+)", 2)]
+    f.proc.send_signal(sig)
+    assert f.wait() == 128 + sig
+    f.wait_for_lines(r"rank \d got SIGTERM", 2)  # the workers saw SIGTERM, not SIGKILL
+    assert wait_gone(pids) == []
+    events = [json.loads(line) for line in (f.run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["kind"] == "run_finished"
+    assert events[-1]["exit_code"] == 128 + sig
+    assert "restart" not in [e["kind"] for e in events]  # a signal is not a failure to restart from
+
+
+def test_sigkill_of_ftrun_leaves_no_worker(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    script("w.py", STUBBORN)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    live.append(f)
+    pids = [int(m.group(1)) for m in f.wait_for_lines(r"ready (\d+)", 2)]
+    f.proc.kill()
+    f.wait()
+    assert wait_gone(pids) == []  # the parent-death signal is immediate; the bound is only a bound
+
+
+def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    script("w.py", STUBBORN)
+    f = LiveFtrun(tmp_path, "--term-timeout", "0.5", "w.py")
+    live.append(f)
+    f.wait_for_lines(r"ready (\d+)", 1)
+    f.proc.terminate()
+    assert f.wait() == 143
+    events = [json.loads(line) for line in (f.run_dir / "events.jsonl").read_text().splitlines()]
+    exits = [e for e in events if e["kind"] == "worker_exited"]
+    assert [(e["signal"], e["state"]) for e in exits] == [("SIGKILL", "stopped")]
+
+
+def test_grandchildren_do_not_survive_a_failure(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    script("w.py", WITH_GRANDCHILDREN)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    live.append(f)
+    found = f.wait_for_lines(r"ready (\d+) (\d+) (\d+)", 2)
+    assert f.wait() == 1
+    pids = [int(p) for m in found for p in m.groups()]
+    assert wait_gone(pids) == []
+
+
+def test_grandchildren_do_not_survive_success(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        """
+        import subprocess
+        p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        print(p.pid, flush=True)
+        """,
+    )
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 0, r.stderr
+    assert wait_gone([int(r.stdout.split()[0])]) == []
+
+
+def test_workers_have_their_own_process_group(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import os\nprint(os.getpid(), os.getpgid(0), os.getsid(0), os.getppid())\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    for line in r.stdout.splitlines():
+        pid, pgid, sid, _ = map(int, line.split())
+        assert pid == pgid == sid
+    assert os.getpgid(0) not in {int(line.split()[1]) for line in r.stdout.splitlines()}
