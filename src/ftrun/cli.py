@@ -26,9 +26,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         unknown = re.match(r"unrecognized arguments: (\S+)", message)
         if unknown:
-            raise ConfigError(
-                unknown.group(1), "unknown flag", "see `ftrun --help` for the flags ftrun takes"
-            )
+            raise ConfigError(unknown.group(1), "unknown flag", "see `ftrun --help` for the flags ftrun takes")
         named = re.match(r"argument ([^:/\s]+)\S*: (.*)", message)
         if named:
             raise ConfigError(named.group(1), named.group(2), "see `ftrun --help`")
@@ -51,9 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--nproc-per-node", default="1", help="workers per node: an integer, auto, cpu or gpu")
     _flag(p, "--node-rank", default="0", help="rank of this node for --rdzv-backend static")
     _flag(p, "--master-addr", default="127.0.0.1", help="address of the rank 0 node (static rendezvous)")
-    _flag(
-        p, "--master-port", default=None, help="port for the workers' rendezvous; default: a fresh free port"
-    )
+    _flag(p, "--master-port", default=None, help="port for the workers' rendezvous; default: a fresh free port")
     _flag(p, "--standalone", action="store_true", help="single-node job with a local rendezvous")
     _flag(p, "--max-restarts", default="0", help="restarts of the worker group before the job fails")
     _flag(
@@ -64,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flag(p, "--role", default="default", help="role name of the workers (ROLE_NAME)")
     _flag(p, "--log-dir", default=None, help="base directory of the logs (default: <tmp>/ftrun)")
-    _flag(
-        p, "--redirects", "-r", default="0", help="streams kept off the console: 3 or 0:1,1:2 (1=out, 2=err)"
-    )
+    _flag(p, "--redirects", "-r", default="0", help="streams kept off the console: 3 or 0:1,1:2 (1=out, 2=err)")
     _flag(p, "--tee", "-t", default="0", help="streams copied to the console with a [rank]: prefix")
     _flag(p, "--local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
     _flag(p, "--run-path", action="store_true", help="run the script with runpy.run_path")
@@ -85,12 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--event-log", default=None, help="JSON-lines event log (default: <run log dir>/events.jsonl)")
     _flag(p, "--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
     _flag(p, "--no-python", action="store_true", help="run SCRIPT as an executable, not with python")
-    p.add_argument(
-        "training_script", metavar="SCRIPT", nargs="?", default="", help="script, module or executable"
-    )
-    p.add_argument(
-        "training_script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments of SCRIPT"
-    )
+    p.add_argument("training_script", metavar="SCRIPT", nargs="?", default="", help="script, module or executable")
+    p.add_argument("training_script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="arguments of SCRIPT")
     return p
 
 
@@ -105,9 +95,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     nproc = cfg.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
     node_rank = cfg.parse_int("--node-rank", a.node_rank, minimum=0)
     if node_rank >= nnodes.max:
-        raise ConfigError(
-            "--node-rank", f"{node_rank} is not below --nnodes {nnodes.max}", "pass --node-rank 0"
-        )
+        raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {nnodes.max}", "pass --node-rank 0")
     master_port = None if a.master_port is None else cfg.parse_port("--master-port", a.master_port)
     if a.rdzv_backend not in cfg.RDZV_BACKENDS:
         raise ConfigError(
@@ -122,7 +110,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"use one of {', '.join(cfg.START_METHODS)}",
         )
     run_id = cfg.parse_run_id(a.rdzv_id)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, a.rdzv_endpoint, run_id, cfg.parse_rdzv_conf(a.rdzv_conf))
+    host, port = cfg.parse_endpoint(a.rdzv_endpoint)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf))
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else cfg.default_log_dir(),
         redirects=cfg.parse_std("--redirects", a.redirects, nproc),
@@ -130,9 +119,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         local_ranks_filter=cfg.parse_ranks_filter(a.local_ranks_filter),
     )
     if logs.base_dir.exists() and not logs.base_dir.is_dir():
-        raise ConfigError(
-            "--log-dir", f"{logs.base_dir} is a file", "pass a directory (it is created if missing)"
-        )
+        raise ConfigError("--log-dir", f"{logs.base_dir} is a file", "pass a directory (it is created if missing)")
     entrypoint = cfg.resolve_entrypoint(
         a.training_script,
         a.training_script_args,

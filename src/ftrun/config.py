@@ -56,9 +56,7 @@ class Entrypoint:
         if self.kind is EntrypointKind.MODULE:
             return [python, "-u", "-m", self.target, *self.args]
         if self.kind is EntrypointKind.RUN_PATH:
-            runner = (
-                "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-            )
+            runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
             return [python, "-u", "-c", runner, self.target, *self.args]
         return [self.target, *self.args]
 
@@ -101,7 +99,8 @@ class RdzvConf:
 @dataclass(frozen=True, slots=True)
 class RdzvSpec:
     backend: str
-    endpoint: str
+    endpoint_host: str
+    endpoint_port: int | None
     run_id: str
     conf: RdzvConf
 
@@ -159,9 +158,7 @@ def parse_int(flag: str, text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(
-            flag, f"expected an integer, got {text!r}", f"pass {flag} {max(minimum, 1)}"
-        ) from None
+        raise ConfigError(flag, f"expected an integer, got {text!r}", f"pass {flag} {max(minimum, 1)}") from None
     if value < minimum:
         raise ConfigError(flag, f"must be >= {minimum}, got {value}", f"pass {flag} {max(minimum, 1)}")
     return value
@@ -171,14 +168,10 @@ def parse_seconds(flag: str, text: str, *, allow_zero: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(
-            flag, f"expected seconds as a number, got {text!r}", f"pass e.g. {flag} 5"
-        ) from None
+        raise ConfigError(flag, f"expected seconds as a number, got {text!r}", f"pass e.g. {flag} 5") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(
-            flag, f"must be a finite number of seconds {bound}, got {text!r}", f"pass e.g. {flag} 5"
-        )
+        raise ConfigError(flag, f"must be a finite number of seconds {bound}, got {text!r}", f"pass e.g. {flag} 5")
     return value
 
 
@@ -186,9 +179,7 @@ def parse_nnodes(text: str) -> NodeRange:
     flag = "--nnodes"
     parts = text.split(":")
     if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
-        raise ConfigError(
-            flag, f"expected N or MIN:MAX, got {text!r}", "pass e.g. --nnodes 1 or --nnodes 2:4"
-        )
+        raise ConfigError(flag, f"expected N or MIN:MAX, got {text!r}", "pass e.g. --nnodes 1 or --nnodes 2:4")
     low, high = int(parts[0]), int(parts[-1])
     if low < 1:
         raise ConfigError(flag, f"the minimum must be >= 1, got {low}", "pass e.g. --nnodes 1")
@@ -215,9 +206,7 @@ def parse_nproc(text: str, environ: Mapping[str, str], cpu_count: int) -> int:
             return gpus
         if text == "auto":
             return cpu_count
-        raise ConfigError(
-            flag, "'gpu' asked for one worker per GPU, but no GPU is visible", "pass a number or 'cpu'"
-        )
+        raise ConfigError(flag, "'gpu' asked for one worker per GPU, but no GPU is visible", "pass a number or 'cpu'")
     if not text.lstrip("-").isdigit():
         raise ConfigError(
             flag,
@@ -280,9 +269,7 @@ def parse_rdzv_conf(text: str) -> RdzvConf:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not value.strip():
-            raise ConfigError(
-                flag, f"expected KEY=VALUE, got {item!r}", "pass e.g. --rdzv-conf join_timeout=900"
-            )
+            raise ConfigError(flag, f"expected KEY=VALUE, got {item!r}", "pass e.g. --rdzv-conf join_timeout=900")
         if key in _CONF_DURATIONS:
             values[_CONF_DURATIONS[key]] = parse_seconds(f"{flag} {key}", value.strip())
         elif key == "keep_alive_max_attempt":
@@ -290,9 +277,7 @@ def parse_rdzv_conf(text: str) -> RdzvConf:
         elif key in _CONF_BOOLS:
             lowered = value.strip().lower()
             if lowered not in ("1", "0", "true", "false", "yes", "no"):
-                raise ConfigError(
-                    f"{flag} {key}", f"expected true or false, got {value!r}", f"pass {key}=true"
-                )
+                raise ConfigError(f"{flag} {key}", f"expected true or false, got {value!r}", f"pass {key}=true")
             if key != "use_agent_store":  # ftrun never shares its store with workers
                 values[key] = lowered in ("1", "true", "yes")
         else:
@@ -309,6 +294,23 @@ def parse_port(flag: str, text: str) -> int:
     return port
 
 
+def parse_endpoint(text: str) -> tuple[str, int | None]:
+    """``HOST[:PORT]`` or ``[IPV6]:PORT``; empty means "this node" (as torchrun's standalone)."""
+    flag, fix = "--rdzv-endpoint", "pass e.g. --rdzv-endpoint node0:29400"
+    if not text:
+        return "", None
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ConfigError(flag, f"unbalanced brackets in {text!r}", "pass e.g. --rdzv-endpoint [::1]:29400")
+        port_text = rest[1:] if rest else ""
+    else:
+        host, _, port_text = text.rpartition(":") if ":" in text else (text, "", "")
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(flag, f"no host in {text!r}", fix)
+    return host, parse_port(flag, port_text) if port_text else None
+
+
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
@@ -317,9 +319,7 @@ def parse_run_id(text: str | None) -> str:
     if not text or text == "none":
         return f"ftrun-{uuid.uuid4().hex[:12]}"
     if not _RUN_ID.match(text) or text in (".", ".."):
-        raise ConfigError(
-            "--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'"
-        )
+        raise ConfigError("--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'")
     return text
 
 
@@ -336,17 +336,13 @@ def resolve_entrypoint(
         # A name with a slash is a path (relative to the cwd), otherwise a command on PATH, as in a shell.
         found = str(cwd / target) if os.sep in target else shutil.which(target)
         if found is None or not Path(found).is_file():
-            raise ConfigError(
-                "--no-python", f"executable {target!r} not found", "give a path or a command on PATH"
-            )
+            raise ConfigError("--no-python", f"executable {target!r} not found", "give a path or a command on PATH")
         if not os.access(found, os.X_OK):
             raise ConfigError("--no-python", f"{target!r} is not executable", f"run: chmod +x {target}")
         return Entrypoint(EntrypointKind.EXECUTABLE, found, tuple(args))
     script = cwd / target
     if not script.is_file():
-        raise ConfigError(
-            "SCRIPT", f"training script {target!r} not found", "check the path (relative to the cwd)"
-        )
+        raise ConfigError("SCRIPT", f"training script {target!r} not found", "check the path (relative to the cwd)")
     kind = EntrypointKind.RUN_PATH if run_path else EntrypointKind.SCRIPT
     return Entrypoint(kind, str(script.resolve()) if run_path else target, tuple(args))
 

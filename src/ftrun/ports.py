@@ -10,7 +10,6 @@ exclusive lock) and skips ports another ftrun took recently.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import socket
@@ -33,37 +32,35 @@ def _probe_free_port(host: str) -> int:
         return port
 
 
-def is_port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
 def reserve_port(host: str, now_wall: float, ledger: Path | None = None) -> int:
     """A port that is free on ``host`` now and that no other ftrun took in the last minutes."""
     path = ledger or default_ledger()
-    with path.open("a+", encoding="utf-8") as f:
+    try:
+        f = path.open("a+", encoding="utf-8")
+    except OSError:  # e.g. another user's ledger in a shared /tmp: the kernel's choice alone
+        return _probe_free_port(host)
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
-        taken: dict[str, float] = {}
-        with contextlib.suppress(ValueError):  # a torn or foreign ledger is just forgotten
-            loaded = json.loads(f.read() or "{}")
-            if isinstance(loaded, dict):
-                taken = {
-                    k: v
-                    for k, v in loaded.items()
-                    if isinstance(v, int | float) and now_wall - v < LEDGER_TTL_S
-                }
+        taken = _recent(f.read(), now_wall)
+        port = _probe_free_port(host)
         for _ in range(_PROBES):
-            port = _probe_free_port(host)
             if str(port) not in taken:
                 break
+            port = _probe_free_port(host)
         taken[str(port)] = now_wall
         f.seek(0)
         f.truncate()
         json.dump(taken, f)
         return port
+
+
+def _recent(text: str, now_wall: float) -> dict[str, float]:
+    """The ledger's entries younger than the TTL; a torn or foreign ledger is just forgotten."""
+    try:
+        loaded = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    if not isinstance(loaded, dict):
+        return {}
+    return {k: v for k, v in loaded.items() if isinstance(v, int | float) and 0 <= now_wall - v < LEDGER_TTL_S}

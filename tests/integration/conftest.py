@@ -37,9 +37,7 @@ class Result:
         return [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
 
     def report(self, attempt: int) -> dict[str, object]:
-        doc: dict[str, object] = json.loads(
-            (self.run_dir / f"attempt_{attempt}" / "failure_report.json").read_text()
-        )
+        doc: dict[str, object] = json.loads((self.run_dir / f"attempt_{attempt}" / "failure_report.json").read_text())
         return doc
 
     def log(self, attempt: int, rank: int, stream: str = "stdout") -> str:
@@ -100,9 +98,7 @@ class LiveFtrun:
                 return found
             left = deadline - time.monotonic()
             if left <= 0 or not self._selector.select(left):
-                raise AssertionError(
-                    f"{count} lines like {pattern!r} not seen in {timeout} s; saw {self.lines}"
-                )
+                raise AssertionError(f"{count} lines like {pattern!r} not seen in {timeout} s; saw {self.lines}")
             chunk = os.read(self._stdout.fileno(), 65536)
             if not chunk:
                 raise AssertionError(f"ftrun closed stdout; saw {self.lines}; stderr: {self.stderr()}")

@@ -24,9 +24,7 @@ from tests.integration.conftest import WriteScript, run_ftrun
         (["--nnodes", "2:4", "w.py"], "--nnodes"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(
-    tmp_path: Path, script: WriteScript, args: list[str], flag: str
-) -> None:
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, script: WriteScript, args: list[str], flag: str) -> None:
     script("w.py", "open('started', 'w').close()\n")
     (tmp_path / "not-exec.sh").write_text("#!/bin/sh\n")
     r = run_ftrun(tmp_path, *args)
@@ -43,9 +41,7 @@ def test_module_entrypoint(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "helper.py").write_text("VALUE = 42\n")
-    (pkg / "train.py").write_text(
-        "import sys\nfrom .helper import VALUE\nprint(__name__, VALUE, sys.argv[1:])\n"
-    )
+    (pkg / "train.py").write_text("import sys\nfrom .helper import VALUE\nprint(__name__, VALUE, sys.argv[1:])\n")
     r = run_ftrun(tmp_path, "-m", "pkg.train", "--x", "1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "__main__ 42 ['--x', '1']"
@@ -73,7 +69,5 @@ def test_console_script_and_help() -> None:
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in ("--nproc-per-node", "--max-restarts", "--term-timeout", "--rdzv-conf", "--tee"):
         assert flag in out
-    mod = subprocess.run(
-        [sys.executable, "-m", "ftrun", "--help"], capture_output=True, text=True, timeout=60
-    )
+    mod = subprocess.run([sys.executable, "-m", "ftrun", "--help"], capture_output=True, text=True, timeout=60)
     assert mod.returncode == 0

@@ -57,9 +57,7 @@ def test_signal_to_ftrun_stops_workers_with_sigterm_first(
     assert "restart" not in [e["kind"] for e in events]  # a signal is not a failure to restart from
 
 
-def test_sigkill_of_ftrun_leaves_no_worker(
-    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
-) -> None:
+def test_sigkill_of_ftrun_leaves_no_worker(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
     script("w.py", STUBBORN)
     f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
     live.append(f)
@@ -83,9 +81,7 @@ def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
     assert [(e["signal"], e["state"]) for e in exits] == [("SIGKILL", "stopped")]
 
 
-def test_grandchildren_do_not_survive_a_failure(
-    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
-) -> None:
+def test_grandchildren_do_not_survive_a_failure(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
     script("w.py", WITH_GRANDCHILDREN)
     f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
     live.append(f)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ftrun import cli
-from ftrun.config import EntrypointKind, RdzvConf, Std, count_gpus, omp_threads, parse_rdzv_conf
+from ftrun.config import EntrypointKind, RdzvConf, Std, count_gpus, omp_threads, parse_endpoint, parse_rdzv_conf
 from ftrun.errors import ConfigError
 
 
@@ -86,6 +86,7 @@ def test_torchrun_flags_are_accepted(tmp_path: Path, script: Path) -> None:
     assert c.logs.local_ranks_filter == {0}
     assert c.run_id == "job7"
     assert c.rdzv.backend == "c10d"
+    assert (c.rdzv.endpoint_host, c.rdzv.endpoint_port) == ("localhost", 0)
     assert c.rdzv.conf.join_timeout_s == 900
     assert c.rdzv.conf.last_call_timeout_s == 5
     assert c.rdzv.conf.keep_alive_max_attempt == 4
@@ -188,6 +189,20 @@ def test_rdzv_conf_accepts_torchrun_keys() -> None:
     assert conf.read_timeout_s == 3
     assert conf.is_host is True
     assert conf.close_timeout_s == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("", ("", None)), ("node0", ("node0", None)), ("node0:29400", ("node0", 29400)), ("[::1]:5", ("::1", 5))],
+)
+def test_rdzv_endpoint(text: str, expected: tuple[str, int | None]) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", [":29400", "node0:port", "node0:99999", "[::1", "[::1]x"])
+def test_bad_rdzv_endpoint(text: str) -> None:
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        parse_endpoint(text)
 
 
 def test_omp_threads_follows_torchrun() -> None:

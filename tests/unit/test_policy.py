@@ -25,9 +25,7 @@ TWO = frozenset({0, 1})
 
 
 def running(max_restarts: int = 2, restart_count: int = 0, ranks: frozenset[int] = TWO) -> RunState:
-    return RunState(
-        max_restarts=max_restarts, restart_count=restart_count, phase=Phase.RUNNING, running=ranks
-    )
+    return RunState(max_restarts=max_restarts, restart_count=restart_count, phase=Phase.RUNNING, running=ranks)
 
 
 def test_start_begins_attempt_zero() -> None:

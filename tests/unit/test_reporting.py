@@ -46,19 +46,13 @@ def test_earliest_failure_is_the_root_cause(tmp_path: Path) -> None:
     late = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, "RuntimeError: Connection closed by peer\n")
     early = worker(tmp_path, 1, WorkerState.FAILED, -signal.SIGSEGV, 4.0)
     stopped = worker(tmp_path, 2, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
-    r = build_report(
-        [late, early, stopped], run_id="r", attempt=0, will_restart=False, master_port=1, host="h"
-    )
+    r = build_report([late, early, stopped], run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
     assert r.root_cause.rank == 1
     assert r.root_cause.signal == "SIGSEGV"
     assert [o.rank for o in r.other_failures] == [0]
     assert [o.rank for o in r.stopped_by_ftrun] == [2]
     text = render(r)
-    assert (
-        text.index("ROOT CAUSE  rank 1")
-        < text.index("ALSO FAILED rank 0")
-        < text.index("STOPPED BY FTRUN rank 2")
-    )
+    assert text.index("ROOT CAUSE  rank 1") < text.index("ALSO FAILED rank 0") < text.index("STOPPED BY FTRUN rank 2")
     assert "killed by SIGSEGV" in text
 
 

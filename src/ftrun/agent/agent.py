@@ -28,9 +28,7 @@ DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once u
 
 
 class Agent:
-    def __init__(
-        self, config: LaunchConfig, *, clock: Clock, spawner: Spawner, console: Console, host: str
-    ) -> None:
+    def __init__(self, config: LaunchConfig, *, clock: Clock, spawner: Spawner, console: Console, host: str) -> None:
         self.config = config
         self._clock = clock
         self._spawner = spawner
@@ -42,6 +40,7 @@ class Agent:
         self._signals_seen = 0
         self._pending: deque[policy.Event] = deque()
         self._last_reason = ""
+        self._finished = False
         self.run_dir = Path()
         self.events: EventLog | None = None
 
@@ -144,16 +143,12 @@ class Agent:
                 rank, local_rank, attempt, paths, argv, worker_env.worker_env(c.worker_base_env, assignment)
             )
             self._group.spawn(worker, RankOutput(paths, rank, local_rank, c.logs, self._console), c.cwd)
-            self._emit(
-                EventKind.WORKER_SPAWNED, attempt=attempt, rank=rank, local_rank=local_rank, pid=worker.pid
-            )
+            self._emit(EventKind.WORKER_SPAWNED, attempt=attempt, rank=rank, local_rank=local_rank, pid=worker.pid)
         return [policy.AttemptStarted(frozenset(range(c.nproc_per_node)))]
 
     def _stop_group(self) -> list[policy.Event]:
         assert self._group is not None
-        self._emit(
-            EventKind.GROUP_STOPPING, attempt=self._attempt, running=[w.rank for w in self._group.running]
-        )
+        self._emit(EventKind.GROUP_STOPPING, attempt=self._attempt, running=[w.rank for w in self._group.running])
         late: list[policy.Event] = []
 
         def on_wake() -> bool:
@@ -199,6 +194,7 @@ class Agent:
     def _finish(self, exit_code: int, state: policy.RunState) -> int:
         self._settle()
         self._emit(EventKind.RUN_FINISHED, exit_code=exit_code, outcome=state.phase.value)
+        self._finished = True
         assert self.events is not None
         self._say(summarize(self.events.events).render())
         return exit_code
@@ -239,6 +235,8 @@ class Agent:
             self._group.sweep()
             self._group.close()
         if self.events is not None:
+            if not self._finished:  # an error ended the run: the log still says how it ended
+                self._emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
             self.events.close()
 
     def _emit(self, kind: EventKind, **data: object) -> None:
@@ -258,9 +256,7 @@ class Agent:
 
 def _fresh_dir(path: Path) -> Path:
     """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
-    candidates: Iterable[Path] = (
-        path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000)
-    )
+    candidates: Iterable[Path] = (path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000))
     for candidate in candidates:
         try:
             candidate.mkdir(parents=True)

@@ -134,9 +134,7 @@ def _worker_exited(state: RunState, event: WorkerExited) -> Decision:
     running = state.running - {event.local_rank}
     if state.phase is not Phase.RUNNING:
         # Exits while stopping are the ones ftrun caused; they change nothing.
-        return Decision(
-            replace(state, running=running), (), f"local rank {event.local_rank} exited while stopping"
-        )
+        return Decision(replace(state, running=running), (), f"local rank {event.local_rank} exited while stopping")
     if not event.success:
         return Decision(
             replace(state, phase=Phase.STOPPING, running=running, failed=True),
@@ -149,9 +147,7 @@ def _worker_exited(state: RunState, event: WorkerExited) -> Decision:
             (),
             f"local rank {event.local_rank} exited 0; waiting for {len(running)} more",
         )
-    return Decision(
-        replace(state, phase=Phase.SUCCEEDED, running=running), (Finish(0),), "every worker exited 0"
-    )
+    return Decision(replace(state, phase=Phase.SUCCEEDED, running=running), (Finish(0),), "every worker exited 0")
 
 
 def _group_stopped(state: RunState) -> Decision:

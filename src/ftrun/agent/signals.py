@@ -39,9 +39,7 @@ class SignalWakeup:
             self._active = True
         return self
 
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         if self._active:
             for s, handler in self._saved.items():
                 signal.signal(s, handler)  # type: ignore[arg-type]

@@ -57,9 +57,7 @@ class ProcessHandle(Protocol):
 class Spawner(Protocol):
     """Starts one worker process. The warm pool of a later issue is another Spawner."""
 
-    def spawn(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int
-    ) -> ProcessHandle:
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         """Raises SpawnError when the process cannot be started."""
         ...
 
@@ -82,9 +80,7 @@ class _PopenHandle:
 class ProcessSpawner:
     """Fresh processes: own session and process group, SIGKILL when the agent dies."""
 
-    def spawn(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int
-    ) -> ProcessHandle:
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         try:
             popen = subprocess.Popen(
                 list(argv),

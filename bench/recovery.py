@@ -1,0 +1,127 @@
+"""Recovery after a worker crash: ftrun against torchrun, same job, same flags, same run.
+
+The demo DDP job (2 workers, gloo on CPU) runs under each launcher in turn; rank 1
+kills itself with SIGKILL at the same step on the first attempt. From the job's
+own timeline (wall-clock records written by every rank) we take the time from
+the crash to the moment every rank has finished its first step after the
+restart. From ftrun's event log we also take ftrun's own overhead: from the
+failed worker's exit to the new workers' exec.
+
+    python bench/recovery.py [--reps 5] [--crash-at 40]
+
+Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+LAUNCHERS = {
+    "ftrun": [sys.executable, "-m", "ftrun"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    # torchrun's other common form: c10d rendezvous on localhost instead of its static default
+    "torchrun-standalone": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+}
+
+
+@dataclass
+class Trial:
+    launcher: str
+    recovery_s: float | None  # crash -> every rank stepped again; None: never trained again
+    first_restart: bool  # training resumed on the first restart (attempt 1)
+    overhead_s: float | None  # ftrun only: failed worker exit -> last new worker exec'd
+    detect_s: float | None  # ftrun only: crash -> exit seen by ftrun
+
+
+def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
+    timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
+    flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
+    if launcher == "ftrun":
+        flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
+    job = [str(DEMO), "--steps", str(args.steps), "--checkpoint-every", "10", "--crash-at", str(args.crash_at)]
+    job += ["--checkpoint-dir", str(workdir / "ckpt"), "--timeline", str(timeline), "--log-every", "1000000"]
+    with (workdir / "launcher.log").open("w") as log:
+        proc = subprocess.Popen([*LAUNCHERS[launcher], *flags, *job], stdout=log, stderr=log, start_new_session=True)
+        try:
+            proc.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    records = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
+    crash = next((r["wall"] for r in records if r["event"] == "crash"), None)
+    if crash is None:
+        raise SystemExit(f"{launcher}: the job never reached the crash step; see {workdir / 'launcher.log'}")
+    resumed: dict[int, dict[int, float]] = {}  # attempt -> rank -> wall of its first step
+    for r in records:
+        if r["event"] == "step" and r["attempt"] > 0:
+            resumed.setdefault(r["attempt"], {}).setdefault(r["rank"], r["wall"])
+    complete = sorted(a for a, ranks in resumed.items() if len(ranks) == 2)
+    recovery = max(resumed[complete[0]].values()) - crash if complete else None
+    overhead = detect = None
+    if launcher == "ftrun" and events.exists():
+        ev = [json.loads(line) for line in events.read_text().splitlines()]
+        failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
+        respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+        overhead = max(e["mono"] for e in respawned) - failed["mono"] if respawned else None
+        detect = failed["wall"] - crash
+    return Trial(launcher, recovery, bool(complete) and complete[0] == 1, overhead, detect)
+
+
+def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
+    if not values:
+        return "n/a"
+    v = [x * scale for x in values]
+    return f"median {statistics.median(v):7.3f} {unit}  min {min(v):7.3f}  max {max(v):7.3f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--crash-at", type=int, default=40)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a run that hangs is killed")
+    p.add_argument("--launchers", default="ftrun,torchrun,torchrun-standalone")
+    args = p.parse_args()
+    launchers = args.launchers.split(",")
+    trials: list[Trial] = []
+    with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as tmp:
+        for rep in range(args.reps):
+            for launcher in launchers if rep % 2 == 0 else reversed(launchers):  # alternate the order
+                workdir = Path(tmp) / f"{launcher}-{rep}"
+                workdir.mkdir()
+                t = run_once(launcher, args, workdir)
+                trials.append(t)
+                rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
+                print(f"rep {rep} {launcher:19s} recovery {rec}  first restart: {'yes' if t.first_restart else 'NO'}")
+    print()
+    print(f"crash of rank 1 at step {args.crash_at} -> every rank stepping again ({args.reps} reps, alternating)")
+    medians = {}
+    for launcher in launchers:
+        mine = [t for t in trials if t.launcher == launcher]
+        rec = [t.recovery_s for t in mine if t.recovery_s is not None]
+        firsts = sum(t.first_restart for t in mine)
+        print(f"  {launcher:19s} {describe(rec)}  recovered on first restart {firsts}/{len(mine)}")
+        if rec:
+            medians[launcher] = statistics.median(rec)
+    for peer in [name for name in medians if name != "ftrun"]:
+        if "ftrun" in medians:
+            print(f"  ratio ftrun/{peer} (medians): {medians['ftrun'] / medians[peer]:.2f}")
+    ft = [t for t in trials if t.launcher == "ftrun"]
+    print("ftrun's own overhead, failed worker exit -> new workers exec'd:")
+    print(f"  {describe([t.overhead_s for t in ft if t.overhead_s is not None], 1000, 'ms')}")
+    print("crash -> exit seen by ftrun:")
+    print(f"  {describe([t.detect_s for t in ft if t.detect_s is not None], 1000, 'ms')}")
+
+
+if __name__ == "__main__":
+    main()
