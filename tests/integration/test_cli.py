@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,9 +63,10 @@ def test_run_path_entrypoint(tmp_path: Path, script: WriteScript) -> None:
 
 
 def test_console_script_and_help() -> None:
-    exe = shutil.which("ftrun")
-    assert exe, "pip install -e . installs the ftrun command"
-    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    # Next to the interpreter, where pip installs console scripts (a pyenv shim may not exist yet).
+    exe = Path(sys.executable).parent / "ftrun"
+    assert exe.is_file(), "pip install -e . installs the ftrun command"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
     for flag in ("--nproc-per-node", "--max-restarts", "--term-timeout", "--rdzv-conf", "--tee"):
         assert flag in out
     mod = subprocess.run([sys.executable, "-m", "ftrun", "--help"], capture_output=True, text=True, timeout=60)

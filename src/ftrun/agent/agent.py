@@ -230,9 +230,9 @@ class Agent:
     def _abandon(self) -> None:
         """On any exit from run(): no worker outlives the agent, even after an ftrun bug."""
         if self._group is not None:
-            if self._group.running:
+            if not self._finished:
                 self._group.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
-            self._group.sweep()
+                self._group.sweep()
             self._group.close()
         if self.events is not None:
             if not self._finished:  # an error ended the run: the log still says how it ended
