@@ -105,12 +105,17 @@ def main() -> None:
                 print(f"rep {rep} {launcher:19s} recovery {rec}  first restart: {'yes' if t.first_restart else 'NO'}")
     print()
     print(f"crash of rank 1 at step {args.crash_at} -> every rank stepping again ({args.reps} reps, alternating)")
+    print("  (times over the runs that trained again, on any restart)")
     medians = {}
     for launcher in launchers:
         mine = [t for t in trials if t.launcher == launcher]
         rec = [t.recovery_s for t in mine if t.recovery_s is not None]
         firsts = sum(t.first_restart for t in mine)
-        print(f"  {launcher:19s} {describe(rec)}  recovered on first restart {firsts}/{len(mine)}")
+        never = len(mine) - len(rec)
+        print(
+            f"  {launcher:19s} {describe(rec)}  recovered on first restart {firsts}/{len(mine)}, "
+            f"never within {args.timeout:.0f} s {never}/{len(mine)}"
+        )
         if rec:
             medians[launcher] = statistics.median(rec)
     for peer in [name for name in medians if name != "ftrun"]:
