@@ -1,0 +1,320 @@
+"""Client of the embedded store (:mod:`ftrun.store.tcp_server`).
+
+One TCP connection carries every call and watch of the client (request ids);
+a reader thread hands responses to the waiting callers and events to the
+watches. When the connection breaks, calls are retried under the
+:class:`RetryPolicy`, and the watches are resubscribed from the revision after
+the last event they delivered. If the server came back empty (a different
+store id), the watches fail with :class:`~ftrun.errors.WatchLost`.
+
+Calls that are not idempotent (compare-and-set, counter add, conditional
+delete, lease grant) are retried only when the request surely never left;
+if the connection broke after it was sent, they raise StoreConnectionLost:
+the outcome is unknown, re-read before trying again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun.errors import StoreAuthError, StoreConnectionLost, StoreError, StoreProtocolError, WatchLost
+from ftrun.store import wire
+from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value
+from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
+from ftrun.store.watchqueue import QueuedWatch
+
+
+@dataclass(eq=False)
+class _Call:
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: StoreError | None = None
+
+    def finish(self, result: Any = None, error: StoreError | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+@dataclass(eq=False)
+class _Subscription:
+    prefix: str
+    start: int
+    queue: QueuedWatch
+    request_id: int = 0
+
+    def resume_from(self) -> int:
+        return self.queue.last_revision + 1 if self.queue.last_revision else self.start
+
+
+def _kv(raw: list[Any]) -> KeyValue:
+    key, value, revision, lease = raw
+    return KeyValue(key, value, revision, lease)
+
+
+class TcpStoreClient:
+    """Implements :class:`ftrun.store.base.Store` against a :class:`TcpStoreServer`.
+
+    No I/O happens in the constructor: the connection opens on the first call.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        retry_deadline_s: float = 30.0,
+        call_timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self.endpoint = f"tcp://{host}:{port}"
+        self._address = (host, port)
+        self._token = token
+        self._retry = RetryPolicy(deadline_s=retry_deadline_s)
+        self._call_timeout_s = call_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._lock = threading.RLock()  # connection state, pending calls, subscriptions
+        self._send_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._store_id: str | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Call] = {}
+        self._subscriptions: dict[int, _Subscription] = {}  # by the id of their current watch request
+        self._closed = False
+
+    # --- the Store protocol ------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        raw = self._call("get", key=key)
+        return _kv(raw) if raw else None
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        check_key(key)
+        check_value(value)
+        return int(self._call("put", key=key, value=bytes(value), lease=lease))
+
+    def compare_and_set(self, key: str, value: bytes, expected_revision: int, *, lease: int = 0) -> tuple[bool, int]:
+        check_key(key)
+        check_value(value)
+        ok, revision = self._call(
+            "cas", idempotent=False, key=key, value=bytes(value), expected=expected_revision, lease=lease
+        )
+        return bool(ok), int(revision)
+
+    def delete(self, key: str, *, expected_revision: int | None = None) -> bool:
+        return bool(self._call("delete", idempotent=expected_revision is None, key=key, expected=expected_revision))
+
+    def list_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        raw, revision = self._call("list", prefix=prefix)
+        return [_kv(r) for r in raw], int(revision)
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._call("add", idempotent=False, key=key, delta=delta))
+
+    def grant_lease(self, ttl_s: float) -> int:
+        return int(self._call("grant", idempotent=False, ttl=float(ttl_s)))
+
+    def keep_alive(self, lease: int) -> None:
+        self._call("keepalive", lease=lease)
+
+    def revoke_lease(self, lease: int) -> None:
+        self._call("revoke", lease=lease)
+
+    def watch(self, prefix: str, start_revision: int) -> QueuedWatch:
+        sub = _Subscription(prefix, start_revision, QueuedWatch(on_close=self._unsubscribe))
+        self._retry.run(self.endpoint, lambda: self._subscribe(sub))
+        return sub.queue
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    # --- calls ---------------------------------------------------------------------------------------
+
+    def _call(self, op: str, *, idempotent: bool = True, **args: Any) -> Any:
+        retry_on = RETRYABLE if idempotent else RETRYABLE_UNSENT
+        return self._retry.run(self.endpoint, lambda: self._call_once(op, args), retry_on=retry_on)
+
+    def _call_once(self, op: str, args: dict[str, Any], on_sent: Any = None) -> Any:
+        with self._lock:
+            sock = self._connected()
+            request_id = next(self._ids)
+            call = self._pending[request_id] = _Call()
+            if on_sent is not None:
+                on_sent(request_id)
+        try:
+            frame = wire.encode({"id": request_id, "op": op, **args})
+            with self._send_lock:
+                sock.sendall(frame)
+        except OSError as e:
+            self._lost(sock, f"send failed: {e}")
+            raise StoreConnectionLost(f"{self.endpoint}: send failed: {e}") from e
+        finally:
+            if not call.done.is_set() and sock.fileno() < 0:
+                self._pending.pop(request_id, None)
+        if not call.done.wait(self._call_timeout_s):
+            self._pending.pop(request_id, None)
+            raise TimeoutError(f"{self.endpoint}: no answer to {op} within {self._call_timeout_s} s")
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _subscribe(self, sub: _Subscription) -> None:
+        def register(request_id: int) -> None:  # before the request leaves: events may follow at once
+            self._subscriptions.pop(sub.request_id, None)
+            sub.request_id = request_id
+            self._subscriptions[request_id] = sub
+
+        try:
+            self._call_once("watch", {"prefix": sub.prefix, "start": sub.resume_from()}, on_sent=register)
+        except StoreError as e:
+            if not isinstance(e, StoreConnectionLost):
+                with self._lock:
+                    self._subscriptions.pop(sub.request_id, None)
+            raise
+
+    def _unsubscribe(self, queue: QueuedWatch) -> None:
+        with self._lock:
+            found = [rid for rid, s in self._subscriptions.items() if s.queue is queue]
+            for rid in found:
+                del self._subscriptions[rid]
+            sock = self._sock
+        for rid in found:
+            if sock is not None:
+                try:
+                    with self._send_lock:
+                        sock.sendall(wire.encode({"id": next(self._ids), "op": "unwatch", "watch": rid}))
+                except OSError:
+                    pass  # the connection is gone, and the server's watch with it
+
+    # --- the connection ----------------------------------------------------------------------------------
+
+    def _connected(self) -> socket.socket:
+        """The open connection, opening it if needed (lock held)."""
+        if self._closed:
+            raise StoreError(f"{self.endpoint}: the client is closed")
+        if self._sock is not None:
+            return self._sock
+        try:
+            sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
+        except OSError as e:
+            raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            store_id = self._handshake(sock)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        if self._store_id is not None and store_id != self._store_id:
+            self._store_restarted()
+        self._store_id = store_id
+        self._sock = sock
+        threading.Thread(target=self._read_loop, args=(sock,), name="ftrun-store-client", daemon=True).start()
+        return sock
+
+    def _handshake(self, sock: socket.socket) -> str:
+        try:
+            hello = self._read(sock)
+            nonce, store_id = hello.get("nonce"), hello.get("store_id")
+            if hello.get("v") != wire.VERSION or not isinstance(nonce, bytes) or not isinstance(store_id, str):
+                raise StoreProtocolError(f"{self.endpoint} is not an ftrun store (or another version)")
+            if hello.get("auth") and self._token is None:
+                raise StoreAuthError(f"{self.endpoint} requires a token: pass --rdzv-token or set FTRUN_TOKEN")
+            mine = wire.new_nonce()
+            answer = wire.proof(self._token, b"client", nonce, mine) if self._token and hello.get("auth") else b""
+            sock.sendall(wire.encode({"nonce": mine, "proof": answer}))
+            verdict = self._read(sock)
+        except (OSError, EOFError) as e:
+            raise RequestNotSent(f"{self.endpoint}: handshake failed: {e}") from e
+        if not verdict.get("ok"):
+            raise StoreAuthError(f"{self.endpoint} refused the token: check --rdzv-token / FTRUN_TOKEN")
+        if hello.get("auth") and self._token:
+            expected = wire.proof(self._token, b"server", mine, nonce)
+            if not wire.check_proof(expected, verdict.get("proof")):
+                raise StoreAuthError(f"{self.endpoint} could not prove it knows the token")
+        return store_id
+
+    @staticmethod
+    def _read(sock: socket.socket) -> dict[str, Any]:
+        return wire.decode(_read_exactly(sock, wire.frame_length(_read_exactly(sock, wire.HEADER.size))))
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        reason = "closed by the store"
+        try:
+            while True:
+                self._dispatch(self._read(sock))
+        except (OSError, EOFError, StoreProtocolError) as e:
+            reason = str(e) or type(e).__name__
+        self._lost(sock, reason)
+        self._resubscribe()
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        request_id = message.get("id")
+        with self._lock:
+            call = self._pending.pop(request_id, None) if isinstance(request_id, int) else None
+            sub = self._subscriptions.get(request_id) if isinstance(request_id, int) else None
+        if "events" in message:
+            if sub is not None:
+                sub.queue.push(WatchEvent(EventType(t), k, v, r) for t, k, v, r in message["events"])
+            return
+        if call is None:
+            if sub is not None and message.get("ok") is False:
+                sub.queue.fail(_error(message))
+            return
+        if message.get("ok"):
+            call.finish(message.get("r"))
+        else:
+            call.finish(error=_error(message))
+
+    def _lost(self, sock: socket.socket, reason: str) -> None:
+        """Forget a broken connection: its calls fail (the retry policy decides what next)."""
+        with self._lock:
+            if self._sock is sock:
+                self._sock = None
+            pending, self._pending = self._pending, {}
+        sock.close()
+        for call in pending.values():
+            call.finish(error=StoreConnectionLost(f"{self.endpoint}: connection lost: {reason}"))
+
+    def _resubscribe(self) -> None:
+        """Called by the reader of a lost connection: bring the watches back, or fail them."""
+        with self._lock:
+            subs = list(dict.fromkeys(self._subscriptions.values()))
+        for sub in subs:
+            try:
+                self._retry.run(self.endpoint, lambda s=sub: self._subscribe(s))  # type: ignore[misc]
+            except StoreError as e:
+                sub.queue.fail(e)
+
+    def _store_restarted(self) -> None:
+        """The server came back without our history: every watch has lost events."""
+        subs, self._subscriptions = self._subscriptions, {}
+        for sub in dict.fromkeys(subs.values()):
+            sub.queue.fail(WatchLost(f"{self.endpoint} restarted without its history; re-read and watch again"))
+
+
+def _error(message: dict[str, Any]) -> StoreError:
+    try:
+        wire.raise_error(message)
+    except StoreError as e:
+        return e
+    return StoreProtocolError("an error message without an error")
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,309 @@
+"""The embedded store server: asyncio, one KeyValueState, token-authenticated connections.
+
+Each connection first passes the challenge-response of :mod:`ftrun.store.wire`
+(5 s to do so), then sends requests that are answered in order. Watches push
+their events on the same connection. Pending work per connection is bounded:
+at most :data:`MAX_WATCHES` watches, and a client that stops reading while
+more than :data:`MAX_BUFFERED` bytes wait for it is disconnected. Leases
+expire on their TTL whether or not their client's connection is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ftrun.clock import Clock, SystemClock
+from ftrun.errors import StoreError, StoreProtocolError, StoreRequestError
+from ftrun.store import wire
+from ftrun.store.base import KeyValue, WatchEvent
+from ftrun.store.kv import KeyValueState
+
+log = logging.getLogger("ftrun.store")
+
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_WATCHES = 256  # per connection
+MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
+
+
+_ALREADY_ANSWERED = object()  # a handler that sent its own response (watch: the response, then history)
+
+
+def _kv(kv: KeyValue) -> list[Any]:
+    return [kv.key, kv.value, kv.revision, kv.lease]
+
+
+def _events(events: list[WatchEvent]) -> list[list[Any]]:
+    return [[e.type.value, e.key, e.value, e.revision] for e in events]
+
+
+def _arg(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = message.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise StoreRequestError(f"argument {name!r} missing or of the wrong type")
+    return value
+
+
+@dataclass(eq=False)
+class _Connection:
+    writer: asyncio.StreamWriter
+    peer: str
+    watches: dict[int, str] = field(default_factory=dict)  # watch id -> prefix
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.writer.is_closing():
+            return
+        self.writer.write(wire.encode(message))
+        if self.writer.transport.get_write_buffer_size() > MAX_BUFFERED:
+            log.warning("store: closing %s: it stopped reading (%d bytes pending)", self.peer, MAX_BUFFERED)
+            self.writer.transport.abort()
+
+
+class TcpStoreServer:
+    """Serves one store. ``start()`` runs it on a background thread; ``serve_forever()`` in the foreground."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None, clock: Clock | None = None
+    ) -> None:
+        self.host, self.port = host, port
+        self._token = token
+        self._clock = clock or SystemClock()
+        self._state = KeyValueState()
+        self._connections: set[_Connection] = set()
+        self.store_id = secrets.token_hex(8)  # changes on restart: clients learn their watches are lost
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=wire.MAX_FRAME + 64)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def start(self) -> TcpStoreServer:
+        """Start serving on a daemon thread; returns once the port is bound (``self.port``)."""
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            async def main() -> None:
+                try:
+                    await self._open()
+                except BaseException as e:
+                    failure.append(e)
+                    raise
+                finally:
+                    ready.set()
+                await self._wait_stopped()
+
+            with contextlib.suppress(BaseException):
+                asyncio.run(main())
+
+        self._thread = threading.Thread(target=run, name="ftrun-store-server", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self
+
+    def serve_forever(self, on_ready: Callable[[int], None] = lambda port: None) -> None:
+        async def main() -> None:
+            await self._open()
+            on_ready(self.port)
+            await self._wait_stopped()
+
+        asyncio.run(main())
+
+    async def _wait_stopped(self) -> None:
+        assert self._server is not None
+        async with self._server:
+            await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait)
+            for conn in list(self._connections):
+                conn.writer.transport.abort()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    # --- connections -----------------------------------------------------------------------------
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(writer.get_extra_info("peername"))
+        conn = _Connection(writer, peer)
+        try:
+            await asyncio.wait_for(self._handshake(reader, conn), HANDSHAKE_TIMEOUT_S)
+        except (StoreError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
+            log.warning("store: refused connection from %s: %s", peer, e or type(e).__name__)
+            writer.transport.abort()
+            return
+        self._connections.add(conn)
+        try:
+            while True:
+                message = await self._read(reader)
+                self._dispatch(conn, message)
+                await writer.drain()
+        except StoreProtocolError as e:
+            log.warning("store: closing connection from %s: %s", peer, e)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away
+        finally:
+            self._connections.discard(conn)
+            writer.transport.abort()
+
+    async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any]:
+        length = wire.frame_length(await reader.readexactly(wire.HEADER.size))
+        return wire.decode(await reader.readexactly(length))
+
+    async def _handshake(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
+        nonce = wire.new_nonce()
+        conn.send({"v": wire.VERSION, "store_id": self.store_id, "nonce": nonce, "auth": self._token is not None})
+        reply = await self._read(reader)
+        client_nonce = reply.get("nonce")
+        if not isinstance(client_nonce, bytes) or len(client_nonce) != wire.NONCE_BYTES:
+            raise StoreProtocolError("handshake without a valid nonce")
+        if self._token is None:
+            conn.send({"ok": True})
+            return
+        if not wire.check_proof(wire.proof(self._token, b"client", nonce, client_nonce), reply.get("proof")):
+            conn.send({"ok": False, "error": ["StoreAuthError", "wrong token"]})
+            await conn.writer.drain()
+            raise StoreError("wrong token")
+        conn.send({"ok": True, "proof": wire.proof(self._token, b"server", client_nonce, nonce)})
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Connection, message: dict[str, Any]) -> None:
+        request_id = message.get("id")
+        op = message.get("op")
+        if not isinstance(request_id, int) or isinstance(request_id, bool) or not isinstance(op, str):
+            raise StoreProtocolError("a request needs an integer id and a string op")
+        handler = self._ops.get(op)
+        try:
+            if handler is None:
+                raise StoreRequestError(f"unknown op {op!r}")
+            self._expire()
+            result = handler(self, conn, request_id, message)
+        except (StoreError, ValueError, TypeError) as e:
+            conn.send(wire.error_message(request_id, e))
+            return
+        if result is not _ALREADY_ANSWERED:
+            conn.send({"id": request_id, "ok": True, "r": result})
+
+    def _now(self) -> float:
+        return self._clock.monotonic()
+
+    def _publish(self, events: list[WatchEvent]) -> None:
+        if not events:
+            return
+        for conn in list(self._connections):
+            for watch_id, prefix in conn.watches.items():
+                mine = [e for e in events if e.key.startswith(prefix)]
+                if mine:
+                    conn.send({"id": watch_id, "events": _events(mine)})
+        self._schedule_expiry()
+
+    def _expire(self) -> None:
+        self._publish(self._state.expire(self._now()))
+
+    def _schedule_expiry(self) -> None:
+        """Wake up when the next lease is due, so its keys vanish on time even if nobody calls."""
+        assert self._loop is not None
+        if self._expiry is not None:
+            self._expiry.cancel()
+        deadline = self._state.next_expiry()
+        if deadline is not None:
+            delay = max(0.0, deadline - self._now())
+            self._expiry = self._loop.call_later(delay, self._expire)
+
+    def _get(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        kv = self._state.get(_arg(m, "key", str))
+        return _kv(kv) if kv else None
+
+    def _put(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        revision, events = self._state.put(
+            _arg(m, "key", str), _arg(m, "value", bytes), _arg(m, "lease", int), self._now()
+        )
+        self._publish(events)
+        return revision
+
+    def _cas(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        ok, revision, events = self._state.compare_and_set(
+            _arg(m, "key", str), _arg(m, "value", bytes), _arg(m, "expected", int), _arg(m, "lease", int), self._now()
+        )
+        self._publish(events)
+        return [ok, revision]
+
+    def _delete(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        expected = m.get("expected")
+        if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool)):
+            raise StoreRequestError("argument 'expected' must be an integer or nil")
+        deleted, events = self._state.delete(_arg(m, "key", str), expected)
+        self._publish(events)
+        return deleted
+
+    def _list(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        kvs, revision = self._state.list_prefix(_arg(m, "prefix", str))
+        return [[_kv(kv) for kv in kvs], revision]
+
+    def _add(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        value, events = self._state.add(_arg(m, "key", str), _arg(m, "delta", int))
+        self._publish(events)
+        return value
+
+    def _grant(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        lease = self._state.grant(float(_arg(m, "ttl", (int, float))), self._now())
+        self._schedule_expiry()
+        return lease
+
+    def _keepalive(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        ttl = self._state.keep_alive(_arg(m, "lease", int), self._now())
+        self._schedule_expiry()
+        return ttl
+
+    def _revoke(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        self._publish(self._state.revoke(_arg(m, "lease", int)))
+        return None
+
+    def _watch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        if len(conn.watches) >= MAX_WATCHES:
+            raise StoreRequestError(f"at most {MAX_WATCHES} watches per connection")
+        prefix = _arg(m, "prefix", str)
+        history = self._state.history(prefix, _arg(m, "start", int))
+        conn.send({"id": rid, "ok": True, "r": self._state.revision})
+        if history:
+            conn.send({"id": rid, "events": _events(history)})
+        conn.watches[rid] = prefix
+        return _ALREADY_ANSWERED
+
+    def _unwatch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        conn.watches.pop(_arg(m, "watch", int), None)
+        return None
+
+    def _ping(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+        return self.store_id
+
+    _ops: ClassVar[dict[str, Callable[[TcpStoreServer, _Connection, int, dict[str, Any]], Any]]] = {
+        "get": _get,
+        "put": _put,
+        "cas": _cas,
+        "delete": _delete,
+        "list": _list,
+        "add": _add,
+        "grant": _grant,
+        "keepalive": _keepalive,
+        "revoke": _revoke,
+        "watch": _watch,
+        "unwatch": _unwatch,
+        "ping": _ping,
+    }

@@ -1,0 +1,120 @@
+"""A real etcd for tests: Debian's ``etcd`` on free loopback ports with a temporary data dir.
+
+Readiness is awaited on etcd's own log line, not by sleeping. ``restart()``
+keeps the data dir (history survives, as in production); ``stop()`` is
+bounded and escalates to SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+READY_TEXT = b"ready to serve client requests"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class EtcdHarness:
+    def __init__(self, binary: str = "etcd", start_timeout_s: float = 30.0) -> None:
+        found = shutil.which(binary)
+        if found is None:
+            raise FileNotFoundError(
+                f"{binary!r} not found: install Debian's etcd-server (scripts/test does: apt-get install etcd-server)"
+            )
+        self._binary = found
+        self._timeout = start_timeout_s
+        self.data_dir = Path(tempfile.mkdtemp(prefix="ftrun-etcd-"))
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.log = b""
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> EtcdHarness:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self._proc = subprocess.Popen(
+            [
+                self._binary,
+                "--name", "ftrun-test",
+                "--data-dir", str(self.data_dir),
+                "--listen-client-urls", client,
+                "--advertise-client-urls", client,
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"ftrun-test={peer}",
+                "--unsafe-no-fsync",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+        self._await_ready()
+        return self
+
+    def _await_ready(self) -> None:
+        assert self._proc is not None
+        assert self._proc.stderr is not None
+        deadline = time.monotonic() + self._timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stderr, selectors.EVENT_READ)
+            while READY_TEXT not in self.log:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    self.stop()
+                    raise TimeoutError(f"etcd not ready after {self._timeout} s:\n{self.log[-2000:].decode()}")
+                chunk = os.read(self._proc.stderr.fileno(), 65536)
+                if not chunk:
+                    raise RuntimeError(f"etcd exited at start:\n{self.log[-2000:].decode()}")
+                self.log += chunk
+
+        # Keep draining etcd's log so it never blocks on a full pipe.
+        def drain(stream: int) -> None:
+            while os.read(stream, 65536):
+                pass
+
+        threading.Thread(target=drain, args=(self._proc.stderr.fileno(),), daemon=True).start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.log = b""
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdHarness:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
