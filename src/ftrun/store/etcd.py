@@ -276,6 +276,8 @@ class _EtcdWatch:
                 finally:
                     with contextlib.suppress(Exception):
                         self._response.close()
+            except StoreConnectionLost:
+                continue  # the stream ended or broke: resume from the revision after the last event
             except StoreError as e:
                 if not self._opened.is_set():
                     self._open_error = e

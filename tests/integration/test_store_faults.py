@@ -1,0 +1,204 @@
+"""Store faults with real servers: restarts, dead clients, bad tokens, garbage, many connections."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ftrun.errors import StoreAuthError, StoreUnavailable, WatchLost
+from ftrun.store import wire
+from ftrun.store.base import EventType, open_store
+from ftrun.store.tcp import TcpStoreClient
+from ftrun.store.tcp_server import TcpStoreServer
+from ftrun.testing.etcd import EtcdHarness
+
+WAIT_S = 20.0
+TOKEN = "fault-test-token"
+
+
+@pytest.fixture
+def server() -> Iterator[TcpStoreServer]:
+    s = TcpStoreServer(token=TOKEN).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: TcpStoreServer) -> Iterator[TcpStoreClient]:
+    c = TcpStoreClient("127.0.0.1", server.port, token=TOKEN, retry_deadline_s=10)
+    yield c
+    c.close()
+
+
+def test_tcp_server_restart_client_reconnects_and_watch_is_lost(server: TcpStoreServer) -> None:
+    c = TcpStoreClient("127.0.0.1", server.port, token=TOKEN, retry_deadline_s=10)
+    try:
+        c.put("/a", b"1")
+        watch = c.watch("/", 0)
+        server.stop()
+        again = TcpStoreServer(port=server.port, token=TOKEN).start()
+        try:
+            assert c.get("/a") is None  # reconnected by itself, to a store that restarted empty
+            c.put("/b", b"2")
+            with pytest.raises(WatchLost, match="restarted"):
+                watch.get(WAIT_S)
+            watch.close()
+        finally:
+            again.stop()
+    finally:
+        c.close()
+
+
+def test_etcd_restart_watch_resumes_without_losing_events() -> None:
+    with EtcdHarness() as etcd:
+        writer, reader = open_store(etcd.url), open_store(etcd.url)
+        try:
+            r1 = writer.put("/job/a", b"1")
+            watch = reader.watch("/job/", r1)
+            first = watch.get(WAIT_S)
+            assert first is not None
+            assert first.revision == r1
+            etcd.restart()
+            r2 = writer.put("/job/b", b"2")  # while the watch's stream is broken
+            r3 = writer.put("/job/c", b"3")
+            got = [watch.get(WAIT_S), watch.get(WAIT_S)]
+            assert [(e.key, e.revision) for e in got if e] == [("/job/b", r2), ("/job/c", r3)]
+            watch.close()
+        finally:
+            writer.close()
+            reader.close()
+
+
+KEEPER = """
+import sys, threading, time
+from ftrun.store.base import open_store
+url, token = sys.argv[1], sys.argv[2] or None
+store = open_store(url, token=token)
+lease = store.grant_lease(2)
+store.put("/alive/me", b"x", lease=lease)
+print("ready", flush=True)
+while True:
+    store.keep_alive(lease)
+    time.sleep(0.5)
+"""
+
+
+def _kill_keeper_and_see_its_key_vanish(url: str, token: str | None) -> None:
+    observer = open_store(url, token=token)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(KEEPER), url, token or ""], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        kvs, revision = observer.list_prefix("/alive/")
+        assert [kv.key for kv in kvs] == ["/alive/me"]
+        with observer.watch("/alive/", revision + 1) as watch:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(WAIT_S)
+            event = watch.get(WAIT_S)
+        assert event is not None
+        assert (event.type, event.key) == (EventType.DELETE, "/alive/me")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        observer.close()
+
+
+def test_killed_client_lease_expires_tcp(server: TcpStoreServer) -> None:
+    _kill_keeper_and_see_its_key_vanish(f"tcp://127.0.0.1:{server.port}", TOKEN)
+
+
+def test_killed_client_lease_expires_etcd() -> None:
+    with EtcdHarness() as etcd:
+        _kill_keeper_and_see_its_key_vanish(etcd.url, None)
+
+
+def test_wrong_or_missing_token_is_refused(server: TcpStoreServer, client: TcpStoreClient) -> None:
+    for token in ("wrong", None):
+        bad = TcpStoreClient("127.0.0.1", server.port, token=token, retry_deadline_s=2)
+        with pytest.raises(StoreAuthError):
+            bad.get("/x")
+        bad.close()
+    client.put("/still", b"serving")
+    assert client.get("/still") is not None
+
+
+def test_unreachable_store_names_endpoint_and_time() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        c = TcpStoreClient("127.0.0.1", port, retry_deadline_s=0.5)
+        with pytest.raises(StoreUnavailable, match=rf"tcp://127.0.0.1:{port} unavailable after 0\.\d s"):
+            c.get("/x")
+
+
+def _raw_exchange(port: int, payload: bytes) -> None:
+    """Send ``payload`` on a fresh connection and read whatever comes back until the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except OSError:
+            pass  # the server may reset a connection it refuses
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.binary(max_size=512))
+def test_garbage_frames_never_hurt_the_server(server: TcpStoreServer, client: TcpStoreClient, junk: bytes) -> None:
+    _raw_exchange(server.port, junk)
+    _raw_exchange(server.port, wire.HEADER.pack(len(junk)) + junk)
+    assert client.put("/alive", junk[:16]) > 0
+
+
+def test_oversized_and_malformed_frames_after_auth(server: TcpStoreServer, client: TcpStoreClient) -> None:
+    unauth = TcpStoreServer().start()  # no token: the frames below reach the request parser
+    try:
+        _raw_exchange(unauth.port, wire.HEADER.pack(wire.MAX_FRAME + 1))
+        hello_reply = wire.encode({"nonce": b"0" * wire.NONCE_BYTES})
+        for body in (b"\xc1", wire.encode({"id": "x", "op": 1})[4:], wire.encode({"id": 1, "op": "get"})[4:]):
+            _raw_exchange(unauth.port, hello_reply + wire.HEADER.pack(len(body)) + body)
+        good = TcpStoreClient("127.0.0.1", unauth.port)
+        assert good.put("/ok", b"1") > 0
+        good.close()
+    finally:
+        unauth.stop()
+    assert client.get("/nothing") is None
+
+
+def test_a_thousand_concurrent_connections(server: TcpStoreServer) -> None:
+    async def one(i: int) -> object:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            hello = wire.decode(await reader.readexactly(wire.frame_length(await reader.readexactly(4))))
+            mine = wire.new_nonce()
+            writer.write(wire.encode({"nonce": mine, "proof": wire.proof(TOKEN, b"client", hello["nonce"], mine)}))
+            verdict = wire.decode(await reader.readexactly(wire.frame_length(await reader.readexactly(4))))
+            assert verdict["ok"]
+            writer.write(wire.encode({"id": 1, "op": "add", "key": "/count", "delta": 1}))
+            answer = wire.decode(await reader.readexactly(wire.frame_length(await reader.readexactly(4))))
+            return answer["r"]
+        finally:
+            writer.close()
+
+    async def all_at_once() -> list[object]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(1000))), 120)
+
+    results = asyncio.run(all_at_once())
+    assert sorted(results) == list(range(1, 1001))  # type: ignore[type-var]
+    assert os.environ.get("NEVER_SET_XYZ") is None
