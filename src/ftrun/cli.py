@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store")
     _flag(p, "--rdzv-id", default="none", help="job id shared by all nodes (also names the log directory)")
     _flag(p, "--rdzv-conf", default="", help="KEY=VALUE,... e.g. join_timeout=900,last_call_timeout=10")
+    _flag(p, "--rdzv-token", default=None, help="shared secret of the embedded store (or FTRUN_TOKEN)")
+    _flag(p, "--rdzv-token-file", default=None, help="file holding the shared secret (kept out of `ps`)")
     _flag(p, "--term-timeout", default="5", help="seconds between SIGTERM and SIGKILL when stopping workers")
     _flag(p, "--event-log", default=None, help="JSON-lines event log (default: <run log dir>/events.jsonl)")
     _flag(p, "--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
@@ -111,7 +113,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         )
     run_id = cfg.parse_run_id(a.rdzv_id)
     host, port = cfg.parse_endpoint(a.rdzv_endpoint)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf))
+    token = cfg.store_token(a.rdzv_token, a.rdzv_token_file, environ)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf), token)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else cfg.default_log_dir(),
         redirects=cfg.parse_std("--redirects", a.redirects, nproc),
@@ -155,6 +158,10 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ftrun`` command; returns the process exit code."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["store"]:
+        from ftrun.store.serve import main as store_main
+
+        return store_main(args[1:], os.environ)
     try:
         config = parse(args, os.environ, Path.cwd())
     except ConfigError as e:

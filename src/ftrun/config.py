@@ -103,6 +103,24 @@ class RdzvSpec:
     endpoint_port: int | None
     run_id: str
     conf: RdzvConf
+    token: str | None = field(default=None, repr=False)  # shared secret of the embedded store
+
+    @property
+    def embedded_store(self) -> bool:
+        """Whether this backend is ftrun's embedded tcp store (torchrun's c10d)."""
+        return self.backend in ("c10d", "tcp")
+
+
+def store_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The embedded store's token: --rdzv-token-file, else --rdzv-token, else FTRUN_TOKEN.
+
+    A file keeps the secret out of ``ps`` output; prefer it on shared machines.
+    """
+    if token_file:
+        from ftrun.store.base import read_token_file
+
+        return read_token_file(token_file)
+    return token or environ.get("FTRUN_TOKEN") or None
 
 
 @dataclass(frozen=True, slots=True)

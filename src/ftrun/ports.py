@@ -64,3 +64,21 @@ def _recent(text: str, now_wall: float) -> dict[str, float]:
     if not isinstance(loaded, dict):
         return {}
     return {k: v for k, v in loaded.items() if isinstance(v, int | float) and 0 <= now_wall - v < LEDGER_TTL_S}
+
+
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine: one of its addresses can be bound here."""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+            except OSError:
+                continue
+            return True
+    return False

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from ftrun import cli
-from ftrun.config import EntrypointKind, RdzvConf, Std, count_gpus, omp_threads, parse_endpoint, parse_rdzv_conf
+from ftrun.config import (
+    EntrypointKind,
+    RdzvConf,
+    Std,
+    count_gpus,
+    omp_threads,
+    parse_endpoint,
+    parse_rdzv_conf,
+    store_token,
+)
 from ftrun.errors import ConfigError
 
 
@@ -221,3 +230,13 @@ def test_console_routing(tmp_path: Path, script: Path) -> None:
     assert not logs.prefixed(1, Std.ERR)
     assert logs.console(1, Std.ERR)
     assert not logs.console(2, Std.ERR)  # filtered out
+
+
+def test_store_token_sources(tmp_path: Path) -> None:
+    (tmp_path / "tok").write_text("from-file\n")
+    assert store_token(None, str(tmp_path / "tok"), {"FTRUN_TOKEN": "env"}) == "from-file"
+    assert store_token("flag", None, {"FTRUN_TOKEN": "env"}) == "flag"
+    assert store_token(None, None, {"FTRUN_TOKEN": "env"}) == "env"
+    assert store_token(None, None, {}) is None
+    with pytest.raises(ConfigError, match="token_file"):
+        store_token(None, str(tmp_path / "missing"), {})

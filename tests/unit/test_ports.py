@@ -38,3 +38,10 @@ def test_reserved_port_is_bindable(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # raises if it were taken
         assert s.getsockname()[1] == port
+
+
+def test_local_addresses() -> None:
+    assert ports.is_local_address("127.0.0.1")
+    assert ports.is_local_address("localhost")
+    assert not ports.is_local_address("192.0.2.7")  # TEST-NET-1: never this machine, nothing is sent
+    assert not ports.is_local_address("")

@@ -12,6 +12,7 @@ import sys
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftrun.agent import env as worker_env
 from ftrun.agent import policy, proctree
@@ -20,10 +21,15 @@ from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.workers import ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import LaunchConfig, Std
+from ftrun.errors import FtrunError
 from ftrun.events import EventKind, EventLog, summarize
-from ftrun.ports import reserve_port
+from ftrun.ports import is_local_address, reserve_port
 from ftrun.reporting import build_report, render, write_json
 
+if TYPE_CHECKING:
+    from ftrun.store.tcp_server import TcpStoreServer
+
+DEFAULT_STORE_PORT = 29400  # torchrun's c10d default
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -43,6 +49,7 @@ class Agent:
         self._finished = False
         self.run_dir = Path()
         self.events: EventLog | None = None
+        self.store_server: TcpStoreServer | None = None  # hosted here when the endpoint is this machine
 
     @classmethod
     def from_config(cls, config: LaunchConfig) -> Agent:
@@ -70,6 +77,7 @@ class Agent:
             max_restarts=self.config.max_restarts,
             log_dir=str(self.run_dir),
         )
+        self._host_store()
         state = policy.RunState(max_restarts=self.config.max_restarts)
         self._pending.append(policy.Start())
         with SignalWakeup() as self._wakeup:
@@ -87,6 +95,25 @@ class Agent:
                         self._pending.extend(self._execute(command))
             finally:
                 self._abandon()
+
+    def _host_store(self) -> None:
+        """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d)."""
+        r = self.config.rdzv
+        if not r.embedded_store or not (self.config.standalone or is_local_address(r.endpoint_host)):
+            return
+        from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
+
+        host = r.endpoint_host or "127.0.0.1"
+        port = r.endpoint_port if r.endpoint_port is not None else (0 if self.config.standalone else DEFAULT_STORE_PORT)
+        try:
+            self.store_server = TcpStoreServer(host, port, token=r.token).start()
+        except OSError as e:
+            raise FtrunError(
+                f"--rdzv-endpoint: cannot host the store on {host}:{port}: {e.strerror or e}; "
+                "pick a free port (or :0) or stop whatever holds it"
+            ) from None
+        self._emit(EventKind.STORE_HOSTED, host=host, port=self.store_server.port)
+        self._say(f"hosting the rendezvous store on {host}:{self.store_server.port}")
 
     def _wait(self) -> list[policy.Event]:
         assert self._group is not None
@@ -234,6 +261,8 @@ class Agent:
                 self._group.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
                 self._group.sweep()
             self._group.close()
+        if self.store_server is not None:
+            self.store_server.stop()
         if self.events is not None:
             if not self._finished:  # an error ended the run: the log still says how it ended
                 self._emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
