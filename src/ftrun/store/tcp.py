@@ -15,6 +15,7 @@ the outcome is unknown, re-read before trying again.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import socket
 import threading
@@ -134,7 +135,7 @@ class TcpStoreClient:
             self._closed = True
             sock, self._sock = self._sock, None
         if sock is not None:
-            sock.close()
+            _shut(sock)
 
     # --- calls ---------------------------------------------------------------------------------------
 
@@ -280,7 +281,7 @@ class TcpStoreClient:
             if self._sock is sock:
                 self._sock = None
             pending, self._pending = self._pending, {}
-        sock.close()
+        _shut(sock)
         for call in pending.values():
             call.finish(error=StoreConnectionLost(f"{self.endpoint}: connection lost: {reason}"))
 
@@ -307,6 +308,13 @@ def _error(message: dict[str, Any]) -> StoreError:
     except StoreError as e:
         return e
     return StoreProtocolError("an error message without an error")
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut down, then close: a plain close would not wake the reader thread blocked in recv."""
+    with contextlib.suppress(OSError):  # already disconnected
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

@@ -16,7 +16,6 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ftrun.clock import Clock, SystemClock
@@ -50,19 +49,74 @@ def _arg(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     return value
 
 
-@dataclass(eq=False)
-class _Connection:
-    writer: asyncio.StreamWriter
-    peer: str
-    watches: dict[int, str] = field(default_factory=dict)  # watch id -> prefix
+class _Connection(asyncio.Protocol):
+    """One client connection: frames are parsed from the byte stream and answered at once.
+
+    Handling is synchronous (every operation is in memory), so there is no
+    per-request task; until the handshake passes, frames go to the handshake.
+    """
+
+    def __init__(self, server: TcpStoreServer) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.nonce = wire.new_nonce()
+        self.authenticated = False
+        self.watches: dict[int, str] = {}  # watch id -> prefix
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.peer = str(transport.get_extra_info("peername"))
+        self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
+        self.send(self._server.hello(self))
+
+    def _too_slow(self) -> None:
+        if not self.authenticated:
+            self.close(f"no handshake within {HANDSHAKE_TIMEOUT_S} s")
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        try:
+            while len(self._buffer) >= wire.HEADER.size:
+                length = wire.frame_length(bytes(self._buffer[: wire.HEADER.size]))
+                end = wire.HEADER.size + length
+                if len(self._buffer) < end:
+                    return
+                message = wire.decode(bytes(self._buffer[wire.HEADER.size : end]))
+                del self._buffer[:end]
+                if self.authenticated:
+                    self._server._dispatch(self, message)
+                else:
+                    self._server._handshake(self, message)
+                    self.authenticated = True
+                    if self._deadline is not None:
+                        self._deadline.cancel()
+                    self._server._connected(self)
+                if self.transport is None or self.transport.is_closing():
+                    return
+        except StoreError as e:
+            self.close(str(e))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._server._disconnected(self)
+        self.transport = None
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.writer.is_closing():
+        if self.transport is None or self.transport.is_closing():
             return
-        self.writer.write(wire.encode(message))
-        if self.writer.transport.get_write_buffer_size() > MAX_BUFFERED:
-            log.warning("store: closing %s: it stopped reading (%d bytes pending)", self.peer, MAX_BUFFERED)
-            self.writer.transport.abort()
+        self.transport.write(wire.encode(message))
+        if self.transport.get_write_buffer_size() > MAX_BUFFERED:
+            self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)")
+
+    def close(self, reason: str) -> None:
+        log.warning("store: closing connection from %s: %s", self.peer, reason)
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class TcpStoreServer:
@@ -87,7 +141,8 @@ class TcpStoreServer:
 
     async def _open(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=wire.MAX_FRAME + 64)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def start(self) -> TcpStoreServer:
@@ -129,7 +184,8 @@ class TcpStoreServer:
         async with self._server:
             await asyncio.get_running_loop().run_in_executor(None, self._stopped.wait)
             for conn in list(self._connections):
-                conn.writer.transport.abort()
+                if conn.transport is not None:
+                    conn.transport.abort()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -138,48 +194,27 @@ class TcpStoreServer:
 
     # --- connections -----------------------------------------------------------------------------
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = str(writer.get_extra_info("peername"))
-        conn = _Connection(writer, peer)
-        try:
-            await asyncio.wait_for(self._handshake(reader, conn), HANDSHAKE_TIMEOUT_S)
-        except (StoreError, TimeoutError, ConnectionError, asyncio.IncompleteReadError) as e:
-            log.warning("store: refused connection from %s: %s", peer, e or type(e).__name__)
-            writer.transport.abort()
-            return
+    def _connected(self, conn: _Connection) -> None:
         self._connections.add(conn)
-        try:
-            while True:
-                message = await self._read(reader)
-                self._dispatch(conn, message)
-                await writer.drain()
-        except StoreProtocolError as e:
-            log.warning("store: closing connection from %s: %s", peer, e)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away
-        finally:
-            self._connections.discard(conn)
-            writer.transport.abort()
 
-    async def _read(self, reader: asyncio.StreamReader) -> dict[str, Any]:
-        length = wire.frame_length(await reader.readexactly(wire.HEADER.size))
-        return wire.decode(await reader.readexactly(length))
+    def _disconnected(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
 
-    async def _handshake(self, reader: asyncio.StreamReader, conn: _Connection) -> None:
-        nonce = wire.new_nonce()
-        conn.send({"v": wire.VERSION, "store_id": self.store_id, "nonce": nonce, "auth": self._token is not None})
-        reply = await self._read(reader)
+    def _handshake(self, conn: _Connection, reply: dict[str, Any]) -> None:
+        """Check the client's answer to the hello; raises StoreError to refuse it."""
         client_nonce = reply.get("nonce")
         if not isinstance(client_nonce, bytes) or len(client_nonce) != wire.NONCE_BYTES:
             raise StoreProtocolError("handshake without a valid nonce")
         if self._token is None:
             conn.send({"ok": True})
             return
-        if not wire.check_proof(wire.proof(self._token, b"client", nonce, client_nonce), reply.get("proof")):
+        if not wire.check_proof(wire.proof(self._token, b"client", conn.nonce, client_nonce), reply.get("proof")):
             conn.send({"ok": False, "error": ["StoreAuthError", "wrong token"]})
-            await conn.writer.drain()
             raise StoreError("wrong token")
-        conn.send({"ok": True, "proof": wire.proof(self._token, b"server", client_nonce, nonce)})
+        conn.send({"ok": True, "proof": wire.proof(self._token, b"server", client_nonce, conn.nonce)})
+
+    def hello(self, conn: _Connection) -> dict[str, Any]:
+        return {"v": wire.VERSION, "store_id": self.store_id, "nonce": conn.nonce, "auth": self._token is not None}
 
     # --- requests ----------------------------------------------------------------------------------
 
