@@ -1,8 +1,9 @@
 """Client of the embedded store (:mod:`ftrun.store.tcp_server`).
 
-One TCP connection carries every call and watch of the client (request ids);
-a reader thread hands responses to the waiting callers and events to the
-watches. When the connection breaks, calls are retried under the
+One TCP connection carries every call and watch of the client (request ids).
+A caller reads its own answer when nobody else is reading (no thread switch);
+once the client has a watch, a reader thread reads the connection and hands
+answers to the waiting callers and events to the watches. When the connection breaks, calls are retried under the
 :class:`RetryPolicy`, and the watches are resubscribed from the revision after
 the last event they delivered. If the server came back empty (a different
 store id), the watches fail with :class:`~ftrun.errors.WatchLost`.
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import select
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +82,9 @@ class TcpStoreClient:
         self._call_timeout_s = call_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.RLock()  # connection state, pending calls, subscriptions
+        self._cond = threading.Condition(self._lock)  # signalled when a call finishes or a reader steps down
+        self._leading: set[socket.socket] = set()  # connections some thread is reading right now
+        self._reader_sock: socket.socket | None = None  # the connection the watch reader thread serves
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._store_id: str | None = None
@@ -160,18 +166,64 @@ class TcpStoreClient:
         finally:
             if not call.done.is_set() and sock.fileno() < 0:
                 self._pending.pop(request_id, None)
-        if not call.done.wait(self._call_timeout_s):
+        if not self._await(sock, call, time.monotonic() + self._call_timeout_s):
             self._pending.pop(request_id, None)
             raise TimeoutError(f"{self.endpoint}: no answer to {op} within {self._call_timeout_s} s")
         if call.error is not None:
             raise call.error
         return call.result
 
+    def _await(self, sock: socket.socket, call: _Call, deadline: float) -> bool:
+        """Wait for ``call``'s answer; returns whether it came.
+
+        If nobody is reading the connection, this thread reads it (and hands
+        other callers their answers): no thread switch on the common path.
+        Otherwise it waits for the reader to hand over the answer.
+        """
+        with self._cond:
+            while not call.done.is_set() and sock in self._leading:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            if call.done.is_set():
+                return True
+            self._leading.add(sock)
+        try:
+            while not call.done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._read_one(sock, left):
+                    break
+        finally:
+            with self._cond:
+                self._leading.discard(sock)
+                self._cond.notify_all()
+        return call.done.is_set()  # a lost connection finishes the call with an error
+
+    def _read_one(self, sock: socket.socket, timeout_s: float) -> bool:
+        """Read and dispatch one frame; False on timeout or a lost connection."""
+        try:
+            ready, _, _ = select.select([sock], [], [], timeout_s)
+            if not ready:
+                return False
+            message = self._read(sock)
+        except (OSError, ValueError, EOFError, StoreProtocolError) as e:  # ValueError: closed meanwhile
+            self._lost(sock, str(e) or type(e).__name__)
+            return False
+        self._dispatch(message)
+        return True
+
     def _subscribe(self, sub: _Subscription) -> None:
         def register(request_id: int) -> None:  # before the request leaves: events may follow at once
             self._subscriptions.pop(sub.request_id, None)
             sub.request_id = request_id
             self._subscriptions[request_id] = sub
+            if self._reader_sock is not self._sock and self._sock is not None:
+                # Watch events arrive unasked: from now on a thread reads this connection.
+                self._reader_sock = self._sock
+                threading.Thread(
+                    target=self._read_loop, args=(self._sock,), name="ftrun-store-watch", daemon=True
+                ).start()
 
         try:
             self._call_once("watch", {"prefix": sub.prefix, "start": sub.resume_from()}, on_sent=register)
@@ -202,7 +254,9 @@ class TcpStoreClient:
         if self._closed:
             raise StoreError(f"{self.endpoint}: the client is closed")
         if self._sock is not None:
-            return self._sock
+            if self._reader_sock is self._sock or not _peer_closed(self._sock):
+                return self._sock
+            self._lost(self._sock, "closed by the store while idle")
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
         except OSError as e:
@@ -218,7 +272,6 @@ class TcpStoreClient:
             self._store_restarted()
         self._store_id = store_id
         self._sock = sock
-        threading.Thread(target=self._read_loop, args=(sock,), name="ftrun-store-client", daemon=True).start()
         return sock
 
     def _handshake(self, sock: socket.socket) -> str:
@@ -248,14 +301,24 @@ class TcpStoreClient:
         return wire.decode(_read_exactly(sock, wire.frame_length(_read_exactly(sock, wire.HEADER.size))))
 
     def _read_loop(self, sock: socket.socket) -> None:
+        """The watch reader: once a caller reading this connection steps down, read it for good."""
+        with self._cond:
+            while sock in self._leading:
+                self._cond.wait()
+            self._leading.add(sock)
         reason = "closed by the store"
         try:
             while True:
                 self._dispatch(self._read(sock))
-        except (OSError, EOFError, StoreProtocolError) as e:
+        except (OSError, ValueError, EOFError, StoreProtocolError) as e:
             reason = str(e) or type(e).__name__
+        finally:
+            with self._cond:
+                self._leading.discard(sock)
+                self._cond.notify_all()
         self._lost(sock, reason)
-        self._resubscribe()
+        if not self._closed:
+            self._resubscribe()
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         request_id = message.get("id")
@@ -274,6 +337,8 @@ class TcpStoreClient:
             call.finish(message.get("r"))
         else:
             call.finish(error=_error(message))
+        with self._cond:
+            self._cond.notify_all()
 
     def _lost(self, sock: socket.socket, reason: str) -> None:
         """Forget a broken connection: its calls fail (the retry policy decides what next)."""
@@ -284,6 +349,8 @@ class TcpStoreClient:
         _shut(sock)
         for call in pending.values():
             call.finish(error=StoreConnectionLost(f"{self.endpoint}: connection lost: {reason}"))
+        with self._cond:
+            self._cond.notify_all()
 
     def _resubscribe(self) -> None:
         """Called by the reader of a lost connection: bring the watches back, or fail them."""
@@ -308,6 +375,17 @@ def _error(message: dict[str, Any]) -> StoreError:
     except StoreError as e:
         return e
     return StoreProtocolError("an error message without an error")
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed by the other side (so a request would be lost on it)."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+        return bool(ready) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 def _shut(sock: socket.socket) -> None:
