@@ -202,3 +202,38 @@ def test_a_thousand_concurrent_connections(server: TcpStoreServer) -> None:
     results = asyncio.run(all_at_once())
     assert sorted(results) == list(range(1, 1001))  # type: ignore[type-var]
     assert os.environ.get("NEVER_SET_XYZ") is None
+
+
+def test_watches_per_connection_are_bounded(client: TcpStoreClient) -> None:
+    from ftrun.errors import StoreRequestError
+    from ftrun.store.tcp_server import MAX_WATCHES
+
+    watches = [client.watch(f"/w{i}/", 0) for i in range(MAX_WATCHES)]
+    with pytest.raises(StoreRequestError, match=f"at most {MAX_WATCHES} watches"):
+        client.watch("/one-too-many/", 0)
+    for w in watches:
+        w.close()
+    client.watch("/after/", 0).close()  # closing watches gives the room back
+
+
+def test_etcd_user_and_password(tmp_path: pytest.TempPathFactory) -> None:
+    import etcd3gw
+
+    with EtcdHarness() as etcd:
+        admin = etcd3gw.client(host="127.0.0.1", port=etcd.client_port, api_path="/v3/")
+        admin.post(admin.get_url("/auth/user/add"), json={"name": "root", "password": "rootpw"})
+        admin.post(admin.get_url("/auth/user/grant"), json={"user": "root", "role": "root"})
+        admin.post(admin.get_url("/auth/enable"), json={})
+        password_file = f"{tmp_path}/pw"
+        with open(password_file, "w") as f:
+            f.write("rootpw\n")
+        good = open_store(f"{etcd.url}/jobs?user=root&password_file={password_file}")
+        assert good.put("/k", b"v") > 0
+        kv = good.get("/k")
+        assert kv is not None
+        assert kv.value == b"v"
+        good.close()
+        bad = open_store(f"etcd://root:wrong@127.0.0.1:{etcd.client_port}", retry_deadline_s=2)
+        with pytest.raises(StoreAuthError, match="root"):
+            bad.get("/k")
+        bad.close()

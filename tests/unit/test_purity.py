@@ -1,4 +1,4 @@
-"""Pure modules import no clock, process, socket or store code (DESIGN.md, house conventions)."""
+"""Pure modules import no clock, process, socket or store backend (DESIGN.md, house conventions)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 
 import ftrun
 
-PURE = ["agent/policy.py", "agent/env.py"]
-FORBIDDEN = {"time", "os", "socket", "subprocess", "selectors", "signal", "threading", "ftrun.store"}
+PURE = ["agent/policy.py", "agent/env.py", "store/kv.py"]
+FORBIDDEN = {"time", "os", "socket", "subprocess", "selectors", "signal", "threading", "asyncio"}
+BACKENDS = {"ftrun.store.memory", "ftrun.store.tcp", "ftrun.store.tcp_server", "ftrun.store.etcd", "ftrun.store.retry"}
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -22,5 +23,5 @@ def test_pure_module_imports(module: str) -> None:
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
-    bad = {m for m in imported if m.split(".")[0] in FORBIDDEN or m.startswith("ftrun.store")}
+    bad = {m for m in imported if m.split(".")[0] in FORBIDDEN or m in BACKENDS}
     assert not bad, f"{module} must stay pure but imports {sorted(bad)}"
