@@ -111,12 +111,16 @@ class _Connection(asyncio.Protocol):
             return
         self.transport.write(wire.encode(message))
         if self.transport.get_write_buffer_size() > MAX_BUFFERED:
-            self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)")
+            self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)", flush=False)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, *, flush: bool = True) -> None:
+        """Close and log; ``flush`` sends what is queued first (the refusal of a bad token)."""
         log.warning("store: closing connection from %s: %s", self.peer, reason)
         if self.transport is not None:
-            self.transport.abort()
+            if flush:
+                self.transport.close()
+            else:
+                self.transport.abort()
 
 
 class TcpStoreServer:
