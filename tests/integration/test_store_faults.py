@@ -237,3 +237,22 @@ def test_etcd_user_and_password(tmp_path: pytest.TempPathFactory) -> None:
         with pytest.raises(StoreAuthError, match="root"):
             bad.get("/k")
         bad.close()
+
+
+def test_etcd_over_tls_with_client_certificates() -> None:
+    from ftrun.errors import StoreError
+
+    with EtcdHarness(tls=True) as etcd:
+        store = open_store(etcd.url)
+        assert store.put("/tls", b"secret") > 0
+        with store.watch("/tls", 0) as watch:
+            store.put("/tls", b"again")
+            event = watch.get(WAIT_S)
+        assert event is not None
+        assert event.value == b"again"
+        store.close()
+        ca = etcd.certs["ca.crt"]
+        no_client_cert = open_store(f"etcds://127.0.0.1:{etcd.client_port}?cacert={ca}", retry_deadline_s=2)
+        with pytest.raises(StoreError):
+            no_client_cert.get("/tls")
+        no_client_cert.close()

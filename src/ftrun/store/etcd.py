@@ -72,6 +72,11 @@ class EtcdStore:
             )
             for host, port in url.endpoints
         ]
+        if url.option("cacert"):
+            for c in self._clients:
+                # requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE override a session's CA file;
+                # the CA the user named for etcd must win.
+                c.session.trust_env = False
         self._current = 0
         self._lock = threading.Lock()
         self._user = url.option("user") or url.user

@@ -28,8 +28,31 @@ def _free_port() -> int:
         return port
 
 
+def make_certificates(directory: Path) -> dict[str, Path]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate (openssl CLI)."""
+    d = directory
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise FileNotFoundError("openssl not found: install Debian's openssl to test etcd over TLS")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=ftrun-test-ca")
+    # etcd 3.4's own HTTP gateway dials its gRPC port with the server certificate: it must allow clientAuth too.
+    for name, usage in (("server", "serverAuth,clientAuth"), ("client", "clientAuth")):
+        (d / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=ftrun-test-{name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext")  # fmt: skip
+    return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
+
+
 class EtcdHarness:
-    def __init__(self, binary: str = "etcd", start_timeout_s: float = 30.0) -> None:
+    """Debian's etcd on loopback. With ``tls=True`` it serves https and requires client certificates."""
+
+    def __init__(self, binary: str = "etcd", start_timeout_s: float = 30.0, *, tls: bool = False) -> None:
         found = shutil.which(binary)
         if found is None:
             raise FileNotFoundError(
@@ -42,13 +65,24 @@ class EtcdHarness:
         self.peer_port = _free_port()
         self._proc: subprocess.Popen[bytes] | None = None
         self.log = b""
+        self.certs = make_certificates(Path(tempfile.mkdtemp(prefix="ftrun-etcd-certs-"))) if tls else {}
 
     @property
     def url(self) -> str:
+        if self.certs:
+            c = self.certs
+            query = f"cacert={c['ca.crt']}&cert={c['client.crt']}&key={c['client.key']}"
+            return f"etcds://127.0.0.1:{self.client_port}?{query}"
         return f"etcd://127.0.0.1:{self.client_port}"
 
     def start(self) -> EtcdHarness:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        scheme = "https" if self.certs else "http"
+        client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        tls: list[str] = []
+        if self.certs:
+            c = self.certs
+            tls = ["--cert-file", str(c["server.crt"]), "--key-file", str(c["server.key"]),
+                   "--client-cert-auth", "--trusted-ca-file", str(c["ca.crt"])]  # fmt: skip
         self._proc = subprocess.Popen(
             [
                 self._binary,
@@ -60,6 +94,7 @@ class EtcdHarness:
                 "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"ftrun-test={peer}",
                 "--unsafe-no-fsync",
+                *tls,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -112,6 +147,8 @@ class EtcdHarness:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.certs:
+            shutil.rmtree(self.certs["ca.crt"].parent, ignore_errors=True)
 
     def __enter__(self) -> EtcdHarness:
         return self.start()
