@@ -150,22 +150,19 @@ class TcpStoreClient:
         return self._retry.run(self.endpoint, lambda: self._call_once(op, args), retry_on=retry_on)
 
     def _call_once(self, op: str, args: dict[str, Any], on_sent: Any = None) -> Any:
+        request_id = next(self._ids)
+        frame = wire.encode({"id": request_id, "op": op, **args})  # refuses oversized requests up front
         with self._lock:
             sock = self._connected()
-            request_id = next(self._ids)
             call = self._pending[request_id] = _Call()
             if on_sent is not None:
                 on_sent(request_id)
         try:
-            frame = wire.encode({"id": request_id, "op": op, **args})
             with self._send_lock:
                 sock.sendall(frame)
-        except OSError as e:
+        except OSError as e:  # part of it may have left: not RequestNotSent
             self._lost(sock, f"send failed: {e}")
             raise StoreConnectionLost(f"{self.endpoint}: send failed: {e}") from e
-        finally:
-            if not call.done.is_set() and sock.fileno() < 0:
-                self._pending.pop(request_id, None)
         if not self._await(sock, call, time.monotonic() + self._call_timeout_s):
             self._pending.pop(request_id, None)
             raise TimeoutError(f"{self.endpoint}: no answer to {op} within {self._call_timeout_s} s")
