@@ -1,0 +1,207 @@
+"""The pure rendezvous rules: built by hand, time moved by hand, no store, no sleeping."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ftrun.rendezvous.state import (
+    Action,
+    NodeInfo,
+    RecordError,
+    RoundRecord,
+    Rules,
+    Status,
+    View,
+    decide,
+    decode_node,
+    decode_round,
+    encode_node,
+    encode_round,
+)
+
+RULES = Rules(min_nodes=2, max_nodes=3, last_call_s=30.0, join_timeout_s=600.0, max_restarts=2)
+
+
+def nodes(*ids: str, round_: int = 1, nproc: int = 2) -> dict[str, NodeInfo]:
+    return {n: NodeInfo(n, f"10.0.0.{i}", nproc, 29500 + i, round_, float(i)) for i, n in enumerate(ids, 1)}
+
+
+def view(record: RoundRecord | None, live: dict[str, NodeInfo], me: str = "a", now: float = 0.0, **kw: object) -> View:
+    return View(record, live, me, now=now, changed_at=0.0, waiting_since=0.0, **kw)  # type: ignore[arg-type]
+
+
+def closed(*members: str, round_: int = 1, failures: int = 0) -> RoundRecord:
+    return RoundRecord(round_, Status.CLOSED, members, (), failures, "10.0.0.1", 29501, (2,) * len(members))
+
+
+def test_an_unregistered_node_registers_first() -> None:
+    d = decide(view(None, nodes("b")), RULES)
+    assert (d.action, d.round) == (Action.REGISTER, 1)
+
+
+def test_below_min_waits_until_the_join_timeout() -> None:
+    d = decide(view(None, nodes("a")), RULES)
+    assert d.action is Action.WAIT
+    assert "1 of 2" in d.reason
+    assert d.wake_at == 600.0
+    d = decide(view(None, nodes("a"), now=600.0), RULES)
+    assert d.action is Action.FAIL
+    assert "1 node(s) came, 2 needed" in d.reason
+
+
+def test_min_nodes_close_after_the_last_call() -> None:
+    live = nodes("a", "b")
+    d = decide(view(None, live, now=29.9), RULES)
+    assert (d.action, d.wake_at) == (Action.WAIT, 30.0)
+    d = decide(view(None, live, now=30.0), RULES)
+    assert d.action is Action.CLOSE
+    assert d.record is not None
+    assert d.record.members == ("a", "b")
+    assert (d.record.master_addr, d.record.master_port, d.record.nproc) == ("10.0.0.1", 29501, (2, 2))
+
+
+def test_max_nodes_close_at_once_and_the_rest_are_spares() -> None:
+    live = nodes("a", "b", "c", "d")
+    d = decide(view(None, live), RULES)
+    assert d.action is Action.CLOSE
+    assert d.record is not None
+    assert d.record.members == ("a", "b", "c")
+    spare = decide(view(d.record, live, me="d"), RULES)
+    assert spare.action is Action.STANDBY
+
+
+def test_members_run_with_ranks_from_per_node_worker_counts() -> None:
+    record = RoundRecord(1, Status.CLOSED, ("a", "b", "c"), (), 0, "10.0.0.1", 29501, (4, 2, 8))
+    d = decide(view(record, nodes("a", "b", "c"), me="c"), RULES)
+    assert d.action is Action.RUN
+    assert d.assignment is not None
+    a = d.assignment
+    assert (a.group_rank, a.group_world_size, a.rank_offset, a.world_size) == (2, 3, 6, 14)
+
+
+def test_a_lost_member_reopens_and_spends_the_budget() -> None:
+    d = decide(view(closed("a", "b"), nodes("a")), RULES)
+    assert d.action is Action.REOPEN
+    assert d.record is not None
+    assert (d.record.round, d.record.status, d.record.previous, d.record.failures) == (2, Status.OPEN, ("a", "b"), 1)
+    assert "node(s) b left" in d.reason
+
+
+def test_survivors_close_a_reopened_round_without_waiting_for_the_last_call() -> None:
+    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b", "c"), failures=1)
+    live = nodes("a", "c", round_=2)
+    d = decide(view(reopened, live, now=0.1), RULES)
+    assert d.action is Action.CLOSE
+    assert d.record is not None
+    assert d.record.members == ("a", "c")
+    assert d.record.failures == 1
+
+
+def test_a_survivor_still_registered_for_the_old_round_is_awaited() -> None:
+    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b"), failures=1)
+    live = {**nodes("a", round_=2), "b": NodeInfo("b", "10.0.0.2", 2, 29502, 1, 2.0)}  # b still stopping
+    d = decide(view(reopened, live), Rules(1, 3, 30.0, 600.0, 2))  # a alone would be enough (min 1)
+    assert d.action is Action.WAIT
+    assert d.wake_at == 30.0  # the last call bounds the wait for a survivor that never comes back
+
+
+def test_worker_failure_reopens_and_exhausted_budget_fails() -> None:
+    live = nodes("a", "b")
+    d = decide(view(closed("a", "b"), live, running_round=1, local_failure=True), RULES)
+    assert d.action is Action.REOPEN
+    spent = decide(view(closed("a", "b", failures=2), live, running_round=1, local_failure=True), RULES)
+    assert spent.action is Action.FAIL
+    assert "budget spent" in spent.reason
+
+
+def test_a_newcomer_scales_up_a_job_below_max_without_spending_the_budget() -> None:
+    d = decide(view(closed("a", "b"), nodes("a", "b", "c"), me="c"), RULES)
+    assert d.action is Action.REOPEN
+    assert d.record is not None
+    assert d.record.failures == 0
+
+
+def test_workers_of_a_superseded_round_stop() -> None:
+    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b"), failures=1)
+    d = decide(view(reopened, nodes("a", "b"), running_round=1), RULES)
+    assert d.action is Action.STOP
+    assert "round 2 is open" in d.reason
+
+
+def test_success_finishes_the_job_and_late_nodes_exit() -> None:
+    d = decide(view(closed("a", "b"), nodes("a", "b"), running_round=1, job_done=True), RULES)
+    assert d.action is Action.COMPLETE
+    assert d.record is not None
+    assert d.record.status is Status.FINISHED
+    late = decide(view(d.record, nodes("z"), me="z"), RULES)
+    assert late.action is Action.FINISHED
+    assert "already finished" in late.reason
+
+
+def test_previous_members_keep_their_order() -> None:
+    reopened = RoundRecord(2, Status.OPEN, previous=("c", "a"), failures=0)
+    live = nodes("a", "new", "c", round_=2)
+    d = decide(view(reopened, live), RULES)
+    assert d.record is not None
+    assert d.record.members == ("c", "a", "new")
+
+
+@given(
+    ids=st.sets(st.text("abcdefgh", min_size=1, max_size=3), min_size=1, max_size=12),
+    lo=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    now=st.floats(0, 1000),
+)
+def test_closing_rules_properties(ids: set[str], lo: int, extra: int, now: float) -> None:
+    """Whoever decides, the closed membership is the same; it never exceeds max; ranks are a permutation."""
+    rules = Rules(lo, lo + extra, 30.0, 600.0, 3)
+    live = nodes(*sorted(ids))
+    outcomes = {decide(view(None, live, me=m, now=now), rules) for m in live}
+    records = {d.record for d in outcomes if d.action is Action.CLOSE}
+    assert len(records) <= 1
+    for record in records:
+        assert record is not None
+        assert len(record.members) <= rules.max_nodes
+        assert len(record.members) >= rules.min_nodes
+        ranks = sorted(decide(view(record, live, me=m), rules).assignment.group_rank for m in record.members)  # type: ignore[union-attr]
+        assert ranks == list(range(len(record.members)))
+
+
+def test_records_round_trip() -> None:
+    r = closed("a", "b")
+    assert decode_round(encode_round(r)) == r
+    n = nodes("a")["a"]
+    assert decode_node(encode_node(n)) == n
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"[]",
+        b'{"v": 2}',
+        b'{"v": 1, "round": 1, "status": "bogus"}',
+        b'{"v":1,"round":1,"status":"closed","members":["a","a"],"previous":[],"failures":0,'
+        b'"master_addr":"x","master_port":1,"nproc":[1,1],"reason":""}',
+        b'{"v":1,"round":0,"status":"open","members":[],"previous":[],"failures":0,'
+        b'"master_addr":"","master_port":0,"nproc":[],"reason":""}',
+        b'{"v":1,"round":1,"status":"closed","members":["a"],"previous":[],"failures":0,'
+        b'"master_addr":"x","master_port":1,"nproc":[true],"reason":""}',
+        b'{"v":1,"round":1,"status":"closed","members":[],"previous":[],"failures":0,'
+        b'"master_addr":"x","master_port":1,"nproc":[],"reason":""}',
+    ],
+)
+def test_corrupt_round_records_are_named_errors(raw: bytes) -> None:
+    with pytest.raises(RecordError, match="round record"):
+        decode_round(raw)
+
+
+@given(st.binary(max_size=300))
+def test_no_bytes_crash_the_decoders(raw: bytes) -> None:
+    for decode in (decode_round, decode_node):
+        with contextlib.suppress(RecordError):
+            decode(raw)
