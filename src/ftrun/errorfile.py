@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from ftrun.config import WorkerSettings
 from ftrun.errors import ErrorFileError
+from ftrun.jsonobject import load_object
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -104,14 +105,7 @@ def read_error_file(path: Path) -> ErrorRecord | None:
             raw = f.read(MAX_ERROR_FILE_BYTES + 1)
     except FileNotFoundError:
         return None
-    if len(raw) > MAX_ERROR_FILE_BYTES:
-        raise ErrorFileError(f"{path}: larger than {MAX_ERROR_FILE_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ErrorFileError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ErrorFileError(f"{path}: not a JSON object")
+    doc = load_object(raw, limit=MAX_ERROR_FILE_BYTES, what=str(path), error=ErrorFileError)
     if isinstance(doc.get("ftrun"), dict):
         return _ftrun_record(path, doc["ftrun"])
     return _torch_record(path, doc)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftrun.errors import FtrunError
+from ftrun.jsonobject import load_object
 
 SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 1024 * 1024
@@ -258,14 +259,7 @@ def encode_node(n: NodeInfo) -> bytes:
 
 
 def _load(raw: bytes, what: str) -> dict[str, Any]:
-    if len(raw) > MAX_RECORD_BYTES:
-        raise RecordError(f"{what}: {len(raw)} bytes, more than {MAX_RECORD_BYTES}")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RecordError(f"{what}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise RecordError(f"{what}: not a JSON object")
+    doc = load_object(raw, limit=MAX_RECORD_BYTES, what=what, error=RecordError)
     if doc.get("v") != SCHEMA_VERSION:
         raise RecordError(f"{what}: schema version {doc.get('v')!r}, expected {SCHEMA_VERSION} (mixed ftrun versions?)")
     return doc
