@@ -33,8 +33,11 @@ import os, subprocess, sys, time
 same_group = subprocess.Popen(["sleep", "600"])
 own_session = subprocess.Popen(["sleep", "601"], start_new_session=True)
 print(f"ready {os.getpid()} {same_group.pid} {own_session.pid}", flush=True)
+# Rank 1 fails only after rank 0 has printed: opening a FIFO blocks until both ends are open.
 if os.environ["RANK"] == "1":
+    open("both-ready", "rb").close()
     sys.exit(1)
+ready = open("both-ready", "wb")
 time.sleep(600)
 """
 
@@ -83,6 +86,7 @@ def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
 
 def test_grandchildren_do_not_survive_a_failure(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
     script("w.py", WITH_GRANDCHILDREN)
+    os.mkfifo(tmp_path / "both-ready")
     f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
     live.append(f)
     found = f.wait_for_lines(r"ready (\d+) (\d+) (\d+)", 2)
