@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fault-tolerant launcher for distributed training; a drop-in for torchrun.",
         allow_abbrev=False,
     )
-    _flag(p, "--nnodes", default="1", help="number of nodes, N or MIN:MAX (multi-node: coming)")
+    _flag(p, "--nnodes", default="1", help="number of nodes, N or MIN:MAX (elastic)")
     _flag(p, "--nproc-per-node", default="1", help="workers per node: an integer, auto, cpu or gpu")
     _flag(p, "--node-rank", default="0", help="rank of this node for --rdzv-backend static")
     _flag(p, "--master-addr", default="127.0.0.1", help="address of the rank 0 node (static rendezvous)")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for torchrun compatibility (spawn|fork|forkserver)",
     )
     _flag(p, "--local-addr", default=None, help="address other nodes reach this node at")
-    _flag(p, "--rdzv-backend", default="static", help="static, c10d/tcp or etcd (multi-node: coming)")
+    _flag(p, "--rdzv-backend", default="static", help="static, c10d (alias tcp: the embedded store) or etcd")
     _flag(p, "--rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store")
     _flag(p, "--rdzv-id", default="none", help="job id shared by all nodes (also names the log directory)")
     _flag(p, "--rdzv-conf", default="", help="KEY=VALUE,... e.g. join_timeout=900,last_call_timeout=10")
@@ -90,10 +90,6 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     """Parse and validate ``argv``; raises ConfigError naming the flag and the fix."""
     a = build_parser().parse_args(list(argv))
     nnodes = cfg.parse_nnodes(a.nnodes)
-    if nnodes != cfg.NodeRange(1, 1):
-        raise ConfigError(
-            "--nnodes", f"multi-node jobs ({a.nnodes}) are not supported yet", "run on one node: --nnodes 1"
-        )
     nproc = cfg.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
     node_rank = cfg.parse_int("--node-rank", a.node_rank, minimum=0)
     if node_rank >= nnodes.max:
@@ -105,6 +101,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"unknown backend {a.rdzv_backend!r}",
             f"use one of {', '.join(cfg.RDZV_BACKENDS)}",
         )
+    store_url = _check_nodes(a, nnodes)
+    if a.rdzv_backend == "static" and nnodes.max > 1:
+        master_port = master_port or cfg.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
     if a.start_method not in cfg.START_METHODS:
         raise ConfigError(
             "--start-method",
@@ -112,9 +111,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"use one of {', '.join(cfg.START_METHODS)}",
         )
     run_id = cfg.parse_run_id(a.rdzv_id)
-    host, port = cfg.parse_endpoint(a.rdzv_endpoint)
+    host, port = ("", None) if a.rdzv_backend.startswith("etcd") else cfg.parse_endpoint(a.rdzv_endpoint)
     token = cfg.store_token(a.rdzv_token, a.rdzv_token_file, environ)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf), token)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf), token, store_url)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else cfg.default_log_dir(),
         redirects=cfg.parse_std("--redirects", a.redirects, nproc),
@@ -153,6 +152,29 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         cwd=cwd,
         worker_base_env={**environ, **cfg.omp_threads(environ, nproc)},
     )
+
+
+def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange) -> str:
+    """Validate --nnodes against the rendezvous flags; returns the store URL ("" for static)."""
+    if a.rdzv_backend == "static":
+        if nnodes.min != nnodes.max:
+            raise ConfigError(
+                "--nnodes",
+                f"static rendezvous needs a fixed node count, got {a.nnodes}",
+                "pass --nnodes N, or an elastic range with --rdzv-backend c10d or etcd",
+            )
+        return ""
+    if a.standalone:
+        if nnodes.max != 1:
+            raise ConfigError("--standalone", f"is for one node, got --nnodes {a.nnodes}", "drop --standalone")
+        return ""
+    if not a.rdzv_endpoint and nnodes.max > 1:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            f"a {a.nnodes}-node job needs the address where the nodes meet",
+            "pass e.g. --rdzv-endpoint node0:29400 (the same on every node)",
+        )
+    return cfg.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, cfg.DEFAULT_STORE_PORT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

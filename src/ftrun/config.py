@@ -104,6 +104,7 @@ class RdzvSpec:
     run_id: str
     conf: RdzvConf
     token: str | None = field(default=None, repr=False)  # shared secret of the embedded store
+    store_url: str = ""  # where the nodes meet: tcp://HOST:PORT or etcd://...; "" for static
 
     @property
     def embedded_store(self) -> bool:
@@ -145,6 +146,34 @@ class LogSpec:
         return bool(stream & self.tee.get(local_rank, Std.NONE))
 
 
+DEFAULT_STORE_PORT = 29400  # torchrun's c10d default
+STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
+DEFAULT_STATIC_MASTER_PORT = 29500  # torchrun's, for multi-node static jobs where every node must agree
+
+
+def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int) -> str:
+    """The store URL for ``--rdzv-backend``/``--rdzv-endpoint``; raises ConfigError naming the flag."""
+    flag = "--rdzv-endpoint"
+    if backend in ("etcd", "etcd-v2"):
+        if not endpoint:
+            raise ConfigError(flag, "the etcd backend needs an endpoint", "pass e.g. --rdzv-endpoint etcd0:2379")
+        url = endpoint if endpoint.startswith(("etcd://", "etcds://")) else f"etcd://{endpoint}"
+    else:
+        host, port = parse_endpoint(endpoint)
+        url = f"tcp://{_bracketed(host or '127.0.0.1')}:{default_tcp_port if port is None else port}"
+    from ftrun.store.base import parse_store_url
+
+    try:
+        parse_store_url(url)
+    except ConfigError as e:
+        raise ConfigError(flag, e.problem, e.fix) from None
+    return url
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     entrypoint: Entrypoint
@@ -167,6 +196,11 @@ class LaunchConfig:
     python: str
     cwd: Path
     worker_base_env: Mapping[str, str] = field(repr=False)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the nodes meet through a store (rendezvous rounds) rather than fixed flags."""
+        return self.rdzv.backend in STORE_BACKENDS and not self.standalone
 
 
 # --- value parsers: each takes the raw flag text and raises ConfigError -----------------

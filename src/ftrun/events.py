@@ -23,6 +23,7 @@ SCHEMA_VERSION = 1
 class EventKind(enum.Enum):
     RUN_STARTED = "run_started"
     STORE_HOSTED = "store_hosted"
+    RENDEZVOUS = "rendezvous"  # this node joined a round (elastic jobs)
     ATTEMPT_STARTED = "attempt_started"
     WORKER_SPAWNED = "worker_spawned"
     WORKER_EXITED = "worker_exited"

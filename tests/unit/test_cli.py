@@ -141,7 +141,11 @@ def test_nproc_words(tmp_path: Path, script: Path) -> None:
         (["--nproc-per-node", "many", "train.py"], "--nproc-per-node"),
         (["--nproc-per-node", "gpu", "train.py"], "--nproc-per-node"),
         (["--nnodes", "3:1", "train.py"], "--nnodes"),
-        (["--nnodes", "2", "train.py"], "--nnodes"),
+        (["--nnodes", "2:4", "train.py"], "--nnodes"),  # static needs a fixed count
+        (["--nnodes", "2:4", "--rdzv-backend", "c10d", "train.py"], "--rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--standalone", "train.py"], "--standalone"),
+        (["--nnodes", "2", "--rdzv-backend", "etcd", "train.py"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379?bogus=1", "train.py"], "--rdzv-endpoint"),
         (["--nnodes", "a:b", "train.py"], "--nnodes"),
         (["--max-restarts", "-1", "train.py"], "--max-restarts"),
         (["--term-timeout", "soon", "train.py"], "--term-timeout"),
@@ -240,3 +244,17 @@ def test_store_token_sources(tmp_path: Path) -> None:
     assert store_token(None, None, {}) is None
     with pytest.raises(ConfigError, match="token_file"):
         store_token(None, str(tmp_path / "missing"), {})
+
+
+def test_multi_node_modes(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0", "train.py")
+    assert c.elastic
+    assert c.rdzv.store_url == "tcp://node0:29400"
+    c = parse(tmp_path, "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2:2379", "train.py")
+    assert c.elastic
+    assert c.rdzv.store_url == "etcd://e1:2379,e2:2379"
+    c = parse(tmp_path, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "train.py")
+    assert not c.elastic  # static: the flags place this node
+    assert (c.node_rank, c.master_addr, c.master_port) == (1, "node0", 29500)
+    c = parse(tmp_path, "--standalone", "--rdzv-backend", "c10d", "train.py")
+    assert not c.elastic

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftrun.agent.env import Assignment, single_node, worker_env
+from ftrun.agent.env import Assignment, Placement, assign, worker_env
 
 TORCHRUN_VARS = {
     "RANK",
@@ -24,9 +24,10 @@ TORCHRUN_VARS = {
 
 
 def assignment(**overrides: object) -> Assignment:
-    a = single_node(
+    a = assign(
         1,
         4,
+        Placement(),
         role="trainer",
         master_addr="127.0.0.1",
         master_port=29511,
@@ -71,3 +72,23 @@ def test_base_is_not_modified() -> None:
     base = {"HOME": "/root"}
     worker_env(base, assignment())
     assert base == {"HOME": "/root"}
+
+
+def test_a_node_in_a_multi_node_job_offsets_its_ranks() -> None:
+    # Per-node worker counts may differ (as torchrun): this node has 2 workers after nodes with 4 and 8.
+    a = assign(
+        1,
+        2,
+        Placement(group_rank=2, group_world_size=3, rank_offset=12, world_size=14),
+        role="trainer",
+        master_addr="10.0.0.1",
+        master_port=29511,
+        restart_count=0,
+        max_restarts=0,
+        run_id="job7",
+        error_file="/e",
+    )
+    env = worker_env({}, a)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("13", "1", "14", "2")
+    assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("2", "3")
+    assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"]) == ("13", "14")

@@ -31,7 +31,15 @@ def nodes(*ids: str, round_: int = 1, nproc: int = 2) -> dict[str, NodeInfo]:
 
 
 def view(record: RoundRecord | None, live: dict[str, NodeInfo], me: str = "a", now: float = 0.0, **kw: object) -> View:
+    """The leader's view (it sees every node key); ``registered`` follows my key unless given."""
+    kw.setdefault("registered", live[me].round if me in live else None)
     return View(record, live, me, now=now, changed_at=0.0, waiting_since=0.0, **kw)  # type: ignore[arg-type]
+
+
+def follower(record: RoundRecord | None, registered: int | None, me: str = "a", **kw: object) -> View:
+    """A node that is not the leader: it knows the round record and its own key, not the others'."""
+    kw.setdefault("now", 0.0)
+    return View(record, None, me, registered=registered, changed_at=0.0, waiting_since=0.0, **kw)  # type: ignore[arg-type]
 
 
 def closed(*members: str, round_: int = 1, failures: int = 0) -> RoundRecord:
@@ -109,13 +117,59 @@ def test_a_survivor_still_registered_for_the_old_round_is_awaited() -> None:
     assert d.wake_at == 30.0  # the last call bounds the wait for a survivor that never comes back
 
 
+def test_spares_newcomers_and_survivors_still_registered_for_the_old_round_are_all_awaited() -> None:
+    reopened = RoundRecord(3, Status.OPEN, previous=("a", "b"), failures=1)
+    live = {**nodes("a", "b", round_=3), **nodes("spare", round_=2)}  # the spare registered while round 2 ran
+    d = decide(view(reopened, live), RULES)
+    assert d.action is Action.WAIT
+    live = nodes("a", "b", "spare", round_=3)
+    d = decide(view(reopened, live), RULES)
+    assert d.action is Action.CLOSE
+    assert "maximum" in d.reason  # 3 of max 3
+
+
+def test_followers_wait_for_the_leader_and_count_at_the_join_timeout() -> None:
+    d = decide(follower(None, None), RULES)
+    assert (d.action, d.round) == (Action.REGISTER, 1)
+    d = decide(follower(None, 1, now=10.0), RULES)
+    assert (d.action, d.wake_at) == (Action.WAIT, 600.0)
+    d = decide(follower(None, 1, now=600.0), RULES)
+    assert d.action is Action.COUNT  # then the driver reads the node keys once and decides as the leader would
+
+
+def test_followers_never_reopen_for_lost_members_they_cannot_see() -> None:
+    d = decide(follower(closed("a", "b"), 1, running_round=1), RULES)
+    assert d.action is Action.RUN
+
+
+def test_a_lost_lease_stops_my_workers_at_once() -> None:
+    d = decide(follower(closed("a", "b"), None, running_round=1), RULES)
+    assert d.action is Action.STOP
+    assert "lease lost" in d.reason
+
+
+def test_a_late_node_registers_before_standing_by_or_scaling_up() -> None:
+    full = closed("a", "b", "c")
+    d = decide(follower(full, None, me="d"), RULES)
+    assert (d.action, d.round) == (Action.REGISTER, 1)
+    d = decide(follower(full, 1, me="d"), RULES)
+    assert d.action is Action.STANDBY
+    d = decide(follower(closed("a", "b"), 1, me="d"), RULES)
+    assert d.action is Action.REOPEN
+
+
 def test_worker_failure_reopens_and_exhausted_budget_fails() -> None:
     live = nodes("a", "b")
     d = decide(view(closed("a", "b"), live, running_round=1, local_failure=True), RULES)
     assert d.action is Action.REOPEN
     spent = decide(view(closed("a", "b", failures=2), live, running_round=1, local_failure=True), RULES)
-    assert spent.action is Action.FAIL
+    assert spent.action is Action.ABORT  # written to the store, so that every node stops
+    assert spent.record is not None
+    assert spent.record.status is Status.FAILED
     assert "budget spent" in spent.reason
+    everyone = decide(follower(spent.record, 1, me="b", running_round=1), RULES)
+    assert everyone.action is Action.FAIL
+    assert "budget spent" in everyone.reason
 
 
 def test_a_newcomer_scales_up_a_job_below_max_without_spending_the_budget() -> None:

@@ -7,6 +7,7 @@ come back. All waiting happens in one place (:meth:`WorkerGroup.wait`).
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 from collections import deque
@@ -20,7 +21,7 @@ from ftrun.agent.logs import Console, RankOutput, RankPaths
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.workers import ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
 from ftrun.clock import Clock, SystemClock
-from ftrun.config import LaunchConfig, Std
+from ftrun.config import DEFAULT_STORE_PORT, LaunchConfig, Std
 from ftrun.errors import FtrunError
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.ports import is_local_address, reserve_port
@@ -29,7 +30,6 @@ from ftrun.reporting import build_report, render, write_json
 if TYPE_CHECKING:
     from ftrun.store.tcp_server import TcpStoreServer
 
-DEFAULT_STORE_PORT = 29400  # torchrun's c10d default
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -53,6 +53,10 @@ class Agent:
 
     @classmethod
     def from_config(cls, config: LaunchConfig) -> Agent:
+        if config.elastic and cls is Agent:
+            from ftrun.agent.elastic import ElasticAgent
+
+            return ElasticAgent.from_config(config)
         return cls(
             config,
             clock=SystemClock(),
@@ -78,28 +82,54 @@ class Agent:
             log_dir=str(self.run_dir),
         )
         self._host_store()
-        state = policy.RunState(max_restarts=self.config.max_restarts)
-        self._pending.append(policy.Start())
         with SignalWakeup() as self._wakeup:
             try:
-                while True:
-                    if not self._pending:
-                        self._pending.extend(self._wait())
-                    decision = policy.decide(state, self._pending.popleft())
-                    state = decision.state
-                    if decision.commands:
-                        self._note(decision.reason)
-                    for command in decision.commands:
-                        if isinstance(command, policy.Finish):
-                            return self._finish(command.exit_code, state)
-                        self._pending.extend(self._execute(command))
+                return self._run_job()
             finally:
                 self._abandon()
 
+    def _run_job(self) -> int:
+        """One node is the whole job (or a static part of it): the pure restart policy decides."""
+        c = self.config
+        placement = worker_env.Placement()
+        if c.nnodes.max > 1:  # static: this node's place comes from the flags
+            placement = worker_env.Placement(
+                group_rank=c.node_rank,
+                group_world_size=c.nnodes.max,
+                rank_offset=c.node_rank * c.nproc_per_node,
+                world_size=c.nnodes.max * c.nproc_per_node,
+            )
+        state = policy.RunState(max_restarts=c.max_restarts)
+        self._pending.append(policy.Start())
+        while True:
+            if not self._pending:
+                self._pending.extend(self._wait())
+            decision = policy.decide(state, self._pending.popleft())
+            state = decision.state
+            if decision.commands:
+                self._note(decision.reason)
+            for command in decision.commands:
+                if isinstance(command, policy.Finish):
+                    return self._finish(command.exit_code, state.phase.value)
+                if isinstance(command, policy.StartAttempt):
+                    # A fresh port every attempt: nothing a worker could read is left from the last one.
+                    port = c.master_port or reserve_port("", self._clock.wall())
+                    attempt = command.restart_count
+                    self._pending.extend(self._start_attempt(attempt, placement, c.master_addr, port, attempt))
+                else:
+                    self._pending.extend(self._execute(command))
+
     def _host_store(self) -> None:
-        """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d)."""
+        """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d).
+
+        In an elastic job several agents may share a machine (and the endpoint): the
+        first one to bind hosts the store; the others find the port taken and are clients.
+        """
         r = self.config.rdzv
-        if not r.embedded_store or not (self.config.standalone or is_local_address(r.endpoint_host)):
+        wanted = r.conf.is_host
+        if wanted is None:
+            wanted = self.config.standalone or is_local_address(r.endpoint_host)
+        if not r.embedded_store or not wanted:
             return
         from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
 
@@ -108,6 +138,9 @@ class Agent:
         try:
             self.store_server = TcpStoreServer(host, port, token=r.token).start()
         except OSError as e:
+            if self.config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
+                self._say(f"{host}:{port} is taken, presumably by another agent's store: joining it as a client")
+                return
             raise FtrunError(
                 f"--rdzv-endpoint: cannot host the store on {host}:{port}: {e.strerror or e}; "
                 "pick a free port (or :0) or stop whatever holds it"
@@ -124,8 +157,6 @@ class Agent:
         return found
 
     def _execute(self, command: policy.Command) -> list[policy.Event]:
-        if isinstance(command, policy.StartAttempt):
-            return self._start_attempt(command.restart_count)
         if isinstance(command, policy.StopGroup):
             return self._stop_group()
         assert isinstance(command, policy.ReportFailure)
@@ -134,38 +165,43 @@ class Agent:
 
     # --- commands -------------------------------------------------------------------------
 
-    def _start_attempt(self, attempt: int) -> list[policy.Event]:
+    def _start_attempt(
+        self, attempt: int, placement: worker_env.Placement, master_addr: str, master_port: int, restart_count: int
+    ) -> list[policy.Event]:
+        """Spawn this node's workers; ``attempt`` numbers this node's attempts (and their log directories)."""
         c = self.config
         if self._group is not None:
             self._group.close()
         self._group = WorkerGroup(self._spawner, self._clock, self._wakeup.fd)
         self._attempt = attempt
-        # A fresh port every attempt: nothing a worker could read is left from the last one.
-        self._master_port = c.master_port or reserve_port("", self._clock.wall())
+        self._master_port = master_port
         if attempt:
-            self._emit(EventKind.RESTART, restart_count=attempt)
+            self._emit(EventKind.RESTART, restart_count=restart_count)
         self._emit(
             EventKind.ATTEMPT_STARTED,
             attempt=attempt,
             workers=c.nproc_per_node,
-            master_port=self._master_port,
+            master_addr=master_addr,
+            master_port=master_port,
+            group_rank=placement.group_rank,
         )
         attempt_dir = self.run_dir / f"attempt_{attempt}"
         argv = c.entrypoint.command(c.python)
         for local_rank in range(c.nproc_per_node):
-            rank = c.node_rank * c.nproc_per_node + local_rank
-            paths = RankPaths.under(attempt_dir, rank)
-            assignment = worker_env.single_node(
+            paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
+            assignment = worker_env.assign(
                 local_rank,
                 c.nproc_per_node,
+                placement,
                 role=c.role,
-                master_addr=c.master_addr,
-                master_port=self._master_port,
-                restart_count=attempt,
+                master_addr=master_addr,
+                master_port=master_port,
+                restart_count=restart_count,
                 max_restarts=c.max_restarts,
                 run_id=c.run_id,
                 error_file=str(paths.error_file),
             )
+            rank = assignment.rank
             worker = Worker(
                 rank, local_rank, attempt, paths, argv, worker_env.worker_env(c.worker_base_env, assignment)
             )
@@ -218,9 +254,9 @@ class Agent:
             },
         )
 
-    def _finish(self, exit_code: int, state: policy.RunState) -> int:
+    def _finish(self, exit_code: int, outcome: str) -> int:
         self._settle()
-        self._emit(EventKind.RUN_FINISHED, exit_code=exit_code, outcome=state.phase.value)
+        self._emit(EventKind.RUN_FINISHED, exit_code=exit_code, outcome=outcome)
         self._finished = True
         assert self.events is not None
         self._say(summarize(self.events.events).render())
@@ -241,7 +277,7 @@ class Agent:
         )
         return policy.WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
-    def _signals(self) -> list[policy.Event]:
+    def _signals(self) -> list[policy.Interrupted]:
         found = self._wakeup.drain()
         self._signals_seen += len(found)
         return [policy.Interrupted(s) for s in found]

@@ -31,9 +31,20 @@ class Assignment:
     error_file: str
 
 
-def single_node(
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where this node's workers sit in the job: from the rendezvous round, or the flags (static)."""
+
+    group_rank: int = 0
+    group_world_size: int = 1
+    rank_offset: int = 0  # the global rank of local rank 0
+    world_size: int | None = None  # None: this node's workers are the whole job
+
+
+def assign(
     local_rank: int,
     nproc: int,
+    placement: Placement,
     *,
     role: str,
     master_addr: str,
@@ -43,16 +54,18 @@ def single_node(
     run_id: str,
     error_file: str,
 ) -> Assignment:
-    """The assignment of ``local_rank`` when the whole job is this one node."""
+    """The assignment of ``local_rank``: global rank = rank offset of this node + local rank (as torchrun)."""
+    world = nproc if placement.world_size is None else placement.world_size
+    rank = placement.rank_offset + local_rank
     return Assignment(
-        rank=local_rank,
+        rank=rank,
         local_rank=local_rank,
-        world_size=nproc,
+        world_size=world,
         local_world_size=nproc,
-        group_rank=0,
-        group_world_size=1,
-        role_rank=local_rank,
-        role_world_size=nproc,
+        group_rank=placement.group_rank,
+        group_world_size=placement.group_world_size,
+        role_rank=rank,  # one role per job: role ranks are the global ranks
+        role_world_size=world,
         role_name=role,
         master_addr=master_addr,
         master_port=master_port,

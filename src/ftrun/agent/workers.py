@@ -171,15 +171,24 @@ class WorkerGroup:
     def running(self) -> list[Worker]:
         return [w for w in self.workers if w.returncode is None]
 
-    def wait(self, timeout_s: float | None) -> tuple[list[Worker], bool]:
-        """Sleep until a worker exits or the wake fd is readable, at most ``timeout_s``.
+    def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Worker], bool]:
+        """Sleep until a worker exits or the wake fd (or ``also``) is readable, at most ``timeout_s``.
 
-        Returns the workers that exited (already reaped) and whether the wake fd fired.
+        Returns the workers that exited (already reaped) and whether a wake fd fired.
+        ``also`` is watched for this call only (the rendezvous): while stopping, the
+        agent does not listen to it, and a level-triggered fd it ignores must not spin.
         """
         exited: list[Worker] = []
         woken = False
-        for key, _ in self._selector.select(timeout_s):
-            if key.fd == self._wake_fd:
+        if also is not None:
+            self._selector.register(also, selectors.EVENT_READ)
+        try:
+            ready = self._selector.select(timeout_s)
+        finally:
+            if also is not None:
+                self._selector.unregister(also)
+        for key, _ in ready:
+            if key.fd in (self._wake_fd, also):
                 woken = True
                 continue
             worker: Worker = key.data

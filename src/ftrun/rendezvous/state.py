@@ -9,7 +9,14 @@ The shared truth lives in the store as small records (DESIGN.md):
 
 A round is OPEN while nodes gather, CLOSED once its members are fixed (they
 train), FINISHED when the job succeeded. Any node may apply a rule; the
-compare-and-set decides which writer wins, and everyone else re-reads. No
+compare-and-set decides which writer wins, and everyone else re-reads.
+
+Only one node, the leader, watches the node keys (``View.nodes``); the others
+see ``nodes=None`` and follow the round record alone. That keeps every node's
+store traffic O(1) per round however large the job: N nodes watching N keys
+would be N*N notifications. The rules that need the membership (closing a
+round, noticing a lost member) are the leader's; the rules about oneself
+(register, run, fail, finish, scale up) are everybody's. No
 clock is read here: ``now`` (monotonic, this node's) and ``changed_at`` (when
 this node last saw the set of registered nodes change) are passed in, so no
 decision depends on clocks agreeing across machines.
@@ -35,11 +42,12 @@ class RecordError(FtrunError):
 
 
 class Status(enum.Enum):
-    """OPEN --close--> CLOSED --member lost / worker failed / scale-up--> OPEN (round + 1) ... --> FINISHED"""
+    """OPEN --close--> CLOSED --member lost / worker failed / scale-up--> OPEN (round + 1) ... --> FINISHED | FAILED"""
 
     OPEN = "open"
     CLOSED = "closed"
     FINISHED = "finished"
+    FAILED = "failed"  # the restart budget is spent: every node stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +89,12 @@ class Action(enum.Enum):
     CLOSE = "close"  # compare-and-set ``record`` (the closed round)
     REOPEN = "reopen"  # compare-and-set ``record`` (the next, open round)
     REGISTER = "register"  # (re)write my node key for ``round``
+    COUNT = "count"  # the join timeout passed: read the node keys, then decide again (to say who came)
     RUN = "run"  # start my workers with ``assignment``
     STOP = "stop"  # my workers belong to a round that is over: stop them now
     STANDBY = "standby"  # hot spare: the job is full
     COMPLETE = "complete"  # compare-and-set ``record`` (the round, FINISHED): my workers all succeeded
+    ABORT = "abort"  # compare-and-set ``record`` (the round, FAILED): a failure with the budget spent
     FINISHED = "finished"  # the job already succeeded: exit 0 (once my own workers are done)
     FAIL = "fail"  # give up: join timeout, or the restart budget is spent
 
@@ -98,6 +108,7 @@ class Assignment:
     world_size: int
     master_addr: str
     master_port: int
+    restarts: int  # rounds opened by failures so far (TORCHELASTIC_RESTART_COUNT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +126,9 @@ class View:
     """What this node knows: the store's records and its own situation."""
 
     record: RoundRecord | None
-    nodes: Mapping[str, NodeInfo]  # every node whose key exists (its lease is alive)
+    nodes: Mapping[str, NodeInfo] | None  # every node whose key exists (its lease is alive); None: not the leader
     me: str
+    registered: int | None  # the round my node key is registered for; None: no key (never written, or lease lost)
     now: float  # monotonic, this node's clock
     changed_at: float  # monotonic: when this node last saw ``nodes`` change
     waiting_since: float  # monotonic: when this node began waiting for a round
@@ -129,7 +141,9 @@ def decide(view: View, rules: Rules) -> Decision:
     """The next step for node ``view.me``, with a sentence saying why."""
     r = view.record
     if r is not None and r.status is Status.FINISHED:
-        return Decision(Action.FINISHED, f"job already finished (round {r.round})")
+        return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
+    if r is not None and r.status is Status.FAILED:
+        return Decision(Action.FAIL, f"the job failed in round {r.round}: {r.reason}")
     if view.running_round is not None:
         stop = _fenced(view)
         if stop is not None:
@@ -143,6 +157,8 @@ def _fenced(view: View) -> Decision | None:
     """Workers of a round that is over must stop at once: never train in a world that moved on."""
     r = view.record
     mine = view.running_round
+    if view.registered is None:
+        return Decision(Action.STOP, f"my workers run in round {mine}, but my node key is gone (store lease lost)")
     if r is None or r.round != mine or r.status is not Status.CLOSED or view.me not in r.members:
         now = "gone" if r is None else f"round {r.round} is {r.status.value}"
         return Decision(Action.STOP, f"my workers run in round {mine}, but {now}")
@@ -152,21 +168,25 @@ def _fenced(view: View) -> Decision | None:
 def _gather(view: View, rules: Rules) -> Decision:  # noqa: PLR0911 - one return per rule
     r = view.record
     round_ = r.round if r is not None else 1
-    me = view.nodes.get(view.me)
-    if me is None or me.round != round_:
+    if view.registered != round_:
         return Decision(Action.REGISTER, f"registering for round {round_}", round=round_)
+    give_up_at = view.waiting_since + rules.join_timeout_s
+    if view.nodes is None:
+        if view.now >= give_up_at:
+            return Decision(Action.COUNT, f"no round closed within join_timeout {rules.join_timeout_s:g} s")
+        return Decision(Action.WAIT, f"registered for round {round_}; waiting for it to close", wake_at=give_up_at)
     ready = {n for n, info in view.nodes.items() if info.round == round_}
-    previous = r.previous if r is not None else ()
-    survivors = {n for n in previous if n in view.nodes}
+    reopened = r is not None and r.round > 1
     have, need, most = len(ready), rules.min_nodes, rules.max_nodes
     if have >= most:
         return _close(view, rules, round_, ready, f"{have} nodes registered, the maximum of {most}")
-    if have >= need and previous and survivors <= ready:
-        return _close(view, rules, round_, ready, f"every surviving member rejoined ({have} nodes, min {need})")
-    last_call_at = view.changed_at + rules.last_call_s
+    if have >= need and reopened and ready == set(view.nodes):
+        # Every live node (survivors, spares, newcomers) is back: no one else is coming.
+        return _close(view, rules, round_, ready, f"every live node rejoined ({have} nodes, min {need})")
+    # The last call counts from the latest arrival, and never from before this round opened.
+    last_call_at = max(view.changed_at, view.waiting_since) + rules.last_call_s
     if have >= need and last_call_at <= view.now:
         return _close(view, rules, round_, ready, f"{have} nodes (min {need}) and none new for {rules.last_call_s:g} s")
-    give_up_at = view.waiting_since + rules.join_timeout_s
     if view.now >= give_up_at:
         return Decision(
             Action.FAIL,
@@ -179,6 +199,7 @@ def _gather(view: View, rules: Rules) -> Decision:  # noqa: PLR0911 - one return
 
 
 def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) -> Decision:
+    assert view.nodes is not None  # only the leader closes
     r = view.record
     previous = r.previous if r is not None else ()
     ordered = order(ready, previous, view.nodes)
@@ -197,8 +218,8 @@ def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) 
     return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record)
 
 
-def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:
-    lost = [m for m in r.members if m not in view.nodes]
+def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0911 - one return per rule
+    lost = [m for m in r.members if view.nodes is not None and m not in view.nodes]
     if lost:
         return _reopen(r, rules, f"node(s) {', '.join(lost)} left round {r.round}", failure=True)
     if view.me in r.members:
@@ -208,6 +229,9 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:
         if view.running_round == r.round and view.local_failure:
             return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True)
         return Decision(Action.RUN, f"member of round {r.round}", assignment=assignment(r, view.me))
+    if view.registered != r.round:
+        # A key first, so that the leader counts this node when the next round opens.
+        return Decision(Action.REGISTER, f"registering while round {r.round} runs", round=r.round)
     if len(r.members) < rules.max_nodes:
         return _reopen(r, rules, f"{view.me} is waiting and the job has {len(r.members)} < {rules.max_nodes} nodes")
     return Decision(Action.STANDBY, f"hot spare: round {r.round} is full ({rules.max_nodes} nodes)")
@@ -216,7 +240,9 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:
 def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False) -> Decision:
     failures = r.failures + (1 if failure else 0)
     if failures > rules.max_restarts:
-        return Decision(Action.FAIL, f"{reason}; restart budget spent ({rules.max_restarts} restarts)")
+        spent = f"{reason}; restart budget spent ({rules.max_restarts} restarts)"
+        failed = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": spent})
+        return Decision(Action.ABORT, spent, record=failed)
     record = RoundRecord(round=r.round + 1, status=Status.OPEN, previous=r.members, failures=failures, reason=reason)
     return Decision(Action.REOPEN, f"opening round {r.round + 1}: {reason}", record=record)
 
@@ -238,6 +264,7 @@ def assignment(r: RoundRecord, me: str) -> Assignment:
         world_size=sum(r.nproc),
         master_addr=r.master_addr,
         master_port=r.master_port,
+        restarts=r.failures,
     )
 
 

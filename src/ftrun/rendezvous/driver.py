@@ -1,0 +1,374 @@
+"""Runs the pure rules of :mod:`ftrun.rendezvous.state` against a real Store.
+
+Keys of one job (``/ftrun/<run id>/rdzv/...``)::
+
+    r/round     the round record, written only by compare-and-set
+    r/leader    the id of the node that watches the membership (bound to its lease)
+    n/<node>    one small record per node (bound to that node's lease)
+
+Every node watches ``r/`` (two keys: O(1) notifications per round); only the
+leader also watches ``n/``. When the leader's lease lapses its key vanishes,
+every node sees that on ``r/`` and one of them wins the compare-and-set to lead.
+
+The agent calls :meth:`Rendezvous.next` whenever something may have changed (a
+store event made :meth:`fileno` readable, ``wake_at`` passed, its workers
+exited). ``next`` applies the store's changes, asks the rules what to do,
+carries out the store's part itself (register, close, reopen, complete) and
+returns only what the agent must act on: run, stop, wait, finish or fail.
+"""
+
+from __future__ import annotations
+
+import selectors
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ftrun.clock import Clock
+from ftrun.errors import FtrunError, WatchLost
+from ftrun.rendezvous import state
+from ftrun.rendezvous.lease import LeaseKeeper
+from ftrun.rendezvous.state import Action, Decision, NodeInfo, RecordError, RoundRecord, Rules, Status
+from ftrun.store.base import EventType, Store, Watch
+
+T = TypeVar("T")
+MAX_STEPS = 10_000  # store actions in one next(); each is a compare-and-set won or a record changed
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    root: str
+
+    @classmethod
+    def of(cls, run_id: str) -> Keys:
+        return cls(f"/ftrun/{run_id}/rdzv/")
+
+    @property
+    def shared(self) -> str:
+        return self.root + "r/"
+
+    @property
+    def round(self) -> str:
+        return self.root + "r/round"
+
+    @property
+    def leader(self) -> str:
+        return self.root + "r/leader"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "n/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+
+@dataclass(frozen=True, slots=True)
+class Me:
+    """What this node offers to the job."""
+
+    node_id: str  # unique even for several agents on one host: hostname, pid and a random part
+    addr: str  # where the other nodes reach this one (MASTER_ADDR if it becomes group rank 0)
+    nproc: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    keep_alive_interval_s: float
+    keep_alive_max_attempt: int
+
+    @property
+    def ttl_s(self) -> float:
+        """Dead-node detection time: this many seconds without a keep-alive."""
+        return self.keep_alive_interval_s * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """What only this node knows: how its workers are doing."""
+
+    running_round: int | None = None
+    local_failure: bool = False
+    job_done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    decision: Decision
+    wake_at: float  # monotonic: call next() again by then even if nothing is readable
+
+
+class Rendezvous:
+    """One node's side of the rendezvous. Not thread-safe: the agent's main thread owns it."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        me: Me,
+        rules: Rules,
+        timing: Timing,
+        *,
+        clock: Clock,
+        offer_port: Callable[[], int],
+        log: Callable[[str], None],
+    ) -> None:
+        self._store = store
+        self._keys = Keys.of(run_id)
+        self._me = me
+        self._rules = rules
+        self._timing = timing
+        self._clock = clock
+        self._offer_port = offer_port
+        self._log = log
+        self._selector = selectors.DefaultSelector()
+        self._keeper: LeaseKeeper | None = None
+        self._shared_watch: Watch | None = None
+        self._nodes_watch: Watch | None = None  # only while leading
+        self._record: RoundRecord | None = None
+        self._record_rev = 0
+        self._leader: str | None = None
+        self._nodes: dict[str, NodeInfo] = {}
+        self._registered: int | None = None
+        self._changed_at = 0.0
+        self._waiting_since = 0.0
+        self._joined_wall = clock.wall()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Rendezvous:
+        now = self._clock.monotonic()
+        self._changed_at = self._waiting_since = now
+        self._new_lease()
+        self._follow_shared()
+        return self
+
+    def fileno(self) -> int:
+        """Readable when the store changed or the lease was lost (an epoll fd: nest it in any select)."""
+        return self._selector.fileno()
+
+    @property
+    def leading(self) -> bool:
+        return self._nodes_watch is not None
+
+    def close(self, *, leave: bool = True) -> None:
+        """Stop renewing; with ``leave``, revoke the lease so the others see this node go at once."""
+        self._stop_leading()
+        if self._shared_watch is not None:
+            self._unwatch(self._shared_watch)
+            self._shared_watch = None
+        if self._keeper is not None:
+            self._selector.unregister(self._keeper.fileno())
+            self._keeper.close(revoke=leave)
+            self._keeper = None
+        self._selector.close()
+
+    # --- the step --------------------------------------------------------------------------
+
+    def next(self, local: Local) -> Step:
+        """Apply what changed, do the store's part of the rules, return what the agent must do."""
+        for _ in range(MAX_STEPS):
+            self._absorb()
+            now = self._clock.monotonic()
+            decision = state.decide(self._view(local, now, self._nodes if self.leading else None), self._rules)
+            if decision.action is Action.COUNT:
+                listed = self._list_nodes()
+                decision = state.decide(self._view(local, now, listed), self._rules)
+            if decision.action is Action.REGISTER:
+                self._register(decision.round)
+            elif decision.action in (Action.CLOSE, Action.REOPEN, Action.COMPLETE, Action.ABORT):
+                assert decision.record is not None
+                self._write_round(decision)
+            else:
+                return Step(decision, self._wake_at(decision))
+        raise FtrunError(f"rendezvous did not settle after {MAX_STEPS} store actions; the store may be misbehaving")
+
+    def _view(self, local: Local, now: float, nodes: dict[str, NodeInfo] | None) -> state.View:
+        return state.View(
+            record=self._record,
+            nodes=nodes,
+            me=self._me.node_id,
+            registered=self._registered,
+            now=now,
+            changed_at=self._changed_at,
+            waiting_since=self._waiting_since,
+            running_round=local.running_round,
+            local_failure=local.local_failure,
+            job_done=local.job_done,
+        )
+
+    def _wake_at(self, decision: Decision) -> float:
+        assert self._keeper is not None
+        lease_check = self._keeper.valid_until
+        return lease_check if decision.wake_at is None else min(decision.wake_at, lease_check)
+
+    # --- store actions ---------------------------------------------------------------------
+
+    def _register(self, round_: int) -> None:
+        assert self._keeper is not None
+        info = NodeInfo(self._me.node_id, self._me.addr, self._me.nproc, self._offer_port(), round_, self._joined_wall)
+        self._store.put(self._keys.node(self._me.node_id), state.encode_node(info), lease=self._keeper.lease)
+        self._registered = round_
+        if self.leading:  # no need to wait for my own key to come back on the watch
+            self._nodes[self._me.node_id] = info
+            self._changed_at = self._clock.monotonic()
+        self._log(f"rendezvous: registered for round {round_}")
+
+    def _write_round(self, decision: Decision) -> None:
+        record = decision.record
+        assert record is not None
+        won, rev = self._store.compare_and_set(self._keys.round, state.encode_round(record), self._record_rev)
+        if won:
+            self._set_record(record, rev)
+            self._log(f"rendezvous: {decision.reason}")
+            return
+        current = self._store.get(self._keys.round)  # someone else moved first: read what they wrote
+        if current is None:
+            self._record, self._record_rev = None, 0
+        else:
+            self._set_record(_decode(state.decode_round, current.value), current.revision)
+
+    # --- what the store says -----------------------------------------------------------------
+
+    def _absorb(self) -> None:
+        """Drain the watches and notice a lost lease; everything else is read from these."""
+        assert self._keeper is not None
+        lost = self._keeper.lost(self._clock.monotonic())
+        if lost:
+            self._log(f"rendezvous: {lost}; my node key is gone")
+            self._registered = None
+            self._stop_leading()
+            self._selector.unregister(self._keeper.fileno())
+            self._keeper.close(revoke=False)
+            self._new_lease()
+        try:
+            self._drain_shared()
+            self._drain_nodes()
+        except WatchLost as e:
+            # The store lost its history (an embedded store restarted empty): start from what it holds now.
+            self._log(f"rendezvous: {e}; reading the store afresh")
+            self._registered = None
+            self._stop_leading()
+            if self._shared_watch is not None:
+                self._unwatch(self._shared_watch)
+            self._selector.unregister(self._keeper.fileno())
+            self._keeper.close(revoke=False)
+            self._new_lease()
+            self._follow_shared()
+        if self._leader is None:
+            self._try_to_lead()
+
+    def _drain_shared(self) -> None:
+        assert self._shared_watch is not None
+        while (event := self._shared_watch.get(0)) is not None:
+            self._apply_shared(event.key, event.value if event.type is EventType.PUT else None, event.revision)
+
+    def _apply_shared(self, key: str, value: bytes | None, revision: int) -> None:
+        if key == self._keys.round:
+            if revision > self._record_rev:
+                record = None if value is None else _decode(state.decode_round, value)
+                self._set_record(record, revision if record is not None else 0)
+        elif key == self._keys.leader:
+            self._leader = None if value is None else value.decode(errors="replace")
+            if self._leader != self._me.node_id:
+                self._stop_leading()
+
+    def _set_record(self, record: RoundRecord | None, revision: int) -> None:
+        old = self._record
+        self._record, self._record_rev = record, revision
+        if record is not None and (old is None or old.round != record.round) and record.status is Status.OPEN:
+            self._waiting_since = self._clock.monotonic()  # a new round: the join timeout counts from here
+
+    def _drain_nodes(self) -> None:
+        if self._nodes_watch is None:
+            return
+        changed = False
+        while (event := self._nodes_watch.get(0)) is not None:
+            node_id = event.key[len(self._keys.nodes) :]
+            if event.type is EventType.DELETE:
+                changed |= self._nodes.pop(node_id, None) is not None
+            else:
+                self._nodes[node_id] = _decode(state.decode_node, event.value)
+                changed = True
+        if changed:
+            self._changed_at = self._clock.monotonic()
+
+    def _follow_shared(self) -> None:
+        kvs, rev = self._store.list_prefix(self._keys.shared)
+        self._record, self._record_rev, self._leader = None, 0, None
+        for kv in kvs:
+            self._apply_shared(kv.key, kv.value, kv.revision)
+        self._shared_watch = self._watch(self._keys.shared, rev + 1)
+
+    def _try_to_lead(self) -> None:
+        assert self._keeper is not None
+        won, _ = self._store.compare_and_set(self._keys.leader, self._me.node_id.encode(), 0, lease=self._keeper.lease)
+        if not won:
+            return  # someone else leads; its key arrives on the shared watch
+        self._leader = self._me.node_id
+        kvs, rev = self._store.list_prefix(self._keys.nodes)
+        self._nodes = {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}
+        self._nodes_watch = self._watch(self._keys.nodes, rev + 1)
+        self._changed_at = self._clock.monotonic()
+        self._log(f"rendezvous: leading (watching {len(self._nodes)} node key(s))")
+
+    def _stop_leading(self) -> None:
+        if self._nodes_watch is not None:
+            self._unwatch(self._nodes_watch)
+            self._nodes_watch = None
+            self._nodes = {}
+        if self._leader == self._me.node_id:
+            self._leader = None
+
+    def _list_nodes(self) -> dict[str, NodeInfo]:
+        kvs, _ = self._store.list_prefix(self._keys.nodes)
+        return {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}
+
+    def _new_lease(self) -> None:
+        self._keeper = LeaseKeeper(
+            self._store,
+            ttl_s=self._timing.ttl_s,
+            interval_s=self._timing.keep_alive_interval_s,
+            clock=self._clock,
+        ).start()
+        self._selector.register(self._keeper.fileno(), selectors.EVENT_READ)
+
+    def _watch(self, prefix: str, start_revision: int) -> Watch:
+        watch = self._store.watch(prefix, start_revision)
+        self._selector.register(watch.fileno(), selectors.EVENT_READ)
+        return watch
+
+    def _unwatch(self, watch: Watch) -> None:
+        self._selector.unregister(watch.fileno())
+        watch.close()
+
+    # --- after the job -------------------------------------------------------------------------
+
+    def wait_for_departures(self, timeout_s: float) -> int:
+        """Block until no other node key is left (bounded); returns how many remain.
+
+        The agent that hosts the embedded store calls this before shutting it down,
+        so that the nodes still finishing can read that the job is done.
+        """
+        kvs, rev = self._store.list_prefix(self._keys.nodes)
+        mine = self._keys.node(self._me.node_id)
+        others = {kv.key for kv in kvs} - {mine}
+        deadline = self._clock.monotonic() + timeout_s
+        with self._store.watch(self._keys.nodes, rev + 1) as watch:
+            while others and (left := deadline - self._clock.monotonic()) > 0:
+                event = watch.get(left)
+                if event is None:
+                    break
+                if event.type is EventType.DELETE:
+                    others.discard(event.key)
+                elif event.key != mine:
+                    others.add(event.key)
+        return len(others)
+
+
+def _decode(decoder: Callable[[bytes], T], raw: bytes) -> T:
+    """Decode a record; a corrupt one is a named, fatal error (never a crash deep in the agent)."""
+    try:
+        return decoder(raw)
+    except RecordError as e:
+        raise FtrunError(f"rendezvous store holds a bad record: {e}") from None

@@ -1,0 +1,74 @@
+"""This node's store lease: kept alive from a thread, and a deadline the agent can trust.
+
+The lease is what makes this node exist for the others: its node key (and the
+leader key, if it leads) vanish when the lease lapses. The keeper thread renews
+it every ``keep_alive_interval``; ``valid_until`` is the latest time the store
+can still hold the lease, counted from when the last successful renewal was
+*sent*. The store's own expiry can only be later, so a node that stops its
+workers at ``valid_until`` never trains in a round the others have left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+from ftrun.clock import Clock
+from ftrun.errors import LeaseExpired, StoreError
+from ftrun.store.base import Store
+
+
+class LeaseKeeper:
+    def __init__(self, store: Store, *, ttl_s: float, interval_s: float, clock: Clock) -> None:
+        self._store = store
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Readable once the store said the lease is gone, so a select() wakes at once.
+        self._lost_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.lost_reason = ""
+        sent = clock.monotonic()
+        self.lease = store.grant_lease(ttl_s)
+        self.valid_until = sent + ttl_s
+
+    def start(self) -> LeaseKeeper:
+        self._thread = threading.Thread(target=self._run, name=f"ftrun-lease-{self.lease}", daemon=True)
+        self._thread.start()
+        return self
+
+    def fileno(self) -> int:
+        return self._lost_fd
+
+    def lost(self, now: float) -> str:
+        """Why the lease must be taken as lost by ``now``, or "" while it holds."""
+        if self.lost_reason:
+            return self.lost_reason
+        if now >= self.valid_until:
+            return f"no keep-alive reached the store for {self._ttl_s:g} s"
+        return ""
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            sent = self._clock.monotonic()
+            try:
+                self._store.keep_alive(self.lease)
+            except LeaseExpired:
+                self.lost_reason = "the store expired my lease"
+                os.eventfd_write(self._lost_fd, 1)
+                return
+            except StoreError:
+                continue  # the deadline in valid_until decides; the next interval tries again
+            self.valid_until = max(self.valid_until, sent + self._ttl_s)
+
+    def close(self, *, revoke: bool) -> None:
+        """Stop renewing; with ``revoke``, end the lease now so the others see this node leave at once."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._ttl_s + 1.0)
+        if revoke and not self.lost_reason:
+            with contextlib.suppress(StoreError):  # else the lease lapses by itself within its TTL
+                self._store.revoke_lease(self.lease)
+        os.close(self._lost_fd)
