@@ -7,6 +7,7 @@ its workers die with it (parent-death signal). Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,8 +46,8 @@ class Result:
         return (self.run_dir / f"attempt_{attempt}" / str(rank) / f"{stream}.log").read_text()
 
 
-def ftrun_argv(tmp_path: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / "logs"), "--rdzv-id", RUN_ID, *args]
+def ftrun_argv(tmp_path: Path, *args: str, logs: str = "logs") -> list[str]:
+    return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / logs), "--rdzv-id", RUN_ID, *args]
 
 
 def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
@@ -70,23 +72,30 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
 class LiveFtrun:
     """ftrun running in the background; the test reads its stdout line by line."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        self.stderr_path = tmp_path / "ftrun.stderr"
+    def __init__(self, tmp_path: Path, *args: str, name: str = "") -> None:
+        """``name`` keeps several agents in one test apart (their logs and stderr)."""
+        suffix = f"-{name}" if name else ""
+        self.stderr_path = tmp_path / f"ftrun{suffix}.stderr"
         self._stderr = self.stderr_path.open("w")
+        self._stderr_lines: list[str] = []
+        self._stderr_changed = threading.Condition()
         self.proc = subprocess.Popen(
-            ftrun_argv(tmp_path, *args),
+            ftrun_argv(tmp_path, *args, logs=f"logs{suffix}"),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
-            stderr=self._stderr,
+            stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        # A thread copies stderr to the file and wakes wait_for_stderr; the agent never blocks on a full pipe.
+        self._stderr_pump = threading.Thread(target=self._pump_stderr, daemon=True)
+        self._stderr_pump.start()
         assert self.proc.stdout is not None
         self._stdout = self.proc.stdout
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._stdout, selectors.EVENT_READ)
         self._buffer = b""
         self.lines: list[str] = []
-        self.run_dir = tmp_path / "logs" / RUN_ID
+        self.run_dir = tmp_path / f"logs{suffix}" / RUN_ID
 
     def wait_for_lines(self, pattern: str, count: int, timeout: float = WAIT_S) -> list[re.Match[str]]:
         """Block until ``count`` stdout lines match ``pattern`` (or fail after ``timeout``)."""
@@ -106,18 +115,55 @@ class LiveFtrun:
             *complete, self._buffer = self._buffer.split(b"\n")
             self.lines += [line.decode(errors="replace") for line in complete]
 
+    def _pump_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace")
+            self._stderr.write(line)
+            self._stderr.flush()
+            with self._stderr_changed:
+                self._stderr_lines.append(line)
+                self._stderr_changed.notify_all()
+        with self._stderr_changed:
+            self._stderr_lines.append("")  # end of stream
+            self._stderr_changed.notify_all()
+
+    def wait_for_stderr(self, pattern: str, timeout: float = WAIT_S) -> str:
+        """Block until ftrun writes a stderr line matching ``pattern``; returns the line."""
+        regex = re.compile(pattern)
+
+        def seen() -> str | None:
+            return next((line for line in self._stderr_lines if regex.search(line)), None) or (
+                "" if self._stderr_lines[-1:] == [""] else None
+            )
+
+        with self._stderr_changed:
+            line = self._stderr_changed.wait_for(seen, timeout)
+        if not line:
+            raise AssertionError(f"no stderr line like {pattern!r} in {timeout} s; stderr: {self.stderr()}")
+        return line
+
     def wait(self, timeout: float = WAIT_S) -> int:
-        return self.proc.wait(timeout)
+        """Wait for ftrun to exit; then ``lines`` holds all it wrote to stdout."""
+        code = self.proc.wait(timeout)
+        self._stderr_pump.join(timeout)
+        with contextlib.suppress(AssertionError):  # reads to the end of stdout; ends with "closed stdout"
+            self.wait_for_lines(r"(?!)", 1, timeout)
+        return code
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text()
+        with self._stderr_changed:
+            return "".join(self._stderr_lines)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(WAIT_S)
+        self._stderr_pump.join(WAIT_S)
         self._selector.close()
         self._stdout.close()
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
         self._stderr.close()
 
 

@@ -1,0 +1,214 @@
+"""Multi-node jobs on one host: several real agents, each its own process and node, on tcp and on a real etcd.
+
+The store for the tcp runs is a separate `ftrun store` process, so that any agent
+can be killed; one test has an agent host it, as torchrun's c10d does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftrun.testing.etcd import EtcdHarness
+from tests.integration.conftest import LiveFtrun, WriteScript, run_ftrun, wait_gone
+
+# Fast detection for tests: a node is dead 1 s after its last keep-alive (etcd rounds TTLs up to its minimum).
+CONF = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=60,close_timeout=20"
+
+WORKER = """
+import os, sys, time
+e = os.environ
+print(f"up rank={e['RANK']} world={e['WORLD_SIZE']} group={e['GROUP_RANK']} "
+      f"restart={e['TORCHELASTIC_RESTART_COUNT']} pid={os.getpid()}", flush=True)
+mode = sys.argv[1] if len(sys.argv) > 1 else "forever"
+restarted = e["TORCHELASTIC_RESTART_COUNT"] != "0"
+if mode == "crash-once" and e["RANK"] == "3" and not restarted:
+    sys.exit(3)
+if mode == "crash" and e["RANK"] == "3":
+    sys.exit(3)
+if mode == "finish" or (mode == "crash-once" and restarted):
+    sys.exit(0)
+time.sleep(600)
+"""
+
+UP = r"up rank=(\d+) world=(\d+) group=(\d+) restart=(\d+) pid=(\d+)"
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdHarness]:
+    with EtcdHarness() as harness:
+        yield harness
+
+
+@pytest.fixture(scope="module")
+def tcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A standalone embedded store: `ftrun store --port 0`; yields HOST:PORT."""
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        found = re.search(r"serving on (127\.0\.0\.1:\d+)", proc.stderr.readline())
+        assert found
+        yield found.group(1)
+    finally:
+        proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def rdzv(request: pytest.FixtureRequest) -> list[str]:
+    """The rendezvous flags of one backend (the store already running)."""
+    if request.param == "tcp":
+        endpoint = request.getfixturevalue("tcp_server")
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf", f"{CONF},is_host=false"]
+    etcd: EtcdHarness = request.getfixturevalue("etcd_server")
+    return ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.url.removeprefix("etcd://"), "--rdzv-conf", CONF]
+
+
+class Nodes:
+    """Agents of one job, started with the same flags, stopped at teardown."""
+
+    def __init__(self, tmp_path: Path, live: list[LiveFtrun], flags: list[str]) -> None:
+        self.tmp_path, self.live, self.flags = tmp_path, live, flags
+
+    def start(self, name: str, *extra: str) -> LiveFtrun:
+        # Every run id is the test's own: etcd keeps records across tests.
+        run_id = f"{self.tmp_path.name}-{os.getpid()}"
+        agent = LiveFtrun(
+            self.tmp_path, *self.flags, "--rdzv-id", run_id, "--local-addr", "127.0.0.1", *extra, name=name
+        )
+        self.live.append(agent)
+        return agent
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, live: list[LiveFtrun], rdzv: list[str], script: WriteScript) -> Nodes:
+    script("w.py", WORKER)
+    return Nodes(tmp_path, live, rdzv)
+
+
+def ups(agent: LiveFtrun, world: int, count: int) -> list[re.Match[str]]:
+    """Wait until ``count`` workers of this agent came up in a world of ``world`` ranks."""
+    return agent.wait_for_lines(rf"up rank=(\d+) world=({world}) group=(\d+) restart=(\d+) pid=(\d+)", count)
+
+
+def pids(agent: LiveFtrun, world: int) -> list[int]:
+    return [int(m.group(5)) for m in map(re.compile(UP).search, agent.lines) if m and m.group(2) == str(world)]
+
+
+def test_two_of_1_3_train_then_one_dies_then_a_third_scales_up(nodes: Nodes) -> None:
+    a = nodes.start("a", "--nnodes", "1:3", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    b = nodes.start("b", "--nnodes", "1:3", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    ups(a, 4, 2)
+    ups(b, 4, 2)
+    ranks = sorted(int(m.group(1)) for f in (a, b) for m in map(re.compile(UP).search, f.lines) if m)
+    assert ranks == [0, 1, 2, 3]
+    b.proc.kill()  # SIGKILL: no goodbye, only the lapsed lease tells
+    b.wait()
+    ups(a, 2, 2)  # the survivor trains alone
+    assert wait_gone(pids(b, 4)) == []
+    c = nodes.start("c", "--nnodes", "1:3", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    ups(c, 4, 2)  # scale-up: a new round admits it
+    found = ups(a, 4, 4)
+    assert {m.group(3) for m in found[2:]} == {"0"}  # a keeps group rank 0
+    assert "left round" in a.stderr()
+
+
+def test_a_spare_replaces_a_lost_member(nodes: Nodes) -> None:
+    flags = ["--nnodes", "2:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py"]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    ups(a, 4, 2)
+    ups(b, 4, 2)
+    spare = nodes.start("spare", *flags)
+    spare.wait_for_stderr("hot spare")
+    b.proc.kill()
+    found = ups(spare, 4, 2)
+    assert all(m.group(4) == "1" for m in found)  # one failure-caused round so far
+    ups(a, 4, 4)
+
+
+def test_a_worker_crash_on_one_node_restarts_every_node_then_the_job_succeeds(nodes: Nodes) -> None:
+    flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "crash-once"]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    assert a.wait() == 0, a.stderr()
+    assert b.wait() == 0, b.stderr()
+    restarted = [m for f in (a, b) for m in map(re.compile(UP).search, f.lines) if m and m.group(4) == "1"]
+    assert len(restarted) == 4  # every worker of both nodes ran again, as restart 1
+    crashed = a if "ROOT CAUSE  rank 3" in a.stderr() else b
+    assert "ROOT CAUSE  rank 3" in crashed.stderr()
+
+
+def test_a_spent_budget_fails_every_node(nodes: Nodes) -> None:
+    flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "0", "w.py", "crash"]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    assert a.wait() == 1
+    assert b.wait() == 1
+    for f in (a, b):
+        assert "restart budget spent" in f.stderr()
+
+
+def test_a_lost_lease_stops_the_workers_and_the_node_rejoins(nodes: Nodes) -> None:
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py"]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    ups(a, 4, 2)
+    ups(b, 4, 2)
+    old = pids(b, 4)
+    b.proc.send_signal(signal.SIGSTOP)  # partitioned: b cannot keep its lease alive
+    try:
+        ups(a, 2, 2)  # the others moved on without b
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    assert wait_gone(old, timeout=30.0) == []  # b fenced its own workers when it woke
+    ups(b, 4, 4)  # and came back in a later round
+    assert "lease" in b.stderr()
+
+
+def test_a_join_that_cannot_complete_says_how_many_came(nodes: Nodes) -> None:
+    flags = ["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-conf", "join_timeout=1", "w.py"]
+    a = nodes.start("a", *flags)
+    assert a.wait() == 1
+    assert "1 node(s) came, 3 needed" in a.stderr()
+
+
+def test_an_agent_hosts_the_store_and_a_late_agent_hears_the_job_finished(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    script("w.py", WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", CONF, "--nnodes", "2"]
+    flags += ["--local-addr", "127.0.0.1", "--nproc-per-node", "2", "w.py", "finish"]
+    a = LiveFtrun(tmp_path, *flags, name="a")
+    live.append(a)
+    b = LiveFtrun(tmp_path, *flags, name="b")
+    live.append(b)
+    assert b.wait() == 0, b.stderr()
+    assert a.wait() == 0, a.stderr()
+    hosts = [f for f in (a, b) if "hosting the rendezvous store" in f.stderr()]
+    assert len(hosts) == 1
+    assert "already finished" in (a.stderr() + b.stderr())
+
+
+def test_a_late_agent_exits_0_when_the_job_already_finished(
+    tmp_path: Path, script: WriteScript, etcd_server: EtcdHarness
+) -> None:
+    script("w.py", WORKER)
+    flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.url.removeprefix("etcd://")]
+    flags += ["--rdzv-conf", CONF, "--local-addr", "127.0.0.1", "--nnodes", "1", "--rdzv-id", tmp_path.name]
+    flags += ["w.py", "finish"]
+    r = run_ftrun(tmp_path, *flags)
+    assert r.returncode == 0, r.stderr
+    late = run_ftrun(tmp_path, *flags)
+    assert late.returncode == 0, late.stderr
+    assert "job already finished" in late.stderr
+    assert "up rank" not in late.stdout
