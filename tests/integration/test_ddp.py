@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import run_ftrun
+from ftrun.testing.etcd import EtcdHarness
+from tests.integration.conftest import WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.test_elastic import CONF as ELASTIC_CONF
 
 pytestmark = pytest.mark.torch
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")
 STEPS = ["--steps", "120", "--checkpoint-every", "10"]
 
 
-def final_checksum(stdout: str) -> str:
-    found = re.findall(r"final loss [0-9.]+ checksum ([0-9a-f]{16}) world 2", stdout)
+def final_checksum(stdout: str, world: int = 2) -> str:
+    found = re.findall(rf"final loss [0-9.]+ checksum ([0-9a-f]{{16}}) world {world}", stdout)
     assert len(found) == 1, stdout
     return str(found[0])
 
@@ -43,3 +45,41 @@ def test_fault_mid_run_recovers_with_identical_weights(tmp_path: Path, clean_che
         assert root["signal"] == "SIGKILL"  # type: ignore[index]
     else:
         assert "injected failure at step 55" in root["error"]["message"]  # type: ignore[index]
+
+
+def test_ddp_across_two_agents_survives_the_loss_of_one(tmp_path: Path, live: list[LiveFtrun]) -> None:
+    """2 nodes x 2 workers on etcd plus a hot spare; one node is SIGKILLed mid-run; the weights still match.
+
+    The spare keeps the world at 4 ranks, so the result must equal a clean 4-rank run bit for bit
+    (a smaller world sums the gradients in another order: equal maths, other bits).
+    """
+    with EtcdHarness() as etcd:
+        endpoint = etcd.url.removeprefix("etcd://")
+
+        def agent(name: str, run_id: str) -> LiveFtrun:
+            started = LiveFtrun(
+                tmp_path, "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-conf", ELASTIC_CONF,
+                "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "2",
+                "--max-restarts", "2", DEMO, *STEPS, "--step-time", "0.02", "--log-every", "10",
+                "--checkpoint-dir", str(tmp_path / run_id), name=name,
+            )  # fmt: skip
+            live.append(started)
+            return started
+
+        clean = [agent("clean-a", "clean"), agent("clean-b", "clean")]
+        for f in clean:
+            assert f.wait(WAIT_S) == 0, f.stderr()
+        expected = final_checksum("\n".join(clean[0].lines + clean[1].lines), world=4)
+
+        a, b = agent("a", "faulty"), agent("b", "faulty")
+        head = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
+        b.wait_for_stderr(r"round 1: group rank")
+        spare = agent("spare", "faulty")
+        spare.wait_for_stderr("hot spare")
+        other = b if head is a else a
+        head.wait_for_lines(r"step 30 loss", 1)  # a checkpoint exists (every 10 steps)
+        other.proc.kill()
+        assert head.wait(WAIT_S) == 0, head.stderr()
+        assert spare.wait(WAIT_S) == 0, spare.stderr()
+        assert "resumed from step" in "\n".join(head.lines)
+        assert final_checksum("\n".join(head.lines), world=4) == expected
