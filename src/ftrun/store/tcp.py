@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import select
 import socket
 import threading
@@ -200,8 +201,7 @@ class TcpStoreClient:
     def _read_one(self, sock: socket.socket, timeout_s: float) -> bool:
         """Read and dispatch one frame; False on timeout or a lost connection."""
         try:
-            ready, _, _ = select.select([sock], [], [], timeout_s)
-            if not ready:
+            if not _readable(sock, timeout_s):
                 return False
             message = self._read(sock)
         except (OSError, ValueError, EOFError, StoreProtocolError) as e:  # ValueError: closed meanwhile
@@ -374,11 +374,17 @@ def _error(message: dict[str, Any]) -> StoreError:
     return StoreProtocolError("an error message without an error")
 
 
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """poll(), not select(): a process with a thousand connections has fds above select's limit of 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+
+
 def _peer_closed(sock: socket.socket) -> bool:
     """Whether an idle connection was closed by the other side (so a request would be lost on it)."""
     try:
-        ready, _, _ = select.select([sock], [], [], 0)
-        return bool(ready) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        return _readable(sock, 0.0) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
         return False
     except (OSError, ValueError):
