@@ -129,7 +129,7 @@ class SimNode:
                     elif d.action is Action.FAIL:
                         raise RuntimeError(d.reason)
                     sel.select(max(0.0, min(step.wake_at - time.monotonic(), 1.0)))
-        except BaseException as e:  # noqa: BLE001 - reported by the harness
+        except BaseException as e:  # reported by the harness
             self.error = e
             with self.changed:
                 self.changed.notify_all()
@@ -144,7 +144,8 @@ def wait_round(nodes: list[SimNode], round_: int, deadline: float) -> float:
     last = 0.0
     for n in nodes:
         with n.changed:
-            n.changed.wait_for(lambda n=n: round_ in n.ran or n.error is not None, max(0.0, deadline - time.monotonic()))  # type: ignore[misc]
+            left = max(0.0, deadline - time.monotonic())
+            n.changed.wait_for(lambda n=n: round_ in n.ran or n.error is not None, left)  # type: ignore[misc]
         if n.error is not None:
             raise RuntimeError(f"{n.name}: {n.error}")
         if round_ not in n.ran:
@@ -215,7 +216,7 @@ def bench_torch(n: int) -> float | None:
             ready.wait()
             handler.next_rendezvous()
             done.append(time.monotonic())
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=node, daemon=True) for _ in range(n)]
@@ -249,7 +250,8 @@ def main() -> None:
     sizes = [int(x) for x in a.sizes.split(",")]
     backends = a.backends.split(",")
     print(f"rendezvous, {os.cpu_count()} cores; times in s, one round, min = max = N")
-    header = f"{'backend':8} {'N':>5} {'join':>7} {'ops/node':>9} {'events/node':>12} {'rejoin':>7} {'torch join':>11} {'ratio':>6}"
+    header = f"{'backend':8} {'N':>5} {'join':>7} {'ops/node':>9} {'events/node':>12} {'rejoin':>7}"
+    header += f" {'torch join':>11} {'ratio':>6}"
     print(header)
     etcd = EtcdHarness().start() if "etcd" in backends else None
     proc, tcp_url = start_tcp_store()
@@ -259,11 +261,14 @@ def main() -> None:
             for n in sizes:
                 r = bench_ftrun(url, n)
                 torch_s = bench_torch(n) if backend == "tcp" and n <= a.torch_max else None
-                torch_col = "-" if n > a.torch_max or backend != "tcp" else ("timeout" if torch_s is None else f"{torch_s:.2f}")
+                torch_col = "-" if n > a.torch_max or backend != "tcp" else "timeout"
+                if torch_s is not None:
+                    torch_col = f"{torch_s:.2f}"
                 ratio = f"{r['join_s'] / torch_s:.3f}" if torch_s else "-"
                 print(
                     f"{backend:8} {n:>5} {r['join_s']:>7.2f} {r['ops_mean']:>5.1f}/{r['ops_max']:<3.0f} "
-                    f"{r['events_mean']:>7.1f}/{r['events_max']:<4.0f} {r['rejoin_s']:>7.2f} {torch_col:>11} {ratio:>6}",
+                    f"{r['events_mean']:>7.1f}/{r['events_max']:<4.0f} {r['rejoin_s']:>7.2f}"
+                    f" {torch_col:>11} {ratio:>6}",
                     flush=True,
                 )
     finally:
