@@ -29,6 +29,8 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         # Readable once the store said the lease is gone, so a select() wakes at once.
         self._lost_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._fd_lock = threading.Lock()
+        self._closed = False
         self.lost_reason = ""
         sent = clock.monotonic()
         self.lease = store.grant_lease(ttl_s)
@@ -57,7 +59,9 @@ class LeaseKeeper:
                 self._store.keep_alive(self.lease)
             except LeaseExpired:
                 self.lost_reason = "the store expired my lease"
-                os.eventfd_write(self._lost_fd, 1)
+                with self._fd_lock:  # close() may have given up waiting for this thread
+                    if not self._closed:
+                        os.eventfd_write(self._lost_fd, 1)
                 return
             except StoreError:
                 continue  # the deadline in valid_until decides; the next interval tries again
@@ -71,4 +75,6 @@ class LeaseKeeper:
         if revoke and not self.lost_reason:
             with contextlib.suppress(StoreError):  # else the lease lapses by itself within its TTL
                 self._store.revoke_lease(self.lease)
-        os.close(self._lost_fd)
+        with self._fd_lock:
+            self._closed = True
+            os.close(self._lost_fd)
