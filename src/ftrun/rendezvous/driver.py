@@ -172,7 +172,7 @@ class Rendezvous:
             now = self._clock.monotonic()
             decision = state.decide(self._view(local, now, self._nodes if self.leading else None), self._rules)
             if decision.action is Action.COUNT:
-                listed = self._list_nodes()
+                listed, _ = self._list_nodes()
                 decision = state.decide(self._view(local, now, listed), self._rules)
             if decision.action is Action.REGISTER:
                 self._register(decision.round)
@@ -236,27 +236,28 @@ class Rendezvous:
         lost = self._keeper.lost(self._clock.monotonic())
         if lost:
             self._log(f"rendezvous: {lost}; my node key is gone")
-            self._registered = None
-            self._stop_leading()
-            self._selector.unregister(self._keeper.fileno())
-            self._keeper.close(revoke=False)
-            self._new_lease()
+            self._start_over()
         try:
             self._drain_shared()
             self._drain_nodes()
         except WatchLost as e:
             # The store lost its history (an embedded store restarted empty): start from what it holds now.
             self._log(f"rendezvous: {e}; reading the store afresh")
-            self._registered = None
-            self._stop_leading()
+            self._start_over()
             if self._shared_watch is not None:
                 self._unwatch(self._shared_watch)
-            self._selector.unregister(self._keeper.fileno())
-            self._keeper.close(revoke=False)
-            self._new_lease()
             self._follow_shared()
         if self._leader is None:
             self._try_to_lead()
+
+    def _start_over(self) -> None:
+        """My lease is gone (or the store forgot it): no key, no leadership, a fresh lease."""
+        assert self._keeper is not None
+        self._registered = None
+        self._stop_leading()
+        self._selector.unregister(self._keeper.fileno())
+        self._keeper.close(revoke=False)
+        self._new_lease()
 
     def _drain_shared(self) -> None:
         assert self._shared_watch is not None
@@ -306,8 +307,7 @@ class Rendezvous:
         if not won:
             return  # someone else leads; its key arrives on the shared watch
         self._leader = self._me.node_id
-        kvs, rev = self._store.list_prefix(self._keys.nodes)
-        self._nodes = {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}
+        self._nodes, rev = self._list_nodes()
         self._nodes_watch = self._watch(self._keys.nodes, rev + 1)
         self._changed_at = self._clock.monotonic()
         self._log(f"rendezvous: leading (watching {len(self._nodes)} node key(s))")
@@ -320,9 +320,10 @@ class Rendezvous:
         if self._leader == self._me.node_id:
             self._leader = None
 
-    def _list_nodes(self) -> dict[str, NodeInfo]:
-        kvs, _ = self._store.list_prefix(self._keys.nodes)
-        return {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}
+    def _list_nodes(self) -> tuple[dict[str, NodeInfo], int]:
+        """Every registered node, and the store revision of the read (to watch from)."""
+        kvs, rev = self._store.list_prefix(self._keys.nodes)
+        return {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}, rev
 
     def _new_lease(self) -> None:
         self._keeper = LeaseKeeper(
