@@ -98,11 +98,15 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
     )
 
 
-def _earliest_first(o: WorkerOutcome) -> tuple[float, float, int]:
-    # The error file's own timestamp is the worker's clock, taken before it exited;
-    # the exit time is when ftrun saw the exit. Both order the same failures.
-    mono = o.exit_mono if o.exit_mono is not None else float("inf")
-    return (mono, o.error.timestamp if o.error else 0.0, o.rank)
+def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
+    # ftrun's error record is stamped when the exception was caught, before the
+    # interpreter's teardown (which for a torch process can outlast a peer that
+    # fails *because* of this one, e.g. "Connection closed by peer"); so that
+    # stamp, not the exit, says when the worker failed. Everything else is
+    # ordered by when ftrun saw it exit (torch's own stamp has whole seconds).
+    if o.error is not None and o.error.source == "ftrun":
+        return (min(o.error.timestamp, o.exit_wall or float("inf")), o.rank)
+    return (o.exit_wall if o.exit_wall is not None else float("inf"), o.rank)
 
 
 def build_report(

@@ -94,3 +94,19 @@ def test_json_report(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["attempt"] == 2
     assert doc["root_cause"]["exit_code"] == 3
+
+
+def test_the_first_exception_wins_over_the_first_exit(tmp_path: Path) -> None:
+    """The rank that raised first is the root cause even when a peer it broke exits before it."""
+    raised_first = worker(tmp_path, 1, WorkerState.FAILED, 1, 5.0)  # slow teardown: exits last
+    broken_peer = worker(tmp_path, 0, WorkerState.FAILED, 1, 4.0)
+    for w, offset in ((raised_first, 3.0), (broken_peer, 3.5)):
+        try:
+            raise RuntimeError(f"rank {w.rank}")
+        except RuntimeError as e:
+            doc = exception_record(e, w.rank)
+        doc["ftrun"]["timestamp"] = 1_700_000_000.0 + offset
+        w.paths.error_file.write_text(json.dumps(doc))
+    r = build_report([broken_peer, raised_first], run_id="r", attempt=0, will_restart=True, master_port=1, host="h")
+    assert r.root_cause.rank == 1
+    assert [o.rank for o in r.other_failures] == [0]
