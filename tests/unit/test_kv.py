@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
+
 import pytest
 
 from ftrun.errors import LeaseExpired, WatchLost
@@ -47,3 +50,41 @@ def test_counter_on_a_non_integer_is_refused() -> None:
     kv.put("/k", b"abc", 0, now=0.0)
     with pytest.raises(ValueError, match="integer counter"):
         kv.add("/k", 1)
+
+
+def test_indexes_agree_with_a_scan_of_everything() -> None:
+    """The sorted key index and the deadline heap give what a scan of every key and lease would."""
+    rng = random.Random(7)
+    kv = KeyValueState()
+    now = 0.0
+    leases: list[int] = []
+    for _ in range(3000):
+        now += rng.random() * 0.1
+        op = rng.random()
+        key = f"/{rng.choice('ab')}/{rng.randrange(40)}"
+        if op < 0.1:
+            leases.append(kv.grant(rng.choice([0.5, 1.0, 3.0]), now))
+        elif op < 0.3 and leases:
+            with contextlib.suppress(LeaseExpired):
+                kv.keep_alive(rng.choice(leases), now)
+        elif op < 0.6:
+            live = [x for x in leases if kv._leases.get(x) is not None and kv._leases[x].deadline > now]
+            kv.put(key, b"v", rng.choice([0, *live]), now)
+        elif op < 0.7:
+            kv.delete(key, None)
+        elif op < 0.75 and leases:
+            kv.revoke(rng.choice(leases))
+        else:
+            kv.expire(now)
+        for prefix in ("/a/", "/b/1", "/"):
+            listed, _ = kv.list_prefix(prefix)
+            assert [x.key for x in listed] == sorted(k for k in kv._data if k.startswith(prefix))
+        deadlines = [rec.deadline for rec in kv._leases.values()]
+        assert kv.next_expiry() == (min(deadlines) if deadlines else None)
+
+
+def test_history_starting_between_revisions_and_at_the_present() -> None:
+    kv = KeyValueState()
+    revisions = [kv.put(f"/k{i % 2}", b"x", 0, now=0.0)[0] for i in range(6)]
+    assert [e.revision for e in kv.history("/k1", revisions[2])] == [revisions[3], revisions[5]]
+    assert kv.history("/", kv.revision + 1) == []

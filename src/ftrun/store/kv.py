@@ -4,10 +4,16 @@ Single-threaded and clock-free: the caller serialises access and passes
 ``now`` (monotonic seconds) in. Each mutating method returns the watch events
 it produced, for the caller to fan out to its watchers. The history of recent
 events is kept so that a watch can start from an older revision.
+
+Every operation is O(log n) or better in the number of keys and leases (a
+heap of lease deadlines, a sorted key index), because at 1,000 nodes the
+store serves thousands of calls per round and a scan per call is quadratic.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import secrets
 from collections import deque
@@ -30,7 +36,11 @@ class KeyValueState:
     def __init__(self, history_limit: int = HISTORY_LIMIT) -> None:
         self.revision = 0
         self._data: dict[str, KeyValue] = {}
+        self._keys: list[str] = []  # the keys of _data, sorted: a prefix is one contiguous slice
         self._leases: dict[int, _Lease] = {}
+        # (deadline, lease) for every lease, plus stale entries of deadlines since extended or of
+        # leases since revoked; they are dropped when they reach the top.
+        self._deadlines: list[tuple[float, int]] = []
         self._history: deque[WatchEvent] = deque(maxlen=history_limit)
         self._compacted = 0  # every event with a revision <= this one is gone from the history
         # Lease ids are random so that a client of a restarted store cannot reuse an old id by chance.
@@ -42,9 +52,12 @@ class KeyValueState:
         return self._data.get(key)
 
     def list_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        return sorted(
-            (kv for k, kv in self._data.items() if k.startswith(prefix)), key=lambda kv: kv.key
-        ), self.revision
+        found = []
+        for key in itertools.islice(self._keys, bisect.bisect_left(self._keys, prefix), None):
+            if not key.startswith(prefix):
+                break
+            found.append(self._data[key])
+        return found, self.revision
 
     def history(self, prefix: str, start_revision: int) -> list[WatchEvent]:
         """Recorded events under ``prefix`` with revision >= ``start_revision`` (<= 0: none, from now on)."""
@@ -54,7 +67,15 @@ class KeyValueState:
             raise WatchLost(
                 f"revision {start_revision} is no longer in the store's history (oldest kept: {self._compacted + 1})"
             )
-        return [e for e in self._history if e.revision >= start_revision and e.key.startswith(prefix)]
+        # Newest first, stopping at the start: a watch usually starts at or near the present.
+        found = []
+        for e in reversed(self._history):
+            if e.revision < start_revision:
+                break
+            if e.key.startswith(prefix):
+                found.append(e)
+        found.reverse()
+        return found
 
     # --- writes ----------------------------------------------------------------------------
 
@@ -99,6 +120,7 @@ class KeyValueState:
             raise ValueError(f"a lease TTL must be > 0 seconds, got {ttl_s}")
         lease = next(self._lease_ids)
         self._leases[lease] = _Lease(ttl_s, now + ttl_s)
+        heapq.heappush(self._deadlines, (now + ttl_s, lease))
         return lease
 
     def keep_alive(self, lease: int, now: float) -> float:
@@ -107,6 +129,7 @@ class KeyValueState:
         if record is None:
             raise LeaseExpired("lease 0 is not a lease")
         record.deadline = now + record.ttl_s
+        heapq.heappush(self._deadlines, (record.deadline, lease))
         return record.ttl_s
 
     def revoke(self, lease: int) -> list[WatchEvent]:
@@ -118,12 +141,21 @@ class KeyValueState:
     def expire(self, now: float) -> list[WatchEvent]:
         """Revoke every lease whose deadline has passed."""
         events: list[WatchEvent] = []
-        for lease in [id_ for id_, rec in self._leases.items() if rec.deadline <= now]:
+        while (deadline := self.next_expiry()) is not None and deadline <= now:
+            _, lease = heapq.heappop(self._deadlines)
             events += self.revoke(lease)
         return events
 
     def next_expiry(self) -> float | None:
-        return min((rec.deadline for rec in self._leases.values()), default=None)
+        """The earliest deadline of a live lease (stale heap entries on top are dropped here)."""
+        heap = self._deadlines
+        while heap:
+            deadline, lease = heap[0]
+            record = self._leases.get(lease)
+            if record is not None and record.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)
+        return None
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -141,11 +173,14 @@ class KeyValueState:
             self._leases[old.lease].keys.discard(key)
         if lease:
             self._leases[lease].keys.add(key)
+        if old is None:
+            bisect.insort(self._keys, key)
         self._data[key] = KeyValue(key, value, self.revision + 1, lease)
         return WatchEvent(EventType.PUT, key, value, self.revision + 1)
 
     def _remove(self, key: str) -> WatchEvent:
         old = self._data.pop(key)
+        del self._keys[bisect.bisect_left(self._keys, key)]
         if old.lease in self._leases:
             self._leases[old.lease].keys.discard(key)
         return WatchEvent(EventType.DELETE, key, b"", self.revision + 1)

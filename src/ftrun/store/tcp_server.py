@@ -134,10 +134,14 @@ class TcpStoreServer:
         self._clock = clock or SystemClock()
         self._state = KeyValueState()
         self._connections: set[_Connection] = set()
+        # prefix -> the (connection, watch id) pairs watching it: an event is matched against the few
+        # distinct prefixes, not against every connection (a round has one watcher per node).
+        self._watchers: dict[str, dict[tuple[_Connection, int], None]] = {}
         self.store_id = secrets.token_hex(8)  # changes on restart: clients learn their watches are lost
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = float("inf")  # when the pending expiry timer fires
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
@@ -203,6 +207,17 @@ class TcpStoreServer:
 
     def _disconnected(self, conn: _Connection) -> None:
         self._connections.discard(conn)
+        for watch_id in list(conn.watches):
+            self._drop_watch(conn, watch_id)
+
+    def _drop_watch(self, conn: _Connection, watch_id: int) -> None:
+        prefix = conn.watches.pop(watch_id, None)
+        if prefix is None:
+            return
+        watchers = self._watchers[prefix]
+        watchers.pop((conn, watch_id), None)
+        if not watchers:
+            del self._watchers[prefix]
 
     def _handshake(self, conn: _Connection, reply: dict[str, Any]) -> None:
         """Check the client's answer to the hello; raises StoreError to refuse it."""
@@ -245,25 +260,36 @@ class TcpStoreServer:
     def _publish(self, events: list[WatchEvent]) -> None:
         if not events:
             return
-        for conn in list(self._connections):
-            for watch_id, prefix in conn.watches.items():
-                mine = [e for e in events if e.key.startswith(prefix)]
-                if mine:
-                    conn.send({"id": watch_id, "events": _events(mine)})
+        for prefix, watchers in list(self._watchers.items()):
+            mine = [e for e in events if e.key.startswith(prefix)]
+            if mine:
+                encoded = _events(mine)
+                for conn, watch_id in list(watchers):
+                    conn.send({"id": watch_id, "events": encoded})
         self._schedule_expiry()
 
     def _expire(self) -> None:
         self._publish(self._state.expire(self._now()))
 
+    def _on_expiry_timer(self) -> None:
+        self._expiry, self._expiry_at = None, float("inf")
+        self._expire()
+        self._schedule_expiry()
+
     def _schedule_expiry(self) -> None:
-        """Wake up when the next lease is due, so its keys vanish on time even if nobody calls."""
+        """Wake up when the next lease is due, so its keys vanish on time even if nobody calls.
+
+        The timer is only moved earlier: one that fires for a lease extended since then finds
+        nothing due and sets the next one (keep-alives do not churn timers).
+        """
         assert self._loop is not None
+        deadline = self._state.next_expiry()
+        if deadline is None or deadline >= self._expiry_at:
+            return
         if self._expiry is not None:
             self._expiry.cancel()
-        deadline = self._state.next_expiry()
-        if deadline is not None:
-            delay = max(0.0, deadline - self._now())
-            self._expiry = self._loop.call_later(delay, self._expire)
+        self._expiry_at = deadline
+        self._expiry = self._loop.call_later(max(0.0, deadline - self._now()), self._on_expiry_timer)
 
     def _get(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
         kv = self._state.get(_arg(m, "key", str))
@@ -322,11 +348,13 @@ class TcpStoreServer:
         conn.send({"id": rid, "ok": True, "r": self._state.revision})
         if history:
             conn.send({"id": rid, "events": _events(history)})
+        self._drop_watch(conn, rid)  # a request id reused for a second watch replaces the first
         conn.watches[rid] = prefix
+        self._watchers.setdefault(prefix, {})[(conn, rid)] = None
         return _ALREADY_ANSWERED
 
     def _unwatch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
-        conn.watches.pop(_arg(m, "watch", int), None)
+        self._drop_watch(conn, _arg(m, "watch", int))
         return None
 
     def _ping(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
