@@ -5,7 +5,28 @@ launcher itself is the ``ftrun`` command (:mod:`ftrun.cli`).
 """
 
 from ftrun.errorfile import record
+from ftrun.monitor.client import (
+    calculate_timeouts,
+    end_all_sections,
+    end_section,
+    heartbeat,
+    load_monitor_state,
+    monitor_state,
+    section,
+    start_section,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "record"]
+__all__ = [
+    "__version__",
+    "calculate_timeouts",
+    "end_all_sections",
+    "end_section",
+    "heartbeat",
+    "load_monitor_state",
+    "monitor_state",
+    "record",
+    "section",
+    "start_section",
+]

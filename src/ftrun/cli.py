@@ -33,7 +33,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError("ftrun", message, "see `ftrun --help`")
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kwargs: object) -> None:
+def _flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, *aliases: str, **kwargs: object
+) -> None:
     """Add --dash-name and --underscore_name spellings, as torchrun accepts both."""
     underscored = "--" + name[2:].replace("-", "_")
     parser.add_argument(*dict.fromkeys([name, underscored]), *aliases, **kwargs)  # type: ignore[arg-type]
@@ -79,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "--rdzv-token-file", default=None, help="file holding the shared secret (kept out of `ps`)")
     _flag(p, "--term-timeout", default="5", help="seconds between SIGTERM and SIGKILL when stopping workers")
     _flag(p, "--event-log", default=None, help="JSON-lines event log (default: <run log dir>/events.jsonl)")
+    hang = p.add_argument_group("hang detection (flags override the --config file)")
+    _flag(hang, "--initial-heartbeat-timeout", default=None, help="seconds from start to the first heartbeat")
+    _flag(hang, "--heartbeat-timeout", default=None, help="seconds allowed between heartbeats")
+    _flag(
+        hang,
+        "--section-timeout",
+        action="append",
+        default=None,
+        metavar="NAME=SECONDS",
+        help="timeout of a section (repeatable)",
+    )
+    _flag(hang, "--out-of-section-timeout", default=None, help="seconds allowed while no section is open")
+    _flag(hang, "--safety-factor", default=None, help="calculate_timeouts() multiplies what it saw by this (5)")
+    _flag(hang, "--hang-signal", default=None, help="signal sent to a hung worker first (SIGTERM)")
+    _flag(hang, "--config", default=None, help="TOML file with the hang settings (keys as the flags, underscored)")
     _flag(p, "--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
     _flag(p, "--no-python", action="store_true", help="run SCRIPT as an executable, not with python")
     p.add_argument("training_script", metavar="SCRIPT", nargs="?", default="", help="script, module or executable")
@@ -151,6 +168,10 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         python=sys.executable,
         cwd=cwd,
         worker_base_env={**environ, **cfg.omp_threads(environ, nproc)},
+        hang=cfg.parse_hang(
+            {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in cfg.HANG_KEYS},
+            Path(a.config) if a.config else None,
+        ),
     )
 
 

@@ -9,7 +9,18 @@ import ftrun
 
 
 def test_public_surface() -> None:
-    assert sorted(ftrun.__all__) == ["__version__", "record"]
+    assert sorted(ftrun.__all__) == [
+        "__version__",
+        "calculate_timeouts",
+        "end_all_sections",
+        "end_section",
+        "heartbeat",
+        "load_monitor_state",
+        "monitor_state",
+        "record",
+        "section",
+        "start_section",
+    ]
     for name in ftrun.__all__:
         assert hasattr(ftrun, name)
 

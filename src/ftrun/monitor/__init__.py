@@ -1,0 +1,1 @@
+"""Hang detection: the shared-memory table, the worker client and the pure watchdog."""

@@ -1,0 +1,328 @@
+"""The worker's side of hang detection: heartbeats and sections written into shared memory.
+
+Nothing here makes a system call or allocates on the hot path: a heartbeat is
+a clock read (vDSO) and one store into the mapped slot; a section start or end
+is four. If the agent dies or stalls, the mapping stays valid and every call
+still returns at once. Outside ftrun (no ``FTRUN_MONITOR`` in the environment)
+every call does nothing, after one warning, so the same script runs under
+plain ``python``.
+
+Per process, not per thread: sections opened from several threads share one
+slot (the agent then simply reads it a moment later).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+from ftrun.monitor import table
+from ftrun.monitor.watchdog import Timeouts, scaled
+
+STATE_VERSION = 1
+DEFAULT_SAFETY_FACTOR = 5.0
+
+
+class _Section:
+    """``with ftrun.section(name):``; one cached object per name, so entering allocates nothing."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __enter__(self) -> None:
+        _client.start_section(self._name)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        _client.end_section(self._name)
+
+
+class _Attached:
+    """The client of a worker under ftrun: owns its slot of the monitor table."""
+
+    def __init__(self, path: str, slot: int, environ: Mapping[str, str]) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        table.check_header(self._map, slot)
+        self._base = table.slot_offset(slot)
+        self._beat_at = self._base + table.OFF_BEAT
+        self._idle_at = self._base + table.OFF_IDLE
+        self._seq = 0
+        self._beats = 0
+        self._last_beat = 0.0
+        self._open: dict[str, int] = {}  # name -> entry index
+        self._started: dict[str, float] = {}
+        self._free = list(range(table.MAX_OPEN - 1, -1, -1))
+        self._names: dict[str, bytes] = {}
+        self._flags = 0
+        self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
+        # What was observed, for calculate_timeouts().
+        self._attached = time.monotonic()
+        self._idle_since = self._attached
+        self._first_beat: float | None = None
+        self._longest_beat_gap = 0.0
+        self._longest_idle = 0.0
+        self._longest_section: dict[str, float] = {}
+        self._calculated = Timeouts()
+        handed = environ.get("FTRUN_MONITOR_TIMEOUTS")
+        if handed:  # kept by the agent from an earlier attempt
+            self._calculated = Timeouts.from_json(json.loads(handed))
+        stacks = environ.get("FTRUN_STACKS_FILE")
+        if stacks:
+            # The agent's fallback when py-spy is missing: all threads' stacks, written from the
+            # C signal handler, so it works while the main thread holds the GIL in C code.
+            self._stacks_file = open(stacks, "a")  # noqa: SIM115 - lives as long as the process
+            faulthandler.register(table.STACK_SIGNAL, file=self._stacks_file, all_threads=True)
+            self._flags |= table.FLAG_STACKS
+        table.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
+        table.IDENTITY.pack_into(self._map, self._base + table.OFF_IDENTITY, os.getpid(), self._attached)
+
+    # --- the hot path --------------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        last = self._last_beat
+        if last:
+            self._longest_beat_gap = max(self._longest_beat_gap, now - last)
+        else:
+            self._first_beat = now - self._attached
+        self._last_beat = now
+        self._beats += 1
+        table.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
+
+    def start_section(self, name: str) -> None:
+        if name in self._open:
+            raise ValueError(f"section {name!r} is already open: end it before opening it again")
+        encoded = self._names.get(name) or self._encode(name)
+        if not self._free:
+            raise ValueError(f"more than {table.MAX_OPEN} sections open at once (opening {name!r})")
+        entry = self._free.pop()
+        now = time.monotonic()
+        if not self._open and now - self._idle_since > self._longest_idle:
+            self._longest_idle = now - self._idle_since
+        self._open[name] = entry
+        self._started[name] = now
+        self._write_entry(entry, now, encoded)
+
+    def end_section(self, name: str) -> None:
+        entry = self._open.pop(name, None)
+        if entry is None:
+            raise ValueError(f"section {name!r} is not open")
+        now = time.monotonic()
+        took = now - self._started.pop(name)
+        if took > self._longest_section.get(name, 0.0):
+            self._longest_section[name] = took
+        self._free.append(entry)
+        if not self._open:
+            self._idle_since = now
+        self._write_entry(entry, 0.0, b"")
+
+    def _write_entry(self, entry: int, start: float, encoded: bytes) -> None:
+        m, base = self._map, self._base
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)  # odd: the agent retries its copy
+        table.ENTRY.pack_into(m, base + table.OFF_ENTRIES + entry * table.ENTRY.size, start, len(encoded), encoded)
+        table.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)
+
+    def _encode(self, name: str) -> bytes:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a section name must be a non-empty string, got {name!r}")
+        encoded = name.encode()
+        if len(encoded) > table.NAME_MAX:
+            raise ValueError(f"section name {name!r} is longer than {table.NAME_MAX} bytes")
+        self._names[name] = encoded
+        return encoded
+
+    def end_all_sections(self) -> None:
+        for name in list(self._open):
+            self.end_section(name)
+
+    # --- timeouts ------------------------------------------------------------------------------
+
+    def observed(self) -> Timeouts:
+        idle = max(self._longest_idle, time.monotonic() - self._idle_since if not self._open else 0.0)
+        return Timeouts(
+            self._first_beat,
+            self._longest_beat_gap or None,
+            idle or None,
+            dict(self._longest_section),
+        )
+
+    def calculate_timeouts(self, safety_factor: float | None, synchronize: bool) -> Timeouts:
+        observed = self.observed()
+        if synchronize:
+            observed = _across_ranks(observed)
+        fresh = scaled(observed, safety_factor or self._safety_factor)
+        self.set_timeouts(self._calculated.widest(fresh))
+        return self._calculated
+
+    def set_timeouts(self, timeouts: Timeouts) -> None:
+        """Publish calculated timeouts in the slot; the agent applies (and keeps) them."""
+        self._calculated = timeouts
+        raw = json.dumps(timeouts.to_json()).encode()
+        if len(raw) > table.TIMEOUTS_MAX:
+            raise ValueError(f"too many section timeouts to publish ({len(raw)} bytes of JSON)")
+        m, base = self._map, self._base
+        (t_seq, _) = table.TIMEOUTS_HEAD.unpack_from(m, base + table.OFF_TIMEOUTS_HEAD)
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)
+        m[base + table.OFF_TIMEOUTS : base + table.OFF_TIMEOUTS + len(raw)] = raw
+        table.TIMEOUTS_HEAD.pack_into(m, base + table.OFF_TIMEOUTS_HEAD, t_seq + 1, len(raw))
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)
+
+    @property
+    def calculated(self) -> Timeouts:
+        return self._calculated
+
+
+class _Unattached:
+    """Outside ftrun: every call does nothing (after one warning)."""
+
+    def __init__(self, why: str) -> None:
+        warnings.warn(f"ftrun: {why}; heartbeats and sections do nothing", RuntimeWarning, stacklevel=4)
+        self.calculated = Timeouts()
+
+    def heartbeat(self) -> None:
+        pass
+
+    def start_section(self, name: str) -> None:
+        pass
+
+    def end_section(self, name: str) -> None:
+        pass
+
+    def end_all_sections(self) -> None:
+        pass
+
+    def calculate_timeouts(self, safety_factor: float | None, synchronize: bool) -> Timeouts:
+        return self.calculated
+
+    def set_timeouts(self, timeouts: Timeouts) -> None:
+        self.calculated = timeouts
+
+
+class _NotYet:
+    """Before the first call: attach (or not) on first use, then get out of the way."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_attach(), name)
+
+
+_client: Any = _NotYet()
+_sections: dict[str, _Section] = {}
+
+
+def _attach() -> _Attached | _Unattached:
+    # The one place that replaces the client: the hot path then reads a plain global.
+    global _client  # noqa: PLW0603
+    path, slot = os.environ.get("FTRUN_MONITOR"), os.environ.get("FTRUN_MONITOR_SLOT")
+    client: _Attached | _Unattached
+    if not path or slot is None:
+        client = _Unattached("not running under ftrun (no FTRUN_MONITOR)")
+    else:
+        try:
+            client = _Attached(path, int(slot), os.environ)
+        except (OSError, ValueError) as e:
+            client = _Unattached(f"cannot attach to the monitor table {path}: {e}")
+    _client = client
+    return client
+
+
+def _across_ranks(observed: Timeouts) -> Timeouts:
+    """The largest observation of every rank, when a torch.distributed group is up (else as is)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return observed
+    import torch
+
+    # JSON through a byte tensor rather than all_gather_object (which pickles).
+    mine = json.dumps(observed.to_json()).encode()
+    size = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    gathered = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, buf)
+    merged = observed
+    for t in gathered:
+        raw = bytes(t.tolist()).rstrip(b"\0")
+        merged = merged.widest(_observed_from_json(json.loads(raw)))
+    return merged
+
+
+def _observed_from_json(data: dict[str, Any]) -> Timeouts:
+    return Timeouts(
+        data.get("initial_heartbeat") or None,
+        data.get("heartbeat") or None,
+        data.get("out_of_section") or None,
+        {k: float(v) for k, v in (data.get("sections") or {}).items()},
+    )
+
+
+# --- the worker API (re-exported by ``ftrun``) -------------------------------------------------
+
+
+def heartbeat() -> None:
+    """Tell ftrun this worker is making progress."""
+    _client.heartbeat()
+
+
+def section(name: str) -> _Section:
+    """``with ftrun.section("step"):`` a named span with its own timeout; sections may nest or overlap."""
+    found = _sections.get(name)
+    if found is None:
+        found = _sections[name] = _Section(name)
+    return found
+
+
+def start_section(name: str) -> None:
+    """Open section ``name``; opening one that is already open is a ValueError."""
+    _client.start_section(name)
+
+
+def end_section(name: str) -> None:
+    """Close section ``name``; closing one that is not open is a ValueError."""
+    _client.end_section(name)
+
+
+def end_all_sections() -> None:
+    _client.end_all_sections()
+
+
+def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool = True) -> dict[str, Any]:
+    """Set the timeouts from what was observed so far: the largest heartbeat gap, time to the first
+    heartbeat, out-of-section span and duration of each section, times ``safety_factor`` (default:
+    ``--safety-factor``). With ``synchronize`` and a torch.distributed group up, every rank takes the
+    largest values seen anywhere; across local ranks the agent does the same. Timeouts only grow.
+    Returns the timeouts now in force from this worker (JSON-able)."""
+    if safety_factor is not None and not safety_factor > 0:
+        raise ValueError(f"safety_factor must be > 0, got {safety_factor}")
+    return _client.calculate_timeouts(safety_factor, synchronize).to_json()  # type: ignore[no-any-return]
+
+
+def monitor_state() -> dict[str, Any]:
+    """The calculated timeouts as JSON-able data, to keep in a checkpoint."""
+    return {"v": STATE_VERSION, "timeouts": _client.calculated.to_json()}
+
+
+def load_monitor_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`monitor_state` returned; raises ValueError if it is not such a state."""
+    if not isinstance(state, dict) or state.get("v") != STATE_VERSION or "timeouts" not in state:
+        raise ValueError(f"not an ftrun monitor state of version {STATE_VERSION}: {state!r:.200}")
+    _client.set_timeouts(Timeouts.from_json(state["timeouts"]))

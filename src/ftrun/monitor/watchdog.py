@@ -1,0 +1,183 @@
+"""PURE hang verdicts: (slots, now, timeouts) -> which rank missed which deadline, and the next deadline.
+
+Timeouts come from the flags (or the config file) and from what the workers
+calculated (``ftrun.calculate_timeouts``); a calculated value replaces the
+configured one, and the largest value any local rank published applies to all.
+An unset timeout is off. The agent calls :func:`scan` when it wakes, and sleeps
+no longer than until the deadline it returns (or one scan interval, for a
+section opened since: its deadline is not known yet).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ftrun.monitor.table import SlotView
+
+SCAN_INTERVAL_S = 0.05  # a deadline that appears between scans is found at most this late
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds; None = off."""
+
+    initial_heartbeat: float | None = None
+    heartbeat: float | None = None
+    out_of_section: float | None = None
+    sections: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def any(self) -> bool:
+        return any(t is not None for t in (self.initial_heartbeat, self.heartbeat, self.out_of_section)) or bool(
+            self.sections
+        )
+
+    def overridden_by(self, other: Timeouts) -> Timeouts:
+        """These timeouts with every value ``other`` sets taken from ``other``."""
+        return Timeouts(
+            other.initial_heartbeat if other.initial_heartbeat is not None else self.initial_heartbeat,
+            other.heartbeat if other.heartbeat is not None else self.heartbeat,
+            other.out_of_section if other.out_of_section is not None else self.out_of_section,
+            {**self.sections, **other.sections},
+        )
+
+    def widest(self, other: Timeouts) -> Timeouts:
+        """The larger of the two for every value (what all ranks agree on)."""
+
+        def most(a: float | None, b: float | None) -> float | None:
+            return b if a is None else a if b is None else max(a, b)
+
+        names = set(self.sections) | set(other.sections)
+        return Timeouts(
+            most(self.initial_heartbeat, other.initial_heartbeat),
+            most(self.heartbeat, other.heartbeat),
+            most(self.out_of_section, other.out_of_section),
+            {n: most(self.sections.get(n), other.sections.get(n)) or 0.0 for n in sorted(names)},
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "initial_heartbeat": self.initial_heartbeat,
+            "heartbeat": self.heartbeat,
+            "out_of_section": self.out_of_section,
+            "sections": dict(self.sections),
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> Timeouts:
+        """Validate untrusted JSON (a worker's slot, a checkpoint); raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("timeouts must be a JSON object")
+        unknown = set(data) - {"initial_heartbeat", "heartbeat", "out_of_section", "sections"}
+        if unknown:
+            raise ValueError(f"unknown timeout key(s): {', '.join(sorted(unknown))}")
+        sections = data.get("sections") or {}
+        if not isinstance(sections, dict) or not all(isinstance(k, str) for k in sections):
+            raise ValueError("'sections' must map section names to seconds")
+        return cls(
+            _seconds(data.get("initial_heartbeat"), "initial_heartbeat"),
+            _seconds(data.get("heartbeat"), "heartbeat"),
+            _seconds(data.get("out_of_section"), "out_of_section"),
+            {k: _required_seconds(v, f"sections.{k}") for k, v in sections.items()},
+        )
+
+
+def _seconds(value: object, what: str) -> float | None:
+    return None if value is None else _required_seconds(value, what)
+
+
+def _required_seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"timeout {what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def published(slot: SlotView) -> Timeouts | None:
+    """The timeouts a worker calculated and published in its slot; raises ValueError if garbled."""
+    if not slot.timeouts_json:
+        return None
+    try:
+        data = json.loads(slot.timeouts_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"published timeouts are not JSON: {e}") from None
+    return Timeouts.from_json(data)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A rank missed a deadline."""
+
+    local_rank: int
+    timeout: str  # "initial heartbeat", "heartbeat", "out of section", "section <name>"
+    limit_s: float
+    elapsed_s: float  # since the timer started
+    deadline: float  # monotonic
+
+    def describe(self) -> str:
+        return f"hang: {self.timeout} timeout of {self.limit_s:g} s exceeded ({self.elapsed_s:.2f} s)"
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """What the watchdog knows of one worker: its slot (None before the worker wrote anything) and spawn time."""
+
+    local_rank: int
+    spawned: float
+    slot: SlotView | None
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    verdicts: tuple[Verdict, ...]  # earliest deadline first
+    next_deadline: float | None  # the earliest deadline not yet passed
+
+
+def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
+    """Every running timer of one worker: (deadline, name, limit, start)."""
+    found = []
+    slot = w.slot
+    beats = slot.beats if slot is not None and slot.pid else 0
+    if beats == 0 and t.initial_heartbeat is not None:
+        found.append((w.spawned + t.initial_heartbeat, "initial heartbeat", t.initial_heartbeat, w.spawned))
+    if beats and slot is not None and t.heartbeat is not None:
+        found.append((slot.last_beat + t.heartbeat, "heartbeat", t.heartbeat, slot.last_beat))
+    if slot is not None and slot.pid:
+        for name, start in slot.sections:
+            limit = t.sections.get(name)
+            if limit is not None:
+                found.append((start + limit, f"section {name!r}", limit, start))
+        if not slot.sections and t.out_of_section is not None:
+            found.append((slot.idle_since + t.out_of_section, "out of section", t.out_of_section, slot.idle_since))
+    return found
+
+
+def scan(workers: Sequence[Watched], now: float, timeouts: Timeouts) -> Scan:
+    verdicts = []
+    upcoming = []
+    for w in workers:
+        for deadline, name, limit, start in deadlines(w, timeouts):
+            if deadline <= now:
+                verdicts.append(Verdict(w.local_rank, name, limit, now - start, deadline))
+            else:
+                upcoming.append(deadline)
+    verdicts.sort(key=lambda v: (v.deadline, v.local_rank))
+    return Scan(tuple(verdicts), min(upcoming, default=None))
+
+
+def scaled(observed: Timeouts, factor: float) -> Timeouts:
+    """Observed maxima times the safety factor (the calculation behind calculate_timeouts)."""
+
+    def times(x: float | None) -> float | None:
+        return None if x is None else max(x * factor, 1e-3)
+
+    return replace(
+        observed,
+        initial_heartbeat=times(observed.initial_heartbeat),
+        heartbeat=times(observed.heartbeat),
+        out_of_section=times(observed.out_of_section),
+        sections={k: max(v * factor, 1e-3) for k, v in observed.sections.items()},
+    )
