@@ -27,6 +27,7 @@ class EventKind(enum.Enum):
     ATTEMPT_STARTED = "attempt_started"
     WORKER_SPAWNED = "worker_spawned"
     WORKER_EXITED = "worker_exited"
+    HANG = "hang"  # the watchdog found a worker past a deadline
     GROUP_STOPPING = "group_stopping"
     GROUP_STOPPED = "group_stopped"
     FAILURE = "failure"

@@ -43,9 +43,17 @@ class WorkerOutcome:
     stdout_log: str
     stderr_log: str
     error_file: str
+    hang: str | None = None  # the watchdog's verdict, when ftrun found this worker hung
+    hang_wall: float | None = None  # when the missed deadline passed
+    stacks: str | None = None  # all threads, dumped before it was stopped
 
     @property
     def how(self) -> str:
+        if self.hang:
+            return f"{self.hang}, then {self._end()}"
+        return self._end()
+
+    def _end(self) -> str:
         if self.signal:
             return f"killed by {self.signal}"
         return f"exit code {self.exit_code}"
@@ -95,6 +103,9 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
         stdout_log=str(worker.paths.stdout),
         stderr_log=str(worker.paths.stderr),
         error_file=str(worker.paths.error_file),
+        hang=worker.hang.what if worker.hang else None,
+        hang_wall=worker.hang.wall if worker.hang else None,
+        stacks=worker.hang.stacks if worker.hang else None,
     )
 
 
@@ -104,6 +115,9 @@ def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
     # fails *because* of this one, e.g. "Connection closed by peer"); so that
     # stamp, not the exit, says when the worker failed. Everything else is
     # ordered by when ftrun saw it exit (torch's own stamp has whole seconds).
+    # A hang failed when its deadline passed, long before ftrun stopped it.
+    if o.hang_wall is not None:
+        return (o.hang_wall, o.rank)
     if o.error is not None and o.error.source == "ftrun":
         return (min(o.error.timestamp, o.exit_wall or float("inf")), o.rank)
     return (o.exit_wall if o.exit_wall is not None else float("inf"), o.rank)
@@ -154,14 +168,17 @@ def render(report: FailureReport) -> str:
     lines = [
         "=" * 78,
         f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
-        f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.exit_wall)}",
+        f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}",
     ]
+    if r.stacks:
+        lines.append("  stacks of all threads when it was found hung:")
+        lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
     if r.error and r.error.traceback:
         lines.append(f"  traceback (from {r.error.source} error file {r.error_file}):")
         lines += ["    " + line for line in r.error.traceback.rstrip().splitlines()]
     elif r.error:
         lines.append(f"  error: {r.error.message}")
-    if not (r.error and r.error.traceback):
+    if not (r.error and r.error.traceback) and not r.stacks:
         if r.stderr_tail:
             lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")
             lines += ["    " + line for line in r.stderr_tail]

@@ -17,19 +17,23 @@ from typing import TYPE_CHECKING
 
 from ftrun.agent import env as worker_env
 from ftrun.agent import policy, proctree
+from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.logs import Console, RankOutput, RankPaths
 from ftrun.agent.signals import SignalWakeup
-from ftrun.agent.workers import ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
+from ftrun.agent.workers import Hang, ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import DEFAULT_STORE_PORT, LaunchConfig, Std
 from ftrun.errors import FtrunError
 from ftrun.events import EventKind, EventLog, summarize
+from ftrun.monitor.stacks import dump_stacks
+from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.ports import is_local_address, reserve_port
 from ftrun.reporting import build_report, render, write_json
 
 if TYPE_CHECKING:
     from ftrun.store.tcp_server import TcpStoreServer
 
+STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -50,6 +54,8 @@ class Agent:
         self.run_dir = Path()
         self.events: EventLog | None = None
         self.store_server: TcpStoreServer | None = None  # hosted here when the endpoint is this machine
+        self._hangs = HangWatch(config.hang, clock, self._say)
+        self._next_deadline: float | None = None  # the earliest hang deadline known at the last check
 
     @classmethod
     def from_config(cls, config: LaunchConfig) -> Agent:
@@ -102,7 +108,7 @@ class Agent:
         state = policy.RunState(max_restarts=c.max_restarts)
         self._pending.append(policy.Start())
         while True:
-            if not self._pending:
+            while not self._pending:  # a wake-up to check for hangs may find nothing
                 self._pending.extend(self._wait())
             decision = policy.decide(state, self._pending.popleft())
             state = decision.state
@@ -150,10 +156,11 @@ class Agent:
 
     def _wait(self) -> list[policy.Event]:
         assert self._group is not None
-        exited, woken = self._group.wait(None)
+        exited, woken = self._group.wait(self._hangs.wake_in(self._next_deadline))
         found: list[policy.Event] = [self._exited(w) for w in exited]
         if woken:
             found += self._signals()
+        found += [policy.WorkerHung(w.local_rank) for w in self._find_hangs()]
         return found
 
     def _execute(self, command: policy.Command) -> list[policy.Event]:
@@ -187,6 +194,8 @@ class Agent:
         )
         attempt_dir = self.run_dir / f"attempt_{attempt}"
         argv = c.entrypoint.command(c.python)
+        self._hangs.new_attempt(c.nproc_per_node, f"{c.run_id}-{attempt}")
+        self._next_deadline = None
         for local_rank in range(c.nproc_per_node):
             paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
             assignment = worker_env.assign(
@@ -202,12 +211,51 @@ class Agent:
                 error_file=str(paths.error_file),
             )
             rank = assignment.rank
-            worker = Worker(
-                rank, local_rank, attempt, paths, argv, worker_env.worker_env(c.worker_base_env, assignment)
-            )
+            env = {
+                **worker_env.worker_env(c.worker_base_env, assignment),
+                **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE)),
+            }
+            worker = Worker(rank, local_rank, attempt, paths, argv, env)
             self._group.spawn(worker, RankOutput(paths, rank, local_rank, c.logs, self._console), c.cwd)
             self._emit(EventKind.WORKER_SPAWNED, attempt=attempt, rank=rank, local_rank=local_rank, pid=worker.pid)
         return [policy.AttemptStarted(frozenset(range(c.nproc_per_node)))]
+
+    def _find_hangs(self) -> list[Worker]:
+        """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
+        if self._group is None:
+            return []
+        judged = [w for w in self._group.running if w.state is WorkerState.RUNNING]
+        found, self._next_deadline = self._hangs.find(judged)
+        for f in found:
+            self._hung(f)
+        return [f.worker for f in found]
+
+    def _hung(self, found: Found) -> None:
+        w, v = found.worker, found.verdict
+        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
+        w.state = WorkerState.FAILED
+        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
+        self._emit(
+            EventKind.HANG,
+            attempt=w.attempt,
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            timeout=v.timeout,
+            limit_s=v.limit_s,
+            elapsed_s=v.elapsed_s,
+            lag_s=now_mono - v.deadline,  # deadline -> verdict
+        )
+        self._say(f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks")
+        w.hang.stacks = dump_stacks(
+            w.pid,
+            client_listens=self._hangs.client_listens(found.slot),
+            stacks_file=w.paths.dir / STACKS_FILE,
+            signal_number=STACK_SIGNAL,
+        )
+        with w.paths.stderr.open("a", encoding="utf-8") as log:  # the pump appends too (O_APPEND)
+            log.write(f"\n[ftrun] {v.describe()}; stacks of all threads:\n{w.hang.stacks}\n")
+        proctree.signal_quietly(w.pid, self.config.hang.hang_signal, group=True)
 
     def _stop_group(self) -> list[policy.Event]:
         assert self._group is not None
@@ -292,6 +340,7 @@ class Agent:
 
     def _abandon(self) -> None:
         """On any exit from run(): no worker outlives the agent, even after an ftrun bug."""
+        self._hangs.close()
         if self._group is not None:
             if not self._finished:
                 self._group.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)

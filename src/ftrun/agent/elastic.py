@@ -98,7 +98,10 @@ class ElasticAgent(Agent):
                 self._stop_workers()
                 return self._finish(1, "failed")
             assert self._group is not None
-            exited, woken = self._group.wait(max(0.0, step.wake_at - self._clock.monotonic()), also=rdzv.fileno())
+            timeout = max(0.0, step.wake_at - self._clock.monotonic())
+            if local.running_round is not None and not (local.local_failure or local.job_done):
+                timeout = min(timeout, self._hangs.wake_in(self._next_deadline) or timeout)
+            exited, woken = self._group.wait(timeout, also=rdzv.fileno())
             for w in exited:
                 self._exited(w)
             if woken and (signals := [e.signal for e in self._signals()]):
@@ -109,7 +112,7 @@ class ElasticAgent(Agent):
                 return self._finish(128 + signals[0], "interrupted")
             if local.running_round is None or local.local_failure or local.job_done:
                 continue
-            failed = [w for w in exited if w.state is WorkerState.FAILED]
+            failed = [w for w in exited if w.state is WorkerState.FAILED] + self._find_hangs()
             if failed:
                 self._say(f"local rank {failed[0].local_rank} failed; stopping the other workers")
                 self._stop_workers()

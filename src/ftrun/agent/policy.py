@@ -66,6 +66,13 @@ class WorkerExited:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerHung:
+    """The watchdog found a worker past a deadline; it still runs until the group is stopped."""
+
+    local_rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class GroupStopped:
     """Every worker of the current attempt has exited and been reaped."""
 
@@ -75,7 +82,7 @@ class Interrupted:
     signal: int
 
 
-Event = Start | AttemptStarted | WorkerExited | GroupStopped | Interrupted
+Event = Start | AttemptStarted | WorkerExited | WorkerHung | GroupStopped | Interrupted
 
 
 # --- commands: what the agent must do next -------------------------------------------------
@@ -116,9 +123,7 @@ def decide(state: RunState, event: Event) -> Decision:
     if isinstance(event, Interrupted):
         return _interrupted(state, event.signal)
     if isinstance(event, Start):
-        if state.phase is not Phase.IDLE:
-            return Decision(state, (), f"already started (phase {state.phase.value})")
-        return Decision(replace(state, phase=Phase.RUNNING), (StartAttempt(0),), "starting the first attempt")
+        return _start(state)
     if isinstance(event, AttemptStarted):
         return Decision(
             replace(state, running=event.local_ranks, failed=False),
@@ -127,7 +132,25 @@ def decide(state: RunState, event: Event) -> Decision:
         )
     if isinstance(event, WorkerExited):
         return _worker_exited(state, event)
+    if isinstance(event, WorkerHung):
+        return _worker_hung(state, event)
     return _group_stopped(state)
+
+
+def _start(state: RunState) -> Decision:
+    if state.phase is not Phase.IDLE:
+        return Decision(state, (), f"already started (phase {state.phase.value})")
+    return Decision(replace(state, phase=Phase.RUNNING), (StartAttempt(0),), "starting the first attempt")
+
+
+def _worker_hung(state: RunState, event: WorkerHung) -> Decision:
+    if state.phase is not Phase.RUNNING:
+        return Decision(state, (), f"local rank {event.local_rank} hung while stopping")
+    return Decision(
+        replace(state, phase=Phase.STOPPING, failed=True),
+        (StopGroup(),),
+        f"local rank {event.local_rank} hung; stopping the workers",
+    )
 
 
 def _worker_exited(state: RunState, event: WorkerExited) -> Decision:

@@ -98,6 +98,16 @@ class ProcessSpawner:
 
 
 @dataclass(slots=True)
+class Hang:
+    """Why ftrun declared a worker hung (the watchdog's verdict) and where it was stuck."""
+
+    what: str  # "hang: heartbeat timeout of 2 s exceeded (2.00 s)"
+    timeout: str  # which timer: "heartbeat", "section 'step'", ...
+    wall: float  # when its deadline passed
+    stacks: str = ""
+
+
+@dataclass(slots=True)
 class Worker:
     """One worker process of one attempt: what it was given and what became of it."""
 
@@ -115,6 +125,7 @@ class Worker:
     exit_mono: float | None = None
     exit_wall: float | None = None
     returncode: int | None = None  # negative: killed by that signal
+    hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
 
     @property
     def pid(self) -> int:
@@ -216,9 +227,9 @@ class WorkerGroup:
         every worker is reaped. ``on_wake`` is called when the wake fd fires (a
         signal to ftrun) and returns True to skip the rest of the grace period.
         """
-        running = self.running
-        for w in running:
-            w.state = WorkerState.STOPPED
+        for w in self.running:
+            if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
+                w.state = WorkerState.STOPPED
         self._signal_all(signal.SIGTERM)
         deadline = self._clock.monotonic() + grace_s
         while self.running:

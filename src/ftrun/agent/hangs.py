@@ -1,0 +1,137 @@
+"""The agent's hang watch: one monitor table per attempt, read at each deadline.
+
+The agent's loop sleeps no longer than :meth:`HangWatch.wake_in` and then calls
+:meth:`HangWatch.find`; the verdicts come from the pure
+:func:`ftrun.monitor.watchdog.scan`. Timeouts the workers calculate are kept
+here across attempts and handed to the next workers, so a restart keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ftrun.agent.workers import Worker
+from ftrun.clock import Clock
+from ftrun.config import HangSpec
+from ftrun.monitor.table import FLAG_STACKS, CorruptSlot, MonitorTable, SlotView
+from ftrun.monitor.watchdog import SCAN_INTERVAL_S, Timeouts, Verdict, Watched, published, scan
+
+IDLE_SCAN_S = 1.0  # no timeout in force yet: look for calculated ones this often
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    worker: Worker
+    verdict: Verdict
+    slot: SlotView | None
+
+
+class HangWatch:
+    def __init__(self, spec: HangSpec, clock: Clock, say: Callable[[str], None]) -> None:
+        self._spec = spec
+        self._clock = clock
+        self._say = say
+        self.kept = Timeouts()  # calculated by the workers, merged over ranks and attempts
+        self._table: MonitorTable | None = None
+        self._seen: dict[int, int] = {}  # local rank -> timeouts_seq already merged
+        self._warned: set[tuple[int, str]] = set()
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._spec.timeouts.overridden_by(self.kept)
+
+    def new_attempt(self, nproc: int, tag: str) -> None:
+        self.close()
+        self._table = MonitorTable(nproc, tag=tag)
+        self._seen = {}
+        self._warned = set()
+
+    def env(self, local_rank: int, stacks_file: str) -> dict[str, str]:
+        """What a worker's client needs (FTRUN_*)."""
+        assert self._table is not None
+        env = {
+            "FTRUN_MONITOR": str(self._table.path),
+            "FTRUN_MONITOR_SLOT": str(local_rank),
+            "FTRUN_SAFETY_FACTOR": repr(self._spec.safety_factor),
+            "FTRUN_STACKS_FILE": stacks_file,
+        }
+        if self.kept.any:
+            env["FTRUN_MONITOR_TIMEOUTS"] = json.dumps(self.kept.to_json())
+        return env
+
+    def wake_in(self, next_deadline: float | None) -> float | None:
+        """Seconds the agent may sleep before the next check (None: no table, no need)."""
+        if self._table is None:
+            return None
+        interval = SCAN_INTERVAL_S if self.timeouts.any else IDLE_SCAN_S
+        if next_deadline is None:
+            return interval
+        return max(0.0, min(interval, next_deadline - self._clock.monotonic()))
+
+    def find(self, running: Sequence[Worker]) -> tuple[list[Found], float | None]:
+        """The running workers that missed a deadline (first miss per worker), and the next deadline."""
+        if self._table is None or not running:
+            return [], None
+        watched, slots = [], {}
+        for w in running:
+            try:
+                slot = self._read(w.local_rank)
+            except CorruptSlot as e:  # not judged on garbage; said once
+                self._warn(w.local_rank, "corrupt", f"local rank {w.local_rank}: monitor slot unreadable ({e})")
+                continue
+            slots[w.local_rank] = slot
+            watched.append(Watched(w.local_rank, w.spawn_mono, slot))
+        result = scan(watched, self._clock.monotonic(), self.timeouts)
+        by_rank = {w.local_rank: w for w in running}
+        found: dict[int, Found] = {}
+        for v in result.verdicts:
+            found.setdefault(v.local_rank, Found(by_rank[v.local_rank], v, slots.get(v.local_rank)))
+        return list(found.values()), result.next_deadline
+
+    def _read(self, local_rank: int) -> SlotView | None:
+        """The slot (None before the worker attached), merging timeouts it published; raises CorruptSlot."""
+        assert self._table is not None
+        slot = self._table.read(local_rank)
+        if not slot.pid:
+            return None
+        if slot.timeouts_seq != self._seen.get(local_rank, 0):
+            self._seen[local_rank] = slot.timeouts_seq
+            try:
+                theirs = published(slot)
+            except ValueError as e:
+                self._warn(local_rank, "timeouts", f"local rank {local_rank}: ignoring its published timeouts: {e}")
+            else:
+                if theirs is not None:
+                    self.kept = self.kept.widest(theirs)
+                    self._say(f"local rank {local_rank} calculated timeouts; in force now: {self._describe()}")
+        return slot
+
+    def _describe(self) -> str:
+        t = self.timeouts
+        parts = [
+            f"{name} {value:g} s"
+            for name, value in (
+                ("initial heartbeat", t.initial_heartbeat),
+                ("heartbeat", t.heartbeat),
+                ("out of section", t.out_of_section),
+            )
+            if value is not None
+        ]
+        parts += [f"section {k!r} {v:g} s" for k, v in t.sections.items()]
+        return ", ".join(parts) or "none"
+
+    def _warn(self, local_rank: int, what: str, text: str) -> None:
+        if (local_rank, what) not in self._warned:
+            self._warned.add((local_rank, what))
+            self._say(text)
+
+    @staticmethod
+    def client_listens(slot: SlotView | None) -> bool:
+        return slot is not None and bool(slot.flags & FLAG_STACKS)
+
+    def close(self) -> None:
+        if self._table is not None:
+            self._table.close()
+            self._table = None

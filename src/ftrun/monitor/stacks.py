@@ -1,0 +1,66 @@
+"""The Python stacks of a hung worker, all threads.
+
+py-spy when installed: it reads the process from outside, so it works even when
+the worker holds the GIL in C code and cannot run a signal handler's Python.
+Otherwise faulthandler in the worker (registered by ftrun's client on
+:data:`~ftrun.monitor.table.STACK_SIGNAL`): its handler is C too and writes
+straight to a file the agent named.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+PY_SPY_TIMEOUT_S = 10.0
+FAULTHANDLER_WAIT_S = 2.0
+
+
+def dump_stacks(pid: int, *, client_listens: bool, stacks_file: Path, signal_number: int) -> str:
+    """The stacks as text, or a line saying why there are none."""
+    py_spy = shutil.which("py-spy")
+    why = "py-spy is not installed"
+    if py_spy:
+        try:
+            done = subprocess.run(
+                [py_spy, "dump", "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=PY_SPY_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            why = f"py-spy took more than {PY_SPY_TIMEOUT_S:g} s"
+        else:
+            if done.returncode == 0 and done.stdout.strip():
+                return f"(py-spy dump --pid {pid})\n{done.stdout.rstrip()}"
+            why = f"py-spy failed: {(done.stderr or done.stdout).strip()[:300]}"
+    if not client_listens:
+        return f"(no stacks: {why}, and the worker never started ftrun's client)"
+    return _faulthandler(pid, stacks_file, signal_number) or f"(no stacks: {why}, and faulthandler wrote nothing)"
+
+
+def _faulthandler(pid: int, path: Path, signal_number: int) -> str:
+    before = path.stat().st_size if path.exists() else 0
+    try:
+        os.kill(pid, signal_number)
+    except ProcessLookupError:
+        return ""
+    # The handler writes synchronously but in another process: wait (bounded) until the file
+    # has grown and then stopped growing.
+    deadline = time.monotonic() + FAULTHANDLER_WAIT_S
+    size = before
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = path.stat().st_size if path.exists() else 0
+        if now > before and now == size:
+            break
+        size = now
+    if size <= before:
+        return ""
+    with path.open("rb") as f:
+        f.seek(before)
+        return "(faulthandler)\n" + f.read().decode(errors="replace").rstrip()
