@@ -11,6 +11,9 @@ Faults are injected on the first attempt only (TORCHELASTIC_RESTART_COUNT 0):
     --raise-at STEP   the rank --crash-rank raises RuntimeError at STEP
     --hang-at STEP    the rank --crash-rank stops making progress at STEP
 
+It calls ftrun.heartbeat() and ftrun.section("step"), which do nothing (after
+one warning) under torchrun or plain python.
+
 Run it with ftrun (or torchrun):
 
     ftrun --nproc-per-node 2 --max-restarts 3 examples/train_ddp.py --crash-at 60
@@ -160,11 +163,13 @@ def main() -> None:
     loss = torch.tensor(0.0)
     for step in range(start, args.steps):
         inject_faults(args, rank, attempt, step, timeline)
-        x, y = batch(args.seed, step, rank)
-        optim.zero_grad()
-        loss = loss_fn(ddp(x), y)
-        loss.backward()
-        optim.step()
+        with ftrun.section("step"):  # hang detection: a step has its own timeout (--section-timeout step=S)
+            x, y = batch(args.seed, step, rank)
+            optim.zero_grad()
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optim.step()
+        ftrun.heartbeat()  # and progress between steps (--heartbeat-timeout S)
         timeline.note("step", step)
         if args.step_time:
             time.sleep(args.step_time)

@@ -9,7 +9,7 @@ import pytest
 
 import ftrun
 
-PURE = ["agent/policy.py", "agent/env.py", "store/kv.py", "rendezvous/state.py"]
+PURE = ["agent/policy.py", "agent/env.py", "store/kv.py", "rendezvous/state.py", "monitor/watchdog.py"]
 FORBIDDEN = {"time", "os", "socket", "subprocess", "selectors", "signal", "threading", "asyncio"}
 BACKENDS = {"ftrun.store.memory", "ftrun.store.tcp", "ftrun.store.tcp_server", "ftrun.store.etcd", "ftrun.store.retry"}
 

@@ -43,6 +43,7 @@ class HangWatch:
         return self._spec.timeouts.overridden_by(self.kept)
 
     def new_attempt(self, nproc: int, tag: str) -> None:
+        self._harvest()
         self.close()
         self._table = MonitorTable(nproc, tag=tag)
         self._seen = {}
@@ -107,6 +108,16 @@ class HangWatch:
                     self.kept = self.kept.widest(theirs)
                     self._say(f"local rank {local_rank} calculated timeouts; in force now: {self._describe()}")
         return slot
+
+    def _harvest(self) -> None:
+        """Keep the timeouts workers published since the last check (a worker may publish, then crash)."""
+        if self._table is None:
+            return
+        for local_rank in range(self._table.slots):
+            try:
+                self._read(local_rank)
+            except CorruptSlot:
+                continue
 
     def _describe(self) -> str:
         t = self.timeouts

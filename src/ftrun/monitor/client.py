@@ -13,6 +13,7 @@ slot (the agent then simply reads it a moment later).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import mmap
@@ -69,7 +70,7 @@ class _Attached:
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()
-        self._idle_since = self._attached
+        self._idle_since = 0.0  # out of section counts from the end of the first section
         self._first_beat: float | None = None
         self._longest_beat_gap = 0.0
         self._longest_idle = 0.0
@@ -87,6 +88,20 @@ class _Attached:
             self._flags |= table.FLAG_STACKS
         table.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
         table.IDENTITY.pack_into(self._map, self._base + table.OFF_IDENTITY, os.getpid(), self._attached)
+        atexit.register(self._exiting)
+
+    def _exiting(self) -> None:
+        """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
+        self._flags |= table.FLAG_EXITING
+        self._write_flags()
+
+    def _write_flags(self) -> None:
+        m, base = self._map, self._base
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)
+        table.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
+        self._seq += 1
+        table.SEQ.pack_into(m, base, self._seq)
 
     # --- the hot path --------------------------------------------------------------------------
 
@@ -109,7 +124,7 @@ class _Attached:
             raise ValueError(f"more than {table.MAX_OPEN} sections open at once (opening {name!r})")
         entry = self._free.pop()
         now = time.monotonic()
-        if not self._open and now - self._idle_since > self._longest_idle:
+        if not self._open and self._idle_since and now - self._idle_since > self._longest_idle:
             self._longest_idle = now - self._idle_since
         self._open[name] = entry
         self._started[name] = now
@@ -153,7 +168,9 @@ class _Attached:
     # --- timeouts ------------------------------------------------------------------------------
 
     def observed(self) -> Timeouts:
-        idle = max(self._longest_idle, time.monotonic() - self._idle_since if not self._open else 0.0)
+        idle = self._longest_idle
+        if not self._open and self._idle_since:
+            idle = max(idle, time.monotonic() - self._idle_since)
         return Timeouts(
             self._first_beat,
             self._longest_beat_gap or None,

@@ -10,9 +10,10 @@ The agent reads every slot when it checks for hangs. Layout (little endian)::
              attached   f64  CLOCK_MONOTONIC (shared by all processes) at attach
              last_beat  f64  0 before the first heartbeat
              beats      u64
-             idle_since f64  when the last open section closed (attach time at first)
+             idle_since f64  when the last open section closed (0 before the first one did)
              open       u32  open sections
-             flags      u32  FLAG_STACKS: the client dumps its stacks on STACK_SIGNAL
+             flags      u32  FLAG_STACKS: the client dumps its stacks on STACK_SIGNAL;
+                             FLAG_EXITING: the script ended, the interpreter is tearing down
              t_seq      u64  bumped after the worker published timeouts (below)
              t_len      u32  length of that JSON
              entries    MAX_OPEN x (start f64, name length u8, name)
@@ -41,6 +42,7 @@ SLOT_SIZE = 4096
 MAX_OPEN = 16  # sections open at once in one worker
 NAME_MAX = 55  # bytes of a section name (UTF-8)
 FLAG_STACKS = 1
+FLAG_EXITING = 2  # the script has ended (atexit): its teardown is not a hang
 STACK_SIGNAL = signal.SIGRTMIN + 7  # rarely used by anything else; harmless unless the client registered it
 
 SEQ = struct.Struct("<Q")  # offset 0

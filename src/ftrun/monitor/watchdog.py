@@ -16,9 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ftrun.monitor.table import SlotView
+from ftrun.monitor.table import FLAG_EXITING, SlotView
 
 SCAN_INTERVAL_S = 0.05  # a deadline that appears between scans is found at most this late
+# A calculated timeout is never shorter: below it, the scheduler's and the garbage collector's own
+# hiccups would be taken for hangs.
+MIN_CALCULATED_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +141,10 @@ class Scan:
 
 def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
     """Every running timer of one worker: (deadline, name, limit, start)."""
-    found = []
+    found: list[tuple[float, str, float, float]] = []
     slot = w.slot
+    if slot is not None and slot.flags & FLAG_EXITING:
+        return found
     beats = slot.beats if slot is not None and slot.pid else 0
     if beats == 0 and t.initial_heartbeat is not None:
         found.append((w.spawned + t.initial_heartbeat, "initial heartbeat", t.initial_heartbeat, w.spawned))
@@ -150,7 +155,8 @@ def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
             limit = t.sections.get(name)
             if limit is not None:
                 found.append((start + limit, f"section {name!r}", limit, start))
-        if not slot.sections and t.out_of_section is not None:
+        # Out of section: from the end of the first section on (before it, the job is starting up).
+        if not slot.sections and slot.idle_since and t.out_of_section is not None:
             found.append((slot.idle_since + t.out_of_section, "out of section", t.out_of_section, slot.idle_since))
     return found
 
@@ -172,12 +178,12 @@ def scaled(observed: Timeouts, factor: float) -> Timeouts:
     """Observed maxima times the safety factor (the calculation behind calculate_timeouts)."""
 
     def times(x: float | None) -> float | None:
-        return None if x is None else max(x * factor, 1e-3)
+        return None if x is None else max(x * factor, MIN_CALCULATED_S)
 
     return replace(
         observed,
         initial_heartbeat=times(observed.initial_heartbeat),
         heartbeat=times(observed.heartbeat),
         out_of_section=times(observed.out_of_section),
-        sections={k: max(v * factor, 1e-3) for k, v in observed.sections.items()},
+        sections={k: max(v * factor, MIN_CALCULATED_S) for k, v in observed.sections.items()},
     )

@@ -1,0 +1,186 @@
+"""Hang detection with real workers: each kind of hang is found, its stacks shown, and the job restarted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftrun.agent.hangs import HangWatch
+from ftrun.monitor import stacks
+from ftrun.monitor.table import STACK_SIGNAL, MonitorTable
+from tests.integration.conftest import Result, WriteScript, run_ftrun
+
+# Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
+# finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).
+HANGS = """
+import ctypes, os, sys, time
+import ftrun
+
+mode = sys.argv[1]
+rank = int(os.environ["RANK"])
+first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+for _ in range(5):
+    with ftrun.section("step"):
+        ftrun.heartbeat()
+        time.sleep(0.01)
+
+def stuck_here():
+    if mode == "no-heartbeat":
+        time.sleep(120)
+    elif mode == "in-section":
+        with ftrun.section("step"):
+            time.sleep(120)
+    elif mode == "out-of-section":
+        time.sleep(120)
+    elif mode == "gil":
+        ctypes.CDLL(None).sleep(120)  # in C, holding the GIL: no Python signal handler can run
+
+if first and rank == 1:
+    print("rank 1 hangs now", flush=True)
+    stuck_here()
+if first and rank == 0:
+    for _ in range(3000):  # busy and healthy for up to 30 s
+        with ftrun.section("step"):
+            ftrun.heartbeat()
+            time.sleep(0.01)
+print(f"rank {rank} done", flush=True)
+"""
+
+TIMERS = {
+    "no-heartbeat": (["--heartbeat-timeout", "1.5"], "heartbeat"),
+    "in-section": (["--section-timeout", "step=1.5"], "section 'step'"),
+    "out-of-section": (["--out-of-section-timeout", "1.5"], "out of section"),
+    "gil": (["--heartbeat-timeout", "1.5"], "heartbeat"),
+}
+
+
+def hang_events(r: Result) -> list[dict[str, Any]]:
+    return [e for e in r.events() if e["kind"] == "hang"]
+
+
+@pytest.mark.parametrize("mode", list(TIMERS))
+def test_a_hung_rank_is_found_shown_and_restarted(tmp_path: Path, script: WriteScript, mode: str) -> None:
+    script("w.py", HANGS)
+    flags, timer = TIMERS[mode]
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", *flags, "w.py", mode)
+    assert r.returncode == 0, r.stderr
+    [hang] = hang_events(r)
+    assert (hang["rank"], hang["timeout"], hang["limit_s"]) == (1, timer, 1.5)
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 1
+    assert root["hang"].startswith(f"hang: {timer} timeout of 1.5 s exceeded")
+    assert "stuck_here" in root["stacks"]  # all threads' stacks, the hung frame among them
+    stopped: list[dict[str, Any]] = r.report(0)["stopped_by_ftrun"]  # type: ignore[assignment]
+    assert [o["rank"] for o in stopped] == [0]
+    assert "stuck_here" in r.log(0, 1, "stderr")  # and in the rank's log
+    assert f"ROOT CAUSE  rank 1 (local rank 1, pid {root['pid']})" in r.stderr
+    assert "rank 0 done" in r.log(1, 0)
+    assert "rank 1 done" in r.log(1, 1)
+
+
+def test_the_hang_signal_goes_to_the_hung_rank_first(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        """
+import os, signal, sys, time, ftrun
+signal.signal(signal.SIGUSR1, lambda *a: print("got SIGUSR1", flush=True))
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(print("got SIGTERM", flush=True)))
+ftrun.heartbeat()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    while True:
+        time.sleep(1)
+""",
+    )
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "--heartbeat-timeout", "1", "--hang-signal", "SIGUSR1", "w.py")
+    assert r.returncode == 0, r.stderr
+    # The hung rank got --hang-signal, then the group stop's SIGTERM.
+    assert r.log(0, 0).splitlines() == ["got SIGUSR1", "got SIGTERM"]
+
+
+CALCULATE = """
+import json, os, sys, time
+import ftrun
+
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(json.dumps(ftrun.monitor_state()), flush=True)
+for _ in range(10):
+    with ftrun.section("step"):
+        time.sleep(0.02)
+    ftrun.heartbeat()
+if attempt == 0:
+    ftrun.calculate_timeouts(safety_factor=20)
+    sys.exit(3)  # a crash: the restarted workers must still have the timeouts
+if attempt == 1:
+    time.sleep(120)  # no flag sets a timeout: only the calculated one can catch this
+"""
+
+
+def test_calculated_timeouts_survive_a_restart(tmp_path: Path, script: WriteScript) -> None:
+    import json
+
+    script("w.py", CALCULATE)
+    r = run_ftrun(tmp_path, "--max-restarts", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.log(0, 0).splitlines()[0])["timeouts"]["heartbeat"] is None
+    handed = json.loads(r.log(1, 0).splitlines()[0])["timeouts"]
+    assert handed["heartbeat"] is not None
+    assert set(handed["sections"]) == {"step"}
+    [hang] = hang_events(r)
+    # Both timers were calculated (the sleep is past the heartbeat and out of any section).
+    timer = hang["timeout"].replace(" ", "_")
+    assert (hang["attempt"], timer, hang["limit_s"]) == (1, timer, handed[timer])
+    assert timer in ("heartbeat", "out_of_section")
+    assert "calculated timeouts; in force now" in r.stderr
+
+
+def test_a_corrupted_slot_does_not_crash_the_agent(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        """
+import mmap, os, struct, ftrun
+ftrun.heartbeat()
+with open(os.environ["FTRUN_MONITOR"], "r+b") as f:
+    m = mmap.mmap(f.fileno(), 0)
+base = 64 + int(os.environ["FTRUN_MONITOR_SLOT"]) * 4096
+m[base + 8 : base + 4096] = os.urandom(4088)  # garbage over everything but the seq
+struct.pack_into("<Q", m, base + 40 + 8, 0xFFFFFFFFFFFF)  # open-section count: impossible
+import time; time.sleep(2)
+print("still running", flush=True)
+""",
+    )
+    r = run_ftrun(tmp_path, "--heartbeat-timeout", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "still running" in r.log(0, 0)
+    assert "monitor slot unreadable" in r.stderr
+
+
+STUCK = """
+def stuck_here():
+    time.sleep(60)
+stuck_here()
+"""
+
+
+def test_faulthandler_dumps_stacks_without_py_spy(tmp_path: Path, script: WriteScript) -> None:
+    """The fallback path: the client registered faulthandler; the agent signals and reads the file."""
+    import subprocess
+    import sys
+
+    table = MonitorTable(1, tag="test")
+    out = tmp_path / "stacks.txt"
+    script("w.py", "import ftrun, time\nftrun.heartbeat()\nprint('up', flush=True)\n" + STUCK)
+    env = {"FTRUN_MONITOR": str(table.path), "FTRUN_MONITOR_SLOT": "0", "FTRUN_STACKS_FILE": str(out)}
+    proc = subprocess.Popen([sys.executable, "w.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "up\n"
+        assert HangWatch.client_listens(table.read(0))
+        text = stacks._faulthandler(proc.pid, out, STACK_SIGNAL)
+        assert "stuck_here" in text
+        assert proc.poll() is None  # dumping does not kill it
+    finally:
+        proc.kill()
+        proc.communicate()
+        table.close()

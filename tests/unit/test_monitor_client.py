@@ -1,0 +1,113 @@
+"""The worker's client against a real shared-memory table (agent and worker in one process here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from ftrun.monitor import client
+from ftrun.monitor.table import IDLE, OFF_IDLE, CorruptSlot, MonitorTable, slot_offset
+from ftrun.monitor.watchdog import Timeouts, published
+
+
+@pytest.fixture
+def table() -> Iterator[MonitorTable]:
+    t = MonitorTable(2, tag="test")
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def attach(t: MonitorTable, slot: int = 1, **env: str) -> client._Attached:
+    return client._Attached(str(t.path), slot, env)
+
+
+def test_heartbeats_and_sections_land_in_the_workers_own_slot(table: MonitorTable) -> None:
+    c = attach(table)
+    assert table.read(1).pid == os.getpid()
+    assert table.read(0).pid == 0  # the other slot is untouched
+    c.heartbeat()
+    c.heartbeat()
+    c.start_section("step")
+    c.start_section("io")  # sections nest and overlap
+    view = table.read(1)
+    assert view.beats == 2
+    assert view.last_beat > 0
+    assert [name for name, _ in view.sections] == ["step", "io"]
+    c.end_section("step")
+    assert [name for name, _ in table.read(1).sections] == ["io"]
+    c.end_all_sections()
+    after = table.read(1)
+    assert after.sections == ()
+    assert after.idle_since >= view.last_beat
+
+
+def test_section_misuse_is_a_clear_error(table: MonitorTable) -> None:
+    c = attach(table)
+    c.start_section("step")
+    with pytest.raises(ValueError, match="'step' is already open"):
+        c.start_section("step")
+    with pytest.raises(ValueError, match="'load' is not open"):
+        c.end_section("load")
+    with pytest.raises(ValueError, match="longer than"):
+        c.start_section("x" * 100)
+
+
+def test_calculated_timeouts_are_published_and_survive_in_a_state(table: MonitorTable) -> None:
+    c = attach(table, FTRUN_SAFETY_FACTOR="4")
+    c.heartbeat()
+    c.start_section("step")
+    c.end_section("step")
+    c.heartbeat()
+    calculated = c.calculate_timeouts(None, synchronize=False)
+    assert calculated.heartbeat is not None
+    assert calculated.sections.keys() == {"step"}
+    assert published(table.read(1)) == calculated
+    # A restarted worker is handed the timeouts the agent kept.
+    again = attach(table, FTRUN_MONITOR_TIMEOUTS=json.dumps(calculated.to_json()))
+    assert again.calculated == calculated
+    again.set_timeouts(Timeouts(heartbeat=7.0))
+    assert published(table.read(1)) == Timeouts(heartbeat=7.0)
+
+
+def test_a_corrupt_slot_is_refused_by_the_reader(table: MonitorTable) -> None:
+    attach(table)
+    mapping = table._map
+    IDLE.pack_into(mapping, slot_offset(1) + OFF_IDLE, 0.0, 999, 0)  # 999 sections open: impossible
+    with pytest.raises(CorruptSlot, match="impossible"):
+        table.read(1)
+
+
+def test_calls_return_at_once_after_the_agent_removed_the_table(table: MonitorTable) -> None:
+    c = attach(table)
+    table.close()  # the agent is gone: the file is unlinked, the worker's mapping stays
+    c.heartbeat()
+    c.start_section("step")
+    c.end_section("step")
+
+
+def test_outside_ftrun_every_call_is_a_no_op_with_one_warning() -> None:
+    code = (
+        "import warnings, ftrun\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ftrun.heartbeat(); ftrun.heartbeat()\n"
+        "    with ftrun.section('step'):\n"
+        "        ftrun.heartbeat()\n"
+        "    print(ftrun.calculate_timeouts()['heartbeat'], len(w), w[0].message)\n"
+        "    ftrun.load_monitor_state(ftrun.monitor_state())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert out.stdout.startswith("None 1 ftrun: not running under ftrun")
+
+
+def test_a_foreign_state_is_refused() -> None:
+    with pytest.raises(ValueError, match="not an ftrun monitor state"):
+        client.load_monitor_state({"v": 99})
