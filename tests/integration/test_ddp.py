@@ -47,6 +47,20 @@ def test_fault_mid_run_recovers_with_identical_weights(tmp_path: Path, clean_che
         assert "injected failure at step 55" in root["error"]["message"]  # type: ignore[index]
 
 
+def test_a_hang_mid_run_is_found_and_recovers_with_identical_weights(tmp_path: Path, clean_checksum: str) -> None:
+    r = run_ftrun(
+        tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--heartbeat-timeout", "3", DEMO, *STEPS,
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--hang-at", "55", "--crash-rank", "1",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "attempt 1: resumed from step 50" in r.stdout
+    assert final_checksum(r.stdout) == clean_checksum
+    root = r.report(0)["root_cause"]
+    assert root["rank"] == 1  # type: ignore[index]  # not rank 0, stuck in the allreduce waiting for it
+    assert root["hang"].startswith("hang: heartbeat timeout of 3 s exceeded")  # type: ignore[index]
+    assert "inject_faults" in root["stacks"]  # type: ignore[index]
+
+
 def test_ddp_across_two_agents_survives_the_loss_of_one(tmp_path: Path, live: list[LiveFtrun]) -> None:
     """2 nodes x 2 workers on etcd plus a hot spare; one node is SIGKILLed mid-run; the weights still match.
 
