@@ -34,7 +34,10 @@ if mode == "crash-once" and e["RANK"] == "3" and not restarted:
     sys.exit(3)
 if mode == "crash" and e["RANK"] == "3":
     sys.exit(3)
-if mode == "finish" or (mode == "crash-once" and restarted):
+if mode == "hang-once" and e["RANK"] == "3" and not restarted:
+    import ftrun
+    ftrun.heartbeat()  # and never again: hung
+if mode == "finish" or (mode in ("crash-once", "hang-once") and restarted):
     sys.exit(0)
 time.sleep(600)
 """
@@ -145,6 +148,17 @@ def test_a_worker_crash_on_one_node_restarts_every_node_then_the_job_succeeds(no
     assert len(restarted) == 4  # every worker of both nodes ran again, as restart 1
     crashed = a if "ROOT CAUSE  rank 3" in a.stderr() else b
     assert "ROOT CAUSE  rank 3" in crashed.stderr()
+
+
+def test_a_hang_on_one_node_restarts_every_node_then_the_job_succeeds(nodes: Nodes) -> None:
+    flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "1"]
+    a, b = nodes.start("a", *flags, "w.py", "hang-once"), nodes.start("b", *flags, "w.py", "hang-once")
+    assert a.wait() == 0, a.stderr()
+    assert b.wait() == 0, b.stderr()
+    restarted = [m for f in (a, b) for m in map(re.compile(UP).search, f.lines) if m and m.group(4) == "1"]
+    assert len(restarted) == 4
+    hung = a if "ROOT CAUSE  rank 3" in a.stderr() else b
+    assert "hang: heartbeat timeout of 1 s exceeded" in hung.stderr()
 
 
 def test_a_spent_budget_fails_every_node(nodes: Nodes) -> None:
