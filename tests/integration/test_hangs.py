@@ -184,3 +184,31 @@ def test_faulthandler_dumps_stacks_without_py_spy(tmp_path: Path, script: WriteS
         proc.kill()
         proc.communicate()
         table.close()
+
+
+SYNC = """
+import json, os, time
+import torch.distributed as dist
+import ftrun
+
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+for _ in range(3):
+    with ftrun.section("step"):
+        time.sleep(0.05 * (rank + 1))  # rank 1's steps take twice as long
+    ftrun.heartbeat()
+print(json.dumps(ftrun.calculate_timeouts(safety_factor=40)), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_calculated_timeouts_agree_across_ranks(tmp_path: Path, script: WriteScript) -> None:
+    import json
+
+    script("w.py", SYNC)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    rank0, rank1 = (json.loads(r.log(0, k).splitlines()[-1]) for k in (0, 1))
+    assert rank0 == rank1  # the same values on every rank: the largest any rank saw
+    assert rank0["sections"]["step"] >= 0.1 * 40  # rank 1's step, not rank 0's 0.05 s

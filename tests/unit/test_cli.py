@@ -258,3 +258,52 @@ def test_multi_node_modes(tmp_path: Path, script: Path) -> None:
     assert (c.node_rank, c.master_addr, c.master_port) == (1, "node0", 29500)
     c = parse(tmp_path, "--standalone", "--rdzv-backend", "c10d", "train.py")
     assert not c.elastic
+
+
+def test_hang_settings_from_flags_over_the_config_file(tmp_path: Path, script: Path) -> None:
+    (tmp_path / "ft.toml").write_text(
+        'heartbeat_timeout = 60\nsafety_factor = 3\nhang_signal = "SIGABRT"\n'
+        "[section_timeouts]\nstep = 30\nnever_used = 5\n"  # a section the job never opens is fine
+    )
+    c = parse(
+        tmp_path, "--config", str(tmp_path / "ft.toml"), "--heartbeat-timeout", "9",
+        "--section-timeout", "step=2", "--section-timeout", "save=120", "train.py",
+    )  # fmt: skip
+    t = c.hang.timeouts
+    assert (t.initial_heartbeat, t.heartbeat, t.out_of_section) == (None, 9.0, None)
+    assert t.sections == {"step": 2.0, "never_used": 5.0, "save": 120.0}
+    assert c.hang.safety_factor == 3.0
+    assert c.hang.hang_signal == 6
+    assert not parse(tmp_path, "train.py").hang.timeouts.any  # unset: off
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--heartbeat-timeout", "0"], "--heartbeat-timeout: must be a finite number of seconds > 0"),
+        (["--out-of-section-timeout", "-3"], "--out-of-section-timeout: must be a finite number of seconds > 0"),
+        (["--section-timeout", "step"], "--section-timeout: expected NAME=SECONDS"),
+        (["--section-timeout", "step=0"], "--section-timeout step: must be a finite number of seconds > 0"),
+        (["--safety-factor", "nan"], "--safety-factor: must be a finite number"),
+        (["--hang-signal", "SIGNOPE"], "--hang-signal: unknown signal 'SIGNOPE'"),
+        (["--config", "missing.toml"], "--config: cannot read"),
+    ],
+)
+def test_bad_hang_settings_are_named(tmp_path: Path, script: Path, argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(tmp_path, *argv, "train.py")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("heartbeat_timeout = [", "is not valid TOML"),
+        ("heartbeat = 5", "unknown key\\(s\\) in .*: heartbeat"),
+        ("heartbeat_timeout = -1", "--heartbeat-timeout: must be a finite number of seconds > 0"),
+        ("section_timeouts = 5", "section_timeouts must be a table"),
+    ],
+)
+def test_a_bad_config_file_is_named(tmp_path: Path, script: Path, body: str, message: str) -> None:
+    (tmp_path / "ft.toml").write_text(body)
+    with pytest.raises(ConfigError, match=message):
+        parse(tmp_path, "--config", str(tmp_path / "ft.toml"), "train.py")
