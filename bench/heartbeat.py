@@ -5,7 +5,8 @@
    of 100; median and p99 of the per-call cost over the batches.
 2. Detection: a worker under ftrun stops heartbeating (--heartbeat-timeout 0.5);
    from ftrun's event log: deadline -> verdict, and verdict -> new workers spawned.
-3. The demo DDP job (2 ranks, gloo) with --hang-at: from the hang (the job's own
+3. The demo DDP job (2 ranks, gloo) with --hang-at and --out-of-section-timeout
+   (the step is a section): from the hang (the job's own
    timeline) to every rank stepping again, and that minus the heartbeat timeout.
 
     python bench/heartbeat.py [--reps 5]
@@ -100,7 +101,7 @@ def demo(hang_at: int, timeout_s: float) -> float:
     with tempfile.TemporaryDirectory() as d:
         timeline = Path(d) / "timeline.jsonl"
         cmd = ftrun_cmd(
-            Path(d), "--nproc-per-node", "2", "--max-restarts", "2", "--heartbeat-timeout", str(timeout_s),
+            Path(d), "--nproc-per-node", "2", "--max-restarts", "2", "--out-of-section-timeout", str(timeout_s),
             str(DEMO), "--steps", str(hang_at + 20), "--checkpoint-every", "10", "--hang-at", str(hang_at),
             "--checkpoint-dir", str(Path(d) / "ckpt"), "--timeline", str(timeline), "--log-every", "1000000",
         )  # fmt: skip
@@ -121,7 +122,7 @@ def spread(values: list[float], scale: float, unit: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--demo-timeout", type=float, default=2.0, help="--heartbeat-timeout for the demo job")
+    p.add_argument("--demo-timeout", type=float, default=2.0, help="--out-of-section-timeout for the demo job")
     a = p.parse_args()
 
     c = cost()
@@ -138,7 +139,7 @@ def main() -> None:
     print(f"  verdict -> new workers spawned  {spread(list(restarts), 1000, 'ms')}  (includes the stack dump)")
 
     totals = [demo(40, a.demo_timeout) for _ in range(a.reps)]
-    print(f"demo DDP job (2 ranks), --hang-at 40, --heartbeat-timeout {a.demo_timeout:g}, {a.reps} runs:")
+    print(f"demo DDP job (2 ranks), --hang-at 40, --out-of-section-timeout {a.demo_timeout:g}, {a.reps} runs:")
     print(f"  hang -> every rank stepping again   {spread(totals, 1, 's')}")
     print(f"  the same minus the timeout          {spread([t - a.demo_timeout for t in totals], 1, 's')}")
 

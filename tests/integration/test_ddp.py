@@ -48,8 +48,11 @@ def test_fault_mid_run_recovers_with_identical_weights(tmp_path: Path, clean_che
 
 
 def test_a_hang_mid_run_is_found_and_recovers_with_identical_weights(tmp_path: Path, clean_checksum: str) -> None:
+    """Rank 1 hangs between steps; rank 0 waits for it inside its "step" section (in the allreduce).
+    Only rank 1 is out of section, so the out-of-section timeout names it, not the rank waiting for it.
+    (Heartbeats alone cannot tell them apart: both stop at the same step.)"""
     r = run_ftrun(
-        tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--heartbeat-timeout", "3", DEMO, *STEPS,
+        tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--out-of-section-timeout", "2", DEMO, *STEPS,
         "--checkpoint-dir", str(tmp_path / "ckpt"), "--hang-at", "55", "--crash-rank", "1",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -57,7 +60,7 @@ def test_a_hang_mid_run_is_found_and_recovers_with_identical_weights(tmp_path: P
     assert final_checksum(r.stdout) == clean_checksum
     root = r.report(0)["root_cause"]
     assert root["rank"] == 1  # type: ignore[index]  # not rank 0, stuck in the allreduce waiting for it
-    assert root["hang"].startswith("hang: heartbeat timeout of 3 s exceeded")  # type: ignore[index]
+    assert root["hang"].startswith("hang: out of section timeout of 2 s exceeded")  # type: ignore[index]
     assert "inject_faults" in root["stacks"]  # type: ignore[index]
 
 

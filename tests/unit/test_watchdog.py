@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from ftrun.monitor.table import FLAG_EXITING, SlotView
-from ftrun.monitor.watchdog import MIN_CALCULATED_S, Timeouts, Watched, published, scaled, scan
+from ftrun.monitor.watchdog import BLAME_WINDOW_S, MIN_CALCULATED_S, Timeouts, Watched, published, scaled, scan
 
 
 def slot(
@@ -126,3 +126,28 @@ def test_scaled_observations() -> None:
 def test_garbled_published_timeouts_are_refused_by_name(raw: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         published(slot(timeouts=raw))
+
+
+def test_ranks_in_lockstep_blame_the_one_that_stopped_first() -> None:
+    """Rank 1 hangs before its step; rank 0 enters the step and waits for it in a collective.
+    Rank 0's heartbeat is a little older, so its deadline passes first: wait, then blame rank 1."""
+    t = Timeouts(heartbeat=3.0)
+    waiting = Watched(0, 0.0, slot(beats=55, last_beat=10.000, idle_since=9.990, sections=(("step", 10.010),)))
+    hung = Watched(1, 0.0, slot(beats=55, last_beat=10.002, idle_since=10.001))
+    first = scan([waiting, hung], 13.0005, t)
+    assert [v.local_rank for v in first.verdicts] == [0]
+    assert first.culprit(13.0005) is None  # rank 1's deadline is within the blame window
+    later = scan([waiting, hung], 13.0005 + BLAME_WINDOW_S, t)
+    culprit = later.culprit(13.0005 + BLAME_WINDOW_S)
+    assert culprit is not None
+    assert culprit.local_rank == 1
+
+
+def test_a_lone_miss_is_acted_on_at_once() -> None:
+    t = Timeouts(heartbeat=3.0)
+    hung = Watched(1, 0.0, slot(beats=5, last_beat=10.0))
+    busy = Watched(0, 0.0, slot(beats=9, last_beat=12.9))
+    result = scan([busy, hung], 13.0, t)
+    culprit = result.culprit(13.0)
+    assert culprit is not None
+    assert culprit.local_rank == 1

@@ -245,6 +245,7 @@ class Agent:
             limit_s=v.limit_s,
             elapsed_s=v.elapsed_s,
             lag_s=now_mono - v.deadline,  # deadline -> verdict
+            quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
         )
         self._say(f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks")
         w.hang.stacks = dump_stacks(

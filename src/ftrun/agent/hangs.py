@@ -16,7 +16,7 @@ from ftrun.agent.workers import Worker
 from ftrun.clock import Clock
 from ftrun.config import HangSpec
 from ftrun.monitor.table import FLAG_STACKS, CorruptSlot, MonitorTable, SlotView
-from ftrun.monitor.watchdog import SCAN_INTERVAL_S, Timeouts, Verdict, Watched, published, scan
+from ftrun.monitor.watchdog import BLAME_WINDOW_S, SCAN_INTERVAL_S, Timeouts, Verdict, Watched, published, scan
 
 IDLE_SCAN_S = 1.0  # no timeout in force yet: look for calculated ones this often
 
@@ -72,7 +72,7 @@ class HangWatch:
         return max(0.0, min(interval, next_deadline - self._clock.monotonic()))
 
     def find(self, running: Sequence[Worker]) -> tuple[list[Found], float | None]:
-        """The running workers that missed a deadline (first miss per worker), and the next deadline."""
+        """The worker to blame for a hang (if any), and when to look again (a deadline)."""
         if self._table is None or not running:
             return [], None
         watched, slots = [], {}
@@ -84,12 +84,15 @@ class HangWatch:
                 continue
             slots[w.local_rank] = slot
             watched.append(Watched(w.local_rank, w.spawn_mono, slot))
-        result = scan(watched, self._clock.monotonic(), self.timeouts)
-        by_rank = {w.local_rank: w for w in running}
-        found: dict[int, Found] = {}
-        for v in result.verdicts:
-            found.setdefault(v.local_rank, Found(by_rank[v.local_rank], v, slots.get(v.local_rank)))
-        return list(found.values()), result.next_deadline
+        now = self._clock.monotonic()
+        result = scan(watched, now, self.timeouts)
+        if not result.verdicts:
+            return [], result.next_deadline
+        culprit = result.culprit(now)
+        if culprit is None:  # wait for the other ranks' deadlines, then blame the one that stopped first
+            return [], min(v.deadline for v in result.verdicts) + BLAME_WINDOW_S
+        worker = next(w for w in running if w.local_rank == culprit.local_rank)
+        return [Found(worker, culprit, slots.get(culprit.local_rank))], result.next_deadline
 
     def _read(self, local_rank: int) -> SlotView | None:
         """The slot (None before the worker attached), merging timeouts it published; raises CorruptSlot."""

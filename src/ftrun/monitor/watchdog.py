@@ -19,6 +19,10 @@ from typing import Any
 from ftrun.monitor.table import FLAG_EXITING, SlotView
 
 SCAN_INTERVAL_S = 0.05  # a deadline that appears between scans is found at most this late
+# Ranks in lockstep miss their deadlines together (the hung one, and the ones waiting for it in a
+# collective): a verdict waits this long for the others' deadlines, then blames the rank that stopped
+# first. Kept well under the 100 ms the agent allows itself after a deadline.
+BLAME_WINDOW_S = 0.05
 # A calculated timeout is never shorter: below it, the scheduler's and the garbage collector's own
 # hiccups would be taken for hangs.
 MIN_CALCULATED_S = 1.0
@@ -119,6 +123,7 @@ class Verdict:
     limit_s: float
     elapsed_s: float  # since the timer started
     deadline: float  # monotonic
+    last_activity: float  # the worker's last sign of progress: heartbeat, section opened or closed
 
     def describe(self) -> str:
         return f"hang: {self.timeout} timeout of {self.limit_s:g} s exceeded ({self.elapsed_s:.2f} s)"
@@ -135,8 +140,29 @@ class Watched:
 
 @dataclass(frozen=True, slots=True)
 class Scan:
-    verdicts: tuple[Verdict, ...]  # earliest deadline first
+    verdicts: tuple[Verdict, ...]  # the rank that stopped first (earliest last activity) first
     next_deadline: float | None  # the earliest deadline not yet passed
+
+    def culprit(self, now: float) -> Verdict | None:
+        """The verdict to act on now, or None to wait: another rank's deadline falls within
+        BLAME_WINDOW_S of the first one (it may be the one that stopped first)."""
+        if not self.verdicts:
+            return None
+        first = min(v.deadline for v in self.verdicts)
+        if (
+            self.next_deadline is not None
+            and self.next_deadline <= first + BLAME_WINDOW_S
+            and now < first + BLAME_WINDOW_S
+        ):
+            return None
+        return self.verdicts[0]
+
+
+def last_activity(w: Watched) -> float:
+    slot = w.slot
+    if slot is None or not slot.pid:
+        return w.spawned
+    return max(slot.last_beat, slot.idle_since, slot.attached, *(start for _, start in slot.sections))
 
 
 def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
@@ -167,10 +193,10 @@ def scan(workers: Sequence[Watched], now: float, timeouts: Timeouts) -> Scan:
     for w in workers:
         for deadline, name, limit, start in deadlines(w, timeouts):
             if deadline <= now:
-                verdicts.append(Verdict(w.local_rank, name, limit, now - start, deadline))
+                verdicts.append(Verdict(w.local_rank, name, limit, now - start, deadline, last_activity(w)))
             else:
                 upcoming.append(deadline)
-    verdicts.sort(key=lambda v: (v.deadline, v.local_rank))
+    verdicts.sort(key=lambda v: (v.last_activity, v.deadline, v.local_rank))
     return Scan(tuple(verdicts), min(upcoming, default=None))
 
 
