@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(hang, "--safety-factor", default=None, help="calculate_timeouts() multiplies what it saw by this (5)")
     _flag(hang, "--hang-signal", default=None, help="signal sent to a hung worker first (SIGTERM)")
     _flag(hang, "--config", default=None, help="TOML file with the hang settings (keys as the flags, underscored)")
+    warm = p.add_argument_group("warm restarts")
+    _flag(warm, "--preload", default="", metavar="MOD[,MOD...]", help="modules the warm pool imports before forking")
+    _flag(
+        warm,
+        "--warm",
+        default="auto",
+        help="auto: also preload what the workers imported (default); preload: only --preload",
+    )
+    _flag(warm, "--no-warm", action="store_true", help="no warm pool: every worker is a fresh process")
     _flag(p, "--module", "-m", action="store_true", help="run SCRIPT as a module (python -m)")
     _flag(p, "--no-python", action="store_true", help="run SCRIPT as an executable, not with python")
     p.add_argument("training_script", metavar="SCRIPT", nargs="?", default="", help="script, module or executable")
@@ -168,6 +177,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         python=sys.executable,
         cwd=cwd,
         worker_base_env={**environ, **cfg.omp_threads(environ, nproc)},
+        warm=cfg.parse_warm(a.no_warm, a.warm, a.preload),
         hang=cfg.parse_hang(
             {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in cfg.HANG_KEYS},
             Path(a.config) if a.config else None,

@@ -177,6 +177,28 @@ def _bracketed(host: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmSpec:
+    """The warm worker pool: on or off, what to preload, and whether to learn it from the workers."""
+
+    enabled: bool = True
+    preload: tuple[str, ...] = ()
+    auto: bool = True
+
+
+WARM_MODES = ("auto", "preload")
+
+
+def parse_warm(no_warm: bool, warm: str, preload: str) -> WarmSpec:
+    if warm not in WARM_MODES:
+        raise ConfigError("--warm", f"unknown mode {warm!r}", "pass --warm auto, --warm preload, or --no-warm")
+    modules = tuple(m.strip() for m in preload.split(",") if m.strip())
+    for m in modules:
+        if not all(part.isidentifier() for part in m.split(".")):
+            raise ConfigError("--preload", f"{m!r} is not a module name", "pass e.g. --preload torch,numpy")
+    return WarmSpec(enabled=not no_warm, preload=modules, auto=warm == "auto")
+
+
+@dataclass(frozen=True, slots=True)
 class HangSpec:
     """Hang detection: the configured timeouts (None = off until calculated) and what to do on a hang."""
 
@@ -208,6 +230,7 @@ class LaunchConfig:
     cwd: Path
     worker_base_env: Mapping[str, str] = field(repr=False)
     hang: HangSpec = field(default_factory=HangSpec)
+    warm: WarmSpec = field(default_factory=WarmSpec)
 
     @property
     def elastic(self) -> bool:

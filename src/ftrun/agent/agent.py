@@ -19,6 +19,7 @@ from ftrun.agent import env as worker_env
 from ftrun.agent import policy, proctree
 from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.logs import Console, RankOutput, RankPaths
+from ftrun.agent.pool import WarmPool, read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.workers import Hang, ProcessSpawner, Spawner, Worker, WorkerGroup, WorkerState
 from ftrun.clock import Clock, SystemClock
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from ftrun.store.tcp_server import TcpStoreServer
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
+MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -56,6 +58,7 @@ class Agent:
         self.store_server: TcpStoreServer | None = None  # hosted here when the endpoint is this machine
         self._hangs = HangWatch(config.hang, clock, self._say)
         self._next_deadline: float | None = None  # the earliest hang deadline known at the last check
+        self._learned_attempt = -1  # --warm auto: the attempt whose imported modules the pool has been told
 
     @classmethod
     def from_config(cls, config: LaunchConfig) -> Agent:
@@ -63,10 +66,13 @@ class Agent:
             from ftrun.agent.elastic import ElasticAgent
 
             return ElasticAgent.from_config(config)
+        spawner: Spawner = ProcessSpawner()
+        if config.warm.enabled:
+            spawner = WarmPool(config.python, config.warm.preload, config.worker_base_env, auto=config.warm.auto)
         return cls(
             config,
             clock=SystemClock(),
-            spawner=ProcessSpawner(),
+            spawner=spawner,
             console=Console(sys.stdout.buffer, sys.stderr.buffer),
             host=socket.gethostname(),
         )
@@ -87,6 +93,8 @@ class Agent:
             max_restarts=self.config.max_restarts,
             log_dir=str(self.run_dir),
         )
+        if isinstance(self._spawner, WarmPool):
+            self._spawner.start(self.run_dir / "pool.log", self._say, self._pool_ready)
         self._host_store()
         with SignalWakeup() as self._wakeup:
             try:
@@ -215,20 +223,50 @@ class Agent:
                 **worker_env.worker_env(c.worker_base_env, assignment),
                 **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE)),
             }
+            if c.warm.enabled and c.warm.auto:
+                env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
             worker = Worker(rank, local_rank, attempt, paths, argv, env)
             self._group.spawn(worker, RankOutput(paths, rank, local_rank, c.logs, self._console), c.cwd)
-            self._emit(EventKind.WORKER_SPAWNED, attempt=attempt, rank=rank, local_rank=local_rank, pid=worker.pid)
+            self._emit(
+                EventKind.WORKER_SPAWNED,
+                attempt=attempt,
+                rank=rank,
+                local_rank=local_rank,
+                pid=worker.pid,
+                warm=getattr(worker.handle, "warm", False),
+            )
         return [policy.AttemptStarted(frozenset(range(c.nproc_per_node)))]
 
     def _find_hangs(self) -> list[Worker]:
         """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
         if self._group is None:
             return []
+        self._learn_modules()
         judged = [w for w in self._group.running if w.state is WorkerState.RUNNING]
         found, self._next_deadline = self._hangs.find(judged)
         for f in found:
             self._hung(f)
         return [f.worker for f in found]
+
+    def _learn_modules(self) -> None:
+        """--warm auto: once per attempt, tell the pool what a worker imported (it reports at its first
+        heartbeat, or at exit)."""
+        if not isinstance(self._spawner, WarmPool) or self._learned_attempt == self._attempt or self._group is None:
+            return
+        for w in self._group.workers:
+            modules = read_modules_report(w.paths.dir / MODULES_FILE)
+            if modules is not None:
+                self._learned_attempt = self._attempt
+                self._spawner.learn(modules)
+                return
+
+    def _pool_ready(self, info: dict[str, object]) -> None:
+        self._emit(EventKind.POOL_READY, **info)
+        rss = int(info.get("rss_kb", 0)) / 1024  # type: ignore[call-overload]
+        self._say(
+            f"warm pool ready (pid {info.get('pid')}): {info.get('loaded')} of {info.get('preload')} modules "
+            f"preloaded in {float(info.get('import_s', 0.0)):.2f} s, {rss:.0f} MiB resident"  # type: ignore[arg-type]
+        )
 
     def _hung(self, found: Found) -> None:
         w, v = found.worker, found.verdict
@@ -342,6 +380,8 @@ class Agent:
     def _abandon(self) -> None:
         """On any exit from run(): no worker outlives the agent, even after an ftrun bug."""
         self._hangs.close()
+        if isinstance(self._spawner, WarmPool):
+            self._spawner.close()
         if self._group is not None:
             if not self._finished:
                 self._group.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)

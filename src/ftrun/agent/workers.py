@@ -55,7 +55,12 @@ class ProcessHandle(Protocol):
 
 
 class Spawner(Protocol):
-    """Starts one worker process. The warm pool of a later issue is another Spawner."""
+    """Starts one worker process: fresh (ProcessSpawner) or forked from a warm pool (WarmPool)."""
+
+    @property
+    def helpers(self) -> set[int]:
+        """The spawner's own processes: never signalled when a worker group is stopped."""
+        ...
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         """Raises SpawnError when the process cannot be started."""
@@ -79,6 +84,8 @@ class _PopenHandle:
 
 class ProcessSpawner:
     """Fresh processes: own session and process group, SIGKILL when the agent dies."""
+
+    helpers: set[int] = set()  # noqa: RUF012 - no processes of its own (the warm pool has one)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         try:
@@ -256,8 +263,9 @@ class WorkerGroup:
     def _signal_all(self, sig: int) -> None:
         leaders = {w.pid for w in self.workers if w.handle}
         # Found before signalling: descendants that left their worker's process group,
-        # and orphans the agent adopted as subreaper.
-        strays = proctree.descendants([os.getpid()]) - leaders
+        # and orphans the agent adopted as subreaper; not the spawner's own (the warm pool).
+        helpers = self._spawner.helpers
+        strays = proctree.descendants([os.getpid()]) - leaders - helpers - proctree.descendants(helpers)
         for pid in leaders:  # a worker's process group id is its pid (own session)
             proctree.signal_quietly(pid, sig, group=True)
         for pid in strays:

@@ -68,6 +68,7 @@ class _Attached:
         self._names: dict[str, bytes] = {}
         self._flags = 0
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
+        self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()
         self._idle_since = 0.0  # out of section counts from the end of the first section
@@ -112,6 +113,8 @@ class _Attached:
             self._longest_beat_gap = max(self._longest_beat_gap, now - last)
         else:
             self._first_beat = now - self._attached
+            if self._modules_file:  # the job is running: what it imported is what a warm pool should preload
+                report_modules(self._modules_file)
         self._last_beat = now
         self._beats += 1
         table.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
@@ -204,6 +207,20 @@ class _Attached:
     @property
     def calculated(self) -> Timeouts:
         return self._calculated
+
+
+def report_modules(path: str) -> None:
+    """Write {module name: file} of everything imported so far, for the agent's --warm auto."""
+    import sys
+
+    files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(files, f)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError):
+        pass  # only an optimisation of the next restart is lost
 
 
 class _Unattached:

@@ -1,0 +1,217 @@
+"""The warm pool's process (the zygote): imports the modules to preload, then forks workers on request.
+
+Run by the agent as ``python -m ftrun.agent.zygote FD PRELOAD_JSON``; FD is its
+end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
+``refused`` if preloading started a thread: fork would copy a process whose
+other threads vanish, with their locks held), then serves fork requests, each a
+JSON message with the worker's stdout and stderr as passed descriptors.
+
+Each worker is forked twice so that it is re-parented to the agent (a child
+subreaper) and becomes the agent's own child: the agent watches it with a pidfd
+and reaps its real exit status, exactly as for a fresh process. The worker then
+becomes what ``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
+Single-threaded, and never imports anything it is not asked to.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import importlib
+import importlib.machinery
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import types
+import warnings
+from typing import Any
+
+MAX_MESSAGE = 1 << 20
+ADOPTION_WAIT_S = 5.0
+PR_SET_PDEATHSIG = 1
+THIS_FILE = __file__
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendmsg([json.dumps(message).encode()])
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data:
+        return None, list(fds)
+    message: dict[str, Any] = json.loads(data)
+    return message, list(fds)
+
+
+def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
+    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None)."""
+    loaded, failed = [], {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a module that cannot be preloaded is imported by the worker itself
+            failed[name] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        loaded.append(name)
+        if threads() > 1:
+            return (
+                loaded,
+                failed,
+                (
+                    f"preloading {name!r} started a thread; forking a process with threads is unsafe "
+                    "(OpenMP/BLAS pools: set OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS=1, or leave "
+                    f"{name!r} out of --preload)"
+                ),
+            )
+    return loaded, failed, None
+
+
+def main() -> int:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    names: list[str] = json.loads(sys.argv[2])
+    filters = list(warnings.filters)  # as a fresh interpreter has them, before any preloaded module
+    started = time.monotonic()
+    loaded, failed, refusal = preload(names)
+    if refusal:
+        send(sock, {"refused": refusal})
+        return 1
+    send(sock, {"ready": True, "loaded": len(loaded), "failed": failed, "import_s": time.monotonic() - started,
+                "rss_kb": rss_kb()})  # fmt: skip
+    while True:
+        message, fds = receive(sock)
+        if message is None:
+            return 0  # the agent is gone or closed the pool
+        try:
+            reply = fork_worker(sock, message, fds, filters)  # in the worker it never returns
+        except OSError as e:
+            reply = {"error": f"fork failed: {e}"}
+        for fd in fds:
+            os.close(fd)
+        send(sock, reply)
+
+
+def fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
+    if len(fds) != 2:
+        return {"error": f"expected stdout and stderr descriptors, got {len(fds)}"}
+    read_end, write_end = os.pipe()
+    first = os.fork()
+    if first == 0:  # the intermediate: fork the worker, tell the zygote its pid, vanish
+        os.close(read_end)
+        intermediate = os.getpid()  # not getppid() in the worker: this process may be gone by then
+        second = os.fork()
+        if second == 0:
+            os.close(write_end)
+            become_worker(sock, request, fds, filters, intermediate)  # never returns
+        os.write(write_end, str(second).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as r:
+        pid = r.read()
+    os.waitpid(first, 0)
+    return {"pid": int(pid)} if pid else {"error": "fork failed"}
+
+
+def become_worker(
+    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int
+) -> None:
+    """In the forked worker: set up as a fresh `python -u` would be, run the target, exit with its code."""
+    try:
+        set_up(sock, request, fds, filters, intermediate)
+    except BaseException as e:  # nothing of the zygote's loop may run in the worker
+        os.write(2, f"ftrun: the warm worker could not be set up: {e!r}\n".encode())
+        os._exit(1)
+    sys.exit(run(request["kind"], request["target"], request["args"]))
+
+
+def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int) -> None:
+    sock.close()
+    deadline = time.monotonic() + ADOPTION_WAIT_S
+    while os.getppid() == intermediate and time.monotonic() < deadline:
+        time.sleep(0.0002)  # the intermediate exits at once; then the agent (subreaper) is the parent
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != request["agent_pid"]:
+        os._exit(1)  # the agent died meanwhile (or adoption failed): never run unwatched
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in (devnull, *fds):
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    warnings.filters[:] = filters  # type: ignore[index]
+    modules_file = request["env"].get("FTRUN_MODULES_FILE")
+    if modules_file:  # for --warm auto, also from scripts that never call ftrun
+        import atexit
+
+        from ftrun.monitor.client import report_modules
+
+        atexit.register(report_modules, modules_file)
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+    # `python -u`: unbuffered binary layer, text written through at once.
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+
+
+def run(kind: str, target: str, args: list[str]) -> int:
+    """Run a script or module as __main__; an uncaught exception prints as Python would and returns 1."""
+    try:
+        main = types.ModuleType("__main__")  # a clean namespace, not the zygote's own __main__
+        main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+        sys.modules["__main__"] = main
+        if kind == "module":
+            import runpy
+
+            sys.argv = [target, *args]  # runpy puts the module's file in argv[0], as `python -m` does
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            main.__file__ = target
+            main.__cached__ = None  # type: ignore[attr-defined]
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", target)
+            with io.open_code(target) as f:
+                code = compile(f.read(), target, "exec")
+            exec(code, main.__dict__)  # noqa: S102 - running the user's script is the point
+    except SystemExit:
+        raise
+    except BaseException:
+        kind_, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename == THIS_FILE:
+            tb = tb.tb_next  # the traceback starts where the user's code does, as with a fresh python
+        sys.excepthook(kind_, value, tb)  # type: ignore[arg-type]
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
