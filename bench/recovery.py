@@ -1,13 +1,16 @@
-"""Recovery after a worker crash: ftrun against torchrun, same job, same flags, same run.
+"""Recovery after a worker crash: ftrun (warm and cold) against torchrun, same job, same flags, same run.
 
 The demo DDP job (2 workers, gloo on CPU) runs under each launcher in turn; rank 1
-kills itself with SIGKILL at the same step on the first attempt. From the job's
+kills itself with SIGKILL at the same step on the first attempt. ftrun-warm is
+ftrun as it comes (a warm pool that learns what the workers import: it must have
+finished preloading before the crash, hence the late default crash step);
+ftrun-cold is ftrun --no-warm. From the job's
 own timeline (wall-clock records written by every rank) we take the time from
 the crash to the moment every rank has finished its first step after the
 restart. From ftrun's event log we also take ftrun's own overhead: from the
 failed worker's exit to the new workers' exec.
 
-    python bench/recovery.py [--reps 5] [--crash-at 40]
+    python bench/recovery.py [--reps 5] [--crash-at 120]
 
 Prints figures; asserts nothing about time.
 """
@@ -27,7 +30,8 @@ from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 LAUNCHERS = {
-    "ftrun": [sys.executable, "-m", "ftrun"],
+    "ftrun-warm": [sys.executable, "-m", "ftrun"],
+    "ftrun-cold": [sys.executable, "-m", "ftrun", "--no-warm"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     # torchrun's other common form: c10d rendezvous on localhost instead of its static default
     "torchrun-standalone": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
@@ -46,7 +50,7 @@ class Trial:
 def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
-    if launcher == "ftrun":
+    if launcher.startswith("ftrun"):
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
     job = [str(DEMO), "--steps", str(args.steps), "--checkpoint-every", "10", "--crash-at", str(args.crash_at)]
     job += ["--checkpoint-dir", str(workdir / "ckpt"), "--timeline", str(timeline), "--log-every", "1000000"]
@@ -68,7 +72,7 @@ def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
     complete = sorted(a for a, ranks in resumed.items() if len(ranks) == 2)
     recovery = max(resumed[complete[0]].values()) - crash if complete else None
     overhead = detect = None
-    if launcher == "ftrun" and events.exists():
+    if launcher.startswith("ftrun") and events.exists():
         ev = [json.loads(line) for line in events.read_text().splitlines()]
         failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
@@ -87,10 +91,10 @@ def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--crash-at", type=int, default=40)
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--crash-at", type=int, default=120)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a run that hangs is killed")
-    p.add_argument("--launchers", default="ftrun,torchrun,torchrun-standalone")
+    p.add_argument("--launchers", default="ftrun-warm,ftrun-cold,torchrun,torchrun-standalone")
     args = p.parse_args()
     launchers = args.launchers.split(",")
     trials: list[Trial] = []
@@ -118,14 +122,15 @@ def main() -> None:
         )
         if rec:
             medians[launcher] = statistics.median(rec)
-    for peer in [name for name in medians if name != "ftrun"]:
-        if "ftrun" in medians:
-            print(f"  ratio ftrun/{peer} (medians): {medians['ftrun'] / medians[peer]:.2f}")
-    ft = [t for t in trials if t.launcher == "ftrun"]
-    print("ftrun's own overhead, failed worker exit -> new workers exec'd:")
-    print(f"  {describe([t.overhead_s for t in ft if t.overhead_s is not None], 1000, 'ms')}")
-    print("crash -> exit seen by ftrun:")
-    print(f"  {describe([t.detect_s for t in ft if t.detect_s is not None], 1000, 'ms')}")
+    for ours in [name for name in medians if name.startswith("ftrun")]:
+        for peer in [name for name in medians if name != ours and not name.startswith("ftrun-warm")]:
+            print(f"  ratio {ours}/{peer} (medians): {medians[ours] / medians[peer]:.2f}")
+    for ours in [name for name in launchers if name.startswith("ftrun")]:
+        ft = [t for t in trials if t.launcher == ours]
+        print(f"{ours}: its own overhead, failed worker exit -> new workers spawned:")
+        print(f"  {describe([t.overhead_s for t in ft if t.overhead_s is not None], 1000, 'ms')}")
+        print(f"{ours}: crash -> exit seen:")
+        print(f"  {describe([t.detect_s for t in ft if t.detect_s is not None], 1000, 'ms')}")
 
 
 if __name__ == "__main__":

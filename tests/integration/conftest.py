@@ -184,6 +184,7 @@ def script(tmp_path: Path) -> WriteScript:
     """``script("name.py", body)`` writes a worker script into tmp_path and returns its name."""
 
     def write(name: str, body: str) -> str:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(body))
         return name
 

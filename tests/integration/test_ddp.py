@@ -30,13 +30,20 @@ def clean_checksum(tmp_path_factory: pytest.TempPathFactory) -> str:
     return final_checksum(r.stdout)
 
 
-@pytest.mark.parametrize("fault", ["--crash-at", "--raise-at"])
-def test_fault_mid_run_recovers_with_identical_weights(tmp_path: Path, clean_checksum: str, fault: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "pool"), [("--crash-at", "--warm=auto"), ("--raise-at", "--warm=auto"), ("--crash-at", "--no-warm")]
+)
+def test_fault_mid_run_recovers_with_identical_weights(
+    tmp_path: Path, clean_checksum: str, fault: str, pool: str
+) -> None:
+    """Warm (the default) or cold, the job's result is the same as a run that never failed."""
     r = run_ftrun(
-        tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", DEMO, *STEPS,
+        tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", pool, DEMO, *STEPS,
         "--checkpoint-dir", str(tmp_path / "ckpt"), fault, "55", "--crash-rank", "1",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    warm = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+    assert warm == [pool != "--no-warm"] * 2
     assert "attempt 1: resumed from step 50" in r.stdout
     assert final_checksum(r.stdout) == clean_checksum
     root = r.report(0)["root_cause"]

@@ -225,8 +225,8 @@ class WarmPool:
         if not self._auto or self._off:
             return
         wanted = [m for m in modules if m not in self._preload]
-        if not wanted:
-            return
+        if len(wanted) <= len(self._preload) // 20:
+            return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
         self._preload += wanted
         self._say(f"warm pool: preloading {len(self._preload)} modules the workers imported, for the next restart")
         if self._zygote is not None:

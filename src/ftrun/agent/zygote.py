@@ -196,11 +196,12 @@ def run(kind: str, target: str, args: list[str]) -> int:
         else:
             sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.realpath(target))
-            main.__file__ = target
+            path = os.path.abspath(target)  # as Python >= 3.9 makes __main__.__file__
+            main.__file__ = path
             main.__cached__ = None  # type: ignore[attr-defined]
-            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", target)
-            with io.open_code(target) as f:
-                code = compile(f.read(), target, "exec")
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+            with io.open_code(path) as f:
+                code = compile(f.read(), path, "exec")
             exec(code, main.__dict__)  # noqa: S102 - running the user's script is the point
     except SystemExit:
         raise
@@ -208,6 +209,8 @@ def run(kind: str, target: str, args: list[str]) -> int:
         kind_, value, tb = sys.exc_info()
         while tb is not None and tb.tb_frame.f_code.co_filename == THIS_FILE:
             tb = tb.tb_next  # the traceback starts where the user's code does, as with a fresh python
+        if value is not None:
+            value.__traceback__ = tb  # the hook prints the exception's own traceback, not its argument
         sys.excepthook(kind_, value, tb)  # type: ignore[arg-type]
         return 1
     return 0

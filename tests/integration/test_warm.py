@@ -1,0 +1,165 @@
+"""Warm restarts: a worker forked from the pool behaves like a fresh process, and the pool never decides
+the job's fate (a refused module, a dead zygote: fresh processes take over)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import Result, WriteScript, run_ftrun
+
+WARM = ["--preload", "json,decimal"]  # a pool that has something preloaded
+COLD = ["--no-warm"]
+
+FACTS = """
+import json, os, sys, warnings
+facts = {
+    "name": __name__,
+    "file": __file__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "own_session": os.getsid(0) == os.getpid() == os.getpgrp(),
+    "parent": open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")[1:3] == [b"-m", b"ftrun"],
+    "spec": __spec__ and (__spec__.name, __spec__.origin),
+    "rank": os.environ["RANK"],
+    "main_is_me": sys.modules["__main__"].__dict__ is globals(),
+    "warnings_filters": len(warnings.filters),
+    "stdin": sys.stdin.read(),
+}
+print(json.dumps(facts), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+"""
+
+
+def spawned(r: Result) -> list[dict[str, Any]]:
+    return [e for e in r.events() if e["kind"] == "worker_spawned"]
+
+
+def facts(r: Result, attempt: int = 0, rank: int = 0) -> dict[str, Any]:
+    found: dict[str, Any] = json.loads(r.log(attempt, rank).splitlines()[0])
+    return found
+
+
+def test_a_warm_script_sees_what_a_fresh_one_sees(tmp_path: Path, script: WriteScript) -> None:
+    script("sub/w.py", FACTS)
+    runs = {}
+    for name, flags in (("warm", WARM), ("cold", COLD)):
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "--nproc-per-node", "2", "sub/w.py", "a b")
+        r.run_dir = tmp_path / name / "t"
+        assert r.returncode == 0, r.stderr
+        assert [e["warm"] for e in spawned(r)] == [name == "warm"] * 2
+        assert r.log(0, 1, "stderr") == "to stderr\n"
+        runs[name] = facts(r, rank=1)
+    assert runs["warm"] == runs["cold"]
+    assert runs["warm"]["name"] == "__main__"
+    assert runs["warm"]["argv"] == ["sub/w.py", "a b"]
+    assert runs["warm"]["path0"] == str((tmp_path / "sub").resolve())
+    assert runs["warm"]["own_session"] is True
+    assert runs["warm"]["parent"] is True  # the agent's own child, not the zygote's
+
+
+def test_a_warm_module_with_relative_imports(tmp_path: Path, script: WriteScript) -> None:
+    script("pkg/__init__.py", "")
+    script("pkg/helper.py", "WHO = 'helper'\n")
+    script("pkg/main.py", "from .helper import WHO\n" + FACTS + "print(WHO, __package__)\n")
+    runs = {}
+    for name, flags in (("warm", WARM), ("cold", COLD)):
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "-m", "pkg.main", "x")
+        r.run_dir = tmp_path / name / "t"
+        assert r.returncode == 0, r.stderr
+        lines = r.log(0, 0).splitlines()
+        assert lines[1] == "helper pkg"
+        runs[name] = json.loads(lines[0])
+    assert runs["warm"] == runs["cold"]
+    assert runs["warm"]["argv"] == [str(tmp_path / "pkg" / "main.py"), "x"]
+
+
+ENDINGS = """
+import os, signal, sys
+import ftrun
+how = sys.argv[1]
+
+@ftrun.record
+def main():
+    if how == "exit3":
+        sys.exit(3)
+    if how == "exit-message":
+        sys.exit("goodbye")
+    if how == "raise-recorded":
+        raise ValueError("recorded boom")
+    if how == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+if how == "raise-plain":
+    raise KeyError("plain boom")
+main()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit3", "exit-message", "raise-recorded", "raise-plain", "segv"])
+def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, how: str) -> None:
+    script("w.py", ENDINGS)
+    roots = {}
+    for name, flags in (("warm", WARM), ("cold", COLD)):
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "w.py", how)
+        r.run_dir = tmp_path / name / "t"
+        assert r.returncode == 1
+        root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+        error = root["error"]
+        roots[name] = (
+            root["exit_code"],
+            root["signal"],
+            error and (error["exc_type"], error["message"]),
+            [line for line in root["stderr_tail"] if "line" not in line],  # file paths and lines aside
+        )
+        stderr = r.log(0, 0, "stderr")
+        assert "zygote" not in stderr  # the traceback starts in the user's code
+    assert roots["warm"] == roots["cold"]
+
+
+def test_a_preloaded_module_that_starts_a_thread_turns_the_pool_off(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "threaded.py", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    script("w.py", "print('ran', flush=True)\n")
+    r = run_ftrun(tmp_path, "--preload", "threaded", "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "warm pool off: preloading 'threaded' started a thread" in r.stderr
+    assert [e["warm"] for e in spawned(r)] == [False, False]
+    assert r.log(0, 1) == "ran\n"
+
+
+KILLS_THE_POOL = """
+import os, signal, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    agent = os.getppid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if b"ftrun.agent.zygote" in cmdline and ppid == agent:
+            os.kill(int(pid), signal.SIGKILL)
+            print("killed the pool", flush=True)
+    sys.exit(3)
+print("attempt 1 ran", flush=True)
+"""
+
+
+def test_a_dead_zygote_is_replaced_and_the_job_goes_on(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", KILLS_THE_POOL)
+    r = run_ftrun(tmp_path, *WARM, "--max-restarts", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert r.log(0, 0) == "killed the pool\n"
+    assert r.log(1, 0) == "attempt 1 ran\n"
+    assert "warm pool: the zygote" in r.stderr
+    assert "a new pool is on its way" in r.stderr
+    ready = [e for e in r.events() if e["kind"] == "pool_ready"]
+    assert len(ready) >= 1
+    assert ready[0]["rss_kb"] > 0
+    assert "MiB resident" in r.stderr
