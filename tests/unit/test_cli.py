@@ -307,3 +307,15 @@ def test_a_bad_config_file_is_named(tmp_path: Path, script: Path, body: str, mes
     (tmp_path / "ft.toml").write_text(body)
     with pytest.raises(ConfigError, match=message):
         parse(tmp_path, "--config", str(tmp_path / "ft.toml"), "train.py")
+
+
+def test_warm_pool_flags(tmp_path: Path, script: Path) -> None:
+    default = parse(tmp_path, "train.py").warm
+    assert (default.enabled, default.auto, default.preload) == (True, True, ())
+    c = parse(tmp_path, "--preload", "torch, torch._dynamo", "--warm", "preload", "train.py").warm
+    assert (c.enabled, c.auto, c.preload) == (True, False, ("torch", "torch._dynamo"))
+    assert parse(tmp_path, "--no-warm", "train.py").warm.enabled is False
+    with pytest.raises(ConfigError, match="--preload: 'torch-nightly' is not a module name"):
+        parse(tmp_path, "--preload", "torch-nightly", "train.py")
+    with pytest.raises(ConfigError, match="--warm: unknown mode 'hot'"):
+        parse(tmp_path, "--warm", "hot", "train.py")

@@ -1,0 +1,49 @@
+"""The warm pool's pure decisions: which workers it can fork, which modules it preloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+from ftrun.agent.pool import installed_modules, read_modules_report, worker_request
+
+PY = "/usr/bin/python3"
+
+
+def test_what_the_zygote_can_run() -> None:
+    assert worker_request([PY, "-u", "train.py", "--lr", "1"], PY) == {
+        "kind": "script",
+        "target": "train.py",
+        "args": ["--lr", "1"],
+    }
+    assert worker_request([PY, "-u", "-m", "pkg.main", "x"], PY) == {
+        "kind": "module",
+        "target": "pkg.main",
+        "args": ["x"],
+    }
+    assert worker_request([PY, "-u", "-c", "import runpy", "t.py"], PY) is None  # --run-path: fresh
+    assert worker_request(["./a.out", "x"], PY) is None  # --no-python: fresh
+    assert worker_request(["/other/python", "-u", "t.py"], PY) is None  # another interpreter: fresh
+
+
+def test_only_installed_modules_are_preloaded(tmp_path: Path) -> None:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    site = sysconfig.get_paths()["purelib"]
+    files = {
+        "json": os.path.join(stdlib, "json", "__init__.py"),
+        "torch": os.path.join(site, "torch", "__init__.py"),
+        "torch._dynamo": os.path.join(site, "torch", "_dynamo", "__init__.py"),
+        "mymodel": str(tmp_path / "mymodel.py"),  # the job's own code: may read RANK at import
+        "__main__": str(tmp_path / "train.py"),
+        "ftrun.monitor.client": os.path.join(site, "ftrun", "monitor", "client.py"),
+        "sys": None,  # built in: nothing to preload
+    }
+    assert installed_modules(list(files), files) == ["json", "torch", "torch._dynamo"]
+    report = tmp_path / "modules.json"
+    report.write_text(json.dumps(files))
+    assert read_modules_report(report) == ["json", "torch", "torch._dynamo"]
+    report.write_text("{garbage")
+    assert read_modules_report(report) is None
+    assert read_modules_report(tmp_path / "missing.json") is None
