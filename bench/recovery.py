@@ -3,14 +3,15 @@
 The demo DDP job (2 workers, gloo on CPU) runs under each launcher in turn; rank 1
 kills itself with SIGKILL at the same step on the first attempt. ftrun-warm is
 ftrun as it comes (a warm pool that learns what the workers import: it must have
-finished preloading before the crash, hence the late default crash step);
+finished preloading before the crash: the default crash comes ~8 s into the job,
+300 steps of 20 ms simulated compute);
 ftrun-cold is ftrun --no-warm. From the job's
 own timeline (wall-clock records written by every rank) we take the time from
 the crash to the moment every rank has finished its first step after the
 restart. From ftrun's event log we also take ftrun's own overhead: from the
 failed worker's exit to the new workers' exec.
 
-    python bench/recovery.py [--reps 5] [--crash-at 120]
+    python bench/recovery.py [--reps 5] [--crash-at 300] [--step-time 0.02]
 
 Prints figures; asserts nothing about time.
 """
@@ -25,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,7 @@ class Trial:
     first_restart: bool  # training resumed on the first restart (attempt 1)
     overhead_s: float | None  # ftrun only: failed worker exit -> last new worker exec'd
     detect_s: float | None  # ftrun only: crash -> exit seen by ftrun
+    start_s: float | None  # launcher started -> every rank finished its first step (a cold start)
 
 
 def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
@@ -53,7 +56,9 @@ def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
     if launcher.startswith("ftrun"):
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
     job = [str(DEMO), "--steps", str(args.steps), "--checkpoint-every", "10", "--crash-at", str(args.crash_at)]
+    job += ["--step-time", str(args.step_time)]
     job += ["--checkpoint-dir", str(workdir / "ckpt"), "--timeline", str(timeline), "--log-every", "1000000"]
+    started = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen([*LAUNCHERS[launcher], *flags, *job], stdout=log, stderr=log, start_new_session=True)
         try:
@@ -78,7 +83,12 @@ def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
         overhead = max(e["mono"] for e in respawned) - failed["mono"] if respawned else None
         detect = failed["wall"] - crash
-    return Trial(launcher, recovery, bool(complete) and complete[0] == 1, overhead, detect)
+    firsts = [
+        min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k), default=None)
+        for k in (0, 1)
+    ]
+    start = max(firsts) - started if None not in firsts else None  # type: ignore[type-var, operator]
+    return Trial(launcher, recovery, bool(complete) and complete[0] == 1, overhead, detect, start)
 
 
 def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
@@ -91,8 +101,9 @@ def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--crash-at", type=int, default=120)
+    p.add_argument("--steps", type=int, default=330)
+    p.add_argument("--crash-at", type=int, default=300)
+    p.add_argument("--step-time", type=float, default=0.02, help="simulated compute per step (s), as the demo's flag")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a run that hangs is killed")
     p.add_argument("--launchers", default="ftrun-warm,ftrun-cold,torchrun,torchrun-standalone")
     args = p.parse_args()
@@ -125,6 +136,10 @@ def main() -> None:
     for ours in [name for name in medians if name.startswith("ftrun")]:
         for peer in [name for name in medians if name != ours and not name.startswith("ftrun-warm")]:
             print(f"  ratio {ours}/{peer} (medians): {medians[ours] / medians[peer]:.2f}")
+    print("start: launcher started -> every rank finished its first step (the first attempt):")
+    for launcher in launchers:
+        starts = [t.start_s for t in trials if t.launcher == launcher and t.start_s is not None]
+        print(f"  {launcher:19s} {describe(starts)}")
     for ours in [name for name in launchers if name.startswith("ftrun")]:
         ft = [t for t in trials if t.launcher == ours]
         print(f"{ours}: its own overhead, failed worker exit -> new workers spawned:")
