@@ -3,7 +3,7 @@
 1. Cost, in a worker under ftrun: 1e6 calls of ``ftrun.heartbeat()`` and 1e6
    section start/end pairs (``with ftrun.section("step")``), timed in batches
    of 100; median and p99 of the per-call cost over the batches.
-2. Detection: a worker under ftrun stops heartbeating (--heartbeat-timeout 0.5);
+2. Detection: one of two workers under ftrun stops heartbeating (--heartbeat-timeout 0.5);
    from ftrun's event log: deadline -> verdict, and verdict -> new workers spawned.
 3. The demo DDP job (2 ranks, gloo) with --hang-at and --out-of-section-timeout
    (the step is a section): from the hang (the job's own
@@ -57,7 +57,11 @@ for _ in range(20):
     ftrun.heartbeat()
     time.sleep(0.01)
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-    time.sleep(60)
+    if os.environ["RANK"] == "1":
+        time.sleep(60)  # hung
+    for _ in range(6000):  # rank 0 stays healthy
+        ftrun.heartbeat()
+        time.sleep(0.01)
 """
 
 

@@ -40,6 +40,11 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def cuda_initialised() -> bool:
+    cuda = sys.modules.get("torch.cuda")
+    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
+
+
 def rss_kb() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -74,6 +79,15 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
             failed[name] = f"{type(e).__name__}: {e}"[:200]
             continue
         loaded.append(name)
+        if cuda_initialised():
+            return (
+                loaded,
+                failed,
+                (
+                    f"preloading {name!r} initialised CUDA, which does not survive fork; initialise CUDA in "
+                    f"the workers only (leave {name!r} out of --preload)"
+                ),
+            )
         if threads() > 1:
             return (
                 loaded,
