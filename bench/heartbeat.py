@@ -120,7 +120,7 @@ def demo(hang_at: int, timeout_s: float) -> float:
 
 def spread(values: list[float], scale: float, unit: str) -> str:
     v = [x * scale for x in values]
-    return f"median {statistics.median(v):.1f} {unit} (min {min(v):.1f}, max {max(v):.1f})"
+    return f"median {statistics.median(v):.2f} {unit} (min {min(v):.2f}, max {max(v):.2f})"
 
 
 def main() -> None:
