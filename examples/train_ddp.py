@@ -178,6 +178,10 @@ def main() -> None:
             save_checkpoint(ckpt, done, model, optim)
         if rank == 0 and done % args.log_every == 0:
             print(f"step {done} loss {loss.item():.6f}", flush=True)
+    # Drop DDP (its reducer holds the process group) before the group goes: destroying a gloo group
+    # from the reducer's deallocation holds the GIL while joining gloo's threads, which may need the
+    # GIL to finish their last work item, a deadlock (torch 2.13). destroy_process_group() releases it.
+    del ddp
     dist.barrier()
     if rank == 0:
         print(f"final loss {loss.item():.6f} checksum {checksum(model)} world {world}", flush=True)

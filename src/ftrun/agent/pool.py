@@ -92,16 +92,22 @@ class _Zygote:
         self._sock = ours
         with log.open("ab") as err:
             self.proc = subprocess.Popen(
-                [python, "-m", "ftrun.agent.zygote", str(theirs.fileno()), json.dumps(preload)],
+                [python, "-m", "ftrun.agent.zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 env=dict(env),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 stdout=err,
                 stderr=err,
                 start_new_session=True,
                 preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
             )
         theirs.close()
+        assert self.proc.stdin is not None
+        try:  # the list can be long: a pipe, not argv (which has a size limit)
+            self.proc.stdin.write(json.dumps(preload).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: the first fork finds out and falls back
         self.ready: dict[str, Any] | None = None
         self.refused = ""
 

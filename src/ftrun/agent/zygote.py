@@ -1,7 +1,7 @@
 """The warm pool's process (the zygote): imports the modules to preload, then forks workers on request.
 
-Run by the agent as ``python -m ftrun.agent.zygote FD PRELOAD_JSON``; FD is its
-end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
+Run by the agent as ``python -m ftrun.agent.zygote FD`` with the JSON list of
+modules to preload on stdin; FD is its end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
 ``refused`` if preloading started a thread: fork would copy a process whose
 other threads vanish, with their locks held), then serves fork requests, each a
 JSON message with the worker's stdout and stderr as passed descriptors.
@@ -103,7 +103,7 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
 
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    names: list[str] = json.loads(sys.argv[2])
+    names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
     filters = list(warnings.filters)  # as a fresh interpreter has them, before any preloaded module
     started = time.monotonic()
     loaded, failed, refusal = preload(names)
