@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -178,14 +179,16 @@ def main() -> None:
             save_checkpoint(ckpt, done, model, optim)
         if rank == 0 and done % args.log_every == 0:
             print(f"step {done} loss {loss.item():.6f}", flush=True)
-    # Drop DDP (its reducer holds the process group) before the group goes: destroying a gloo group
-    # from the reducer's deallocation holds the GIL while joining gloo's threads, which may need the
-    # GIL to finish their last work item, a deadlock (torch 2.13). destroy_process_group() releases it.
-    del ddp
     dist.barrier()
     if rank == 0:
         print(f"final loss {loss.item():.6f} checksum {checksum(model)} world {world}", flush=True)
     dist.destroy_process_group()
+    # Everything is saved and printed. torch 2.13's gloo teardown is racy: freeing DDP's reducer
+    # joins gloo's threads while holding the GIL, which they may need (a deadlock), and freeing it
+    # earlier can abort ("terminate called without an active exception"). So leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
