@@ -72,8 +72,9 @@ def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
 
 
 def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> list[str]:
-    """The modules worth preloading: from the standard library or installed packages, sorted (parents
-    first). The job's own modules are left out: they may read the rank at import, or change between runs."""
+    """The modules worth preloading: from the standard library or installed packages, in the order the
+    worker imported them (import side effects then happen as they did there). The job's own modules are
+    left out: they may read the rank at import, or change between runs."""
     roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     keep = []
     for name in names:
@@ -82,7 +83,7 @@ def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> 
             continue
         if any(path.startswith(root + os.sep) for root in roots):
             keep.append(name)
-    return sorted(set(keep))
+    return list(dict.fromkeys(keep))
 
 
 class _Zygote:
