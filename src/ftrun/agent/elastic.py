@@ -99,8 +99,13 @@ class ElasticAgent(Agent):
                 return self._finish(1, "failed")
             assert self._group is not None
             timeout = max(0.0, step.wake_at - self._clock.monotonic())
-            if local.running_round is not None and not (local.local_failure or local.job_done):
-                timeout = min(timeout, self._hangs.wake_in(self._next_deadline) or timeout)
+            hang_check = self._hangs.wake_in(self._next_deadline)
+            if (
+                hang_check is not None
+                and local.running_round is not None
+                and not (local.local_failure or local.job_done)
+            ):
+                timeout = min(timeout, hang_check)
             exited, woken = self._group.wait(timeout, also=rdzv.fileno())
             for w in exited:
                 self._exited(w)
