@@ -168,7 +168,7 @@ class Agent:
         found: list[policy.Event] = [self._exited(w) for w in exited]
         if woken:
             found += self._signals()
-        found += [policy.WorkerHung(w.local_rank) for w in self._find_hangs()]
+        found += [policy.WorkerHung(w.local_rank) for w in self._check_workers()]
         return found
 
     def _execute(self, command: policy.Command) -> list[policy.Event]:
@@ -227,21 +227,19 @@ class Agent:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
             worker = Worker(rank, local_rank, attempt, paths, argv, env)
             self._group.spawn(worker, RankOutput(paths, rank, local_rank, c.logs, self._console), c.cwd)
-            self._emit(
-                EventKind.WORKER_SPAWNED,
-                attempt=attempt,
-                rank=rank,
-                local_rank=local_rank,
-                pid=worker.pid,
-                warm=getattr(worker.handle, "warm", False),
-            )
+            self._emit(EventKind.WORKER_SPAWNED, **_identity(worker), warm=getattr(worker.handle, "warm", False))
         return [policy.AttemptStarted(frozenset(range(c.nproc_per_node)))]
+
+    def _check_workers(self) -> list[Worker]:
+        """What the agent reads from its running workers at each wake-up: the modules they imported
+        (for the warm pool), and which of them hang (returned)."""
+        self._learn_modules()
+        return self._find_hangs()
 
     def _find_hangs(self) -> list[Worker]:
         """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
         if self._group is None:
             return []
-        self._learn_modules()
         judged = [w for w in self._group.running if w.state is WorkerState.RUNNING]
         found, self._next_deadline = self._hangs.find(judged)
         for f in found:
@@ -275,10 +273,7 @@ class Agent:
         w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
         self._emit(
             EventKind.HANG,
-            attempt=w.attempt,
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
+            **_identity(w),
             timeout=v.timeout,
             limit_s=v.limit_s,
             elapsed_s=v.elapsed_s,
@@ -354,10 +349,7 @@ class Agent:
     def _exited(self, w: Worker) -> policy.Event:
         self._emit(
             EventKind.WORKER_EXITED,
-            attempt=w.attempt,
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
+            **_identity(w),
             exit_code=w.exit_code,
             signal=w.signal_name,
             state=w.state.value,
@@ -407,6 +399,11 @@ class Agent:
     def _say(self, text: str) -> None:
         # ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers.
         self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+
+
+def _identity(w: Worker) -> dict[str, int]:
+    """Which worker an event is about."""
+    return {"attempt": w.attempt, "rank": w.rank, "local_rank": w.local_rank, "pid": w.pid}
 
 
 def _fresh_dir(path: Path) -> Path:

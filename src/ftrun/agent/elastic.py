@@ -117,7 +117,7 @@ class ElasticAgent(Agent):
                 return self._finish(128 + signals[0], "interrupted")
             if local.running_round is None or local.local_failure or local.job_done:
                 continue
-            failed = [w for w in exited if w.state is WorkerState.FAILED] + self._find_hangs()
+            failed = [w for w in exited if w.state is WorkerState.FAILED] + self._check_workers()
             if failed:
                 self._say(f"local rank {failed[0].local_rank} failed; stopping the other workers")
                 self._stop_workers()

@@ -14,6 +14,7 @@ zygote preloads those (installed packages only, never the job's own code).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import json
 import os
@@ -127,7 +128,7 @@ class _Zygote:
         try:
             self._sock.sendmsg(
                 [json.dumps(request).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, bytes(memoryview(_fds(stdout, stderr))))],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
             )
         except OSError as e:
             raise PoolError(f"the zygote is gone ({e})") from None
@@ -155,12 +156,6 @@ class _Zygote:
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         self.proc.wait()
-
-
-def _fds(*fds: int) -> Any:
-    import array
-
-    return array.array("i", fds)
 
 
 class WarmPool:
