@@ -29,6 +29,7 @@ log = logging.getLogger("ftrun.store")
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_WATCHES = 256  # per connection
 MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
+LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 
 
 _ALREADY_ANSWERED = object()  # a handler that sent its own response (watch: the response, then history)
@@ -148,9 +149,10 @@ class TcpStoreServer:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port)
+        self._loop = loop = asyncio.get_running_loop()
+        # A whole job connects at once when it starts; asyncio's default backlog (100) would drop
+        # the rest of the SYNs, and their retries cost 1 s, then 3 s.
+        self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port, backlog=LISTEN_BACKLOG)
         self.port = self._server.sockets[0].getsockname()[1]
 
     def start(self) -> TcpStoreServer:
