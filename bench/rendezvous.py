@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.clock import SystemClock
-from ftrun.rendezvous.driver import Local, Me, Rendezvous, Timing
-from ftrun.rendezvous.state import Action, Rules
-from ftrun.store.base import Store, Watch, open_store
+from ftrun.rendezvous.driver import Me, Rendezvous, Timing
+from ftrun.rendezvous.state import Action, Local, Rules
+from ftrun.store.base import Store, Watch
+from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdHarness
 
 TIMEOUT_S = 300.0

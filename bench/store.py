@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ftrun.store.base import open_store
+from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdHarness
 
 TORCH_SERVER = """

@@ -1,6 +1,6 @@
 """Command line: torchrun's flags (both spellings) parsed into a LaunchConfig.
 
-Only parsing lives here; every value is checked by :mod:`ftrun.config`. A bad
+Only parsing lives here; every value is checked by :mod:`ftrun.flags`. A bad
 flag prints one line naming it and the fix, and exits 2 before anything starts.
 """
 
@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ftrun import addresses, flags
 from ftrun import config as cfg
 from ftrun.errors import ConfigError, FtrunError
+from ftrun.hang_flags import HANG_KEYS, parse_hang
 
 EXIT_USAGE = 2
 
@@ -115,40 +117,40 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.LaunchConfig:
     """Parse and validate ``argv``; raises ConfigError naming the flag and the fix."""
     a = build_parser().parse_args(list(argv))
-    nnodes = cfg.parse_nnodes(a.nnodes)
-    nproc = cfg.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
-    node_rank = cfg.parse_int("--node-rank", a.node_rank, minimum=0)
+    nnodes = flags.parse_nnodes(a.nnodes)
+    nproc = flags.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
+    node_rank = flags.parse_int("--node-rank", a.node_rank, minimum=0)
     if node_rank >= nnodes.max:
         raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {nnodes.max}", "pass --node-rank 0")
-    master_port = None if a.master_port is None else cfg.parse_port("--master-port", a.master_port)
-    if a.rdzv_backend not in cfg.RDZV_BACKENDS:
+    master_port = None if a.master_port is None else addresses.parse_port("--master-port", a.master_port)
+    if a.rdzv_backend not in flags.RDZV_BACKENDS:
         raise ConfigError(
             "--rdzv-backend",
             f"unknown backend {a.rdzv_backend!r}",
-            f"use one of {', '.join(cfg.RDZV_BACKENDS)}",
+            f"use one of {', '.join(flags.RDZV_BACKENDS)}",
         )
     store_url = _check_nodes(a, nnodes)
     if a.rdzv_backend == "static" and nnodes.max > 1:
-        master_port = master_port or cfg.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
-    if a.start_method not in cfg.START_METHODS:
+        master_port = master_port or addresses.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
+    if a.start_method not in flags.START_METHODS:
         raise ConfigError(
             "--start-method",
             f"unknown start method {a.start_method!r}",
-            f"use one of {', '.join(cfg.START_METHODS)}",
+            f"use one of {', '.join(flags.START_METHODS)}",
         )
-    run_id = cfg.parse_run_id(a.rdzv_id)
-    host, port = ("", None) if a.rdzv_backend.startswith("etcd") else cfg.parse_endpoint(a.rdzv_endpoint)
-    token = cfg.store_token(a.rdzv_token, a.rdzv_token_file, environ)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, cfg.parse_rdzv_conf(a.rdzv_conf), token, store_url)
+    run_id = flags.parse_run_id(a.rdzv_id)
+    host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
+    token = flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, flags.parse_rdzv_conf(a.rdzv_conf), token, store_url)
     logs = cfg.LogSpec(
-        base_dir=Path(a.log_dir).absolute() if a.log_dir else cfg.default_log_dir(),
-        redirects=cfg.parse_std("--redirects", a.redirects, nproc),
-        tee=cfg.parse_std("--tee", a.tee, nproc),
-        local_ranks_filter=cfg.parse_ranks_filter(a.local_ranks_filter),
+        base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
+        redirects=flags.parse_std("--redirects", a.redirects, nproc),
+        tee=flags.parse_std("--tee", a.tee, nproc),
+        local_ranks_filter=flags.parse_ranks_filter(a.local_ranks_filter),
     )
     if logs.base_dir.exists() and not logs.base_dir.is_dir():
         raise ConfigError("--log-dir", f"{logs.base_dir} is a file", "pass a directory (it is created if missing)")
-    entrypoint = cfg.resolve_entrypoint(
+    entrypoint = flags.resolve_entrypoint(
         a.training_script,
         a.training_script_args,
         module=a.module,
@@ -164,22 +166,22 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         master_addr=a.master_addr,
         master_port=master_port or None,
         standalone=a.standalone,
-        max_restarts=cfg.parse_int("--max-restarts", a.max_restarts, minimum=0),
-        monitor_interval_s=cfg.parse_seconds("--monitor-interval", a.monitor_interval),
+        max_restarts=flags.parse_int("--max-restarts", a.max_restarts, minimum=0),
+        monitor_interval_s=flags.parse_seconds("--monitor-interval", a.monitor_interval),
         role=a.role,
         logs=logs,
         run_id=run_id,
         start_method=a.start_method,
         local_addr=a.local_addr,
         rdzv=rdzv,
-        term_timeout_s=cfg.parse_seconds("--term-timeout", a.term_timeout, allow_zero=True),
+        term_timeout_s=flags.parse_seconds("--term-timeout", a.term_timeout, allow_zero=True),
         event_log=Path(a.event_log).absolute() if a.event_log else None,
         python=sys.executable,
         cwd=cwd,
-        worker_base_env={**environ, **cfg.omp_threads(environ, nproc)},
-        warm=cfg.parse_warm(a.no_warm, a.warm, a.preload),
-        hang=cfg.parse_hang(
-            {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in cfg.HANG_KEYS},
+        worker_base_env={**environ, **flags.omp_threads(environ, nproc)},
+        warm=flags.parse_warm(a.no_warm, a.warm, a.preload),
+        hang=parse_hang(
+            {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
             Path(a.config) if a.config else None,
         ),
     )
@@ -205,7 +207,7 @@ def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange) -> str:
             f"a {a.nnodes}-node job needs the address where the nodes meet",
             "pass e.g. --rdzv-endpoint node0:29400 (the same on every node)",
         )
-    return cfg.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, cfg.DEFAULT_STORE_PORT)
+    return flags.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, addresses.DEFAULT_STORE_PORT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -220,10 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ftrun: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from ftrun.agent.agent import Agent  # after validation: bad input starts nothing
+    from ftrun.agent.launch import launch  # after validation: bad input starts nothing
 
     try:
-        return Agent.from_config(config).run()
+        return launch(config)
     except FtrunError as e:
         print(f"ftrun: error: {e}", file=sys.stderr)
         return 1

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
-from ftrun.config import WorkerSettings
 from ftrun.errors import ErrorFileError
 from ftrun.jsonobject import load_object
 
@@ -86,9 +85,11 @@ def record(fn: Callable[P, R]) -> Callable[P, R | None]:
                 return None
             raise
         except BaseException as e:
-            settings = WorkerSettings.current()
-            if settings.error_file:
-                write_error_file(settings.error_file, e, settings.rank)
+            # Read at the failure, never at import: the same script runs under plain python.
+            error_file = os.environ.get("FTRUN_ERROR_FILE") or os.environ.get("TORCHELASTIC_ERROR_FILE")
+            if error_file:
+                rank = os.environ.get("RANK", "")
+                write_error_file(error_file, e, int(rank) if rank.isdigit() else None)
             raise
 
     return wrapper

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ftrun.store.base import Store, open_store
+from ftrun.store.base import Store
+from ftrun.store.factory import open_store
 from ftrun.store.memory import MemoryStore
 from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.tcp_server import TcpStoreServer

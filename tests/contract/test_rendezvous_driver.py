@@ -17,8 +17,8 @@ import pytest
 
 from ftrun.clock import SystemClock
 from ftrun.errors import FtrunError
-from ftrun.rendezvous.driver import Keys, Local, Me, Rendezvous, Step, Timing
-from ftrun.rendezvous.state import Action, Rules
+from ftrun.rendezvous.driver import Advice, Keys, Me, Rendezvous, Timing
+from ftrun.rendezvous.state import Action, Local, Rules
 from tests.contract.conftest import OpenClient
 
 BOUND_S = 30.0
@@ -36,7 +36,7 @@ class Job:
         self.run_id = f"job-{uuid.uuid4().hex[:8]}"
         self.nodes: dict[str, Rendezvous] = {}
         self.local: dict[str, Local] = {}
-        self.steps: dict[str, Step] = {}
+        self.steps: dict[str, Advice] = {}
         self.log: list[str] = []
 
     def add(self, name: str, nproc: int = 2) -> Rendezvous:
@@ -59,8 +59,8 @@ class Job:
         self.local.pop(name)
         self.steps.pop(name, None)
 
-    def step_until(self, done: Callable[[dict[str, Step]], bool]) -> dict[str, Step]:
-        """Step every node (as the agent would) until ``done``; fails after a bound."""
+    def step_until(self, done: Callable[[dict[str, Advice]], bool]) -> dict[str, Advice]:
+        """Advice every node (as the agent would) until ``done``; fails after a bound."""
         deadline = time.monotonic() + BOUND_S
         with selectors.DefaultSelector() as sel:
             for name, r in self.nodes.items():
@@ -76,7 +76,7 @@ class Job:
                 wake = min([s.wake_at for s in self.steps.values()] + [deadline])
                 sel.select(max(0.0, min(wake - now, 0.5)))
 
-    def _act(self, name: str, step: Step) -> None:
+    def _act(self, name: str, step: Advice) -> None:
         d = step.decision
         if d.action is Action.RUN:
             assert d.assignment is not None
@@ -105,10 +105,10 @@ def job(backend: OpenClient) -> Iterator[Callable[..., Job]]:
         j.close()
 
 
-def all_run(names: set[str], round_: int | None = None) -> Callable[[dict[str, Step]], bool]:
+def all_run(names: set[str], round_: int | None = None) -> Callable[[dict[str, Advice]], bool]:
     """Every named node runs (in ``round_``, when given)."""
 
-    def done(steps: dict[str, Step]) -> bool:
+    def done(steps: dict[str, Advice]) -> bool:
         decisions = [steps[n].decision for n in names]
         return all(
             d.action is Action.RUN and d.assignment is not None and round_ in (None, d.assignment.round)
@@ -118,7 +118,7 @@ def all_run(names: set[str], round_: int | None = None) -> Callable[[dict[str, S
     return done
 
 
-def assignments(steps: dict[str, Step], names: set[str]) -> dict[str, tuple[int, int, int, int]]:
+def assignments(steps: dict[str, Advice], names: set[str]) -> dict[str, tuple[int, int, int, int]]:
     out = {}
     for n in names:
         a = steps[n].decision.assignment
@@ -192,7 +192,7 @@ def test_a_newcomer_scales_the_job_up_without_spending_the_budget(job: Callable[
     j.step_until(all_run({"a"}))
     j.add("b")
 
-    def both_in_one_round(steps: dict[str, Step]) -> bool:
+    def both_in_one_round(steps: dict[str, Advice]) -> bool:
         got = [s.decision.assignment for s in steps.values() if s.decision.action is Action.RUN]
         return len(got) == 2 and all(a is not None and a.group_world_size == 2 for a in got)
 

@@ -21,11 +21,37 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
+from ftrun.ports import reserve_port
+
 RUN_ID = "t"
 WAIT_S = 60.0  # generous bound for one step of a test on a loaded 2-core machine
+PORT_TRIES = 3
+T = TypeVar("T")
+
+
+class PortTaken(Exception):
+    """The port a test chose was taken by someone else before ftrun could bind it."""
+
+
+def with_free_port(attempt: Callable[[int], T]) -> T:
+    """Run ``attempt(port)`` with a free loopback port, again with another if it raises PortTaken.
+
+    A port cannot be handed to another process bound, so it is chosen free and bound
+    later by ftrun; meanwhile any process on the machine may take it (an outgoing
+    connection's ephemeral port, say). The ledger that ftrun's own agents share keeps
+    them off it; the rare outsider costs a retry.
+    """
+    for tries_left in range(PORT_TRIES - 1, -1, -1):
+        try:
+            return attempt(reserve_port("127.0.0.1", time.time()))
+        except PortTaken:
+            if not tries_left:
+                raise
+    raise AssertionError("unreachable")
 
 
 @dataclass

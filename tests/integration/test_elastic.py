@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing.etcd import EtcdHarness
-from tests.integration.conftest import LiveFtrun, WriteScript, run_ftrun, wait_gone
+from tests.integration.conftest import LiveFtrun, PortTaken, WriteScript, run_ftrun, wait_gone, with_free_port
 
 # Fast detection for tests: a node is dead 1 s after its last keep-alive (etcd rounds TTLs up to its minimum).
 CONF = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=60,close_timeout=20"
@@ -197,15 +196,21 @@ def test_an_agent_hosts_the_store_and_a_late_agent_hears_the_job_finished(
     tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
 ) -> None:
     script("w.py", WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", CONF, "--nnodes", "2"]
-    flags += ["--local-addr", "127.0.0.1", "--nproc-per-node", "2", "w.py", "finish"]
-    a = LiveFtrun(tmp_path, *flags, name="a")
-    live.append(a)
-    b = LiveFtrun(tmp_path, *flags, name="b")
-    live.append(b)
+
+    def attempt(port: int) -> tuple[LiveFtrun, LiveFtrun]:
+        flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", CONF]
+        flags += ["--nnodes", "2", "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "w.py", "finish"]
+        tag = f"-{port}"  # a retry's agents and logs apart from the last try's
+        agents = (LiveFtrun(tmp_path, *flags, name=f"a{tag}"), LiveFtrun(tmp_path, *flags, name=f"b{tag}"))
+        live.extend(agents)
+        said = [f.wait_for_stderr("hosting the rendezvous store|is taken") for f in agents]
+        if not any("hosting" in line for line in said):  # someone else holds the port
+            for f in agents:
+                f.close()
+            raise PortTaken(str(said))
+        return agents
+
+    a, b = with_free_port(attempt)
     assert b.wait() == 0, b.stderr()
     assert a.wait() == 0, a.stderr()
     hosts = [f for f in (a, b) if "hosting the rendezvous store" in f.stderr()]

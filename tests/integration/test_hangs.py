@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from ftrun.agent.hangs import HangWatch
 from ftrun.monitor import stacks
 from ftrun.monitor.table import STACK_SIGNAL, MonitorTable
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import LiveFtrun, Result, WriteScript, run_ftrun
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
 # finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).
@@ -128,32 +129,37 @@ def test_calculated_timeouts_survive_a_restart(tmp_path: Path, script: WriteScri
     assert handed["heartbeat"] is not None
     assert set(handed["sections"]) == {"step"}
     [hang] = hang_events(r)
-    # Both timers were calculated (the sleep is past the heartbeat and out of any section).
-    timer = hang["timeout"].replace(" ", "_")
-    assert (hang["attempt"], timer, hang["limit_s"]) == (1, timer, handed[timer])
-    assert timer in ("heartbeat", "out_of_section")
+    assert hang["attempt"] == 1
+    # Both timers were calculated (the sleep is past the heartbeat and out of any section); either may fire.
+    assert hang["timeout"] in ("heartbeat", "out of section")
+    assert hang["limit_s"] == handed[hang["timeout"].replace(" ", "_")]  # the value the agent handed over
     assert "calculated timeouts; in force now" in r.stderr
 
 
-def test_a_corrupted_slot_does_not_crash_the_agent(tmp_path: Path, script: WriteScript) -> None:
+def test_a_corrupted_slot_does_not_crash_the_agent(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
     script(
         "w.py",
         """
-import mmap, os, struct, ftrun
+import mmap, os, ftrun
+from ftrun.monitor.layout import IDLE, OFF_IDENTITY, OFF_IDLE, SLOT_SIZE, slot_offset
 ftrun.heartbeat()
 with open(os.environ["FTRUN_MONITOR"], "r+b") as f:
     m = mmap.mmap(f.fileno(), 0)
-base = 64 + int(os.environ["FTRUN_MONITOR_SLOT"]) * 4096
-m[base + 8 : base + 4096] = os.urandom(4088)  # garbage over everything but the seq
-struct.pack_into("<Q", m, base + 40 + 8, 0xFFFFFFFFFFFF)  # open-section count: impossible
-import time; time.sleep(2)
+base = slot_offset(int(os.environ["FTRUN_MONITOR_SLOT"]))
+m[base + OFF_IDENTITY : base + SLOT_SIZE] = os.urandom(SLOT_SIZE - OFF_IDENTITY)  # garbage but the seq
+IDLE.pack_into(m, base + OFF_IDLE, 0.0, 0xFFFFFFFF, 0)  # open-section count: impossible
+open("corrupted", "rb").close()  # blocks until the test saw the agent's warning
 print("still running", flush=True)
 """,
     )
-    r = run_ftrun(tmp_path, "--heartbeat-timeout", "1", "w.py")
-    assert r.returncode == 0, r.stderr
-    assert "still running" in r.log(0, 0)
-    assert "monitor slot unreadable" in r.stderr
+    os.mkfifo(tmp_path / "corrupted")
+    f = LiveFtrun(tmp_path, "--heartbeat-timeout", "1", "w.py")
+    live.append(f)
+    f.wait_for_stderr("monitor slot unreadable")
+    with open(tmp_path / "corrupted", "wb"):  # let the worker finish
+        pass
+    assert f.wait() == 0, f.stderr()
+    assert "still running" in (f.run_dir / "attempt_0" / "0" / "stdout.log").read_text()
 
 
 STUCK = """

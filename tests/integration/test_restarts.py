@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -14,15 +15,19 @@ attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"]
 keys += ["TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"]
 print(json.dumps({k: os.environ[k] for k in keys}), flush=True)
+# Rank 1 fails only after rank 0 has printed: opening a FIFO blocks until both ends are open.
 if attempt == 0 and os.environ["RANK"] == "1":
+    open("both-printed", "rb").close()
     sys.exit(3)
 if attempt == 0:
+    printed = open("both-printed", "wb")
     import time; time.sleep(60)  # rank 0 is busy when rank 1 fails: ftrun must stop it
 """
 
 
 def test_crash_of_one_rank_restarts_all_then_succeeds(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", CRASH_FIRST_ATTEMPT)
+    os.mkfifo(tmp_path / "both-printed")
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--term-timeout", "10", "w.py")
     assert r.returncode == 0, r.stderr
     envs = {(a, rank): json.loads(r.log(a, rank)) for a in (0, 1) for rank in (0, 1)}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -17,7 +16,8 @@ from hypothesis import strategies as st
 
 from ftrun.errors import StoreAuthError, StoreUnavailable, WatchLost
 from ftrun.store import wire
-from ftrun.store.base import EventType, open_store
+from ftrun.store.base import EventType
+from ftrun.store.factory import open_store
 from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.tcp_server import TcpStoreServer
 from ftrun.testing.etcd import EtcdHarness
@@ -81,7 +81,7 @@ def test_etcd_restart_watch_resumes_without_losing_events() -> None:
 
 KEEPER = """
 import sys, threading, time
-from ftrun.store.base import open_store
+from ftrun.store.factory import open_store
 url, token = sys.argv[1], sys.argv[2] or None
 store = open_store(url, token=token)
 lease = store.grant_lease(2)
@@ -142,8 +142,9 @@ def test_unreachable_store_names_endpoint_and_time() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         c = TcpStoreClient("127.0.0.1", port, retry_deadline_s=0.5)
-        with pytest.raises(StoreUnavailable, match=rf"tcp://127.0.0.1:{port} unavailable after 0\.\d s"):
+        with pytest.raises(StoreUnavailable, match=rf"tcp://127.0.0.1:{port} unavailable after") as caught:
             c.get("/x")
+    assert caught.value.waited_s >= 0.5  # it kept trying until its deadline (how much longer is the machine's)
 
 
 def _raw_exchange(port: int, payload: bytes) -> None:
@@ -201,7 +202,6 @@ def test_a_thousand_concurrent_connections(server: TcpStoreServer) -> None:
 
     results = asyncio.run(all_at_once())
     assert sorted(results) == list(range(1, 1001))  # type: ignore[type-var]
-    assert os.environ.get("NEVER_SET_XYZ") is None
 
 
 def test_watches_per_connection_are_bounded(client: TcpStoreClient) -> None:

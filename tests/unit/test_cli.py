@@ -9,17 +9,11 @@ from pathlib import Path
 import pytest
 
 from ftrun import cli
-from ftrun.config import (
-    EntrypointKind,
-    RdzvConf,
-    Std,
-    count_gpus,
-    omp_threads,
-    parse_endpoint,
-    parse_rdzv_conf,
-    store_token,
-)
+from ftrun.addresses import parse_endpoint
+from ftrun.config import EntrypointKind, LaunchConfig, RdzvConf, Std
+from ftrun.devices import count_gpus
 from ftrun.errors import ConfigError
+from ftrun.flags import omp_threads, parse_rdzv_conf, store_token
 
 
 @pytest.fixture
@@ -29,7 +23,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def parse(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> cli.cfg.LaunchConfig:
+def parse(tmp_path: Path, *argv: str, environ: dict[str, str] | None = None) -> LaunchConfig:
     return cli.parse(list(argv), environ or {}, tmp_path)
 
 
@@ -185,7 +179,7 @@ def test_bad_input_names_the_flag(
 @pytest.fixture
 def gpu_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """'gpu' must fail on this machine; make sure no /dev/nvidia* leaks in."""
-    monkeypatch.setattr(cli.cfg, "count_gpus", lambda environ: 0)
+    monkeypatch.setattr(cli.flags, "count_gpus", lambda environ: 0)
 
 
 def test_non_executable_no_python_binary(tmp_path: Path) -> None:

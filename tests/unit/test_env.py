@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftrun.agent.env import Assignment, Placement, assign, worker_env
+from ftrun.agent.env import Placement, WorkerAssignment, assign, worker_env
 
 TORCHRUN_VARS = {
     "RANK",
@@ -23,7 +23,7 @@ TORCHRUN_VARS = {
 }
 
 
-def assignment(**overrides: object) -> Assignment:
+def assignment(**overrides: object) -> WorkerAssignment:
     a = assign(
         1,
         4,
@@ -36,7 +36,7 @@ def assignment(**overrides: object) -> Assignment:
         run_id="job7",
         error_file="/logs/1/error.json",
     )
-    return Assignment(**{**{f: getattr(a, f) for f in a.__slots__}, **overrides})  # type: ignore[arg-type]
+    return WorkerAssignment(**{**{f: getattr(a, f) for f in a.__slots__}, **overrides})  # type: ignore[arg-type]
 
 
 def test_exactly_the_contract_variables_are_added() -> None:

@@ -11,8 +11,11 @@ from collections.abc import Iterator
 import pytest
 
 from ftrun.monitor import client
-from ftrun.monitor.table import IDLE, OFF_IDLE, CorruptSlot, MonitorTable, slot_offset
+from ftrun.monitor.layout import IDLE, OFF_IDLE, CorruptSlot, slot_offset
+from ftrun.monitor.table import MonitorTable
 from ftrun.monitor.watchdog import Timeouts, published
+
+_attached: list[client._Attached] = []
 
 
 @pytest.fixture
@@ -21,11 +24,15 @@ def table() -> Iterator[MonitorTable]:
     try:
         yield t
     finally:
+        while _attached:  # no mapping or atexit handler outlives its test
+            _attached.pop().close()
         t.close()
 
 
 def attach(t: MonitorTable, slot: int = 1, **env: str) -> client._Attached:
-    return client._Attached(str(t.path), slot, env)
+    c = client._Attached(str(t.path), slot, env)
+    _attached.append(c)
+    return c
 
 
 def test_heartbeats_and_sections_land_in_the_workers_own_slot(table: MonitorTable) -> None:
@@ -86,7 +93,7 @@ def test_a_corrupt_slot_is_refused_by_the_reader(table: MonitorTable) -> None:
 
 def test_calls_return_at_once_after_the_agent_removed_the_table(table: MonitorTable) -> None:
     c = attach(table)
-    table.close()  # the agent is gone: the file is unlinked, the worker's mapping stays
+    table.close()  # the agent is gone: its memory file is closed, the worker's mapping stays
     c.heartbeat()
     c.start_section("step")
     c.end_section("step")

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from ftrun.monitor.table import FLAG_EXITING, SlotView
+from ftrun.monitor.layout import FLAG_EXITING, SlotView
 from ftrun.monitor.watchdog import BLAME_WINDOW_S, MIN_CALCULATED_S, Timeouts, Watched, published, scaled, scan
 
 

@@ -1,168 +1,195 @@
-"""The agent of an elastic job: the rendezvous, not the local policy, says when workers run.
+"""PURE driver of an elastic job: the rendezvous, not this node, says when workers run.
 
-Every node runs one of these. The loop asks the rendezvous what to do (run in a
-round, stop, wait, finish, fail), does it, and sleeps in one select() on its
-workers, the signal pipe and the rendezvous' fd until something changes.
-What only this node can see (its workers failed, or all succeeded) goes back
-into the rendezvous, which turns it into a new round for every node or the end
-of the job. The restart budget is the job's (in the round record), not this node's.
+The driver asks the rendezvous (:mod:`ftrun.rendezvous.driver`) what to do
+whenever something may have changed, telling it how this node's workers are
+doing (:class:`~ftrun.rendezvous.state.Local`), and follows its advice: run in
+a round, stop, wait, finish or fail. What only this node sees (its workers
+failed, or all succeeded) goes back to the rendezvous, which turns it into a
+new round for every node or the end of the job. The restart budget is the
+job's (in the round record), not this node's.
+
+Lifecycle of one node::
+
+    FOLLOWING --RUN--> RUNNING --worker failed / hung--> STOPPING --stopped--> FOLLOWING (tells the failure)
+        ^   |             |  \\--all exited 0 (tells it)--> RUNNING ... FINISHED --> exit 0
+        |   |             '--STOP (the round is over)---> STOPPING
+        |   '--FINISHED: the job succeeded elsewhere --> FINISHING (my workers end) --> exit 0, or 1
+        '--FAIL (budget spent, join timeout) --> FAILING (stop) --> exit 1
+    any live phase --signal--> INTERRUPTING (stop) --> exit 128 + signal
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
+import enum
+from dataclasses import dataclass, field, replace
 
-from ftrun.agent import env as worker_env
-from ftrun.agent import policy
-from ftrun.agent.agent import Agent
-from ftrun.agent.workers import WorkerGroup, WorkerState
-from ftrun.events import EventKind
-from ftrun.ports import reserve_port
-from ftrun.rendezvous.driver import Local, Me, Rendezvous, Timing
-from ftrun.rendezvous.state import Action, Assignment, Rules
-from ftrun.store.base import open_store
+from ftrun.agent.driver import (
+    AskRendezvous,
+    Command,
+    Finish,
+    Happening,
+    Outcome,
+    RendezvousAdvised,
+    RendezvousWoke,
+    ReportFailure,
+    RunBegins,
+    StartWorkers,
+    StopWorkers,
+    Transition,
+    WorkerExited,
+    WorkerHung,
+    WorkersStarted,
+    WorkersStopped,
+)
+from ftrun.agent.env import Placement
+from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
 
 
-def node_id(host: str) -> str:
-    """Unique per agent even for several agents on one host, or in containers that all have pid 1."""
-    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+class Phase(enum.Enum):
+    FOLLOWING = "following"  # no workers: waiting for the rendezvous to say what to do
+    RUNNING = "running"  # workers of ``local.running_round`` run
+    STOPPING = "stopping"  # stopping them (a failure, or the round is over); then ask the rendezvous
+    FINISHING = "finishing"  # the job succeeded elsewhere: waiting for my own workers to end
+    FAILING = "failing"  # the job failed: stopping my workers, then exit 1
+    INTERRUPTING = "interrupting"  # a signal to ftrun: stopping my workers, then exit 128 + signal
+    DONE = "done"
 
 
-class ElasticAgent(Agent):
-    def _run_job(self) -> int:
-        c = self.config
-        conf = c.rdzv.conf
-        timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
-        url = c.rdzv.store_url
-        if self.store_server is not None:  # hosted here: the real port, should the endpoint have said :0
-            url = f"tcp://{self.store_server.host}:{self.store_server.port}"
-        # Past the lease's TTL an unreachable store means this node is out of the job anyway.
-        store = open_store(url, token=c.rdzv.token, retry_deadline_s=max(timing.ttl_s, 1.0))
-        rules = Rules(c.nnodes.min, c.nnodes.max, conf.last_call_timeout_s, conf.join_timeout_s, c.max_restarts)
-        me = Me(node_id(self._host), c.local_addr or socket.getfqdn(), c.nproc_per_node)
-        self._say(f"node {me.node_id} joining {c.nnodes.min}:{c.nnodes.max} nodes at {url}")
-        self._group = WorkerGroup(self._spawner, self._clock, self._wakeup.fd)  # empty until the first round
-        rdzv = Rendezvous(
-            store,
-            c.run_id,
-            me,
-            rules,
-            timing,
-            clock=self._clock,
-            offer_port=lambda: reserve_port("", self._clock.wall()),
-            log=self._say,
+@dataclass(frozen=True, slots=True)
+class State:
+    phase: Phase = Phase.FOLLOWING
+    local: Local = field(default_factory=Local)  # what the rendezvous is told
+    running: frozenset[int] = frozenset()  # local ranks still running
+    attempts: int = 0  # attempts started on this node (their log directories)
+    failed: bool = False  # a worker of the current attempt failed or hung
+    report_owed: bool = False  # ...and its report waits for the rendezvous to say whether the job restarts
+    signal: int | None = None
+
+
+def initial() -> State:
+    return State()
+
+
+def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0911 - one return per happening
+    """The next state and commands after ``happening``, with a sentence saying why."""
+    if state.phase is Phase.DONE:
+        return Transition(state, (), "the run is over")
+    if isinstance(happening, RunBegins):
+        return Transition(state, (AskRendezvous(state.local),), "joining the rendezvous")
+    if isinstance(happening, RendezvousAdvised):
+        return _advised(state, happening.decision)
+    if isinstance(happening, RendezvousWoke):
+        return Transition(state, (AskRendezvous(state.local),), "the rendezvous may have news")
+    if isinstance(happening, WorkersStarted):
+        return Transition(replace(state, running=happening.local_ranks), (), "workers started")
+    if isinstance(happening, WorkerExited):
+        return _worker_exited(state, happening)
+    if isinstance(happening, WorkerHung):
+        if state.phase is not Phase.RUNNING:
+            return Transition(state, (), f"local rank {happening.local_rank} hung while {state.phase.value}")
+        return _failed(state, f"local rank {happening.local_rank} hung; stopping the workers")
+    if isinstance(happening, WorkersStopped):
+        return _stopped(replace(state, running=frozenset()))
+    return _interrupted(state, happening.signal)
+
+
+def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 - one return per action
+    if state.phase not in (Phase.FOLLOWING, Phase.RUNNING):
+        return Transition(state, (), f"rendezvous: {d.reason} (ignored while {state.phase.value})")
+    report: tuple[Command, ...] = ()
+    if state.report_owed:  # now it is known whether the job goes on
+        report = (ReportFailure(will_restart=d.action is not Action.FAIL),)
+        state = replace(state, report_owed=False)
+    if d.action is Action.RUN:
+        assert d.assignment is not None
+        if d.assignment.round == state.local.running_round:
+            return Transition(state, report, d.reason)
+        start = _start(state, d.assignment)
+        running = replace(
+            state, phase=Phase.RUNNING, local=Local(d.assignment.round), attempts=state.attempts + 1, failed=False
         )
-        ended = False
-        try:
-            rdzv.start()
-            code = self._follow(rdzv)
-            ended = code in (0, 1)
-            return code
-        finally:
-            if ended and self.store_server is not None:
-                # The store lives in this process: let the other nodes read how the job ended first.
-                left = rdzv.wait_for_departures(conf.close_timeout_s)
-                if left:
-                    self._say(f"{left} node(s) still registered after close_timeout; closing the store anyway")
-            rdzv.close(leave=True)
-            store.close()
+        return Transition(running, (*report, start), d.reason)
+    if d.action is Action.STOP:
+        if state.running:
+            return Transition(replace(state, phase=Phase.STOPPING, local=Local()), (*report, StopWorkers()), d.reason)
+        return Transition(replace(state, local=Local()), (*report, AskRendezvous(Local())), d.reason)
+    if d.action is Action.FINISHED:
+        return _finishing(replace(state, phase=Phase.FINISHING), report, d.reason)
+    if d.action is Action.FAIL:
+        if state.running:
+            return Transition(replace(state, phase=Phase.FAILING), (*report, StopWorkers()), d.reason)
+        return _done(state, (*report, Finish(Outcome.FAILED)), d.reason)
+    return Transition(state, report, d.reason)  # WAIT, STANDBY: until the store changes or wake_at
 
-    def _follow(self, rdzv: Rendezvous) -> int:  # noqa: PLR0912 - one branch per rendezvous action
-        local = Local()
-        report_owed = False
-        attempts = 0
-        while True:
-            step = rdzv.next(local)
-            d = step.decision
-            self._note(d.reason)
-            if report_owed:
-                self._report_failure(will_restart=d.action is not Action.FAIL)
-                report_owed = False
-            if d.action is Action.RUN:
-                assert d.assignment is not None
-                if d.assignment.round != local.running_round:
-                    self._run_round(d.assignment, attempts)
-                    attempts += 1
-                    local = Local(running_round=d.assignment.round)
-            elif d.action is Action.STOP:
-                signals = self._stop_workers()
-                local = Local()
-                if signals:
-                    return self._finish(128 + signals[0], "interrupted")
-                continue
-            elif d.action is Action.FINISHED:
-                return self._finish_own_workers()
-            elif d.action is Action.FAIL:
-                self._stop_workers()
-                return self._finish(1, "failed")
-            assert self._group is not None
-            timeout = max(0.0, step.wake_at - self._clock.monotonic())
-            hang_check = self._hangs.wake_in(self._next_deadline)
-            if (
-                hang_check is not None
-                and local.running_round is not None
-                and not (local.local_failure or local.job_done)
-            ):
-                timeout = min(timeout, hang_check)
-            exited, woken = self._group.wait(timeout, also=rdzv.fileno())
-            for w in exited:
-                self._exited(w)
-            if woken and (signals := [e.signal for e in self._signals()]):
-                self._say(f"signal {signals[0]}; stopping the workers and leaving the job")
-                self._stop_workers()
-                if report_owed:
-                    self._report_failure(will_restart=False)
-                return self._finish(128 + signals[0], "interrupted")
-            if local.running_round is None or local.local_failure or local.job_done:
-                continue
-            failed = [w for w in exited if w.state is WorkerState.FAILED] + self._check_workers()
-            if failed:
-                self._say(f"local rank {failed[0].local_rank} failed; stopping the other workers")
-                self._stop_workers()
-                report_owed = True
-                local = Local(running_round=local.running_round, local_failure=True)
-            elif self._group.workers and all(w.state is WorkerState.SUCCEEDED for w in self._group.workers):
-                local = Local(running_round=local.running_round, job_done=True)
 
-    def _run_round(self, a: Assignment, attempt: int) -> None:
-        c = self.config
-        self._emit(
-            EventKind.RENDEZVOUS,
-            round=a.round,
-            group_rank=a.group_rank,
-            group_world_size=a.group_world_size,
-            world_size=a.world_size,
-            master_addr=a.master_addr,
-            master_port=a.master_port,
+def _start(state: State, a: NodeAssignment) -> StartWorkers:
+    placement = Placement(a.group_rank, a.group_world_size, a.rank_offset, a.world_size)
+    return StartWorkers(state.attempts, a.restarts, placement, a.master_addr, a.master_port, round=a.round)
+
+
+def _worker_exited(state: State, happening: WorkerExited) -> Transition[State]:
+    rank = happening.local_rank
+    state = replace(state, running=state.running - {rank})
+    if state.phase is Phase.FINISHING:
+        if not happening.success:
+            state = replace(state, failed=True, report_owed=True)
+        return _finishing(state, (), f"local rank {rank} exited")
+    if state.phase is not Phase.RUNNING:
+        return Transition(state, (), f"local rank {rank} exited while {state.phase.value}")  # ftrun stopped it
+    if not happening.success:
+        return _failed(state, f"local rank {rank} failed; stopping the other workers")
+    if state.running:
+        return Transition(state, (), f"local rank {rank} exited 0; waiting for {len(state.running)} more")
+    done = replace(state, local=replace(state.local, job_done=True))
+    return Transition(done, (AskRendezvous(done.local),), "every worker exited 0; telling the rendezvous")
+
+
+def _failed(state: State, reason: str) -> Transition[State]:
+    """A local failure: stop the others, then tell the rendezvous (the report waits for its answer)."""
+    failing = replace(
+        state,
+        phase=Phase.STOPPING,
+        local=replace(state.local, local_failure=True),
+        failed=True,
+        report_owed=True,
+    )
+    return Transition(failing, (StopWorkers(),), reason)
+
+
+def _stopped(state: State) -> Transition[State]:
+    if state.phase is Phase.STOPPING:
+        return Transition(replace(state, phase=Phase.FOLLOWING), (AskRendezvous(state.local),), "workers stopped")
+    if state.phase is Phase.FAILING:
+        return _done(state, (Finish(Outcome.FAILED),), "workers stopped; the job failed")
+    if state.phase is Phase.INTERRUPTING:
+        report: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
+        return _done(
+            state, (*report, Finish(Outcome.INTERRUPTED, state.signal)), f"workers stopped after signal {state.signal}"
         )
-        self._say(
-            f"round {a.round}: group rank {a.group_rank} of {a.group_world_size}, "
-            f"ranks {a.rank_offset}..{a.rank_offset + c.nproc_per_node - 1} of {a.world_size}, "
-            f"master {a.master_addr}:{a.master_port}"
-        )
-        placement = worker_env.Placement(a.group_rank, a.group_world_size, a.rank_offset, a.world_size)
-        self._start_attempt(attempt, placement, a.master_addr, a.master_port, a.restarts)
+    return Transition(state, (), f"workers stopped while {state.phase.value}")
 
-    def _stop_workers(self) -> list[int]:
-        """Stop this node's workers if any run; returns the signals to ftrun that came meanwhile."""
-        assert self._group is not None
-        if not self._group.running:
-            return []
-        return [e.signal for e in self._stop_group() if isinstance(e, policy.Interrupted)]
 
-    def _finish_own_workers(self) -> int:
-        """The job succeeded somewhere: let this node's workers finish too, then exit with their result."""
-        assert self._group is not None
-        while self._group.running:
-            exited, woken = self._group.wait(None)
-            for w in exited:
-                self._exited(w)
-            if woken and self._signals():
-                self._stop_workers()
-                break
-        if any(w.state is WorkerState.FAILED for w in self._group.workers):
-            self._report_failure(will_restart=False)
-            return self._finish(1, "failed")
-        return self._finish(0, "succeeded")
+def _finishing(state: State, report: tuple[Command, ...], reason: str) -> Transition[State]:
+    """The job succeeded elsewhere: once my own workers are done, exit with their result."""
+    if state.running:
+        return Transition(state, report, f"{reason}; waiting for {len(state.running)} local worker(s) to end")
+    if state.failed:
+        owed: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
+        return _done(state, (*report, *owed, Finish(Outcome.FAILED)), f"{reason}; a local worker failed")
+    return _done(state, (*report, Finish(Outcome.SUCCEEDED)), reason)
+
+
+def _interrupted(state: State, signal: int) -> Transition[State]:
+    if state.phase is Phase.INTERRUPTING:
+        return Transition(state, (), f"signal {signal} ignored: already stopping after signal {state.signal}")
+    interrupting = replace(state, phase=Phase.INTERRUPTING, signal=signal)
+    if state.phase in (Phase.STOPPING, Phase.FAILING):  # a stop is under way; its end finishes the run
+        return Transition(interrupting, (), f"signal {signal} while stopping; will exit when stopped")
+    if state.running:
+        return Transition(interrupting, (StopWorkers(),), f"signal {signal}; stopping the workers and leaving the job")
+    report: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
+    return _done(interrupting, (*report, Finish(Outcome.INTERRUPTED, signal)), f"signal {signal}; leaving the job")
+
+
+def _done(state: State, commands: tuple[Command, ...], reason: str) -> Transition[State]:
+    return Transition(replace(state, phase=Phase.DONE), commands, reason)

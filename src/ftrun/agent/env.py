@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Assignment:
+class WorkerAssignment:
     """Everything that makes one worker different from the others, for one attempt."""
 
     rank: int
@@ -53,11 +53,11 @@ def assign(
     max_restarts: int,
     run_id: str,
     error_file: str,
-) -> Assignment:
+) -> WorkerAssignment:
     """The assignment of ``local_rank``: global rank = rank offset of this node + local rank (as torchrun)."""
     world = nproc if placement.world_size is None else placement.world_size
     rank = placement.rank_offset + local_rank
-    return Assignment(
+    return WorkerAssignment(
         rank=rank,
         local_rank=local_rank,
         world_size=world,
@@ -76,7 +76,7 @@ def assign(
     )
 
 
-def worker_env(base: Mapping[str, str], a: Assignment) -> dict[str, str]:
+def worker_env(base: Mapping[str, str], a: WorkerAssignment) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the torchrun variables and ftrun's own.
 
     Values set here always win over ``base``, so a stale RANK inherited from a

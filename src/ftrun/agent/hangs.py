@@ -1,9 +1,10 @@
 """The agent's hang watch: one monitor table per attempt, read at each deadline.
 
-The agent's loop sleeps no longer than :meth:`HangWatch.wake_in` and then calls
-:meth:`HangWatch.find`; the verdicts come from the pure
-:func:`ftrun.monitor.watchdog.scan`. Timeouts the workers calculate are kept
-here across attempts and handed to the next workers, so a restart keeps them.
+The local group sleeps no longer than :meth:`HangWatch.seconds_to_next_check`
+and then calls :meth:`HangWatch.find`, which also learns when the next deadline
+falls; the verdicts come from the pure :func:`ftrun.monitor.watchdog.scan`.
+Timeouts the workers calculate are kept here across attempts and handed to the
+next workers, so a restart keeps them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from ftrun.agent.workers import Worker
 from ftrun.clock import Clock
 from ftrun.config import HangSpec
-from ftrun.monitor.table import FLAG_STACKS, CorruptSlot, MonitorTable, SlotView
+from ftrun.monitor.layout import FLAG_STACKS, CorruptSlot, SlotView
+from ftrun.monitor.table import MonitorTable
 from ftrun.monitor.watchdog import BLAME_WINDOW_S, SCAN_INTERVAL_S, Timeouts, Verdict, Watched, published, scan
 
 IDLE_SCAN_S = 1.0  # no timeout in force yet: look for calculated ones this often
@@ -35,6 +37,7 @@ class HangWatch:
         self._say = say
         self.kept = Timeouts()  # calculated by the workers, merged over ranks and attempts
         self._table: MonitorTable | None = None
+        self._next_deadline: float | None = None  # monotonic: the earliest deadline known at the last check
         self._seen: dict[int, int] = {}  # local rank -> timeouts_seq already merged
         self._warned: set[tuple[int, str]] = set()
 
@@ -46,6 +49,7 @@ class HangWatch:
         self._harvest()
         self.close()
         self._table = MonitorTable(nproc, tag=tag)
+        self._next_deadline = None
         self._seen = {}
         self._warned = set()
 
@@ -62,17 +66,21 @@ class HangWatch:
             env["FTRUN_MONITOR_TIMEOUTS"] = json.dumps(self.kept.to_json())
         return env
 
-    def wake_in(self, next_deadline: float | None) -> float | None:
-        """Seconds the agent may sleep before the next check (None: no table, no need)."""
+    def seconds_to_next_check(self) -> float | None:
+        """How long the agent may sleep before it must call :meth:`find` (None: no attempt is watched)."""
         if self._table is None:
             return None
         interval = SCAN_INTERVAL_S if self.timeouts.any else IDLE_SCAN_S
-        if next_deadline is None:
+        if self._next_deadline is None:
             return interval
-        return max(0.0, min(interval, next_deadline - self._clock.monotonic()))
+        return max(0.0, min(interval, self._next_deadline - self._clock.monotonic()))
 
-    def find(self, running: Sequence[Worker]) -> tuple[list[Found], float | None]:
-        """The worker to blame for a hang (if any), and when to look again (a deadline)."""
+    def find(self, running: Sequence[Worker]) -> list[Found]:
+        """The worker to blame for a hang, if any; notes when the next deadline falls."""
+        found, self._next_deadline = self._scan(running)
+        return found
+
+    def _scan(self, running: Sequence[Worker]) -> tuple[list[Found], float | None]:
         if self._table is None or not running:
             return [], None
         watched, slots = [], {}

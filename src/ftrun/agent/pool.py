@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.agent import proctree
-from ftrun.agent.workers import ProcessHandle, ProcessSpawner
+from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.errors import SpawnError
 
 READY_TIMEOUT_S = 120.0  # a zygote importing torch on a loaded machine
@@ -59,6 +59,9 @@ class AdoptedHandle:
             code = 255
         os.close(self._pidfd)
         return code
+
+    def signal_group(self, sig: int) -> None:
+        proctree.signal_quietly(self.pid, sig, group=True)
 
 
 def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
@@ -183,10 +186,12 @@ class WarmPool:
         if self._zygote is None and not self._off:
             self._zygote = _Zygote(self._python, self._preload, self._env, self._log)
 
-    @property
-    def helpers(self) -> set[int]:
-        """Processes of the pool itself, never to be signalled as strays of a worker group."""
-        return {self._zygote.proc.pid} if self._zygote is not None else set()
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        """The zygote is the pool's own, never a stray of a worker group."""
+        signal_strays(sig, workers, helpers={self._zygote.proc.pid} if self._zygote is not None else set())
+
+    def reap_orphans(self, keep: set[int]) -> None:
+        proctree.reap_orphans(keep | ({self._zygote.proc.pid} if self._zygote is not None else set()))
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         request = worker_request(argv, self._python)

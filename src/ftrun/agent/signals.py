@@ -19,33 +19,38 @@ def _note(signum: int, frame: FrameType | None) -> None:
 
 
 class SignalWakeup:
-    """While entered, handled signals are written (as their number) to ``fd``."""
+    """From construction to :meth:`close`, handled signals are written (as their number) to ``fd``."""
 
     def __init__(self) -> None:
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._saved: dict[int, object] = {}
         self._saved_fd = -1
         self._active = False
+        # Signal handlers can only be set from the main thread; elsewhere (tests) the caller handles signals.
+        if threading.current_thread() is threading.main_thread():
+            self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+            self._saved = {s: signal.signal(s, _note) for s in HANDLED}
+            self._active = True
 
     @property
     def fd(self) -> int:
         return self._read_fd
 
-    def __enter__(self) -> SignalWakeup:
-        # Signal handlers can only be set from the main thread; elsewhere the caller handles signals.
-        if threading.current_thread() is threading.main_thread():
-            self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-            self._saved = {s: signal.signal(s, _note) for s in HANDLED}
-            self._active = True
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def close(self) -> None:
+        """Restore the handlers that were there before, and close the pipe."""
         if self._active:
             for s, handler in self._saved.items():
                 signal.signal(s, handler)  # type: ignore[arg-type]
             signal.set_wakeup_fd(self._saved_fd)
+            self._active = False
         os.close(self._read_fd)
         os.close(self._write_fd)
+
+    def __enter__(self) -> SignalWakeup:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
 
     def drain(self) -> list[int]:
         """The signals received since the last drain, in order."""

@@ -53,17 +53,25 @@ class ProcessHandle(Protocol):
         """Collect the exit status (after ``fileno`` is readable): code, or -signal."""
         ...
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (its own session); quietly if it is gone."""
+        ...
+
 
 class Spawner(Protocol):
-    """Starts one worker process: fresh (ProcessSpawner) or forked from a warm pool (WarmPool)."""
-
-    @property
-    def helpers(self) -> set[int]:
-        """The spawner's own processes: never signalled when a worker group is stopped."""
-        ...
+    """Starts worker processes (fresh, or forked from a warm pool) and sweeps what they leave behind."""
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         """Raises SpawnError when the process cannot be started."""
+        ...
+
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        """Send ``sig`` to every process below the agent that is neither one of ``workers`` nor the spawner's
+        own: descendants that left their worker's process group, and orphans the agent adopted."""
+        ...
+
+    def reap_orphans(self, keep: set[int]) -> None:
+        """Reap the agent's exited children that are not in ``keep`` (adopted orphans)."""
         ...
 
 
@@ -81,11 +89,25 @@ class _PopenHandle:
         os.close(self._pidfd)
         return code
 
+    def signal_group(self, sig: int) -> None:
+        proctree.signal_quietly(self.pid, sig, group=True)
+
+
+def signal_strays(sig: int, workers: set[int], helpers: set[int]) -> None:
+    """``Spawner.signal_strays`` for a spawner whose own processes are ``helpers``."""
+    found = proctree.descendants([os.getpid()]) - workers - helpers - proctree.descendants(helpers)
+    for pid in found:
+        proctree.signal_quietly(pid, sig)
+
 
 class ProcessSpawner:
     """Fresh processes: own session and process group, SIGKILL when the agent dies."""
 
-    helpers: set[int] = set()  # noqa: RUF012 - no processes of its own (the warm pool has one)
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        signal_strays(sig, workers, helpers=set())
+
+    def reap_orphans(self, keep: set[int]) -> None:
+        proctree.reap_orphans(keep)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         try:
@@ -157,8 +179,8 @@ class Worker:
             return f"signal {sig}"
 
 
-class WorkerGroup:
-    """The workers of one attempt on this node, and the selector that watches them.
+class AttemptProcesses:
+    """The worker processes of one attempt on this node, and the selector that watches them.
 
     Must be used from the agent's main thread only (see
     :func:`ftrun.agent.proctree.die_with_parent_hook`).
@@ -189,15 +211,16 @@ class WorkerGroup:
     def running(self) -> list[Worker]:
         return [w for w in self.workers if w.returncode is None]
 
-    def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Worker], bool]:
+    def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Worker], bool, bool]:
         """Sleep until a worker exits or the wake fd (or ``also``) is readable, at most ``timeout_s``.
 
-        Returns the workers that exited (already reaped) and whether a wake fd fired.
-        ``also`` is watched for this call only (the rendezvous): while stopping, the
-        agent does not listen to it, and a level-triggered fd it ignores must not spin.
+        Returns the workers that exited (already reaped), whether the wake fd fired,
+        and whether ``also`` is readable. ``also`` is watched for this call only (the
+        rendezvous): while stopping, the agent does not listen to it, and a
+        level-triggered fd it ignores must not spin.
         """
         exited: list[Worker] = []
-        woken = False
+        woken = also_ready = False
         if also is not None:
             self._selector.register(also, selectors.EVENT_READ)
         try:
@@ -206,13 +229,15 @@ class WorkerGroup:
             if also is not None:
                 self._selector.unregister(also)
         for key, _ in ready:
-            if key.fd in (self._wake_fd, also):
+            if key.fd == self._wake_fd:
                 woken = True
-                continue
-            worker: Worker = key.data
-            self._reap(worker)
-            exited.append(worker)
-        return exited, woken
+            elif key.fd == also:
+                also_ready = True
+            else:
+                worker: Worker = key.data
+                self._reap(worker)
+                exited.append(worker)
+        return exited, woken, also_ready
 
     def _reap(self, worker: Worker) -> None:
         assert worker.handle is not None
@@ -243,7 +268,7 @@ class WorkerGroup:
             left = deadline - self._clock.monotonic()
             if left <= 0:
                 break
-            exited, woken = self.wait(left)
+            exited, woken, _ = self.wait(left)
             for w in exited:
                 on_exit(w)
             if woken and on_wake():
@@ -258,15 +283,11 @@ class WorkerGroup:
     def sweep(self) -> None:
         """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
         self._signal_all(signal.SIGKILL)
-        proctree.reap_orphans(keep={w.pid for w in self.running})
+        self._spawner.reap_orphans(keep={w.pid for w in self.running})
 
     def _signal_all(self, sig: int) -> None:
-        leaders = {w.pid for w in self.workers if w.handle}
-        # Found before signalling: descendants that left their worker's process group,
-        # and orphans the agent adopted as subreaper; not the spawner's own (the warm pool).
-        helpers = self._spawner.helpers
-        strays = proctree.descendants([os.getpid()]) - leaders - helpers - proctree.descendants(helpers)
-        for pid in leaders:  # a worker's process group id is its pid (own session)
-            proctree.signal_quietly(pid, sig, group=True)
-        for pid in strays:
-            proctree.signal_quietly(pid, sig)
+        # Strays are found before the workers are signalled (a dying worker's children are re-parented).
+        self._spawner.signal_strays(sig, {w.pid for w in self.workers if w.handle})
+        for w in self.workers:
+            if w.handle is not None:
+                w.handle.signal_group(sig)

@@ -1,11 +1,12 @@
 """The worker's side of hang detection: heartbeats and sections written into shared memory.
 
-Nothing here makes a system call or allocates on the hot path: a heartbeat is
-a clock read (vDSO) and one store into the mapped slot; a section start or end
-is four. If the agent dies or stalls, the mapping stays valid and every call
-still returns at once. Outside ftrun (no ``FTRUN_MONITOR`` in the environment)
-every call does nothing, after one warning, so the same script runs under
-plain ``python``.
+The hot path makes no system call and allocates nothing: a heartbeat is a
+clock read (vDSO) and one store into the mapped slot; a section start or end
+is four. The one exception is the worker's first heartbeat under ``--warm
+auto``, which writes the list of imported modules to a file, once. If the agent
+dies or stalls, the mapping stays valid and every call still returns at once.
+Outside ftrun (no ``FTRUN_MONITOR`` in the environment) every call does
+nothing, after one warning, so the same script runs under plain ``python``.
 
 Per process, not per thread: sections opened from several threads share one
 slot (the agent then simply reads it a moment later).
@@ -24,7 +25,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from ftrun.monitor import table
+from ftrun.monitor import layout
+from ftrun.monitor.table import STACK_SIGNAL, check_header
 from ftrun.monitor.watchdog import Timeouts, scaled
 
 STATE_VERSION = 1
@@ -55,16 +57,16 @@ class _Attached:
             self._map = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        table.check_header(self._map, slot)
-        self._base = table.slot_offset(slot)
-        self._beat_at = self._base + table.OFF_BEAT
-        self._idle_at = self._base + table.OFF_IDLE
+        check_header(self._map, slot)
+        self._base = layout.slot_offset(slot)
+        self._beat_at = self._base + layout.OFF_BEAT
+        self._idle_at = self._base + layout.OFF_IDLE
         self._seq = 0
         self._beats = 0
         self._last_beat = 0.0
         self._open: dict[str, int] = {}  # name -> entry index
         self._started: dict[str, float] = {}
-        self._free = list(range(table.MAX_OPEN - 1, -1, -1))
+        self._free = list(range(layout.MAX_OPEN - 1, -1, -1))
         self._names: dict[str, bytes] = {}
         self._flags = 0
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
@@ -85,24 +87,33 @@ class _Attached:
             # The agent's fallback when py-spy is missing: all threads' stacks, written from the
             # C signal handler, so it works while the main thread holds the GIL in C code.
             self._stacks_file = open(stacks, "a")  # noqa: SIM115 - lives as long as the process
-            faulthandler.register(table.STACK_SIGNAL, file=self._stacks_file, all_threads=True)
-            self._flags |= table.FLAG_STACKS
-        table.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
-        table.IDENTITY.pack_into(self._map, self._base + table.OFF_IDENTITY, os.getpid(), self._attached)
+            faulthandler.register(STACK_SIGNAL, file=self._stacks_file, all_threads=True)
+            self._flags |= layout.FLAG_STACKS
+        layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
+        layout.IDENTITY.pack_into(self._map, self._base + layout.OFF_IDENTITY, os.getpid(), self._attached)
         atexit.register(self._exiting)
+
+    def close(self) -> None:
+        """Let go of the table: for tests, which attach many clients in one process (a worker keeps its one
+        client for life)."""
+        atexit.unregister(self._exiting)
+        if self._flags & layout.FLAG_STACKS:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stacks_file.close()
+        self._map.close()
 
     def _exiting(self) -> None:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
-        self._flags |= table.FLAG_EXITING
+        self._flags |= layout.FLAG_EXITING
         self._write_flags()
 
     def _write_flags(self) -> None:
         m, base = self._map, self._base
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)
-        table.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
+        layout.SEQ.pack_into(m, base, self._seq)
+        layout.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)
+        layout.SEQ.pack_into(m, base, self._seq)
 
     # --- the hot path --------------------------------------------------------------------------
 
@@ -117,14 +128,14 @@ class _Attached:
                 report_modules(self._modules_file)
         self._last_beat = now
         self._beats += 1
-        table.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
+        layout.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
 
     def start_section(self, name: str) -> None:
         if name in self._open:
             raise ValueError(f"section {name!r} is already open: end it before opening it again")
         encoded = self._names.get(name) or self._encode(name)
         if not self._free:
-            raise ValueError(f"more than {table.MAX_OPEN} sections open at once (opening {name!r})")
+            raise ValueError(f"more than {layout.MAX_OPEN} sections open at once (opening {name!r})")
         entry = self._free.pop()
         now = time.monotonic()
         if not self._open and self._idle_since and now - self._idle_since > self._longest_idle:
@@ -149,18 +160,18 @@ class _Attached:
     def _write_entry(self, entry: int, start: float, encoded: bytes) -> None:
         m, base = self._map, self._base
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)  # odd: the agent retries its copy
-        table.ENTRY.pack_into(m, base + table.OFF_ENTRIES + entry * table.ENTRY.size, start, len(encoded), encoded)
-        table.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
+        layout.SEQ.pack_into(m, base, self._seq)  # odd: the agent retries its copy
+        layout.ENTRY.pack_into(m, base + layout.OFF_ENTRIES + entry * layout.ENTRY.size, start, len(encoded), encoded)
+        layout.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)
+        layout.SEQ.pack_into(m, base, self._seq)
 
     def _encode(self, name: str) -> bytes:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a section name must be a non-empty string, got {name!r}")
         encoded = name.encode()
-        if len(encoded) > table.NAME_MAX:
-            raise ValueError(f"section name {name!r} is longer than {table.NAME_MAX} bytes")
+        if len(encoded) > layout.NAME_MAX:
+            raise ValueError(f"section name {name!r} is longer than {layout.NAME_MAX} bytes")
         self._names[name] = encoded
         return encoded
 
@@ -193,16 +204,16 @@ class _Attached:
         """Publish calculated timeouts in the slot; the agent applies (and keeps) them."""
         self._calculated = timeouts
         raw = json.dumps(timeouts.to_json()).encode()
-        if len(raw) > table.TIMEOUTS_MAX:
+        if len(raw) > layout.TIMEOUTS_MAX:
             raise ValueError(f"too many section timeouts to publish ({len(raw)} bytes of JSON)")
         m, base = self._map, self._base
-        (t_seq, _) = table.TIMEOUTS_HEAD.unpack_from(m, base + table.OFF_TIMEOUTS_HEAD)
+        (t_seq, _) = layout.TIMEOUTS_HEAD.unpack_from(m, base + layout.OFF_TIMEOUTS_HEAD)
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)
-        m[base + table.OFF_TIMEOUTS : base + table.OFF_TIMEOUTS + len(raw)] = raw
-        table.TIMEOUTS_HEAD.pack_into(m, base + table.OFF_TIMEOUTS_HEAD, t_seq + 1, len(raw))
+        layout.SEQ.pack_into(m, base, self._seq)
+        m[base + layout.OFF_TIMEOUTS : base + layout.OFF_TIMEOUTS + len(raw)] = raw
+        layout.TIMEOUTS_HEAD.pack_into(m, base + layout.OFF_TIMEOUTS_HEAD, t_seq + 1, len(raw))
         self._seq += 1
-        table.SEQ.pack_into(m, base, self._seq)
+        layout.SEQ.pack_into(m, base, self._seq)
 
     @property
     def calculated(self) -> Timeouts:

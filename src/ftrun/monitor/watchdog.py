@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ftrun.monitor.table import FLAG_EXITING, SlotView
+from ftrun.monitor.layout import FLAG_EXITING, SlotView
 
 SCAN_INTERVAL_S = 0.05  # a deadline that appears between scans is found at most this late
 # Ranks in lockstep miss their deadlines together (the hung one, and the ones waiting for it in a

@@ -28,7 +28,7 @@ from ftrun.clock import Clock
 from ftrun.errors import FtrunError, WatchLost
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
-from ftrun.rendezvous.state import Action, Decision, NodeInfo, RecordError, RoundRecord, Rules, Status
+from ftrun.rendezvous.state import Action, Decision, Local, NodeInfo, RecordError, RoundRecord, Rules, Status
 from ftrun.store.base import EventType, Store, Watch
 
 T = TypeVar("T")
@@ -84,16 +84,9 @@ class Timing:
 
 
 @dataclass(frozen=True, slots=True)
-class Local:
-    """What only this node knows: how its workers are doing."""
+class Advice:
+    """What the rendezvous says this node must do, and by when to ask again."""
 
-    running_round: int | None = None
-    local_failure: bool = False
-    job_done: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
     decision: Decision
     wake_at: float  # monotonic: call next() again by then even if nothing is readable
 
@@ -148,6 +141,10 @@ class Rendezvous:
         return self._selector.fileno()
 
     @property
+    def node_id(self) -> str:
+        return self._me.node_id
+
+    @property
     def leading(self) -> bool:
         return self._nodes_watch is not None
 
@@ -165,7 +162,7 @@ class Rendezvous:
 
     # --- the step --------------------------------------------------------------------------
 
-    def next(self, local: Local) -> Step:
+    def next(self, local: Local) -> Advice:
         """Apply what changed, do the store's part of the rules, return what the agent must do."""
         for _ in range(MAX_STEPS):
             self._absorb()
@@ -180,7 +177,7 @@ class Rendezvous:
                 assert decision.record is not None
                 self._write_round(decision)
             else:
-                return Step(decision, self._wake_at(decision))
+                return Advice(decision, self._wake_at(decision))
         raise FtrunError(f"rendezvous did not settle after {MAX_STEPS} store actions; the store may be misbehaving")
 
     def _view(self, local: Local, now: float, nodes: dict[str, NodeInfo] | None) -> state.View:

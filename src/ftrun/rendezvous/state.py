@@ -100,7 +100,7 @@ class Action(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Assignment:
+class NodeAssignment:
     round: int
     group_rank: int
     group_world_size: int
@@ -116,9 +116,18 @@ class Decision:
     action: Action
     reason: str
     record: RoundRecord | None = None
-    assignment: Assignment | None = None
+    assignment: NodeAssignment | None = None
     round: int = 0  # REGISTER: the round to register for
     wake_at: float | None = None  # WAIT: when the decision may change without a store event
+
+
+@dataclass(frozen=True, slots=True)
+class Local:
+    """What only this node knows: how its workers are doing."""
+
+    running_round: int | None = None  # the round my workers run in, if any
+    local_failure: bool = False  # my workers failed in ``running_round``
+    job_done: bool = False  # my workers all succeeded in ``running_round``
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +141,9 @@ class View:
     now: float  # monotonic, this node's clock
     changed_at: float  # monotonic: when this node last saw ``nodes`` change
     waiting_since: float  # monotonic: when this node began waiting for a round
-    running_round: int | None = None  # the round my workers run in, if any
-    local_failure: bool = False  # my workers failed in ``running_round``
-    job_done: bool = False  # my workers all succeeded in ``running_round``
+    running_round: int | None = None  # as in Local
+    local_failure: bool = False
+    job_done: bool = False
 
 
 def decide(view: View, rules: Rules) -> Decision:
@@ -228,7 +237,7 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
             return Decision(Action.COMPLETE, f"round {r.round} succeeded", record=done)
         if view.running_round == r.round and view.local_failure:
             return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True)
-        return Decision(Action.RUN, f"member of round {r.round}", assignment=assignment(r, view.me))
+        return Decision(Action.RUN, f"member of round {r.round}", assignment=node_assignment(r, view.me))
     if view.registered != r.round:
         # A key first, so that the leader counts this node when the next round opens.
         return Decision(Action.REGISTER, f"registering while round {r.round} runs", round=r.round)
@@ -254,9 +263,9 @@ def order(ready: set[str], previous: tuple[str, ...], nodes: Mapping[str, NodeIn
     return kept + newcomers
 
 
-def assignment(r: RoundRecord, me: str) -> Assignment:
+def node_assignment(r: RoundRecord, me: str) -> NodeAssignment:
     i = r.members.index(me)
-    return Assignment(
+    return NodeAssignment(
         round=r.round,
         group_rank=i,
         group_world_size=len(r.members),

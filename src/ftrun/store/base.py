@@ -20,12 +20,9 @@ Values are bytes; keys are text (UTF-8), ``/``-separated by convention.
 from __future__ import annotations
 
 import enum
-import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
-
-from ftrun.errors import ConfigError
 
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 1024 * 1024
@@ -168,116 +165,3 @@ def prefix_end(prefix: str) -> str:
         if raw[i] < 0xFF:
             return (raw[:i] + bytes([raw[i] + 1])).decode("utf-8", errors="surrogateescape")
     return "\0"
-
-
-# --- URLs --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class StoreUrl:
-    """A parsed store URL.
-
-    ``memory://``, ``tcp://host:port``, ``etcd://[user:password@]host:port[,host:port...][/prefix]``.
-    Options as query parameters: ``token_file`` (tcp), ``cacert``, ``cert``, ``key``
-    (etcd TLS; ``etcds://`` turns TLS on with the system CAs), ``user``,
-    ``password_file`` (etcd auth).
-    """
-
-    scheme: str
-    endpoints: tuple[tuple[str, int], ...] = ()
-    prefix: str = ""
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    options: tuple[tuple[str, str], ...] = ()
-
-    def option(self, name: str) -> str | None:
-        return dict(self.options).get(name)
-
-    @property
-    def display(self) -> str:
-        """The URL without secrets, for messages."""
-        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
-        return f"{self.scheme}://{hosts}{'/' + self.prefix if self.prefix else ''}"
-
-
-_OPTIONS = {"tcp": {"token_file"}, "etcd": {"cacert", "cert", "key", "user", "password_file"}}
-_DEFAULT_PORTS = {"tcp": 29400, "etcd": 2379}
-
-
-def parse_store_url(text: str) -> StoreUrl:
-    """Parse a store URL; raises ConfigError naming what is wrong."""
-    flag = "store URL"
-    scheme, sep, rest = text.partition("://")
-    family = {"etcds": "etcd"}.get(scheme, scheme)
-    if not sep or family not in ("memory", "tcp", "etcd"):
-        raise ConfigError(flag, f"{text!r} has no known scheme", "use memory://, tcp://HOST:PORT or etcd://HOST:PORT")
-    if family == "memory":
-        if rest:
-            raise ConfigError(flag, f"memory:// takes nothing after the scheme, got {rest!r}", "use memory://")
-        return StoreUrl("memory")
-    location, _, query = rest.partition("?")
-    options = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    unknown = sorted({k for k, _ in options} - _OPTIONS[family])
-    if unknown:
-        raise ConfigError(flag, f"unknown option {unknown[0]!r}", f"use one of {sorted(_OPTIONS[family])}")
-    auth, at, hosts_part = location.rpartition("@")
-    user = password = None
-    if at:
-        user, _, password = (urllib.parse.unquote(p) for p in auth.partition(":"))
-    hosts, slash, prefix = hosts_part.partition("/")
-    if slash and family != "etcd":
-        raise ConfigError(flag, f"a key prefix is only for etcd, got {text!r}", "drop the /PREFIX")
-    endpoints = tuple(_endpoint(h, _DEFAULT_PORTS[family]) for h in hosts.split(","))
-    if family == "tcp" and len(endpoints) != 1:
-        raise ConfigError(flag, "tcp:// takes exactly one HOST:PORT", "use e.g. tcp://node0:29400")
-    scheme_out = "etcds" if scheme == "etcds" else family
-    return StoreUrl(scheme_out, endpoints, prefix.strip("/"), user, password, tuple(options))
-
-
-def _endpoint(text: str, default_port: int) -> tuple[str, int]:
-    from ftrun.config import parse_endpoint
-
-    host, port = parse_endpoint(text)
-    if not host:
-        raise ConfigError("store URL", "an endpoint has no host", "use HOST:PORT")
-    return host, default_port if port is None else port
-
-
-def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_s: float = 30.0) -> Store:
-    """Open any store by URL.
-
-    Args:
-        url: see :class:`StoreUrl`.
-        token: the shared secret of an embedded tcp store (``--rdzv-token`` /
-            ``FTRUN_TOKEN``); ``token_file`` in the URL is the alternative.
-        retry_deadline_s: how long an operation keeps retrying while the store is
-            unreachable before it raises StoreUnavailable. Longer rides out a
-            store restart; shorter notices a dead store sooner.
-    """
-    parsed = url if isinstance(url, StoreUrl) else parse_store_url(url)
-    if parsed.scheme == "memory":
-        from ftrun.store.memory import MemoryStore
-
-        return MemoryStore()
-    if parsed.scheme == "tcp":
-        from ftrun.store.tcp import TcpStoreClient
-
-        host, port = parsed.endpoints[0]
-        token_file = parsed.option("token_file")
-        if token_file:
-            token = read_token_file(token_file)
-        return TcpStoreClient(host, port, token=token, retry_deadline_s=retry_deadline_s)
-    from ftrun.store.etcd import EtcdStore
-
-    return EtcdStore(parsed, retry_deadline_s=retry_deadline_s)
-
-
-def read_token_file(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ConfigError("token_file", f"cannot read {path}: {e.strerror}", "check the path and permissions") from None
-    if not token:
-        raise ConfigError("token_file", f"{path} is empty", "write the shared token into it")
-    return token

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import math
 import threading
 from typing import Any
@@ -28,9 +29,16 @@ from ftrun.errors import (
     StoreRequestError,
     WatchLost,
 )
-from ftrun.store.base import EventType, KeyValue, StoreUrl, WatchEvent, check_key, check_value, prefix_end
+from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value, prefix_end
 from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
+from ftrun.store.url import StoreUrl, read_token_file
 from ftrun.store.watchqueue import QueuedWatch
+
+log = logging.getLogger("ftrun.store")
+# A broken watch stream is resumed after a pause that grows while it keeps breaking (etcd restarting,
+# a proxy cutting streams): never a tight loop against a server that is down.
+RESUME_FIRST_S = 0.05
+RESUME_MAX_S = 2.0
 
 try:
     import etcd3gw
@@ -83,8 +91,6 @@ class EtcdStore:
         self._password = url.password
         password_file = url.option("password_file")
         if password_file:
-            from ftrun.store.base import read_token_file
-
             self._password = read_token_file(password_file)
         self._authenticated = False
         self._watches: set[_EtcdWatch] = set()
@@ -263,6 +269,7 @@ class _EtcdWatch:
         self._closed = threading.Event()
         self._opened = threading.Event()
         self._open_error: StoreError | None = None
+        self._delivered = False  # events arrived since the stream was last resumed
         self.queue = QueuedWatch(on_close=self._close)
 
     def start(self) -> None:
@@ -272,6 +279,7 @@ class _EtcdWatch:
             raise self._open_error
 
     def _run(self) -> None:
+        pause = RESUME_FIRST_S
         while not self._closed.is_set():
             try:
                 self._store._retry.run(self._store.endpoint, self._open)
@@ -281,8 +289,8 @@ class _EtcdWatch:
                 finally:
                     with contextlib.suppress(Exception):
                         self._response.close()
-            except StoreConnectionLost:
-                continue  # the stream ended or broke: resume from the revision after the last event
+            except StoreConnectionLost as e:  # the stream ended or broke: resume after the last event seen
+                why = str(e)
             except StoreError as e:
                 if not self._opened.is_set():
                     self._open_error = e
@@ -290,9 +298,18 @@ class _EtcdWatch:
                     return
                 self.queue.fail(e)
                 return
-            except Exception:  # the stream broke (etcd restarted, connection reset): resume
-                if not self._opened.is_set():
-                    self._opened.set()
+            except Exception as e:  # the stream broke (etcd restarted, connection reset): resume
+                why = f"{type(e).__name__}: {e}"
+                self._opened.set()
+            if self._closed.is_set():
+                return
+            if self._delivered:  # it worked for a while: the next break is resumed quickly again
+                pause, self._delivered = RESUME_FIRST_S, False
+            # One break is routine (etcd or a proxy ends long streams); breaking again at once is news.
+            level = logging.INFO if pause == RESUME_FIRST_S else logging.WARNING
+            log.log(level, "etcd watch on %r broke (%s); resuming in %.2f s", self._prefix, why, pause)
+            self._closed.wait(pause)
+            pause = min(pause * 2, RESUME_MAX_S)
 
     def _open(self) -> None:
         request: dict[str, Any] = {
@@ -303,7 +320,11 @@ class _EtcdWatch:
             request["start_revision"] = self._next
         response = self._store._stream({"create_request": request})
         lines = response.iter_lines()
-        first = json.loads(next(lines)).get("result", {})
+        head = next(lines, None)
+        if head is None:
+            response.close()
+            raise StoreConnectionLost(f"{self._store.endpoint}: the watch stream closed before it was created")
+        first = json.loads(head).get("result", {})
         if not first.get("created"):
             response.close()
             raise StoreConnectionLost(f"{self._store.endpoint}: watch not created: {first}")
@@ -330,6 +351,7 @@ class _EtcdWatch:
                 events.append(WatchEvent(kind, key, _unb64(kv.get("value")), int(kv["mod_revision"])))
             if events:
                 self._next = events[-1].revision + 1
+                self._delivered = True
                 self.queue.push(events)
         raise StoreConnectionLost("watch stream ended")  # resumed by _run
 

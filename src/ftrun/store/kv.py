@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,7 +32,9 @@ class _Lease:
 
 
 class KeyValueState:
-    def __init__(self, history_limit: int = HISTORY_LIMIT) -> None:
+    def __init__(self, history_limit: int = HISTORY_LIMIT, *, first_lease: int = 1) -> None:
+        """``first_lease``: the first lease id; callers pass a random one, so that a client of a restarted
+        store cannot reuse an old id by chance."""
         self.revision = 0
         self._data: dict[str, KeyValue] = {}
         self._keys: list[str] = []  # the keys of _data, sorted: a prefix is one contiguous slice
@@ -43,8 +44,7 @@ class KeyValueState:
         self._deadlines: list[tuple[float, int]] = []
         self._history: deque[WatchEvent] = deque(maxlen=history_limit)
         self._compacted = 0  # every event with a revision <= this one is gone from the history
-        # Lease ids are random so that a client of a restarted store cannot reuse an old id by chance.
-        self._lease_ids = itertools.count(secrets.randbits(40) + 1)
+        self._lease_ids = itertools.count(first_lease)
 
     # --- reads -----------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -24,7 +25,7 @@ class MemoryStore:
 
     def __init__(self, clock: Clock | None = None) -> None:
         self._clock = clock or SystemClock()
-        self._state = KeyValueState()
+        self._state = KeyValueState(first_lease=secrets.randbits(40) + 1)
         self._cond = threading.Condition()
         self._watches: list[tuple[str, QueuedWatch]] = []
         self._closed = False

@@ -8,15 +8,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from ftrun.config import parse_port, store_token
+from ftrun.addresses import DEFAULT_STORE_PORT, parse_port
 from ftrun.errors import ConfigError
+from ftrun.flags import store_token
 from ftrun.store.tcp_server import TcpStoreServer
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     p = argparse.ArgumentParser(prog="ftrun store", description="Serve ftrun's embedded key-value store.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; 0.0.0.0 for all)")
-    p.add_argument("--port", default="29400", help="port to bind (0: any free port)")
+    p.add_argument("--port", default=str(DEFAULT_STORE_PORT), help="port to bind (0: any free port)")
     p.add_argument("--token", default=None, help="shared secret clients must prove (or FTRUN_TOKEN)")
     p.add_argument("--token-file", default=None, help="file holding the shared secret")
     a = p.parse_args(list(argv))

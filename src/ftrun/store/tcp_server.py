@@ -11,10 +11,11 @@ expire on their TTL whether or not their client's connection is open.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -133,7 +134,7 @@ class TcpStoreServer:
         self.host, self.port = host, port
         self._token = token
         self._clock = clock or SystemClock()
-        self._state = KeyValueState()
+        self._state = KeyValueState(first_lease=secrets.randbits(40) + 1)
         self._connections: set[_Connection] = set()
         # prefix -> the (connection, watch id) pairs watching it: an event is matched against the few
         # distinct prefixes, not against every connection (a round has one watcher per node).
@@ -145,6 +146,7 @@ class TcpStoreServer:
         self._expiry_at = float("inf")  # when the pending expiry timer fires
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self.crashed: BaseException | None = None  # what ended the server thread, if not stop()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -165,14 +167,20 @@ class TcpStoreServer:
                 try:
                     await self._open()
                 except BaseException as e:
-                    failure.append(e)
-                    raise
+                    failure.append(e)  # raised by start(), in the caller's thread
+                    return
                 finally:
                     ready.set()
                 await self._wait_stopped()
 
-            with contextlib.suppress(BaseException):
+            try:
                 asyncio.run(main())
+            except BaseException as e:
+                # The store is gone while the job may still need it: say why, loudly (its clients
+                # will find it unreachable and fail with StoreUnavailable).
+                self.crashed = e
+                print(f"ftrun: the embedded store on {self.host}:{self.port} crashed:", file=sys.stderr)
+                traceback.print_exception(e, file=sys.stderr)
 
         self._thread = threading.Thread(target=run, name="ftrun-store-server", daemon=True)
         self._thread.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -18,14 +17,17 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from ftrun.ports import reserve_port
+
 READY_TEXT = b"ready to serve client requests"
 
 
+START_TRIES = 3  # a port chosen free may be taken before etcd binds it: then new ports, again
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """Free now, and kept off by every ftrun on this machine for a while (the shared port ledger)."""
+    return reserve_port("127.0.0.1", time.time())
 
 
 def make_certificates(directory: Path) -> dict[str, Path]:
@@ -76,6 +78,17 @@ class EtcdHarness:
         return f"etcd://127.0.0.1:{self.client_port}"
 
     def start(self) -> EtcdHarness:
+        for tries_left in range(START_TRIES - 1, -1, -1):
+            try:
+                return self._start()
+            except RuntimeError:
+                self.stop()
+                if not tries_left or b"address already in use" not in self.log:
+                    raise
+                self.client_port, self.peer_port, self.log = _free_port(), _free_port(), b""
+        raise AssertionError("unreachable")
+
+    def _start(self) -> EtcdHarness:
         scheme = "https" if self.certs else "http"
         client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         tls: list[str] = []
@@ -140,9 +153,10 @@ class EtcdHarness:
             proc.stderr.close()
 
     def restart(self) -> None:
+        """Stop and start again on the same ports (clients reconnect to them)."""
         self.stop()
         self.log = b""
-        self.start()
+        self._start()
 
     def close(self) -> None:
         self.stop()

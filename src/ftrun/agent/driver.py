@@ -1,0 +1,163 @@
+"""PURE: what a driver hears, what it may ask for, and how a run ends.
+
+A driver decides what one node does next; it is a pure step function
+``step(state, happening) -> Transition`` (:mod:`ftrun.agent.static`,
+:mod:`ftrun.agent.elastic`). The executor (:mod:`ftrun.agent.executor`) feeds
+it every :data:`Happening` it observes and carries out the :data:`Command`\\ s
+that come back, in order; a command's own results are happenings too. The two
+kinds of job differ only in their driver.
+
+How a run ends, and with which exit code, is decided here and nowhere else:
+see :class:`Finish`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from ftrun.agent.env import Placement
+from ftrun.rendezvous.state import Decision, Local
+
+# --- happenings: facts the executor observed ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunBegins:
+    """The first happening of every run."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStarted:
+    local_ranks: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    local_rank: int
+    success: bool  # exited 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHung:
+    """A worker is past a hang deadline (its stacks are dumped); it runs until the workers are stopped."""
+
+    local_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStopped:
+    """Every worker of the current attempt has exited and been reaped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Interrupted:
+    """A signal to ftrun (SIGINT, SIGTERM, SIGHUP)."""
+
+    signal: int
+
+
+@dataclass(frozen=True, slots=True)
+class RendezvousWoke:
+    """The rendezvous may have news: the store changed, or the time it asked to be woken came."""
+
+
+@dataclass(frozen=True, slots=True)
+class RendezvousAdvised:
+    """What the rendezvous said this node must do (the answer to :class:`AskRendezvous`)."""
+
+    decision: Decision
+
+
+Happening = (
+    RunBegins
+    | WorkersStarted
+    | WorkerExited
+    | WorkerHung
+    | WorkersStopped
+    | Interrupted
+    | RendezvousWoke
+    | RendezvousAdvised
+)
+
+
+# --- commands: what the executor must do next ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorkers:
+    """Spawn this node's workers; answered by WorkersStarted.
+
+    ``attempt`` numbers this node's attempts (and their log directories);
+    ``restart_count`` is the job's (TORCHELASTIC_RESTART_COUNT). ``master_port``
+    None: a fresh free port (``--master-port`` when given). ``round``: the
+    rendezvous round these workers run in (elastic jobs).
+    """
+
+    attempt: int
+    restart_count: int
+    placement: Placement
+    master_addr: str
+    master_port: int | None = None
+    round: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StopWorkers:
+    """Stop every running worker (SIGTERM, grace, SIGKILL); answered by WorkersStopped.
+
+    Signals to ftrun that come meanwhile are answered first, as Interrupted.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class ReportFailure:
+    """Write the failure report of the current attempt, root cause first."""
+
+    will_restart: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AskRendezvous:
+    """Tell the rendezvous how this node's workers are doing; answered by RendezvousAdvised."""
+
+    local: Local
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The run is over: ftrun exits with :attr:`exit_code`."""
+
+    outcome: Outcome
+    signal: int | None = None  # INTERRUPTED: the signal that stopped the run
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the job succeeded, 128 + the signal when a signal stopped ftrun (as a shell reports a
+        death by that signal), and 1 for any failure."""
+        if self.outcome is Outcome.SUCCEEDED:
+            return 0
+        if self.outcome is Outcome.INTERRUPTED and self.signal is not None:
+            return 128 + self.signal
+        return 1
+
+
+Command = StartWorkers | StopWorkers | ReportFailure | AskRendezvous | Finish
+
+S = TypeVar("S")
+
+
+@dataclass(frozen=True, slots=True)
+class Transition(Generic[S]):
+    """A driver's answer: its next state, what to do (in order), and a sentence saying why."""
+
+    state: S
+    commands: tuple[Command, ...]
+    reason: str

@@ -1,0 +1,109 @@
+"""One loop for every driver: carry out its commands, wait, and feed back what happened.
+
+The executor owns the waiting. It hands each happening to the driver's pure
+step function, runs the commands that come back in order against the local
+group (workers, reports, the end of the run) and, in an elastic job, the
+rendezvous; what those commands produce is queued as happenings in turn. With
+nothing queued it sleeps in the local group's one ``select`` on the workers,
+the signal pipe and the rendezvous' fd, at most until the rendezvous asked to
+be woken (the local group adds its hang checks). The loop ends at the first
+:class:`~ftrun.agent.driver.Finish`; its exit code is ftrun's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ftrun.agent.driver import (
+    AskRendezvous,
+    Command,
+    Finish,
+    Happening,
+    RendezvousAdvised,
+    RendezvousWoke,
+    ReportFailure,
+    RunBegins,
+    StartWorkers,
+    StopWorkers,
+    Transition,
+)
+from ftrun.agent.group import LocalGroup
+from ftrun.clock import Clock
+from ftrun.rendezvous.driver import Rendezvous
+
+S = TypeVar("S")
+Step = Callable[[S, Happening], Transition[S]]
+
+
+class Executor(Generic[S]):
+    """Runs one driver to the end of the run.
+
+    Args:
+        step: the driver's pure step function.
+        state: the driver's initial state.
+        group: this node's local group.
+        clock: the monotonic clock the rendezvous' wake-up times are on.
+        fresh_port: a free port for a StartWorkers that names none (static jobs).
+        rendezvous: the elastic job's rendezvous (started); None for a static job.
+    """
+
+    def __init__(
+        self,
+        step: Step[S],
+        state: S,
+        group: LocalGroup,
+        *,
+        clock: Clock,
+        fresh_port: Callable[[], int],
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        self._step = step
+        self.state = state
+        self._group = group
+        self._clock = clock
+        self._fresh_port = fresh_port
+        self._rendezvous = rendezvous
+        self._wake_at: float | None = None  # monotonic: when the rendezvous wants to be asked again
+
+    def run(self) -> int:
+        """Drive the run to its end; returns ftrun's exit code."""
+        pending: deque[Happening] = deque([RunBegins()])
+        while True:
+            while not pending:  # a wake-up for a hang check may find nothing
+                pending.extend(self._wait())
+            transition = self._step(self.state, pending.popleft())
+            self.state = transition.state
+            if transition.commands:
+                self._group.note(transition.reason)
+            for command in transition.commands:
+                if isinstance(command, Finish):
+                    return self._group.finish(command)
+                pending.extend(self._carry_out(command))
+
+    def _carry_out(self, command: Command) -> list[Happening]:
+        if isinstance(command, StartWorkers):
+            port = command.master_port if command.master_port is not None else self._fresh_port()
+            return self._group.start(command, port)
+        if isinstance(command, StopWorkers):
+            return self._group.stop()
+        if isinstance(command, ReportFailure):
+            self._group.report_failure(command.will_restart)
+            return []
+        assert isinstance(command, AskRendezvous), command
+        assert self._rendezvous is not None, "a static job has no rendezvous to ask"
+        advice = self._rendezvous.next(command.local)
+        self._wake_at = advice.wake_at
+        self._group.note(advice.decision.reason)
+        return [RendezvousAdvised(advice.decision)]
+
+    def _wait(self) -> list[Happening]:
+        if self._rendezvous is None:
+            happened, _ = self._group.wait(None)
+            return happened
+        timeout = None if self._wake_at is None else max(0.0, self._wake_at - self._clock.monotonic())
+        happened, news = self._group.wait(timeout, also=self._rendezvous.fileno())
+        if news or (self._wake_at is not None and self._clock.monotonic() >= self._wake_at):
+            happened.append(RendezvousWoke())
+        return happened

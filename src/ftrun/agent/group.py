@@ -1,0 +1,343 @@
+"""One node's local group: its workers, their hang watch, the event log and the failure reports.
+
+The group carries out what the executor asks (start an attempt's workers, stop
+them, write a report, end the run) and tells what it saw while it waited
+(exits, hangs, signals to ftrun), as driver happenings. It decides nothing:
+what to do next is the driver's call. Everything it learns is also an event in
+``events.jsonl``.
+
+Used from the agent's main thread only: workers get their parent-death signal
+from the thread that forked them, and signal handlers live in the main thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ftrun.agent import env as worker_env
+from ftrun.agent.driver import (
+    Finish,
+    Happening,
+    Interrupted,
+    StartWorkers,
+    WorkerExited,
+    WorkerHung,
+    WorkersStarted,
+    WorkersStopped,
+)
+from ftrun.agent.hangs import Found, HangWatch
+from ftrun.agent.logs import Console, RankOutput, RankPaths
+from ftrun.agent.pool import WarmPool, read_modules_report
+from ftrun.agent.signals import SignalWakeup
+from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
+from ftrun.clock import Clock
+from ftrun.config import LaunchConfig, Std
+from ftrun.events import EventKind, EventLog, summarize
+from ftrun.monitor.stacks import dump_stacks
+from ftrun.monitor.table import STACK_SIGNAL
+from ftrun.reporting import build_report, render, write_json
+
+STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
+MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
+DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
+
+
+class LocalGroup:
+    """Effects on this node's workers. Construction opens the run's log directory and event log and takes
+    over SIGINT/SIGTERM/SIGHUP; :meth:`close` gives everything back and leaves no worker behind."""
+
+    def __init__(self, config: LaunchConfig, *, spawner: Spawner, clock: Clock, console: Console, host: str) -> None:
+        self.config = config
+        self.host = host
+        self._spawner = spawner
+        self._clock = clock
+        self._console = console
+        self.run_dir = _fresh_dir(config.logs.base_dir / config.run_id)
+        self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock)
+        self._wakeup = SignalWakeup()
+        self._hangs = HangWatch(config.hang, clock, self.say)
+        self._processes = AttemptProcesses(spawner, clock, self._wakeup.fd)  # empty until the first attempt
+        self._attempt = 0
+        self._master_port = 0
+        self._signals_seen = 0
+        self._last_reason = ""
+        self._finished = False
+        self._learned_attempt = -1  # --warm auto: the attempt whose imported modules the pool has been told
+        self.say(f"run {config.run_id}: {config.nproc_per_node} workers, logs in {self.run_dir}")
+        for notice in config.rdzv.conf.notices:
+            self.say(notice)
+        self.emit(
+            EventKind.RUN_STARTED,
+            run_id=config.run_id,
+            host=host,
+            nproc=config.nproc_per_node,
+            max_restarts=config.max_restarts,
+            log_dir=str(self.run_dir),
+        )
+        if isinstance(spawner, WarmPool):
+            spawner.start(self.run_dir / "pool.log", self.say, self._pool_ready)
+
+    # --- effects ----------------------------------------------------------------------------
+
+    def start(self, command: StartWorkers, master_port: int) -> list[Happening]:
+        """Spawn this node's workers for ``command``; ``master_port`` is already resolved."""
+        c = self.config
+        placement = command.placement
+        if command.round is not None:
+            self.emit(
+                EventKind.RENDEZVOUS,
+                round=command.round,
+                group_rank=placement.group_rank,
+                group_world_size=placement.group_world_size,
+                world_size=placement.world_size,
+                master_addr=command.master_addr,
+                master_port=master_port,
+            )
+            last = placement.rank_offset + c.nproc_per_node - 1
+            self.say(
+                f"round {command.round}: group rank {placement.group_rank} of {placement.group_world_size}, "
+                f"ranks {placement.rank_offset}..{last} of {placement.world_size}, "
+                f"master {command.master_addr}:{master_port}"
+            )
+        self._processes.close()
+        self._processes = AttemptProcesses(self._spawner, self._clock, self._wakeup.fd)
+        self._attempt, self._master_port = command.attempt, master_port
+        if command.attempt:
+            self.emit(EventKind.RESTART, restart_count=command.restart_count)
+        self.emit(
+            EventKind.ATTEMPT_STARTED,
+            attempt=command.attempt,
+            workers=c.nproc_per_node,
+            master_addr=command.master_addr,
+            master_port=master_port,
+            group_rank=placement.group_rank,
+        )
+        attempt_dir = self.run_dir / f"attempt_{command.attempt}"
+        argv = c.entrypoint.command(c.python)
+        self._hangs.new_attempt(c.nproc_per_node, f"{c.run_id}-{command.attempt}")
+        for local_rank in range(c.nproc_per_node):
+            paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
+            assignment = worker_env.assign(
+                local_rank,
+                c.nproc_per_node,
+                placement,
+                role=c.role,
+                master_addr=command.master_addr,
+                master_port=master_port,
+                restart_count=command.restart_count,
+                max_restarts=c.max_restarts,
+                run_id=c.run_id,
+                error_file=str(paths.error_file),
+            )
+            env = {
+                **worker_env.worker_env(c.worker_base_env, assignment),
+                **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE)),
+            }
+            if c.warm.enabled and c.warm.auto:
+                env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
+            worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
+            output = RankOutput(paths, assignment.rank, local_rank, c.logs, self._console)
+            self._processes.spawn(worker, output, c.cwd)
+            self.emit(EventKind.WORKER_SPAWNED, **_identity(worker), warm=getattr(worker.handle, "warm", False))
+        return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
+
+    def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
+        """Sleep until something happens here, at most ``timeout_s`` (None: no limit but the hang checks).
+
+        Returns what happened (exits, signals to ftrun, hangs found) and whether
+        ``also`` (an extra fd, the rendezvous') became readable.
+        """
+        check = self._hangs.seconds_to_next_check() if self._processes.running else None
+        if check is not None:
+            timeout_s = check if timeout_s is None else min(timeout_s, check)
+        exited, woken, also_ready = self._processes.wait(timeout_s, also)
+        happened: list[Happening] = [self._exited(w) for w in exited]
+        if woken:
+            happened += self._signals()
+        self._learn_modules()
+        happened += [WorkerHung(w.local_rank) for w in self._find_hangs()]
+        return happened, also_ready
+
+    def stop(self) -> list[Happening]:
+        """Stop the running workers: SIGTERM, ``--term-timeout``, SIGKILL; then sweep strays.
+
+        Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped.
+        """
+        if not self._processes.running:
+            return [WorkersStopped()]
+        self.emit(EventKind.GROUP_STOPPING, attempt=self._attempt, running=[w.rank for w in self._processes.running])
+        exits: list[Happening] = []
+        late: list[Happening] = []
+
+        def on_wake() -> bool:
+            late.extend(self._signals())
+            return self._signals_seen > 1  # a second signal: the user does not want to wait
+
+        self._processes.stop(
+            self.config.term_timeout_s, on_exit=lambda w: exits.append(self._exited(w)), on_wake=on_wake
+        )
+        self._settle()
+        self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
+        return [*exits, *late, WorkersStopped()]
+
+    def report_failure(self, will_restart: bool) -> None:
+        """Write and print the current attempt's failure report, root cause first."""
+        report = build_report(
+            self._processes.workers,
+            run_id=self.config.run_id,
+            attempt=self._attempt,
+            will_restart=will_restart,
+            master_port=self._master_port,
+            host=self.host,
+        )
+        path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
+        write_json(report, path)
+        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
+        root = report.root_cause
+        self.emit(
+            EventKind.FAILURE,
+            attempt=self._attempt,
+            will_restart=will_restart,
+            report=str(path),
+            root_cause={
+                "rank": root.rank,
+                "local_rank": root.local_rank,
+                "pid": root.pid,
+                "exit_code": root.exit_code,
+                "signal": root.signal,
+                "exit_mono": root.exit_mono,
+                "exit_wall": root.exit_wall,
+                "summary": root.summary(),
+            },
+        )
+
+    def finish(self, finish: Finish) -> int:
+        """End the run: the last event, the summary; returns ftrun's exit code."""
+        self._settle()
+        self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
+        self._finished = True
+        self.say(summarize(self.events.events).render())
+        return finish.exit_code
+
+    def close(self) -> None:
+        """On any way out of the run: no worker outlives the agent, even after an ftrun bug."""
+        try:
+            self._hangs.close()
+            if isinstance(self._spawner, WarmPool):
+                self._spawner.close()
+            if not self._finished:
+                self._processes.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
+                self._processes.sweep()
+            self._processes.close()
+            if not self._finished:  # an error ended the run: the log still says how it ended
+                self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
+            self.events.close()
+        finally:
+            self._wakeup.close()
+
+    # --- what the group tells -------------------------------------------------------------------
+
+    def emit(self, kind: EventKind, **data: object) -> None:
+        self.events.emit(kind, **data)
+
+    def note(self, reason: str) -> None:
+        """Say a decision's reason, once: a repeated reason adds nothing."""
+        if reason != self._last_reason:
+            self._last_reason = reason
+            self.say(reason)
+
+    def say(self, text: str) -> None:
+        # ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers.
+        self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+
+    # --- inside -----------------------------------------------------------------------------------
+
+    def _exited(self, w: Worker) -> WorkerExited:
+        self.emit(
+            EventKind.WORKER_EXITED, **_identity(w), exit_code=w.exit_code, signal=w.signal_name, state=w.state.value
+        )
+        return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
+
+    def _signals(self) -> list[Happening]:
+        found = self._wakeup.drain()
+        self._signals_seen += len(found)
+        return [Interrupted(s) for s in found]
+
+    def _find_hangs(self) -> list[Worker]:
+        """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
+        judged = [w for w in self._processes.running if w.state is WorkerState.RUNNING]
+        found = self._hangs.find(judged)
+        for f in found:
+            self._hung(f)
+        return [f.worker for f in found]
+
+    def _hung(self, found: Found) -> None:
+        w, v = found.worker, found.verdict
+        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
+        w.state = WorkerState.FAILED
+        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
+        self.emit(
+            EventKind.HANG,
+            **_identity(w),
+            timeout=v.timeout,
+            limit_s=v.limit_s,
+            elapsed_s=v.elapsed_s,
+            lag_s=now_mono - v.deadline,  # deadline -> verdict
+            quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
+        )
+        self.say(f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks")
+        w.hang.stacks = dump_stacks(
+            w.pid,
+            client_listens=self._hangs.client_listens(found.slot),
+            stacks_file=w.paths.dir / STACKS_FILE,
+            signal_number=STACK_SIGNAL,
+        )
+        with w.paths.stderr.open("a", encoding="utf-8") as log:  # the pump appends too (O_APPEND)
+            log.write(f"\n[ftrun] {v.describe()}; stacks of all threads:\n{w.hang.stacks}\n")
+        if w.handle is not None:
+            w.handle.signal_group(self.config.hang.hang_signal)
+
+    def _learn_modules(self) -> None:
+        """--warm auto: once per attempt, tell the pool what a worker imported (it reports at its first
+        heartbeat, or at exit)."""
+        if not isinstance(self._spawner, WarmPool) or self._learned_attempt == self._attempt:
+            return
+        for w in self._processes.workers:
+            modules = read_modules_report(w.paths.dir / MODULES_FILE)
+            if modules is not None:
+                self._learned_attempt = self._attempt
+                self._spawner.learn(modules)
+                return
+
+    def _pool_ready(self, info: dict[str, object]) -> None:
+        self.emit(EventKind.POOL_READY, **info)
+        rss = int(info.get("rss_kb", 0)) / 1024  # type: ignore[call-overload]
+        self.say(
+            f"warm pool ready (pid {info.get('pid')}): {info.get('loaded')} of {info.get('preload')} modules "
+            f"preloaded in {float(info.get('import_s', 0.0)):.2f} s, {rss:.0f} MiB resident"  # type: ignore[arg-type]
+        )
+
+    def _settle(self) -> None:
+        """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush."""
+        self._processes.sweep()
+        for w in self._processes.workers:
+            if w.output is not None and not w.output.wait_drained(DRAIN_TIMEOUT_S):
+                self.say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut")
+
+
+def _identity(w: Worker) -> dict[str, int]:
+    """Which worker an event is about."""
+    return {"attempt": w.attempt, "rank": w.rank, "local_rank": w.local_rank, "pid": w.pid}
+
+
+def _fresh_dir(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
+    candidates: Iterable[Path] = (path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000))
+    for candidate in candidates:
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(f"{path}: too many runs with this id; pass another --rdzv-id")

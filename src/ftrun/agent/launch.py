@@ -1,0 +1,170 @@
+"""The composition root: build one node's agent from its configuration and run it.
+
+An agent is a local group (this node's workers), a driver (static or elastic),
+and the executor that runs the one against the other; an elastic job adds the
+rendezvous and its store, and, when the endpoint is this machine, the embedded
+store served from this process. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ftrun.addresses import DEFAULT_STORE_PORT
+from ftrun.agent import elastic, proctree, static
+from ftrun.agent.env import Placement
+from ftrun.agent.executor import Executor
+from ftrun.agent.group import LocalGroup
+from ftrun.agent.logs import Console
+from ftrun.agent.pool import WarmPool
+from ftrun.agent.workers import ProcessSpawner, Spawner
+from ftrun.clock import Clock, SystemClock
+from ftrun.config import LaunchConfig
+from ftrun.errors import FtrunError
+from ftrun.events import EventKind
+from ftrun.ports import is_local_address, reserve_port
+from ftrun.rendezvous.driver import Me, Rendezvous, Timing
+from ftrun.rendezvous.state import Rules
+from ftrun.store.base import Store
+from ftrun.store.factory import open_store
+
+if TYPE_CHECKING:
+    from ftrun.store.tcp_server import TcpStoreServer
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run this node's part of the job to its end; returns ftrun's exit code."""
+    proctree.become_subreaper()
+    spawner: Spawner = ProcessSpawner()
+    if config.warm.enabled:
+        spawner = WarmPool(config.python, config.warm.preload, config.worker_base_env, auto=config.warm.auto)
+    clock = SystemClock()
+    console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname())
+    try:
+        server = host_store(config, group)
+        try:
+            if config.elastic:
+                return run_elastic(config, group, clock, server)
+            return run_static(config, group, clock)
+        finally:
+            if server is not None:
+                server.stop()
+    finally:
+        group.close()
+
+
+def fresh_port_on(clock: Clock) -> int:
+    """A free port no other ftrun on this machine took recently (MASTER_PORT)."""
+    return reserve_port("", clock.wall())
+
+
+def static_plan(config: LaunchConfig) -> static.Plan:
+    """A single node is the whole job; a static multi-node job places this node by --node-rank."""
+    placement = Placement()
+    if config.nnodes.max > 1:
+        placement = Placement(
+            group_rank=config.node_rank,
+            group_world_size=config.nnodes.max,
+            rank_offset=config.node_rank * config.nproc_per_node,
+            world_size=config.nnodes.max * config.nproc_per_node,
+        )
+    return static.Plan(config.max_restarts, placement, config.master_addr, config.master_port)
+
+
+def run_static(config: LaunchConfig, group: LocalGroup, clock: Clock) -> int:
+    state = static.initial(static_plan(config))
+    return Executor(static.step, state, group, clock=clock, fresh_port=lambda: fresh_port_on(clock)).run()
+
+
+def node_id(host: str) -> str:
+    """Unique per agent even for several agents on one host, or in containers that all have pid 1."""
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: TcpStoreServer | None) -> int:
+    conf = config.rdzv.conf
+    url = config.rdzv.store_url
+    if server is not None:  # hosted here: the real port, should the endpoint have said :0
+        url = f"tcp://{server.host}:{server.port}"
+    ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
+    # Past the lease's TTL an unreachable store means this node is out of the job anyway.
+    deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
+    store = open_store(url, token=config.rdzv.token, retry_deadline_s=deadline)
+    try:
+        rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=group.say)
+        group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
+        code = -1
+        try:
+            rendezvous.start()
+            executor = Executor(
+                elastic.step,
+                elastic.initial(),
+                group,
+                clock=clock,
+                fresh_port=lambda: fresh_port_on(clock),
+                rendezvous=rendezvous,
+            )
+            code = executor.run()
+            return code
+        finally:
+            if code in (0, 1) and server is not None:
+                # The store lives in this process: let the other nodes read how the job ended first.
+                left = rendezvous.wait_for_departures(conf.close_timeout_s)
+                if left:
+                    group.say(f"{left} node(s) still registered after close_timeout; closing the store anyway")
+            rendezvous.close(leave=True)
+    finally:
+        store.close()
+
+
+def rendezvous_for(
+    config: LaunchConfig, store: Store, *, clock: Clock, host: str, log: Callable[[str], None]
+) -> Rendezvous:
+    """This node's side of the rendezvous of ``config``'s job (not started)."""
+    conf = config.rdzv.conf
+    rules = Rules(
+        config.nnodes.min, config.nnodes.max, conf.last_call_timeout_s, conf.join_timeout_s, config.max_restarts
+    )
+    me = Me(node_id(host), config.local_addr or socket.getfqdn(), config.nproc_per_node)
+    timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
+    return Rendezvous(
+        store, config.run_id, me, rules, timing, clock=clock, offer_port=lambda: fresh_port_on(clock), log=log
+    )
+
+
+def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:
+    """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d).
+
+    In an elastic job several agents may share a machine (and the endpoint): the
+    first one to bind hosts the store; the others find the port taken and are clients.
+    """
+    r = config.rdzv
+    wanted = r.conf.is_host
+    if wanted is None:
+        wanted = config.standalone or is_local_address(r.endpoint_host)
+    if not r.embedded_store or not wanted:
+        return None
+    from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
+
+    host = r.endpoint_host or "127.0.0.1"
+    port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
+    try:
+        server = TcpStoreServer(host, port, token=r.token).start()
+    except OSError as e:
+        if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
+            group.say(f"{host}:{port} is taken, presumably by another agent's store: joining it as a client")
+            return None
+        raise FtrunError(
+            f"--rdzv-endpoint: cannot host the store on {host}:{port}: {e.strerror or e}; "
+            "pick a free port (or :0) or stop whatever holds it"
+        ) from None
+    group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
+    group.say(f"hosting the rendezvous store on {host}:{server.port}")
+    return server

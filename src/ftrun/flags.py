@@ -1,0 +1,248 @@
+"""Flag values -> validated values: each parser takes the raw text and raises ConfigError naming the flag.
+
+The environment is never read here: the CLI passes ``os.environ`` in, so a test
+can give any environment.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ftrun.addresses import DEFAULT_ETCD_PORT, bracketed, parse_endpoint
+from ftrun.config import Entrypoint, EntrypointKind, NodeRange, RdzvConf, Std, WarmSpec
+from ftrun.devices import count_gpus
+from ftrun.errors import ConfigError
+from ftrun.store.url import parse_store_url, read_token_file
+
+RDZV_BACKENDS = ("static", "c10d", "tcp", "etcd", "etcd-v2")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+WARM_MODES = ("auto", "preload")
+
+
+def parse_int(flag: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(flag, f"expected an integer, got {text!r}", f"pass {flag} {max(minimum, 1)}") from None
+    if value < minimum:
+        raise ConfigError(flag, f"must be >= {minimum}, got {value}", f"pass {flag} {max(minimum, 1)}")
+    return value
+
+
+def parse_seconds(flag: str, text: str, *, allow_zero: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(flag, f"expected seconds as a number, got {text!r}", f"pass e.g. {flag} 5") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(flag, f"must be a finite number of seconds {bound}, got {text!r}", f"pass e.g. {flag} 5")
+    return value
+
+
+def parse_nnodes(text: str) -> NodeRange:
+    flag = "--nnodes"
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(flag, f"expected N or MIN:MAX, got {text!r}", "pass e.g. --nnodes 1 or --nnodes 2:4")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        raise ConfigError(flag, f"the minimum must be >= 1, got {low}", "pass e.g. --nnodes 1")
+    if low > high:
+        raise ConfigError(flag, f"MIN {low} is larger than MAX {high}", f"pass --nnodes {high}:{low}")
+    return NodeRange(low, high)
+
+
+def parse_nproc(text: str, environ: Mapping[str, str], cpu_count: int) -> int:
+    flag = "--nproc-per-node"
+    if text == "cpu":
+        return cpu_count
+    if text in ("gpu", "auto"):
+        gpus = count_gpus(environ)
+        if gpus:
+            return gpus
+        if text == "auto":
+            return cpu_count
+        raise ConfigError(flag, "'gpu' asked for one worker per GPU, but no GPU is visible", "pass a number or 'cpu'")
+    if not text.lstrip("-").isdigit():
+        raise ConfigError(
+            flag,
+            f"expected a positive integer, 'auto', 'cpu' or 'gpu', got {text!r}",
+            "pass e.g. --nproc-per-node 2",
+        )
+    return parse_int(flag, text, minimum=1)
+
+
+def parse_std(flag: str, text: str, nproc: int) -> dict[int, Std]:
+    """torchrun's format: ``3`` for every rank, or ``0:1,1:2`` per local rank."""
+    fix = f"pass e.g. {flag} 3 (both streams) or {flag} 0:1,1:2 (per local rank; 1=stdout, 2=stderr, 3=both)"
+
+    def one(value: str) -> Std:
+        if value.strip() not in ("0", "1", "2", "3"):
+            raise ConfigError(flag, f"expected a stream code 0-3, got {value!r}", fix)
+        return Std(int(value))
+
+    if ":" not in text:
+        return dict.fromkeys(range(nproc), one(text))
+    result = dict.fromkeys(range(nproc), Std.NONE)
+    for item in text.split(","):
+        rank_text, _, value = item.partition(":")
+        if not rank_text.strip().isdigit():
+            raise ConfigError(flag, f"expected LOCAL_RANK:CODE, got {item!r}", fix)
+        rank = int(rank_text)
+        if rank >= nproc:
+            raise ConfigError(flag, f"local rank {rank} does not exist with {nproc} workers per node", fix)
+        result[rank] = one(value)
+    return result
+
+
+def parse_ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() for t in items):
+        raise ConfigError(
+            "--local-ranks-filter", f"expected comma-separated local ranks, got {text!r}", "pass e.g. 0,1"
+        )
+    return frozenset(int(t) for t in items)
+
+
+_CONF_DURATIONS = {
+    "join_timeout": "join_timeout_s",
+    "timeout": "join_timeout_s",  # torchrun's older name for join_timeout
+    "last_call_timeout": "last_call_timeout_s",
+    "close_timeout": "close_timeout_s",
+    "keep_alive_interval": "keep_alive_interval_s",
+    "read_timeout": "read_timeout_s",
+}
+_CONF_BOOLS = ("is_host", "use_libuv", "use_agent_store")
+# torchrun's keys about torch's own TCPStore: accepted, said once at start, without effect.
+_NOT_APPLICABLE = {
+    "use_libuv": "--rdzv-conf use_libuv has no effect: ftrun's rendezvous store is its own, not torch's TCPStore",
+    "use_agent_store": "--rdzv-conf use_agent_store has no effect: ftrun never shares its rendezvous store "
+    "with the workers",
+}
+
+
+def parse_rdzv_conf(text: str) -> RdzvConf:
+    flag = "--rdzv-conf"
+    known = sorted([*_CONF_DURATIONS, "keep_alive_max_attempt", *_CONF_BOOLS])
+    values: dict[str, object] = {}
+    notices: list[str] = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not value.strip():
+            raise ConfigError(flag, f"expected KEY=VALUE, got {item!r}", "pass e.g. --rdzv-conf join_timeout=900")
+        if key in _CONF_DURATIONS:
+            values[_CONF_DURATIONS[key]] = parse_seconds(f"{flag} {key}", value.strip())
+        elif key == "keep_alive_max_attempt":
+            values[key] = parse_int(f"{flag} {key}", value.strip(), minimum=1)
+        elif key in _CONF_BOOLS:
+            lowered = value.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no"):
+                raise ConfigError(f"{flag} {key}", f"expected true or false, got {value!r}", f"pass {key}=true")
+            if key == "is_host":
+                values[key] = lowered in ("1", "true", "yes")
+            else:
+                notices.append(_NOT_APPLICABLE[key])
+        else:
+            raise ConfigError(flag, f"unknown key {key!r}", f"use one of {', '.join(known)}")
+    return RdzvConf(**values, notices=tuple(notices))  # type: ignore[arg-type]
+
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def parse_run_id(text: str | None) -> str:
+    """Run ids name directories and store keys, so they are kept to a safe alphabet."""
+    if not text or text == "none":
+        return f"ftrun-{uuid.uuid4().hex[:12]}"
+    if not _RUN_ID.match(text) or text in (".", ".."):
+        raise ConfigError("--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'")
+    return text
+
+
+def resolve_entrypoint(
+    target: str, args: Sequence[str], *, module: bool, no_python: bool, run_path: bool, cwd: Path
+) -> Entrypoint:
+    if not target:
+        raise ConfigError("SCRIPT", "no training script given", "usage: ftrun [flags] SCRIPT [script args]")
+    if module and no_python:
+        raise ConfigError("--module", "cannot be combined with --no-python", "drop one of the two flags")
+    if module:
+        return Entrypoint(EntrypointKind.MODULE, target, tuple(args))
+    if no_python and not run_path:
+        # A name with a slash is a path (relative to the cwd), otherwise a command on PATH, as in a shell.
+        found = str(cwd / target) if os.sep in target else shutil.which(target)
+        if found is None or not Path(found).is_file():
+            raise ConfigError("--no-python", f"executable {target!r} not found", "give a path or a command on PATH")
+        if not os.access(found, os.X_OK):
+            raise ConfigError("--no-python", f"{target!r} is not executable", f"run: chmod +x {target}")
+        return Entrypoint(EntrypointKind.EXECUTABLE, found, tuple(args))
+    script = cwd / target
+    if not script.is_file():
+        raise ConfigError("SCRIPT", f"training script {target!r} not found", "check the path (relative to the cwd)")
+    kind = EntrypointKind.RUN_PATH if run_path else EntrypointKind.SCRIPT
+    return Entrypoint(kind, str(script.resolve()) if run_path else target, tuple(args))
+
+
+def default_log_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "ftrun"
+
+
+def omp_threads(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """torchrun's rule: with several workers per node and no OMP_NUM_THREADS, use 1 each.
+
+    Without it every worker starts one OpenMP thread per core and they fight.
+    """
+    if "OMP_NUM_THREADS" in environ or nproc <= 1:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
+
+
+def store_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The embedded store's token: --rdzv-token-file, else --rdzv-token, else FTRUN_TOKEN.
+
+    A file keeps the secret out of ``ps`` output; prefer it on shared machines.
+    """
+    if token_file:
+        return read_token_file(token_file)
+    return token or environ.get("FTRUN_TOKEN") or None
+
+
+def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int) -> str:
+    """The store URL for ``--rdzv-backend``/``--rdzv-endpoint``; raises ConfigError naming the flag."""
+    flag = "--rdzv-endpoint"
+    if backend in ("etcd", "etcd-v2"):
+        if not endpoint:
+            raise ConfigError(
+                flag, "the etcd backend needs an endpoint", f"pass e.g. --rdzv-endpoint etcd0:{DEFAULT_ETCD_PORT}"
+            )
+        url = endpoint if endpoint.startswith(("etcd://", "etcds://")) else f"etcd://{endpoint}"
+    else:
+        host, port = parse_endpoint(endpoint)
+        url = f"tcp://{bracketed(host or '127.0.0.1')}:{default_tcp_port if port is None else port}"
+    try:
+        parse_store_url(url)
+    except ConfigError as e:
+        raise ConfigError(flag, e.problem, e.fix) from None
+    return url
+
+
+def parse_warm(no_warm: bool, warm: str, preload: str) -> WarmSpec:
+    if warm not in WARM_MODES:
+        raise ConfigError("--warm", f"unknown mode {warm!r}", "pass --warm auto, --warm preload, or --no-warm")
+    modules = tuple(m.strip() for m in preload.split(",") if m.strip())
+    for m in modules:
+        if not all(part.isidentifier() for part in m.split(".")):
+            raise ConfigError("--preload", f"{m!r} is not a module name", "pass e.g. --preload torch,numpy")
+    return WarmSpec(enabled=not no_warm, preload=modules, auto=warm == "auto")

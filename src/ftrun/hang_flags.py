@@ -1,0 +1,97 @@
+"""Hang detection settings: the hang flags over the ``--config`` TOML file, into a HangSpec."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ftrun.config import HangSpec
+from ftrun.errors import ConfigError
+from ftrun.flags import parse_seconds
+from ftrun.monitor.watchdog import Timeouts
+
+HANG_KEYS = {
+    "initial_heartbeat_timeout": "--initial-heartbeat-timeout",
+    "heartbeat_timeout": "--heartbeat-timeout",
+    "out_of_section_timeout": "--out-of-section-timeout",
+    "safety_factor": "--safety-factor",
+    "hang_signal": "--hang-signal",
+    "section_timeouts": "--section-timeout",
+}
+
+
+def read_config_file(path: Path) -> dict[str, object]:
+    """The --config TOML file: the hang flags' names with underscores, plus a [section_timeouts] table."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", "pass an existing TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("--config", f"{path} is not valid TOML: {e}", "fix the file") from None
+    unknown = sorted(set(data) - set(HANG_KEYS))
+    if unknown:
+        raise ConfigError(
+            "--config", f"unknown key(s) in {path}: {', '.join(unknown)}", f"use only {', '.join(HANG_KEYS)}"
+        )
+    return data
+
+
+def parse_signal(flag: str, text: str) -> int:
+    name = text.strip().upper()
+    if name.isdigit():
+        number = int(name)
+    else:
+        try:
+            number = signal.Signals[name if name.startswith("SIG") else "SIG" + name].value
+        except KeyError:
+            raise ConfigError(flag, f"unknown signal {text!r}", f"pass a name such as {flag} SIGTERM") from None
+    if number not in {s.value for s in signal.Signals}:
+        raise ConfigError(flag, f"unknown signal number {number}", f"pass a name such as {flag} SIGTERM")
+    return number
+
+
+def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for item in items:
+        name, sep, seconds = item.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError(flag, f"expected NAME=SECONDS, got {item!r}", f"pass e.g. {flag} step=30")
+        found[name.strip()] = parse_seconds(f"{flag} {name.strip()}", seconds)
+    return found
+
+
+def parse_hang(flags: Mapping[str, object], config_file: Path | None) -> HangSpec:
+    """Hang settings from the flags (``flags`` maps HANG_KEYS to the raw flag values, None if not given),
+    each falling back to the --config file."""
+    file = read_config_file(config_file) if config_file else {}
+
+    def raw(key: str) -> object:
+        value = flags.get(key)
+        return value if value is not None else file.get(key)
+
+    def seconds(key: str) -> float | None:
+        value = raw(key)
+        if value is None:
+            return None
+        return parse_seconds(HANG_KEYS[key], str(value))
+
+    sections_raw = file.get("section_timeouts") or {}
+    if not isinstance(sections_raw, dict):
+        raise ConfigError("--config", "section_timeouts must be a table of NAME = SECONDS", "see the README")
+    sections = parse_section_timeouts(HANG_KEYS["section_timeouts"], [f"{k}={v}" for k, v in sections_raw.items()])
+    sections.update(parse_section_timeouts(HANG_KEYS["section_timeouts"], flags.get("section_timeouts") or []))  # type: ignore[arg-type]
+    factor = raw("safety_factor")
+    hang_signal = raw("hang_signal")
+    return HangSpec(
+        Timeouts(
+            seconds("initial_heartbeat_timeout"),
+            seconds("heartbeat_timeout"),
+            seconds("out_of_section_timeout"),
+            sections,
+        ),
+        parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
+        parse_signal("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
+    )

@@ -1,0 +1,92 @@
+"""PURE: the layout of the monitor table, one fixed-size slot per local rank, and how a slot is parsed.
+
+The table itself (the shared memory, the agent's reads) is :mod:`ftrun.monitor.table`;
+the worker's writes are :mod:`ftrun.monitor.client`.
+
+Layout (little endian)::
+
+    header   magic "FTRUNMON", version, slot count, slot size
+    slot     seq        u64  odd while the worker rewrites its sections (a seqlock)
+             pid        i64  0 until the worker's client attached
+             attached   f64  CLOCK_MONOTONIC (shared by all processes) at attach
+             last_beat  f64  0 before the first heartbeat
+             beats      u64
+             idle_since f64  when the last open section closed (0 before the first one did)
+             open       u32  open sections
+             flags      u32  FLAG_STACKS: the client dumps its stacks on STACK_SIGNAL;
+                             FLAG_EXITING: the script ended, the interpreter is tearing down
+             t_seq      u64  bumped after the worker published timeouts (below)
+             t_len      u32  length of that JSON
+             entries    MAX_OPEN x (start f64, name length u8, name)
+             timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
+
+A reader copies a slot and keeps the copy only if ``seq`` was even and equal
+before and after; x86 and ARM keep these stores in program order for another
+process as long as each is one aligned word (the seq) written last.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"FTRUNMON"
+VERSION = 1
+HEADER = struct.Struct("<8sIII")
+HEADER_SIZE = 64
+SLOT_SIZE = 4096
+MAX_OPEN = 16  # sections open at once in one worker
+NAME_MAX = 55  # bytes of a section name (UTF-8)
+FLAG_STACKS = 1
+FLAG_EXITING = 2  # the script has ended (atexit): its teardown is not a hang
+
+SEQ = struct.Struct("<Q")  # offset 0
+IDENTITY = struct.Struct("<qd")  # pid, attached: offset 8
+BEAT = struct.Struct("<dQ")  # last_beat, beats: offset 24
+IDLE = struct.Struct("<dII")  # idle_since, open, flags: offset 40
+TIMEOUTS_HEAD = struct.Struct("<QI")  # t_seq, t_len: offset 56
+ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 72
+OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENTRIES = 8, 24, 40, 56, 72
+OFF_TIMEOUTS = OFF_ENTRIES + MAX_OPEN * ENTRY.size
+TIMEOUTS_MAX = SLOT_SIZE - OFF_TIMEOUTS
+_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI")  # seq .. t_len in one unpack, offsets as above
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """One consistent copy of a slot (plain data for the pure watchdog)."""
+
+    pid: int
+    attached: float
+    last_beat: float
+    beats: int
+    idle_since: float
+    sections: tuple[tuple[str, float], ...]  # (name, start), open ones only
+    flags: int
+    timeouts_seq: int
+    timeouts_json: bytes
+
+
+class CorruptSlot(ValueError):
+    """A slot that does not make sense (a stray write into the shared memory)."""
+
+
+def slot_offset(index: int) -> int:
+    return HEADER_SIZE + index * SLOT_SIZE
+
+
+def parse_slot(raw: bytes) -> SlotView:
+    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len = _FIXED.unpack_from(raw)
+    if not 0 <= open_ <= MAX_OPEN or not 0 <= t_len <= TIMEOUTS_MAX or pid < 0:
+        raise CorruptSlot(f"impossible values (open sections {open_}, timeouts length {t_len}, pid {pid})")
+    sections = []
+    for i in range(MAX_OPEN):
+        start, length, name = ENTRY.unpack_from(raw, OFF_ENTRIES + i * ENTRY.size)
+        if length:
+            if length > NAME_MAX:
+                raise CorruptSlot(f"section entry {i} has a name of {length} bytes")
+            sections.append((name[:length].decode("utf-8", errors="replace"), start))
+    if len(sections) != open_:
+        raise CorruptSlot(f"{open_} sections counted open but {len(sections)} entries in use")
+    timeouts = bytes(raw[OFF_TIMEOUTS : OFF_TIMEOUTS + t_len])
+    return SlotView(pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts)

@@ -1,0 +1,35 @@
+"""Opening a store by URL: the one module above every backend (each backend imports only the protocol)."""
+
+from __future__ import annotations
+
+from ftrun.store.base import Store
+from ftrun.store.url import StoreUrl, parse_store_url, read_token_file
+
+
+def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_s: float = 30.0) -> Store:
+    """Open any store by URL.
+
+    Args:
+        url: see :class:`StoreUrl`.
+        token: the shared secret of an embedded tcp store (``--rdzv-token`` /
+            ``FTRUN_TOKEN``); ``token_file`` in the URL is the alternative.
+        retry_deadline_s: how long an operation keeps retrying while the store is
+            unreachable before it raises StoreUnavailable. Longer rides out a
+            store restart; shorter notices a dead store sooner.
+    """
+    parsed = url if isinstance(url, StoreUrl) else parse_store_url(url)
+    if parsed.scheme == "memory":
+        from ftrun.store.memory import MemoryStore
+
+        return MemoryStore()
+    if parsed.scheme == "tcp":
+        from ftrun.store.tcp import TcpStoreClient
+
+        host, port = parsed.endpoints[0]
+        token_file = parsed.option("token_file")
+        if token_file:
+            token = read_token_file(token_file)
+        return TcpStoreClient(host, port, token=token, retry_deadline_s=retry_deadline_s)
+    from ftrun.store.etcd import EtcdStore
+
+    return EtcdStore(parsed, retry_deadline_s=retry_deadline_s)

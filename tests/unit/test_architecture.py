@@ -1,0 +1,146 @@
+"""The shape of the package, checked: no import cycle, pure modules pure all the way down, small modules,
+composition in the agent (DESIGN.md, STYLE.md).
+
+Imports are read from the source (every ``import`` statement, also inside functions and under
+TYPE_CHECKING), so a cycle hidden in a function body counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import ftrun
+
+ROOT = Path(ftrun.__file__).parent
+PURE = [
+    "ftrun.agent.driver",
+    "ftrun.agent.static",
+    "ftrun.agent.elastic",
+    "ftrun.agent.env",
+    "ftrun.store.kv",
+    "ftrun.rendezvous.state",
+    "ftrun.monitor.watchdog",
+    "ftrun.monitor.layout",
+]
+# What a pure module may not reach, directly or through any ftrun module it imports.
+FORBIDDEN = {
+    "os", "mmap", "socket", "subprocess", "threading", "time", "tempfile", "select", "selectors",
+    "signal", "ctypes", "asyncio", "secrets", "random",
+}  # fmt: skip
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+@cache
+def imports(name: str) -> frozenset[str]:
+    """Every module ``name`` imports anywhere in its source (absolute names, ftrun's and others')."""
+    path = modules()[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            found.add(base)
+            # ``from ftrun.agent import env`` imports the module ftrun.agent.env
+            found |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules()}
+    return frozenset(found)
+
+
+def ftrun_imports(name: str) -> set[str]:
+    return {m for m in imports(name) if m in modules() and m != name}
+
+
+def test_the_walk_sees_the_package() -> None:
+    assert "ftrun.agent.executor" in modules()
+    assert "ftrun.agent.group" in ftrun_imports("ftrun.agent.launch")  # the walk reads real edges
+
+
+def find_cycle() -> list[str] | None:
+    """One import cycle among ftrun's modules, or None (depth-first search with colours)."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(ftrun_imports(m)):
+            if state.get(n) == 1:
+                return [*stack[stack.index(n) :], n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(modules()):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle()
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def reach(name: str) -> dict[str, list[str]]:
+    """Every module ``name`` imports transitively, each with the chain that reaches it."""
+    chains: dict[str, list[str]] = {name: [name]}
+    todo = [name]
+    while todo:
+        m = todo.pop()
+        for n in imports(m):
+            if n not in chains:
+                chains[n] = [*chains[m], n]
+                if n in modules():
+                    todo.append(n)
+    return chains
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_modules_are_pure_all_the_way_down(name: str) -> None:
+    assert name in modules()
+    bad = {m: chain for m, chain in reach(name).items() if m.split(".")[0] in FORBIDDEN}
+    assert not bad, f"{name} must stay pure but reaches " + "; ".join(" -> ".join(c) for c in bad.values())
+
+
+def test_the_purity_check_can_fail() -> None:
+    assert "os" in reach("ftrun.agent.workers")  # the walk follows imports to the standard library
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_no_module_is_over_500_lines(name: str) -> None:
+    lines = len(modules()[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concept"
+
+
+def test_no_agent_class_inherits_another_of_ftrun() -> None:
+    """Composition, never inheritance, for the agent: a class in ftrun.agent derives from nothing of ftrun's."""
+    ours = set()
+    for path in modules().values():
+        ours |= {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)}
+    ours = {n for n in ours if not n.endswith(("Error", "Exception"))}  # errors are types with a root
+    for name, path in modules().items():
+        if not name.startswith("ftrun.agent"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                assert not bases & ours, f"{name}.{node.name} inherits {bases & ours}"

@@ -1,0 +1,157 @@
+"""The elastic driver, table-driven: (state, happening) -> (state, commands, reason). No store, no processes."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+import pytest
+
+from ftrun.agent.driver import (
+    AskRendezvous,
+    Finish,
+    Happening,
+    Interrupted,
+    Outcome,
+    RendezvousAdvised,
+    RendezvousWoke,
+    ReportFailure,
+    RunBegins,
+    StartWorkers,
+    StopWorkers,
+    WorkerExited,
+    WorkerHung,
+    WorkersStarted,
+    WorkersStopped,
+)
+from ftrun.agent.elastic import Phase, State, initial, step
+from ftrun.agent.env import Placement
+from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
+
+TWO = frozenset({0, 1})
+
+
+def run(round_: int, restarts: int = 0) -> RendezvousAdvised:
+    seat = NodeAssignment(round_, 1, 2, 2, 4, "node0", 29500, restarts)
+    return RendezvousAdvised(Decision(Action.RUN, f"member of round {round_}", assignment=seat))
+
+
+def advice(action: Action) -> RendezvousAdvised:
+    return RendezvousAdvised(Decision(action, f"the rendezvous says {action.value}"))
+
+
+def walk(state: State, *happenings: Happening) -> tuple[State, list[tuple[object, ...]]]:
+    """Feed happenings in order; returns the last state and the commands of each step."""
+    commands = []
+    for h in happenings:
+        t = step(state, h)
+        assert t.reason, f"no reason for {h} in {state}"
+        state = t.state
+        commands.append(t.commands)
+    return state, commands
+
+
+def running(round_: int = 1) -> State:
+    state, _ = walk(initial(), RunBegins(), run(round_), WorkersStarted(TWO))
+    return state
+
+
+def test_joins_then_runs_where_the_round_places_it() -> None:
+    state, (begin, start, _) = walk(initial(), RunBegins(), run(3, restarts=2), WorkersStarted(TWO))
+    assert begin == (AskRendezvous(Local()),)
+    assert start == (StartWorkers(0, 2, Placement(1, 2, 2, 4), "node0", 29500, round=3),)
+    assert state.phase is Phase.RUNNING
+    assert state.local == Local(running_round=3)
+    assert walk(state, run(3))[1] == [()]  # the same round again: nothing to do
+
+
+def test_a_local_failure_is_told_then_reported_once_the_rendezvous_answers() -> None:
+    state, (stop, exit_, stopped) = walk(running(), WorkerExited(1, False), WorkerExited(0, False), WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert exit_ == ()  # the exit ftrun caused
+    assert stopped == (AskRendezvous(Local(1, local_failure=True)),)
+    state, [restart] = walk(state, run(2, restarts=1))
+    assert restart[0] == ReportFailure(will_restart=True)
+    assert isinstance(restart[1], StartWorkers)
+    assert (restart[1].attempt, restart[1].restart_count) == (1, 1)
+    assert not state.report_owed
+
+
+def test_a_hang_is_a_local_failure() -> None:
+    state, [stop] = walk(running(), WorkerHung(0))
+    assert stop == (StopWorkers(),)
+    assert state.local.local_failure
+
+
+def test_a_failure_with_the_budget_spent_reports_and_exits_1() -> None:
+    state, _ = walk(running(), WorkerExited(1, False), WorkersStopped())
+    state, [fail] = walk(state, advice(Action.FAIL))
+    assert fail == (ReportFailure(will_restart=False), Finish(Outcome.FAILED))
+    assert state.phase is Phase.DONE
+
+
+def test_success_is_told_and_the_rendezvous_finishes_the_job() -> None:
+    state, [one, both] = walk(running(), WorkerExited(0, True), WorkerExited(1, True))
+    assert one == ()
+    assert both == (AskRendezvous(Local(1, job_done=True)),)
+    assert walk(state, advice(Action.FINISHED))[1] == [(Finish(Outcome.SUCCEEDED),)]
+
+
+def test_finished_elsewhere_waits_for_the_local_workers() -> None:
+    state, [wait, last] = walk(running(), advice(Action.FINISHED), WorkerExited(0, True))
+    assert wait == ()
+    assert last == ()
+    assert walk(state, WorkerExited(1, True))[1] == [(Finish(Outcome.SUCCEEDED),)]
+    failed = walk(state, WorkerExited(1, False))[1]
+    assert failed == [(ReportFailure(will_restart=False), Finish(Outcome.FAILED))]
+
+
+def test_a_signal_while_finishing_exits_128_plus_it() -> None:
+    """The bug of the old loop: it exited 0 here."""
+    state, _ = walk(running(), advice(Action.FINISHED))
+    state, [stop, finish] = walk(state, Interrupted(signal.SIGTERM), WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert finish == (Finish(Outcome.INTERRUPTED, signal.SIGTERM),)
+    assert finish[0].exit_code == 143  # type: ignore[attr-defined]
+
+
+def test_the_round_is_over_stop_then_ask_again() -> None:
+    state, [stop, stopped] = walk(running(), advice(Action.STOP), WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert stopped == (AskRendezvous(Local()),)
+    assert walk(replace(state, running=frozenset()), advice(Action.STOP))[1] == [(AskRendezvous(Local()),)]
+
+
+def test_the_job_failed_elsewhere_stop_then_exit_1() -> None:
+    _, [stop, stopped] = walk(running(), advice(Action.FAIL), WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert stopped == (Finish(Outcome.FAILED),)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_with_no_workers_exits_at_once(sig: int) -> None:
+    state, _ = walk(initial(), RunBegins())
+    assert walk(state, Interrupted(sig))[1] == [(Finish(Outcome.INTERRUPTED, sig),)]
+
+
+def test_a_signal_during_a_failure_stop_reports_and_exits_with_its_code() -> None:
+    state, _ = walk(running(), WorkerExited(1, False))
+    state, [during, stopped] = walk(state, Interrupted(signal.SIGINT), WorkersStopped())
+    assert during == ()
+    assert stopped == (ReportFailure(will_restart=False), Finish(Outcome.INTERRUPTED, signal.SIGINT))
+
+
+def test_news_from_the_store_means_asking_again() -> None:
+    state = running()
+    assert walk(state, RendezvousWoke())[1] == [(AskRendezvous(Local(1)),)]
+
+
+def test_wait_and_standby_do_nothing() -> None:
+    for action in (Action.WAIT, Action.STANDBY):
+        assert walk(running(), advice(action))[1] == [()]
+
+
+def test_nothing_after_the_end() -> None:
+    state, _ = walk(initial(), RunBegins(), advice(Action.FAIL))
+    assert state.phase is Phase.DONE
+    assert walk(state, Interrupted(2))[1] == [()]
