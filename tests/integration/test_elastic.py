@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -231,3 +232,16 @@ def test_a_late_agent_exits_0_when_the_job_already_finished(
     assert late.returncode == 0, late.stderr
     assert "job already finished" in late.stderr
     assert "up rank" not in late.stdout
+
+
+def test_read_timeout_is_how_long_a_store_call_retries(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # held, never listening: every connection is refused
+        port = s.getsockname()[1]
+        flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "1:2"]
+        r = run_ftrun(tmp_path, *flags, "--rdzv-conf", f"{CONF},is_host=false,read_timeout=3", "w.py")
+    assert r.returncode == 1
+    found = re.search(rf"store tcp://127.0.0.1:{port} unavailable after ([0-9.]+) s", r.stderr)
+    assert found, r.stderr
+    assert float(found.group(1)) >= 3.0  # not the 1 s of the keep-alive TTL that CONF would give

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import subprocess
@@ -59,7 +60,8 @@ def test_tcp_server_restart_client_reconnects_and_watch_is_lost(server: TcpStore
         c.close()
 
 
-def test_etcd_restart_watch_resumes_without_losing_events() -> None:
+def test_etcd_restart_watch_resumes_without_losing_events(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ftrun.store")
     with EtcdHarness() as etcd:
         writer, reader = open_store(etcd.url), open_store(etcd.url)
         try:
@@ -74,6 +76,9 @@ def test_etcd_restart_watch_resumes_without_losing_events() -> None:
             got = [watch.get(WAIT_S), watch.get(WAIT_S)]
             assert [(e.key, e.revision) for e in got if e] == [("/job/b", r2), ("/job/c", r3)]
             watch.close()
+            resumed = [r.getMessage() for r in caplog.records if "resuming in" in r.getMessage()]
+            assert resumed, "a broken watch is resumed after a pause, and says so"
+            assert "etcd watch on '" in resumed[0]
         finally:
             writer.close()
             reader.close()
@@ -202,6 +207,24 @@ def test_a_thousand_concurrent_connections(server: TcpStoreServer) -> None:
 
     results = asyncio.run(all_at_once())
     assert sorted(results) == list(range(1, 1001))  # type: ignore[type-var]
+
+
+def test_a_crash_of_the_store_server_after_start_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    server = TcpStoreServer()
+
+    async def broken() -> None:
+        assert server._server is not None
+        server._server.close()
+        raise RuntimeError("something inside the store went wrong")
+
+    server._wait_stopped = broken  # type: ignore[method-assign]
+    server.start()  # it bound its port: start() succeeds; then the serving part fails
+    assert server._thread is not None
+    server._thread.join(WAIT_S)
+    assert isinstance(server.crashed, RuntimeError)
+    err = capsys.readouterr().err
+    assert f"the embedded store on 127.0.0.1:{server.port} crashed" in err
+    assert "something inside the store went wrong" in err
 
 
 def test_watches_per_connection_are_bounded(client: TcpStoreClient) -> None:

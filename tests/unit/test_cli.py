@@ -196,6 +196,16 @@ def test_rdzv_conf_accepts_torchrun_keys() -> None:
     assert conf.read_timeout_s == 3
     assert conf.is_host is True
     assert conf.close_timeout_s == 1
+    assert conf.notices == (
+        "--rdzv-conf use_agent_store has no effect: ftrun never shares its rendezvous store with the workers",
+    )
+
+
+def test_rdzv_conf_keys_about_torchs_tcpstore_are_said_to_have_no_effect() -> None:
+    [notice] = parse_rdzv_conf("use_libuv=1").notices
+    assert notice.startswith("--rdzv-conf use_libuv has no effect")
+    assert parse_rdzv_conf("").notices == ()
+    assert parse_rdzv_conf("").read_timeout_s is None  # the dead-node detection time
 
 
 @pytest.mark.parametrize(

@@ -127,6 +127,11 @@ def test_static_success(nodes: list[Node], tmp_path: Path) -> None:
     assert n.events()[-1]["outcome"] == "succeeded"
 
 
+def test_notices_about_accepted_flags_are_said_at_start(nodes: list[Node], tmp_path: Path) -> None:
+    n = start(nodes, tmp_path, lambda env: EXIT_0, "--rdzv-conf", "use_libuv=true")
+    assert "ftrun: --rdzv-conf use_libuv has no effect" in n.said()
+
+
 def test_static_failure_stops_the_others_reports_and_restarts(nodes: list[Node], tmp_path: Path) -> None:
     n = start(nodes, tmp_path, first_attempt_rank_fails(3), "--nproc-per-node", "2", "--max-restarts", "1")
     assert n.run_static() == 0

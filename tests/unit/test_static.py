@@ -20,8 +20,7 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.env import Placement
-from ftrun.agent.static import Phase, Plan, State
-from ftrun.agent.static import step as decide
+from ftrun.agent.static import Phase, Plan, State, step
 
 TWO = frozenset({0, 1})
 PLAN = Plan(max_restarts=2, placement=Placement(1, 2, 2, 4), master_addr="node0", master_port=29500)
@@ -45,99 +44,99 @@ def finish(code: int) -> Finish:
 
 
 def test_start_begins_attempt_zero() -> None:
-    d = decide(State(plan(3)), RunBegins())
+    d = step(State(plan(3)), RunBegins())
     assert d.commands == (start(0),)  # placed by the flags
     assert d.state.phase is Phase.RUNNING
 
 
 def test_attempt_started_records_running_ranks() -> None:
-    d = decide(State(plan(3), phase=Phase.RUNNING), WorkersStarted(TWO))
+    d = step(State(plan(3), phase=Phase.RUNNING), WorkersStarted(TWO))
     assert d.state.running == TWO
     assert d.commands == ()
 
 
 def test_success_needs_every_worker() -> None:
-    first = decide(running(), WorkerExited(0, success=True))
+    first = step(running(), WorkerExited(0, success=True))
     assert first.commands == ()
     assert first.state.running == {1}
-    second = decide(first.state, WorkerExited(1, success=True))
+    second = step(first.state, WorkerExited(1, success=True))
     assert second.commands == (finish(0),)
     assert second.state.phase is Phase.SUCCEEDED
 
 
 def test_failure_stops_group_then_restarts_with_incremented_count() -> None:
-    d = decide(running(max_restarts=2), WorkerExited(1, success=False))
+    d = step(running(max_restarts=2), WorkerExited(1, success=False))
     assert d.commands == (StopWorkers(),)
     assert d.state.phase is Phase.STOPPING
     assert "local rank 1 failed" in d.reason
-    d = decide(d.state, WorkerExited(0, success=False))  # the exit ftrun caused
+    d = step(d.state, WorkerExited(0, success=False))  # the exit ftrun caused
     assert d.commands == ()
-    d = decide(d.state, WorkersStopped())
+    d = step(d.state, WorkersStopped())
     assert d.commands == (ReportFailure(will_restart=True), start(1))
     assert d.state.restart_count == 1
     assert d.state.phase is Phase.RUNNING
 
 
 def test_success_of_other_ranks_does_not_hide_a_later_failure() -> None:
-    d = decide(running(), WorkerExited(0, success=True))
-    d = decide(d.state, WorkerExited(1, success=False))
+    d = step(running(), WorkerExited(0, success=True))
+    d = step(d.state, WorkerExited(1, success=False))
     assert d.commands == (StopWorkers(),)
 
 
 def test_budget_spent_fails_the_run() -> None:
-    d = decide(running(max_restarts=1, restart_count=1), WorkerExited(0, success=False))
-    d = decide(d.state, WorkersStopped())
+    d = step(running(max_restarts=1, restart_count=1), WorkerExited(0, success=False))
+    d = step(d.state, WorkersStopped())
     assert d.commands == (ReportFailure(will_restart=False), finish(1))
     assert d.state.phase is Phase.FAILED
     assert "budget spent" in d.reason
 
 
 def test_zero_restarts_fails_on_first_failure() -> None:
-    d = decide(running(max_restarts=0), WorkerExited(0, success=False))
-    d = decide(d.state, WorkersStopped())
+    d = step(running(max_restarts=0), WorkerExited(0, success=False))
+    d = step(d.state, WorkersStopped())
     assert d.commands[-1] == finish(1)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_stops_workers_and_exits_128_plus_signal(sig: int) -> None:
-    d = decide(running(), Interrupted(sig))
+    d = step(running(), Interrupted(sig))
     assert d.commands == (StopWorkers(),)
-    d = decide(d.state, WorkersStopped())
+    d = step(d.state, WorkersStopped())
     assert d.commands == (finish(128 + sig),)
     assert d.state.phase is Phase.INTERRUPTED
 
 
 def test_signal_during_failure_stop_reports_and_exits_with_signal_code() -> None:
-    d = decide(running(max_restarts=5), WorkerExited(1, success=False))
-    d = decide(d.state, Interrupted(signal.SIGTERM))
+    d = step(running(max_restarts=5), WorkerExited(1, success=False))
+    d = step(d.state, Interrupted(signal.SIGTERM))
     assert d.commands == ()  # the stop under way finishes the job
-    d = decide(d.state, WorkersStopped())
+    d = step(d.state, WorkersStopped())
     assert d.commands == (ReportFailure(will_restart=False), finish(143))
 
 
 def test_second_signal_is_ignored_while_interrupting() -> None:
-    d = decide(running(), Interrupted(signal.SIGINT))
-    d2 = decide(d.state, Interrupted(signal.SIGINT))
+    d = step(running(), Interrupted(signal.SIGINT))
+    d2 = step(d.state, Interrupted(signal.SIGINT))
     assert d2.commands == ()
     assert d2.state == d.state
 
 
 def test_signal_after_finish_is_ignored() -> None:
     state = State(plan(0), phase=Phase.SUCCEEDED)
-    assert decide(state, Interrupted(signal.SIGTERM)).commands == ()
+    assert step(state, Interrupted(signal.SIGTERM)).commands == ()
 
 
 def test_every_decision_has_a_reason() -> None:
     happenings = [RunBegins(), WorkersStarted(TWO), WorkerExited(0, True), WorkerHung(1), WorkersStopped()]
     for phase in Phase:
         for happening in [*happenings, Interrupted(2)]:
-            assert decide(State(plan(1), phase=phase, running=TWO, signal=2), happening).reason
+            assert step(State(plan(1), phase=phase, running=TWO, signal=2), happening).reason
 
 
 def test_a_hang_is_a_failure() -> None:
-    d = decide(running(max_restarts=1), WorkerHung(0))
+    d = step(running(max_restarts=1), WorkerHung(0))
     assert d.commands == (StopWorkers(),)
-    d = decide(d.state, WorkersStopped())
+    d = step(d.state, WorkersStopped())
     assert d.commands == (ReportFailure(will_restart=True), start(1))
 
 
