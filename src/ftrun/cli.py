@@ -138,7 +138,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"unknown start method {a.start_method!r}",
             f"use one of {', '.join(flags.START_METHODS)}",
         )
-    run_id = flags.parse_run_id(a.rdzv_id)
+    run_id = flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
     host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
     token = flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
     rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, flags.parse_rdzv_conf(a.rdzv_conf), token, store_url)

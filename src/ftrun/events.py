@@ -28,6 +28,7 @@ class EventKind(enum.Enum):
     WORKER_SPAWNED = "worker_spawned"
     WORKER_EXITED = "worker_exited"
     HANG = "hang"  # the watchdog found a worker past a deadline
+    TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
     GROUP_STOPPING = "group_stopping"
     GROUP_STOPPED = "group_stopped"

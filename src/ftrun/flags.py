@@ -162,10 +162,15 @@ def parse_rdzv_conf(text: str) -> RdzvConf:
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-def parse_run_id(text: str | None) -> str:
-    """Run ids name directories and store keys, so they are kept to a safe alphabet."""
-    if not text or text == "none":
+def parse_run_id(text: str | None, *, standalone: bool = False) -> str:
+    """The job id: torchrun's default ``none``, so that nodes started with the same command meet (a rerun's
+    logs go to ``none.1``, ``none.2``...); ``--standalone`` draws a fresh one, as torchrun does.
+
+    Run ids name directories and store keys, so they are kept to a safe alphabet.
+    """
+    if standalone:
         return f"ftrun-{uuid.uuid4().hex[:12]}"
+    text = text or "none"
     if not _RUN_ID.match(text) or text in (".", ".."):
         raise ConfigError("--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'")
     return text

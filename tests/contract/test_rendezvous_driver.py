@@ -60,7 +60,7 @@ class Job:
         self.steps.pop(name, None)
 
     def step_until(self, done: Callable[[dict[str, Advice]], bool]) -> dict[str, Advice]:
-        """Advice every node (as the agent would) until ``done``; fails after a bound."""
+        """Step every node (as the agent would) until ``done``; fails after a bound."""
         deadline = time.monotonic() + BOUND_S
         with selectors.DefaultSelector() as sel:
             for name, r in self.nodes.items():
@@ -230,3 +230,21 @@ def test_a_corrupt_round_record_is_a_named_error(job: Callable[..., Job], backen
     backend().put(Keys.of(j.run_id).round, b"\x80 not json {")
     with pytest.raises(FtrunError, match=r"bad record.*round record"):
         j.add("a")
+
+
+def test_job_wide_values_merge_every_nodes_contribution(job: Callable[..., Job]) -> None:
+    """Nodes widen one job-wide value by compare-and-set: none is lost, all hear the result."""
+    j = job(Rules(3, 3, last_call_s=30.0, join_timeout_s=60.0, max_restarts=0))
+    for n in "abc":
+        j.add(n)
+
+    def with_mine(mine: str) -> Callable[[bytes | None], bytes | None]:
+        return lambda current: ",".join(sorted({*(current or b"").decode().split(","), mine} - {""})).encode()
+
+    # b and c merge from a stale view (they have not heard a's write): the compare-and-set makes them re-read.
+    for n in "abc":
+        j.nodes[n].merge_value("t", with_mine(n))
+    assert j.nodes["c"].value("t") == b"a,b,c"
+    j.step_until(lambda s: all(j.nodes[n].value("t") == b"a,b,c" for n in "abc"))
+    j.nodes["a"].merge_value("t", with_mine("a"))  # nothing new: nothing written
+    assert j.nodes["a"].value("t") == b"a,b,c"

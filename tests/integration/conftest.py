@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -72,8 +72,10 @@ class Result:
         return (self.run_dir / f"attempt_{attempt}" / str(rank) / f"{stream}.log").read_text()
 
 
-def ftrun_argv(tmp_path: Path, *args: str, logs: str = "logs") -> list[str]:
-    return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / logs), "--rdzv-id", RUN_ID, *args]
+def ftrun_argv(tmp_path: Path, *args: str, logs: str = "logs", run_id: str | None = RUN_ID) -> list[str]:
+    """``run_id`` None: no --rdzv-id at all (torchrun's default)."""
+    ids = ["--rdzv-id", run_id] if run_id is not None else []
+    return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / logs), *ids, *args]
 
 
 def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
@@ -98,7 +100,7 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
 class LiveFtrun:
     """ftrun running in the background; the test reads its stdout line by line."""
 
-    def __init__(self, tmp_path: Path, *args: str, name: str = "") -> None:
+    def __init__(self, tmp_path: Path, *args: str, name: str = "", run_id: str | None = RUN_ID) -> None:
         """``name`` keeps several agents in one test apart (their logs and stderr)."""
         suffix = f"-{name}" if name else ""
         self.stderr_path = tmp_path / f"ftrun{suffix}.stderr"
@@ -106,7 +108,7 @@ class LiveFtrun:
         self._stderr_lines: list[str] = []
         self._stderr_changed = threading.Condition()
         self.proc = subprocess.Popen(
-            ftrun_argv(tmp_path, *args, logs=f"logs{suffix}"),
+            ftrun_argv(tmp_path, *args, logs=f"logs{suffix}", run_id=run_id),
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -121,7 +123,7 @@ class LiveFtrun:
         self._selector.register(self._stdout, selectors.EVENT_READ)
         self._buffer = b""
         self.lines: list[str] = []
-        self.run_dir = tmp_path / f"logs{suffix}" / RUN_ID
+        self.run_dir = tmp_path / f"logs{suffix}" / (run_id or "none")
 
     def wait_for_lines(self, pattern: str, count: int, timeout: float = WAIT_S) -> list[re.Match[str]]:
         """Block until ``count`` stdout lines match ``pattern`` (or fail after ``timeout``)."""
@@ -180,6 +182,12 @@ class LiveFtrun:
     def stderr(self) -> str:
         with self._stderr_changed:
             return "".join(self._stderr_lines)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The agent's event log, found where it said its logs are (its run id may be the test's own)."""
+        found = re.search(r"logs in (\S+)", self.wait_for_stderr(r"logs in \S+"))
+        assert found
+        return [json.loads(line) for line in (Path(found.group(1)) / "events.jsonl").read_text().splitlines()]
 
     def close(self) -> None:
         if self.proc.poll() is None:

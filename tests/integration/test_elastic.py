@@ -52,8 +52,18 @@ def etcd_server() -> Iterator[EtcdHarness]:
 
 
 @pytest.fixture(scope="module")
-def tcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A standalone embedded store: `ftrun store --port 0`; yields HOST:PORT."""
+def tcp_server() -> Iterator[str]:
+    """A standalone embedded store shared by the module's tests: `ftrun store --port 0`; yields HOST:PORT."""
+    yield from _store_process()
+
+
+@pytest.fixture
+def own_tcp_server() -> Iterator[str]:
+    """A store for this test alone (its run ids are nobody else's)."""
+    yield from _store_process()
+
+
+def _store_process() -> Iterator[str]:
     proc = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
@@ -245,3 +255,50 @@ def test_read_timeout_is_how_long_a_store_call_retries(tmp_path: Path, script: W
     found = re.search(rf"store tcp://127.0.0.1:{port} unavailable after ([0-9.]+) s", r.stderr)
     assert found, r.stderr
     assert float(found.group(1)) >= 3.0  # not the 1 s of the keep-alive TTL that CONF would give
+
+
+CALCULATES = """
+import json, os, time
+import ftrun
+rank = os.environ["RANK"]
+print(f"up rank={rank}", flush=True)
+for _ in range(3):
+    with ftrun.section("step"):
+        time.sleep(0.05 if rank == "0" else 0.2)  # rank 1 (the other node) is slower
+    ftrun.heartbeat()
+ftrun.calculate_timeouts(safety_factor=40)
+open(f"release-{rank}", "rb").close()  # until the test saw the nodes agree
+"""
+
+
+def test_nodes_agree_on_calculated_timeouts_through_the_store(nodes: Nodes, script: WriteScript) -> None:
+    script("c.py", CALCULATES)
+    for rank in (0, 1):
+        os.mkfifo(nodes.tmp_path / f"release-{rank}")
+    agents = [nodes.start(name, "--nnodes", "2", "--nproc-per-node", "1", "c.py") for name in "ab"]
+    ranks = {int(a.wait_for_lines(r"up rank=(\d)", 1)[0].group(1)): a for a in agents}
+    # The node of the fast rank hears the slow one's wider timeouts through the store.
+    ranks[0].wait_for_stderr("the job's nodes calculated timeouts; in force now")
+    for rank in (0, 1):
+        with open(nodes.tmp_path / f"release-{rank}", "wb"):
+            pass
+    for a in agents:
+        assert a.wait() == 0, a.stderr()
+    in_force = [[e for e in a.events() if e["kind"] == "timeouts"][-1]["sections"] for a in agents]
+    assert in_force[0] == in_force[1]
+    assert in_force[0]["step"] >= 0.2 * 40
+
+
+def test_agents_without_a_run_id_meet_as_under_torchrun(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    script("w.py", WORKER)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--nnodes", "2", "--local-addr", "127.0.0.1", "w.py", "finish"]
+    agents = [LiveFtrun(tmp_path, *flags, name=name, run_id=None) for name in "ab"]
+    live.extend(agents)
+    for a in agents:
+        assert a.wait() == 0, a.stderr()
+    assert sorted(int(m.group(1)) for a in agents for m in a.wait_for_lines(UP, 1)) == [0, 1]
+    assert all(m.group(2) == "2" for a in agents for m in a.wait_for_lines(UP, 1))  # one world of two
+    assert all("run none:" in a.stderr() for a in agents)

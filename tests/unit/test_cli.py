@@ -37,7 +37,8 @@ def test_defaults(tmp_path: Path, script: Path) -> None:
     assert c.term_timeout_s == 5.0
     assert c.role == "default"
     assert c.rdzv.conf == RdzvConf()
-    assert c.run_id.startswith("ftrun-")
+    assert c.run_id == "none"  # torchrun's: nodes started with the same command meet
+    assert parse(tmp_path, "--standalone", "train.py").run_id.startswith("ftrun-")  # torchrun draws one too
 
 
 @pytest.mark.parametrize("spelling", ["--nproc-per-node", "--nproc_per_node"])

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ftrun.agent.agreement import TimeoutAgreement
 from ftrun.agent.driver import (
     AskRendezvous,
     Command,
@@ -47,6 +48,7 @@ class Executor(Generic[S]):
         clock: the monotonic clock the rendezvous' wake-up times are on.
         fresh_port: a free port for a StartWorkers that names none (static jobs).
         rendezvous: the elastic job's rendezvous (started); None for a static job.
+        agreement: how this node agrees with the others on calculated timeouts (elastic jobs).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Executor(Generic[S]):
         clock: Clock,
         fresh_port: Callable[[], int],
         rendezvous: Rendezvous | None = None,
+        agreement: TimeoutAgreement | None = None,
     ) -> None:
         self._step = step
         self.state = state
@@ -65,6 +68,7 @@ class Executor(Generic[S]):
         self._clock = clock
         self._fresh_port = fresh_port
         self._rendezvous = rendezvous
+        self._agreement = agreement
         self._wake_at: float | None = None  # monotonic: when the rendezvous wants to be asked again
 
     def run(self) -> int:
@@ -96,6 +100,8 @@ class Executor(Generic[S]):
         advice = self._rendezvous.next(command.local)
         self._wake_at = advice.wake_at
         self._group.note(advice.decision.reason)
+        if self._agreement is not None:
+            self._agreement.sync()
         return [RendezvousAdvised(advice.decision)]
 
     def _wait(self) -> list[Happening]:
@@ -104,6 +110,8 @@ class Executor(Generic[S]):
             return happened
         timeout = None if self._wake_at is None else max(0.0, self._wake_at - self._clock.monotonic())
         happened, news = self._group.wait(timeout, also=self._rendezvous.fileno())
+        if self._agreement is not None:
+            self._agreement.sync()  # a local rank may have published timeouts
         if news or (self._wake_at is not None and self._clock.monotonic() >= self._wake_at):
             happened.append(RendezvousWoke())
         return happened

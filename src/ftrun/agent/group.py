@@ -36,6 +36,7 @@ from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
+from ftrun.monitor.watchdog import Timeouts
 from ftrun.reporting import build_report, render, write_json
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
@@ -56,7 +57,7 @@ class LocalGroup:
         self.run_dir = _fresh_dir(config.logs.base_dir / config.run_id)
         self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock)
         self._wakeup = SignalWakeup()
-        self._hangs = HangWatch(config.hang, clock, self.say)
+        self._hangs = HangWatch(config.hang, clock, self.say, self._timeouts_changed)
         self._processes = AttemptProcesses(spawner, clock, self._wakeup.fd)  # empty until the first attempt
         self._attempt = 0
         self._master_port = 0
@@ -130,13 +131,15 @@ class LocalGroup:
                 run_id=c.run_id,
                 error_file=str(paths.error_file),
             )
+            spawned = self._clock.monotonic()
             env = {
                 **worker_env.worker_env(c.worker_base_env, assignment),
-                **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE)),
+                **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE), spawned),
             }
             if c.warm.enabled and c.warm.auto:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
             worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
+            worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
             output = RankOutput(paths, assignment.rank, local_rank, c.logs, self._console)
             self._processes.spawn(worker, output, c.cwd)
             self.emit(EventKind.WORKER_SPAWNED, **_identity(worker), warm=getattr(worker.handle, "warm", False))
@@ -236,6 +239,15 @@ class LocalGroup:
         finally:
             self._wakeup.close()
 
+    @property
+    def calculated_timeouts(self) -> Timeouts:
+        """The timeouts the workers calculated (widest over ranks, attempts and, once adopted, nodes)."""
+        return self._hangs.kept
+
+    def adopt_timeouts(self, theirs: Timeouts, why: str) -> None:
+        """Apply timeouts calculated elsewhere in the job where they are wider than this node's."""
+        self._hangs.adopt(theirs, why)
+
     # --- what the group tells -------------------------------------------------------------------
 
     def emit(self, kind: EventKind, **data: object) -> None:
@@ -309,6 +321,9 @@ class LocalGroup:
                 self._learned_attempt = self._attempt
                 self._spawner.learn(modules)
                 return
+
+    def _timeouts_changed(self, in_force: Timeouts) -> None:
+        self.emit(EventKind.TIMEOUTS, **in_force.to_json())
 
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)

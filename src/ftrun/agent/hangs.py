@@ -31,10 +31,18 @@ class Found:
 
 
 class HangWatch:
-    def __init__(self, spec: HangSpec, clock: Clock, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        spec: HangSpec,
+        clock: Clock,
+        say: Callable[[str], None],
+        on_change: Callable[[Timeouts], None] = lambda timeouts: None,
+    ) -> None:
+        """``on_change`` hears the timeouts in force whenever calculated ones widen them."""
         self._spec = spec
         self._clock = clock
         self._say = say
+        self._on_change = on_change
         self.kept = Timeouts()  # calculated by the workers, merged over ranks and attempts
         self._table: MonitorTable | None = None
         self._next_deadline: float | None = None  # monotonic: the earliest deadline known at the last check
@@ -53,10 +61,12 @@ class HangWatch:
         self._seen = {}
         self._warned = set()
 
-    def env(self, local_rank: int, stacks_file: str) -> dict[str, str]:
-        """What a worker's client needs (FTRUN_*)."""
+    def env(self, local_rank: int, stacks_file: str, spawned: float) -> dict[str, str]:
+        """What a worker's client needs (FTRUN_*). ``spawned`` (monotonic, the same clock in every process)
+        is when the agent starts the worker: the start-up is measured from there, as it is judged."""
         assert self._table is not None
         env = {
+            "FTRUN_SPAWNED_AT": repr(spawned),
             "FTRUN_MONITOR": str(self._table.path),
             "FTRUN_MONITOR_SLOT": str(local_rank),
             "FTRUN_SAFETY_FACTOR": repr(self._spec.safety_factor),
@@ -116,9 +126,16 @@ class HangWatch:
                 self._warn(local_rank, "timeouts", f"local rank {local_rank}: ignoring its published timeouts: {e}")
             else:
                 if theirs is not None:
-                    self.kept = self.kept.widest(theirs)
-                    self._say(f"local rank {local_rank} calculated timeouts; in force now: {self._describe()}")
+                    self.adopt(theirs, f"local rank {local_rank} calculated timeouts")
         return slot
+
+    def adopt(self, theirs: Timeouts, why: str) -> None:
+        """Keep ``theirs`` where they are wider (a local rank's, or the job's from the other nodes)."""
+        widest = self.kept.widest(theirs)
+        if widest != self.kept:
+            self.kept = widest
+            self._say(f"{why}; in force now: {self._describe()}")
+            self._on_change(self.timeouts)
 
     def _harvest(self) -> None:
         """Keep the timeouts workers published since the last check (a worker may publish, then crash)."""

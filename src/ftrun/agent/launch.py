@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.addresses import DEFAULT_STORE_PORT
 from ftrun.agent import elastic, proctree, static
+from ftrun.agent.agreement import TimeoutAgreement
 from ftrun.agent.env import Placement
 from ftrun.agent.executor import Executor
 from ftrun.agent.group import LocalGroup
@@ -110,6 +111,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
                 clock=clock,
                 fresh_port=lambda: fresh_port_on(clock),
                 rendezvous=rendezvous,
+                agreement=TimeoutAgreement(group, rendezvous),
             )
             code = executor.run()
             return code

@@ -149,7 +149,7 @@ class Worker:
     handle: ProcessHandle | None = None
     output: RankOutput | None = None
     state: WorkerState = WorkerState.RUNNING
-    spawn_mono: float = 0.0
+    spawn_mono: float = 0.0  # just before the process was started (the worker reads it as FTRUN_SPAWNED_AT)
     spawn_wall: float = 0.0
     exit_mono: float | None = None
     exit_wall: float | None = None
@@ -198,12 +198,12 @@ class AttemptProcesses:
         self._selector.close()
 
     def spawn(self, worker: Worker, output: RankOutput, cwd: Path) -> None:
+        """Start ``worker`` (its ``spawn_mono`` set by the caller: the basis of its start-up timeout)."""
         try:
             handle = self._spawner.spawn(worker.argv, worker.env, cwd, output.stdout_fd, output.stderr_fd)
         finally:
             output.child_started()
         worker.handle, worker.output = handle, output
-        worker.spawn_mono, worker.spawn_wall = self._clock.monotonic(), self._clock.wall()
         self.workers.append(worker)
         self._selector.register(handle.fileno(), selectors.EVENT_READ, worker)
 

@@ -73,6 +73,8 @@ class _Attached:
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()
+        # Start-up is measured from when the agent started this process, the basis it judges it on.
+        self._spawned = _spawned_at(environ, self._attached)
         self._idle_since = 0.0  # out of section counts from the end of the first section
         self._first_beat: float | None = None
         self._longest_beat_gap = 0.0
@@ -123,7 +125,7 @@ class _Attached:
         if last:
             self._longest_beat_gap = max(self._longest_beat_gap, now - last)
         else:
-            self._first_beat = now - self._attached
+            self._first_beat = now - self._spawned
             if self._modules_file:  # the job is running: what it imported is what a warm pool should preload
                 report_modules(self._modules_file)
         self._last_beat = now
@@ -192,11 +194,8 @@ class _Attached:
             dict(self._longest_section),
         )
 
-    def calculate_timeouts(self, safety_factor: float | None, synchronize: bool) -> Timeouts:
-        observed = self.observed()
-        if synchronize:
-            observed = _across_ranks(observed)
-        fresh = scaled(observed, safety_factor or self._safety_factor)
+    def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
+        fresh = scaled(self.observed(), safety_factor or self._safety_factor)
         self.set_timeouts(self._calculated.widest(fresh))
         return self._calculated
 
@@ -218,6 +217,15 @@ class _Attached:
     @property
     def calculated(self) -> Timeouts:
         return self._calculated
+
+
+def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
+    """FTRUN_SPAWNED_AT if it is a sane monotonic time before ``attached``, else ``attached``."""
+    try:
+        spawned = float(environ.get("FTRUN_SPAWNED_AT", ""))
+    except ValueError:
+        return attached
+    return spawned if 0 < spawned <= attached else attached
 
 
 def report_modules(path: str) -> None:
@@ -253,7 +261,7 @@ class _Unattached:
     def end_all_sections(self) -> None:
         pass
 
-    def calculate_timeouts(self, safety_factor: float | None, synchronize: bool) -> Timeouts:
+    def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
         return self.calculated
 
     def set_timeouts(self, timeouts: Timeouts) -> None:
@@ -287,39 +295,6 @@ def _attach() -> _Attached | _Unattached:
     return client
 
 
-def _across_ranks(observed: Timeouts) -> Timeouts:
-    """The largest observation of every rank, when a torch.distributed group is up (else as is)."""
-    import sys
-
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return observed
-    import torch
-
-    # JSON through a byte tensor rather than all_gather_object (which pickles).
-    mine = json.dumps(observed.to_json()).encode()
-    size = torch.tensor([len(mine)], dtype=torch.int64)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX)
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-    buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    gathered = [torch.zeros_like(buf) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, buf)
-    merged = observed
-    for t in gathered:
-        raw = bytes(t.tolist()).rstrip(b"\0")
-        merged = merged.widest(_observed_from_json(json.loads(raw)))
-    return merged
-
-
-def _observed_from_json(data: dict[str, Any]) -> Timeouts:
-    return Timeouts(
-        data.get("initial_heartbeat") or None,
-        data.get("heartbeat") or None,
-        data.get("out_of_section") or None,
-        {k: float(v) for k, v in (data.get("sections") or {}).items()},
-    )
-
-
 # --- the worker API (re-exported by ``ftrun``) -------------------------------------------------
 
 
@@ -351,14 +326,20 @@ def end_all_sections() -> None:
 
 
 def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool = True) -> dict[str, Any]:
-    """Set the timeouts from what was observed so far: the largest heartbeat gap, time to the first
-    heartbeat, out-of-section span and duration of each section, times ``safety_factor`` (default:
-    ``--safety-factor``). With ``synchronize`` and a torch.distributed group up, every rank takes the
-    largest values seen anywhere; across local ranks the agent does the same. Timeouts only grow.
-    Returns the timeouts now in force from this worker (JSON-able)."""
+    """Set the timeouts from what was observed so far: the largest heartbeat gap, time from the worker's
+    start to its first heartbeat, out-of-section span and duration of each section, times
+    ``safety_factor`` (default: ``--safety-factor``). Timeouts only grow. Returns what this worker
+    calculated (JSON-able).
+
+    The agents make every rank of the job agree: each agent applies the largest value any of its local
+    ranks published, and in a multi-node job with a store the largest of every node. That needs nothing
+    from the job's own process group (NCCL, ``cuda:gloo`` and CPU groups alike); ``synchronize`` is
+    accepted for compatibility and has no effect.
+    """
+    del synchronize  # the agents agree across ranks and nodes (see above)
     if safety_factor is not None and not safety_factor > 0:
         raise ValueError(f"safety_factor must be > 0, got {safety_factor}")
-    return _client.calculate_timeouts(safety_factor, synchronize).to_json()  # type: ignore[no-any-return]
+    return _client.calculate_timeouts(safety_factor).to_json()  # type: ignore[no-any-return]
 
 
 def monitor_state() -> dict[str, Any]:

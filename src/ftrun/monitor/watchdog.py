@@ -26,6 +26,9 @@ BLAME_WINDOW_S = 0.05
 # A calculated timeout is never shorter: below it, the scheduler's and the garbage collector's own
 # hiccups would be taken for hangs.
 MIN_CALCULATED_S = 1.0
+# A restarted worker's start-up may load a checkpoint the first one did not: a calculated initial-heartbeat
+# timeout gives the start-up seen at least this much more, whatever the safety factor.
+STARTUP_MARGIN_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +209,10 @@ def scaled(observed: Timeouts, factor: float) -> Timeouts:
     def times(x: float | None) -> float | None:
         return None if x is None else max(x * factor, MIN_CALCULATED_S)
 
+    startup = observed.initial_heartbeat
     return replace(
         observed,
-        initial_heartbeat=times(observed.initial_heartbeat),
+        initial_heartbeat=None if startup is None else max(startup * factor, startup + STARTUP_MARGIN_S),
         heartbeat=times(observed.heartbeat),
         out_of_section=times(observed.out_of_section),
         sections={k: max(v * factor, MIN_CALCULATED_S) for k, v in observed.sections.items()},

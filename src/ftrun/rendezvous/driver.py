@@ -4,6 +4,8 @@ Keys of one job (``/ftrun/<run id>/rdzv/...``)::
 
     r/round     the round record, written only by compare-and-set
     r/leader    the id of the node that watches the membership (bound to its lease)
+    r/v/<name>  small job-wide values every node may merge into (compare-and-set), e.g. the
+                agreed hang timeouts; they ride on the watch every node has anyway
     n/<node>    one small record per node (bound to that node's lease)
 
 Every node watches ``r/`` (two keys: O(1) notifications per round); only the
@@ -54,6 +56,10 @@ class Keys:
     @property
     def leader(self) -> str:
         return self.root + "r/leader"
+
+    @property
+    def values(self) -> str:
+        return self.root + "r/v/"
 
     @property
     def nodes(self) -> str:
@@ -121,6 +127,7 @@ class Rendezvous:
         self._record: RoundRecord | None = None
         self._record_rev = 0
         self._leader: str | None = None
+        self._values: dict[str, tuple[bytes, int]] = {}  # job-wide values: name -> (value, revision)
         self._nodes: dict[str, NodeInfo] = {}
         self._registered: int | None = None
         self._changed_at = 0.0
@@ -270,6 +277,12 @@ class Rendezvous:
             self._leader = None if value is None else value.decode(errors="replace")
             if self._leader != self._me.node_id:
                 self._stop_leading()
+        elif key.startswith(self._keys.values):
+            name = key[len(self._keys.values) :]
+            if value is None:
+                self._values.pop(name, None)
+            elif revision > self._values.get(name, (b"", 0))[1]:
+                self._values[name] = (value, revision)
 
     def _set_record(self, record: RoundRecord | None, revision: int) -> None:
         old = self._record
@@ -293,7 +306,7 @@ class Rendezvous:
 
     def _follow_shared(self) -> None:
         kvs, rev = self._store.list_prefix(self._keys.shared)
-        self._record, self._record_rev, self._leader = None, 0, None
+        self._record, self._record_rev, self._leader, self._values = None, 0, None, {}
         for kv in kvs:
             self._apply_shared(kv.key, kv.value, kv.revision)
         self._shared_watch = self._watch(self._keys.shared, rev + 1)
@@ -339,6 +352,38 @@ class Rendezvous:
     def _unwatch(self, watch: Watch) -> None:
         self._selector.unregister(watch.fileno())
         watch.close()
+
+    # --- job-wide values ----------------------------------------------------------------------
+
+    def value(self, name: str) -> bytes | None:
+        """The job-wide value ``name`` as of the last :meth:`next` (or merge)."""
+        found = self._values.get(name)
+        return found[0] if found else None
+
+    def merge_value(self, name: str, merge: Callable[[bytes | None], bytes | None]) -> None:
+        """Store ``merge(current)`` as the job-wide value ``name`` (None or unchanged: nothing to write).
+
+        Compare-and-set against the revision this node knows; when another node wrote
+        first, its value is read and merged again, so no node's contribution is lost.
+        """
+        key = self._keys.values + name
+        for _ in range(MAX_STEPS):
+            current, revision = self._values.get(name, (None, 0))
+            new = merge(current)
+            if new is None or new == current:
+                return
+            won, new_revision = self._store.compare_and_set(key, new, revision)
+            if won:
+                self._values[name] = (new, new_revision)
+                return
+            theirs = self._store.get(key)
+            if theirs is None:
+                self._values.pop(name, None)
+            else:
+                self._values[name] = (theirs.value, theirs.revision)
+        raise FtrunError(
+            f"job-wide value {name!r} did not settle after {MAX_STEPS} writes; the store may be misbehaving"
+        )
 
     # --- after the job -------------------------------------------------------------------------
 
