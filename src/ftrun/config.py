@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import signal
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from ftrun.monitor.watchdog import Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
+DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"  # torchrun's tee prefix: [default0]:
 
 
 class Std(enum.IntFlag):
@@ -119,6 +121,16 @@ class LogSpec:
     redirects: Mapping[int, Std]  # local rank -> streams kept off the console
     tee: Mapping[int, Std]  # local rank -> streams copied to the console with a prefix
     local_ranks_filter: frozenset[int] | None
+    # torch's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: ${role_name}, ${rank}, ${local_rank}
+    prefix_template: str = DEFAULT_PREFIX_TEMPLATE
+    stdout_filters: tuple[str, ...] = ()  # --duplicate-stdout-filters: lines with any of these also go to a file
+    stderr_filters: tuple[str, ...] = ()
+
+    def prefix(self, role: str, rank: int, local_rank: int) -> str:
+        return string.Template(self.prefix_template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)
+
+    def filters(self, stream: Std) -> tuple[str, ...]:
+        return self.stdout_filters if stream is Std.OUT else self.stderr_filters
 
     def console(self, local_rank: int, stream: Std) -> bool:
         """Whether ``stream`` of ``local_rank`` appears on ftrun's console."""
@@ -129,7 +141,7 @@ class LogSpec:
         return not stream & self.redirects.get(local_rank, Std.NONE)
 
     def prefixed(self, local_rank: int, stream: Std) -> bool:
-        """Console lines are prefixed with ``[<rank>]:`` when tee'd (as torchrun)."""
+        """Console lines are prefixed (``[default0]:``) when tee'd, as torchrun's."""
         return bool(stream & self.tee.get(local_rank, Std.NONE))
 
 
@@ -168,11 +180,16 @@ class LaunchConfig:
     start_method: str
     local_addr: str | None
     rdzv: RdzvSpec
-    term_timeout_s: float
+    term_timeout_s: float  # --shutdown-timeout (alias --term-timeout): grace between the first signal and SIGKILL
     event_log: Path | None
     python: str
     cwd: Path
     worker_base_env: Mapping[str, str] = field(repr=False)
+    signals_to_handle: frozenset[int] = frozenset({1, 2, 3, 15})  # SIGHUP, SIGINT, SIGQUIT, SIGTERM
+    virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the worker's one GPU
+    quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
+    echo_events: bool = False  # --event-log-handler console: every event also on stderr
+    notices: tuple[str, ...] = ()  # said once at start: flags accepted that cannot apply here
     hang: HangSpec = field(default_factory=HangSpec)
     warm: WarmSpec = field(default_factory=WarmSpec)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -73,20 +73,25 @@ class Event:
 class EventLog:
     """Appends events to a JSONL file, one flushed line each, and keeps them in memory."""
 
-    def __init__(self, path: Path, clock: Clock) -> None:
+    def __init__(self, path: Path, clock: Clock, echo: Callable[[str], None] | None = None) -> None:
+        """``echo`` also gets every line (--event-log-handler console)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._clock = clock
+        self._echo = echo
         self._file: TextIO = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
         self.events: list[Event] = []
 
     def emit(self, kind: EventKind, **data: Any) -> Event:
         event = Event(kind, self._clock.monotonic(), self._clock.wall(), data)
+        line = event.to_json()
         with self._lock:
             self.events.append(event)
-            self._file.write(event.to_json() + "\n")
+            self._file.write(line + "\n")
             self._file.flush()
+        if self._echo is not None:
+            self._echo(line)
         return event
 
     def close(self) -> None:

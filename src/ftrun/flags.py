@@ -10,14 +10,16 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ftrun.addresses import DEFAULT_ETCD_PORT, bracketed, parse_endpoint
+from ftrun.agent.signals import CAUGHT
 from ftrun.config import Entrypoint, EntrypointKind, NodeRange, RdzvConf, Std, WarmSpec
-from ftrun.devices import count_gpus
+from ftrun.devices import count_gpus, count_xpus
 from ftrun.errors import ConfigError
 from ftrun.store.url import parse_store_url, read_token_file
 
@@ -31,9 +33,9 @@ def parse_int(flag: str, text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(flag, f"expected an integer, got {text!r}", f"pass {flag} {max(minimum, 1)}") from None
+        raise ConfigError(flag, f"expected an integer, got {text!r}", f"pass {flag} {minimum} or more") from None
     if value < minimum:
-        raise ConfigError(flag, f"must be >= {minimum}, got {value}", f"pass {flag} {max(minimum, 1)}")
+        raise ConfigError(flag, f"must be >= {minimum}, got {value}", f"pass {flag} {minimum} or more")
     return value
 
 
@@ -65,8 +67,15 @@ def parse_nproc(text: str, environ: Mapping[str, str], cpu_count: int) -> int:
     flag = "--nproc-per-node"
     if text == "cpu":
         return cpu_count
+    if text == "xpu":
+        xpus = count_xpus(environ)
+        if not xpus:
+            raise ConfigError(
+                flag, "'xpu' asked for one worker per XPU, but no XPU is visible", "pass a number or 'cpu'"
+            )
+        return xpus
     if text in ("gpu", "auto"):
-        gpus = count_gpus(environ)
+        gpus = count_gpus(environ) or (count_xpus(environ) if text == "auto" else 0)
         if gpus:
             return gpus
         if text == "auto":
@@ -75,7 +84,7 @@ def parse_nproc(text: str, environ: Mapping[str, str], cpu_count: int) -> int:
     if not text.lstrip("-").isdigit():
         raise ConfigError(
             flag,
-            f"expected a positive integer, 'auto', 'cpu' or 'gpu', got {text!r}",
+            f"expected a positive integer, 'auto', 'cpu', 'gpu' or 'xpu', got {text!r}",
             "pass e.g. --nproc-per-node 2",
         )
     return parse_int(flag, text, minimum=1)
@@ -184,6 +193,10 @@ def resolve_entrypoint(
     if module and no_python:
         raise ConfigError("--module", "cannot be combined with --no-python", "drop one of the two flags")
     if module:
+        if not module_exists(target, cwd):
+            raise ConfigError(
+                "--module", f"no module named {target!r}", "check the name (it is looked up from the cwd and sys.path)"
+            )
         return Entrypoint(EntrypointKind.MODULE, target, tuple(args))
     if no_python and not run_path:
         # A name with a slash is a path (relative to the cwd), otherwise a command on PATH, as in a shell.
@@ -198,6 +211,20 @@ def resolve_entrypoint(
         raise ConfigError("SCRIPT", f"training script {target!r} not found", "check the path (relative to the cwd)")
     kind = EntrypointKind.RUN_PATH if run_path else EntrypointKind.SCRIPT
     return Entrypoint(kind, str(script.resolve()) if run_path else target, tuple(args))
+
+
+def module_exists(name: str, cwd: Path) -> bool:
+    """Whether ``python -m name`` in ``cwd`` finds the module's top-level package, without importing anything
+    (a package's ``__init__`` may import torch)."""
+    import importlib.machinery
+    import sys
+
+    top = name.split(".", maxsplit=1)[0]
+    if not all(part.isidentifier() for part in name.split(".")):
+        return False
+    if top in sys.builtin_module_names:
+        return True
+    return importlib.machinery.PathFinder.find_spec(top, [str(cwd), *sys.path]) is not None
 
 
 def default_log_dir() -> Path:
@@ -251,3 +278,112 @@ def parse_warm(no_warm: bool, warm: str, preload: str) -> WarmSpec:
         if not all(part.isidentifier() for part in m.split(".")):
             raise ConfigError("--preload", f"{m!r} is not a module name", "pass e.g. --preload torch,numpy")
     return WarmSpec(enabled=not no_warm, preload=modules, auto=warm == "auto")
+
+
+def parse_filters(text: str) -> tuple[str, ...]:
+    """--duplicate-std*-filters: comma-separated needles; ``,,`` is a comma inside one (as torchrun)."""
+    placeholder = "\0"
+    return tuple(item.replace(placeholder, ",") for item in text.replace(",,", placeholder).split(",") if item)
+
+
+def parse_signals(flag: str, text: str) -> frozenset[int]:
+    """``SIGTERM,SIGUSR1`` (names with or without SIG, or numbers) -> signal numbers ftrun can catch."""
+    found = set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        number = parse_signal_name(flag, item)
+        if number not in CAUGHT:
+            allowed = ", ".join(signal.Signals(s).name for s in CAUGHT)
+            raise ConfigError(flag, f"ftrun cannot hand {item} on to the workers", f"use some of {allowed}")
+        found.add(number)
+    return frozenset(found)
+
+
+def parse_signal_name(flag: str, text: str) -> int:
+    name = text.strip().upper()
+    if name.isdigit():
+        number = int(name)
+    else:
+        try:
+            number = signal.Signals[name if name.startswith("SIG") else "SIG" + name].value
+        except KeyError:
+            raise ConfigError(flag, f"unknown signal {text!r}", f"pass a name such as {flag} SIGTERM") from None
+    if number not in {s.value for s in signal.Signals}:
+        raise ConfigError(flag, f"unknown signal number {number}", f"pass a name such as {flag} SIGTERM")
+    return number
+
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: time for checkpoint-on-SIGTERM handlers
+
+
+def parse_shutdown_timeout(text: str | None) -> float:
+    """--shutdown-timeout (or --term-timeout, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, through the parser)."""
+    if text is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    return parse_seconds("--shutdown-timeout", text, allow_zero=True)
+
+
+def python_exec(environ: Mapping[str, str], current: str) -> str:
+    """The workers' interpreter: $PYTHON_EXEC, as torchrun, else the one running ftrun."""
+    chosen = environ.get("PYTHON_EXEC") or current
+    if os.sep in chosen:
+        if not os.access(chosen, os.X_OK):
+            raise ConfigError("PYTHON_EXEC", f"{chosen} is not an executable", "point it at a python interpreter")
+        return chosen
+    found = shutil.which(chosen)
+    if found is None:
+        raise ConfigError("PYTHON_EXEC", f"{chosen!r} is not on PATH", "give the interpreter's full path")
+    return found
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def parse_loglevel(environ: Mapping[str, str]) -> bool:
+    """$LOGLEVEL as torchrun reads it; True (quiet) at WARNING and above: ftrun then says only what went
+    wrong (failure reports, hangs, signals, notices) and the run's summary."""
+    level = environ.get("LOGLEVEL", "INFO").strip().upper()
+    if level not in _LEVELS:
+        raise ConfigError("LOGLEVEL", f"unknown level {level!r}", f"use one of {', '.join(_LEVELS)}")
+    return _LEVELS.index(level) >= _LEVELS.index("WARNING")
+
+
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
+
+
+def parse_event_log_handler(text: str) -> bool:
+    """torch's event handler names; True: ``console``, every event is also printed to stderr."""
+    if text not in EVENT_LOG_HANDLERS:
+        raise ConfigError(
+            "--event-log-handler", f"unknown handler {text!r}", f"use one of {', '.join(EVENT_LOG_HANDLERS)}"
+        )
+    return text == "console"
+
+
+def not_applied(*, logs_specs: str | None) -> list[str]:
+    """One line for each torchrun flag that cannot apply to ftrun."""
+    notices = []
+    if logs_specs:
+        notices.append(
+            f"--logs-specs {logs_specs} has no effect: ftrun writes its own per-rank logs under --log-dir "
+            "(a torch LogsSpecs plugin is not loaded)"
+        )
+    return notices
+
+
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+
+def numa_binding(
+    mode: str | None, environ: Mapping[str, str], nodes: Path = Path("/sys/devices/system/node")
+) -> list[str]:
+    """--numa-binding: validated; a line saying why it cannot apply here (no GPU, one NUMA node)."""
+    if mode is None:
+        return []
+    if mode not in NUMA_MODES:
+        raise ConfigError("--numa-binding", f"unknown mode {mode!r}", f"use one of {', '.join(NUMA_MODES)}")
+    numa_nodes = len(list(nodes.glob("node[0-9]*")))
+    if count_gpus(environ) == 0:
+        return [f"--numa-binding {mode} cannot apply: no GPU is visible to bind the workers near"]
+    if numa_nodes <= 1:
+        return [f"--numa-binding {mode} cannot apply: this machine has {numa_nodes or 'no'} NUMA node"]
+    return [f"--numa-binding {mode} is not supported by ftrun yet: the workers run unbound (use numactl)"]

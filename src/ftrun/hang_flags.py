@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ftrun.config import HangSpec
 from ftrun.errors import ConfigError
-from ftrun.flags import parse_seconds
+from ftrun.flags import parse_seconds, parse_signal_name
 from ftrun.monitor.watchdog import Timeouts
 
 HANG_KEYS = {
@@ -37,20 +37,6 @@ def read_config_file(path: Path) -> dict[str, object]:
             "--config", f"unknown key(s) in {path}: {', '.join(unknown)}", f"use only {', '.join(HANG_KEYS)}"
         )
     return data
-
-
-def parse_signal(flag: str, text: str) -> int:
-    name = text.strip().upper()
-    if name.isdigit():
-        number = int(name)
-    else:
-        try:
-            number = signal.Signals[name if name.startswith("SIG") else "SIG" + name].value
-        except KeyError:
-            raise ConfigError(flag, f"unknown signal {text!r}", f"pass a name such as {flag} SIGTERM") from None
-    if number not in {s.value for s in signal.Signals}:
-        raise ConfigError(flag, f"unknown signal number {number}", f"pass a name such as {flag} SIGTERM")
-    return number
 
 
 def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
@@ -93,5 +79,5 @@ def parse_hang(flags: Mapping[str, object], config_file: Path | None) -> HangSpe
             sections,
         ),
         parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
-        parse_signal("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
+        parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
     )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.conftest import RUN_ID, WriteScript, ftrun_argv, run_ftrun
 
 HELLO = """
 import os, sys
@@ -26,12 +28,56 @@ def test_default_shows_output_unprefixed_and_keeps_files(tmp_path: Path, script:
     assert r.log(0, 1, "stderr") == "err 1\n"
 
 
-def test_tee_prefixes_lines_with_the_rank(tmp_path: Path, script: WriteScript) -> None:
+def test_tee_prefixes_lines_as_torchrun_does(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", HELLO)
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--tee", "3", "w.py")
-    assert sorted(r.stdout.splitlines()) == ["[0]:out 0", "[1]:out 1"]
-    assert {"[0]:err 0", "[1]:err 1"} <= set(r.stderr.splitlines())
+    assert sorted(r.stdout.splitlines()) == ["[default0]:out 0", "[default1]:out 1"]  # role + local rank
+    assert {"[default0]:err 0", "[default1]:err 1"} <= set(r.stderr.splitlines())
     assert r.log(0, 0) == "out 0\n"  # files hold the raw output
+
+
+def test_torchs_prefix_template(tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch) -> None:
+    script("w.py", HELLO)
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[${role_name}-r${rank}] ")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--tee", "1", "--role", "trainer", "w.py")
+    assert sorted(r.stdout.splitlines()) == ["[trainer-r0] out 0", "[trainer-r1] out 1"]
+
+
+def test_duplicate_filters_copy_matching_lines_to_a_file(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        'import os, sys\nr = os.environ["RANK"]\nprint(f"loss {r}\\nnoise {r}")\nprint(f"warn {r}", file=sys.stderr)\n',
+    )
+    flags = ["--duplicate-stdout-filters", "loss", "--duplicate-stderr-filters", "warn,x", "--redirects", "3"]
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", *flags, "w.py")
+    assert r.returncode == 0, r.stderr
+    filtered = (r.run_dir / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    assert sorted(filtered) == ["[default0]:loss 0", "[default1]:loss 1"]
+    assert sorted((r.run_dir / "attempt_0" / "filtered_stderr.log").read_text().splitlines()) == [
+        "[default0]:warn 0",
+        "[default1]:warn 1",
+    ]
+    assert r.log(0, 1) == "loss 1\nnoise 1\n"  # the rank's file keeps everything
+    assert r.stdout == ""  # --redirects still keeps it off the console
+
+
+def test_the_local_rank_macro_in_script_arguments(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import sys\nprint(sys.argv[1:])\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py", "--local-rank=${local_rank}", "x")
+    assert sorted(r.stdout.splitlines()) == ["['--local-rank=0', 'x']", "['--local-rank=1', 'x']"]
+
+
+def test_a_closed_console_harms_neither_ftrun_nor_the_workers(tmp_path: Path, script: WriteScript) -> None:
+    """``ftrun ... | head -1``: the reader goes away; the job still finishes and its files are whole."""
+    script("w.py", "import os\nfor i in range(20000):\n    print(f'line {i}', flush=True)\nprint('done')\n")
+    argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "w.py")
+    head = f"{shlex.join(argv)} | head -1; exit ${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", head], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "line 0\n"
+    run_dir = tmp_path / "logs" / RUN_ID
+    for rank in (0, 1):
+        assert (run_dir / "attempt_0" / str(rank) / "stdout.log").read_text().splitlines()[-1] == "done"
 
 
 def test_redirects_keep_output_off_the_console(tmp_path: Path, script: WriteScript) -> None:
@@ -45,7 +91,7 @@ def test_redirects_keep_output_off_the_console(tmp_path: Path, script: WriteScri
 def test_local_ranks_filter(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", HELLO)
     r = run_ftrun(tmp_path, "--nproc-per-node", "3", "--tee", "3", "--local-ranks-filter", "1", "w.py")
-    assert r.stdout.splitlines() == ["[1]:out 1"]
+    assert r.stdout.splitlines() == ["[default1]:out 1"]
     assert r.log(0, 2) == "out 2\n"
 
 

@@ -13,10 +13,11 @@ from tests.integration.conftest import LiveFtrun, WriteScript, run_ftrun, wait_g
 
 SLEEPER = """
 import os, signal, sys, time
-def on_term(signum, frame):
-    print(f"rank {os.environ['RANK']} got SIGTERM", flush=True)
+def on_signal(signum, frame):
+    print(f"rank {os.environ['RANK']} got {signal.Signals(signum).name}", flush=True)
     sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    signal.signal(s, on_signal)
 print(f"ready {os.getpid()}", flush=True)
 time.sleep(600)
 """
@@ -43,7 +44,7 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_signal_to_ftrun_stops_workers_with_sigterm_first(
+def test_signal_to_ftrun_is_handed_on_to_the_workers(
     tmp_path: Path, script: WriteScript, live: list[LiveFtrun], sig: int
 ) -> None:
     script("w.py", SLEEPER)
@@ -52,12 +53,42 @@ def test_signal_to_ftrun_stops_workers_with_sigterm_first(
     pids = [int(m.group(1)) for m in f.wait_for_lines(r"ready (\d+)", 2)]
     f.proc.send_signal(sig)
     assert f.wait() == 128 + sig
-    f.wait_for_lines(r"rank \d got SIGTERM", 2)  # the workers saw SIGTERM, not SIGKILL
+    name = signal.Signals(sig).name
+    f.wait_for_lines(rf"rank \d got {name}", 2)  # the workers saw ftrun's signal (as torchrun's), not SIGKILL
     assert wait_gone(pids) == []
     events = [json.loads(line) for line in (f.run_dir / "events.jsonl").read_text().splitlines()]
     assert events[-1]["kind"] == "run_finished"
     assert events[-1]["exit_code"] == 128 + sig
     assert "restart" not in [e["kind"] for e in events]  # a signal is not a failure to restart from
+
+
+def test_slurms_preemption_warning_reaches_the_script(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """``--signal=USR1@90``: with SIGUSR1 among --signals-to-handle the workers get it, and may checkpoint."""
+    script("w.py", SLEEPER)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGUSR1", "w.py")
+    live.append(f)
+    f.wait_for_lines(r"ready (\d+)", 2)
+    f.proc.send_signal(signal.SIGUSR1)
+    assert f.wait() == 128 + signal.SIGUSR1
+    f.wait_for_lines(r"rank \d got SIGUSR1", 2)
+
+
+def test_a_signal_ftrun_does_not_hand_on_still_ends_it_cleanly(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """SIGUSR1 is not among the default --signals-to-handle: the workers get SIGTERM, and the run ends with
+    its events and summary (it used to kill ftrun without a word)."""
+    script("w.py", SLEEPER)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    live.append(f)
+    f.wait_for_lines(r"ready (\d+)", 2)
+    f.proc.send_signal(signal.SIGUSR1)
+    assert f.wait() == 128 + signal.SIGUSR1
+    f.wait_for_lines(r"rank \d got SIGTERM", 2)
+    assert "SIGUSR1 is not in --signals-to-handle" in f.stderr()
+    assert "run interrupted" in f.stderr()
 
 
 def test_sigkill_of_ftrun_leaves_no_worker(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def test_defaults(tmp_path: Path, script: Path) -> None:
     assert c.nproc_per_node == 1
     assert c.max_restarts == 0
     assert c.master_port is None
-    assert c.term_timeout_s == 5.0
+    assert c.term_timeout_s == 30.0  # torchrun's shutdown timeout
+    assert c.signals_to_handle == {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
     assert c.role == "default"
     assert c.rdzv.conf == RdzvConf()
     assert c.run_id == "none"  # torchrun's: nodes started with the same command meet
@@ -88,7 +90,7 @@ def test_torchrun_flags_are_accepted(tmp_path: Path, script: Path) -> None:
     assert c.logs.redirects == {0: Std.OUT, 1: Std.ERR}
     assert c.logs.tee == {0: Std.ALL, 1: Std.ALL}
     assert c.logs.local_ranks_filter == {0}
-    assert c.run_id == "job7"
+    assert c.run_id.startswith("ftrun-")  # --standalone draws its own id, whatever --rdzv-id says (as torchrun)
     assert c.rdzv.backend == "c10d"
     assert (c.rdzv.endpoint_host, c.rdzv.endpoint_port) == ("localhost", 0)
     assert c.rdzv.conf.join_timeout_s == 900
@@ -98,6 +100,8 @@ def test_torchrun_flags_are_accepted(tmp_path: Path, script: Path) -> None:
 
 
 def test_module_and_no_python(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
     assert parse(tmp_path, "-m", "pkg.train", "x").entrypoint.command("py") == [
         "py",
         "-u",
@@ -143,7 +147,13 @@ def test_nproc_words(tmp_path: Path, script: Path) -> None:
         (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379?bogus=1", "train.py"], "--rdzv-endpoint"),
         (["--nnodes", "a:b", "train.py"], "--nnodes"),
         (["--max-restarts", "-1", "train.py"], "--max-restarts"),
-        (["--term-timeout", "soon", "train.py"], "--term-timeout"),
+        (["--term-timeout", "soon", "train.py"], "--shutdown-timeout"),
+        (["--signals-to-handle", "SIGKILL", "train.py"], "--signals-to-handle"),
+        (["--signals-to-handle", "SIGNOPE", "train.py"], "--signals-to-handle"),
+        (["--numa-binding", "everywhere", "train.py"], "--numa-binding"),
+        (["--event-log-handler", "kafka", "train.py"], "--event-log-handler"),
+        (["--nproc-per-node", "xpu", "train.py"], "--nproc-per-node"),
+        (["-m", "no_such_module_xyz"], "--module"),
         (["--master-port", "70000", "train.py"], "--master-port"),
         (["--rdzv-conf", "join_timeout", "train.py"], "--rdzv-conf"),
         (["--rdzv-conf", "jion_timeout=5", "train.py"], "--rdzv-conf"),
@@ -324,3 +334,67 @@ def test_warm_pool_flags(tmp_path: Path, script: Path) -> None:
         parse(tmp_path, "--preload", "torch-nightly", "train.py")
     with pytest.raises(ConfigError, match="--warm: unknown mode 'hot'"):
         parse(tmp_path, "--warm", "hot", "train.py")
+
+
+def test_torchruns_environment_defaults(tmp_path: Path, script: Path) -> None:
+    env = {"PET_NPROC_PER_NODE": "2", "PET_MAX_RESTARTS": "3", "PET_STANDALONE": "1", "PET_RDZV_CONF": "join_timeout=9"}
+    c = parse(tmp_path, "train.py", environ=env)
+    assert (c.nproc_per_node, c.max_restarts, c.standalone, c.rdzv.conf.join_timeout_s) == (2, 3, True, 9)
+    assert parse(tmp_path, "--nproc-per-node", "4", "train.py", environ=env).nproc_per_node == 4  # flags win
+    assert parse(tmp_path, "train.py", environ={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).term_timeout_s == 7
+    assert parse(tmp_path, "train.py", environ={"PET_SHUTDOWN_TIMEOUT": "8"}).term_timeout_s == 8
+    with pytest.raises(ConfigError, match="PET_STANDALONE"):
+        parse(tmp_path, "train.py", environ={"PET_STANDALONE": "yes"})
+
+
+def test_signals_shutdown_and_the_term_timeout_alias(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "--signals-to-handle", "SIGTERM,USR1,10", "--term-timeout", "2", "train.py")
+    assert c.signals_to_handle == {signal.SIGTERM, signal.SIGUSR1}
+    assert c.term_timeout_s == 2
+    assert parse(tmp_path, "--shutdown_timeout", "0", "train.py").term_timeout_s == 0
+
+
+def test_torchrun_output_flags(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "--duplicate-stdout-filters", "loss,,x,acc", "--tee", "3", "train.py")
+    assert c.logs.stdout_filters == ("loss,x", "acc")  # a double comma is a comma inside one filter
+    assert c.logs.stderr_filters == ()
+    assert c.logs.prefix("default", 5, 1) == "[default1]:"  # torchrun's default prefix
+    env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}/${rank}]"}
+    assert parse(tmp_path, "train.py", environ=env).logs.prefix("trainer", 5, 1) == "[trainer/5]"
+
+
+def test_flags_that_cannot_apply_say_so(tmp_path: Path, script: Path, gpu_free: None) -> None:
+    c = parse(tmp_path, "--numa-binding", "node", "--logs-specs", "mine", "train.py")
+    assert any(n.startswith("--numa-binding node cannot apply: no GPU") for n in c.notices)
+    assert any(n.startswith("--logs-specs mine has no effect") for n in c.notices)
+    assert parse(tmp_path, "--event-log-handler", "console", "train.py").echo_events
+
+
+def test_environment_of_the_launcher(tmp_path: Path, script: Path) -> None:
+    assert parse(tmp_path, "train.py", environ={"LOGLEVEL": "WARNING"}).quiet
+    assert not parse(tmp_path, "train.py", environ={"LOGLEVEL": "info"}).quiet
+    with pytest.raises(ConfigError, match="LOGLEVEL"):
+        parse(tmp_path, "train.py", environ={"LOGLEVEL": "LOUD"})
+    (tmp_path / "py").write_text("#!/bin/sh\n")
+    (tmp_path / "py").chmod(0o755)
+    assert parse(tmp_path, "train.py", environ={"PYTHON_EXEC": str(tmp_path / "py")}).python == str(tmp_path / "py")
+    with pytest.raises(ConfigError, match="PYTHON_EXEC"):
+        parse(tmp_path, "train.py", environ={"PYTHON_EXEC": "no-such-python-xyz"})
+
+
+def test_a_typo_gets_a_did_you_mean(tmp_path: Path, script: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse(tmp_path, "--nproc-per-nod", "2", "train.py")
+    assert e.value.fix == "did you mean --nproc-per-node?"
+
+
+def test_max_restarts_below_zero_suggests_zero(tmp_path: Path, script: Path) -> None:
+    with pytest.raises(ConfigError, match="pass --max-restarts 0 or more"):
+        parse(tmp_path, "--max-restarts", "-1", "train.py")
+
+
+def test_virtual_local_rank_needs_a_gpu_per_worker(tmp_path: Path, script: Path) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "3,5"}
+    assert parse(tmp_path, "--virtual-local-rank", "--nproc-per-node", "2", "train.py", environ=env).virtual_local_rank
+    with pytest.raises(ConfigError, match="--virtual-local-rank"):
+        parse(tmp_path, "--virtual-local-rank", "--nproc-per-node", "3", "train.py", environ=env)

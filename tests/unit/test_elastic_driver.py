@@ -110,7 +110,7 @@ def test_a_signal_while_finishing_exits_128_plus_it() -> None:
     """The bug of the old loop: it exited 0 here."""
     state, _ = walk(running(), advice(Action.FINISHED))
     state, [stop, finish] = walk(state, Interrupted(signal.SIGTERM), WorkersStopped())
-    assert stop == (StopWorkers(),)
+    assert stop == (StopWorkers(signal.SIGTERM),)
     assert finish == (Finish(Outcome.INTERRUPTED, signal.SIGTERM),)
     assert finish[0].exit_code == 143  # type: ignore[attr-defined]
 

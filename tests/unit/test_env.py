@@ -5,6 +5,8 @@ from __future__ import annotations
 from ftrun.agent.env import Placement, WorkerAssignment, assign, worker_env
 
 TORCHRUN_VARS = {
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -92,3 +94,17 @@ def test_a_node_in_a_multi_node_job_offsets_its_ranks() -> None:
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == ("13", "1", "14", "2")
     assert (env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("2", "3")
     assert (env["ROLE_RANK"], env["ROLE_WORLD_SIZE"]) == ("13", "14")
+
+
+def test_torchruns_extras_and_what_they_imply() -> None:
+    env = worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}, assignment())
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the job's TCPStore: nothing to share
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's value wins, as in torchrun
+    assert worker_env({}, assignment())["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_virtual_local_rank_gives_each_worker_one_gpu_as_device_0() -> None:
+    env = worker_env({"CUDA_VISIBLE_DEVICES": "4, 6"}, assignment(local_rank=1), virtual_local_rank=True)
+    assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "6")
+    env = worker_env({}, assignment(local_rank=1), virtual_local_rank=True)
+    assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")

@@ -72,7 +72,7 @@ def test_calculated_timeouts_are_published_and_survive_in_a_state(table: Monitor
     c.start_section("step")
     c.end_section("step")
     c.heartbeat()
-    calculated = c.calculate_timeouts(None, synchronize=False)
+    calculated = c.calculate_timeouts(None)
     assert calculated.heartbeat is not None
     assert calculated.sections.keys() == {"step"}
     assert published(table.read(1)) == calculated

@@ -100,7 +100,7 @@ def test_zero_restarts_fails_on_first_failure() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_stops_workers_and_exits_128_plus_signal(sig: int) -> None:
     d = step(running(), Interrupted(sig))
-    assert d.commands == (StopWorkers(),)
+    assert d.commands == (StopWorkers(sig),)  # --signals-to-handle: the workers get it first
     d = step(d.state, WorkersStopped())
     assert d.commands == (finish(128 + sig),)
     assert d.state.phase is Phase.INTERRUPTED
@@ -151,3 +151,10 @@ def test_a_hang_is_a_failure() -> None:
 )
 def test_exit_codes_in_one_place(outcome: Finish, code: int) -> None:
     assert outcome.exit_code == code
+
+
+def test_a_signal_not_to_hand_on_stops_the_workers_with_sigterm() -> None:
+    d = step(running(), Interrupted(signal.SIGUSR2, "SIGUSR2", forward=False))
+    assert d.commands == (StopWorkers(),)
+    assert d.reason == "SIGUSR2; stopping the workers"
+    assert step(d.state, WorkersStopped()).commands == (finish(128 + signal.SIGUSR2),)

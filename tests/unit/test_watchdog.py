@@ -109,7 +109,9 @@ def test_calculated_timeouts_replace_configured_ones_and_ranks_agree_on_the_wide
 
 def test_scaled_observations() -> None:
     observed = Timeouts(initial_heartbeat=2.0, heartbeat=0.5, out_of_section=None, sections={"step": 0.2})
-    assert scaled(observed, 5.0) == Timeouts(10.0, 2.5, None, {"step": 1.0})
+    # The start-up keeps a margin of 60 s over what was seen (a restart may load a checkpoint).
+    assert scaled(observed, 5.0) == Timeouts(62.0, 2.5, None, {"step": 1.0})
+    assert scaled(Timeouts(initial_heartbeat=20.0), 5.0).initial_heartbeat == 100.0
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ class TimeoutAgreement:
             try:
                 theirs = Timeouts.from_json(json.loads(heard))
             except ValueError as e:  # json.JSONDecodeError is one
-                self._group.say(f"ignoring the job's calculated timeouts in the store: {e}")
+                self._group.say(f"ignoring the job's calculated timeouts in the store: {e}", always=True)
                 return
             self._group.adopt_timeouts(theirs, "the job's nodes calculated timeouts")
 

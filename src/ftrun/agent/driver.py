@@ -53,9 +53,16 @@ class WorkersStopped:
 
 @dataclass(frozen=True, slots=True)
 class Interrupted:
-    """A signal to ftrun (SIGINT, SIGTERM, SIGHUP)."""
+    """A signal to ftrun. ``forward``: it is one of ``--signals-to-handle``, so the workers get it first
+    when they are stopped (SLURM's pre-emption warning reaches the script); otherwise they get SIGTERM."""
 
     signal: int
+    name: str = ""  # "SIGINT": what people read
+    forward: bool = True
+
+    @property
+    def said(self) -> str:
+        return self.name or f"signal {self.signal}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +112,10 @@ class StartWorkers:
 
 @dataclass(frozen=True, slots=True)
 class StopWorkers:
-    """Stop every running worker (SIGTERM, grace, SIGKILL); answered by WorkersStopped.
+    """Stop every running worker: ``signal`` (None: SIGTERM) to each, the grace period, SIGKILL; answered by
+    WorkersStopped. Signals to ftrun that come meanwhile are answered first, as Interrupted."""
 
-    Signals to ftrun that come meanwhile are answered first, as Interrupted.
-    """
+    signal: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from ftrun.agent.driver import (
     Command,
     Finish,
     Happening,
+    Interrupted,
     Outcome,
     RendezvousAdvised,
     RendezvousWoke,
@@ -64,6 +65,7 @@ class State:
     failed: bool = False  # a worker of the current attempt failed or hung
     report_owed: bool = False  # ...and its report waits for the rendezvous to say whether the job restarts
     signal: int | None = None
+    signal_name: str = ""  # SIGTERM
 
 
 def initial() -> State:
@@ -90,7 +92,7 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
         return _failed(state, f"local rank {happening.local_rank} hung; stopping the workers")
     if isinstance(happening, WorkersStopped):
         return _stopped(replace(state, running=frozenset()))
-    return _interrupted(state, happening.signal)
+    return _interrupted(state, happening)
 
 
 def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 - one return per action
@@ -164,7 +166,7 @@ def _stopped(state: State) -> Transition[State]:
     if state.phase is Phase.INTERRUPTING:
         report: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
         return _done(
-            state, (*report, Finish(Outcome.INTERRUPTED, state.signal)), f"workers stopped after signal {state.signal}"
+            state, (*report, Finish(Outcome.INTERRUPTED, state.signal)), f"workers stopped after {state.signal_name}"
         )
     return Transition(state, (), f"workers stopped while {state.phase.value}")
 
@@ -179,16 +181,18 @@ def _finishing(state: State, report: tuple[Command, ...], reason: str) -> Transi
     return _done(state, (*report, Finish(Outcome.SUCCEEDED)), reason)
 
 
-def _interrupted(state: State, signal: int) -> Transition[State]:
+def _interrupted(state: State, happening: Interrupted) -> Transition[State]:
+    said, signal = happening.said, happening.signal
     if state.phase is Phase.INTERRUPTING:
-        return Transition(state, (), f"signal {signal} ignored: already stopping after signal {state.signal}")
-    interrupting = replace(state, phase=Phase.INTERRUPTING, signal=signal)
+        return Transition(state, (), f"{said} ignored: already stopping after {state.signal_name}")
+    interrupting = replace(state, phase=Phase.INTERRUPTING, signal=signal, signal_name=said)
     if state.phase in (Phase.STOPPING, Phase.FAILING):  # a stop is under way; its end finishes the run
-        return Transition(interrupting, (), f"signal {signal} while stopping; will exit when stopped")
+        return Transition(interrupting, (), f"{said} while stopping; will exit when stopped")
     if state.running:
-        return Transition(interrupting, (StopWorkers(),), f"signal {signal}; stopping the workers and leaving the job")
+        stop = StopWorkers(signal if happening.forward else None)  # --signals-to-handle: the workers get it
+        return Transition(interrupting, (stop,), f"{said}; stopping the workers and leaving the job")
     report: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
-    return _done(interrupting, (*report, Finish(Outcome.INTERRUPTED, signal)), f"signal {signal}; leaving the job")
+    return _done(interrupting, (*report, Finish(Outcome.INTERRUPTED, signal)), f"{said}; leaving the job")
 
 
 def _done(state: State, commands: tuple[Command, ...], reason: str) -> Transition[State]:

@@ -76,12 +76,17 @@ def assign(
     )
 
 
-def worker_env(base: Mapping[str, str], a: WorkerAssignment) -> dict[str, str]:
+def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_rank: bool = False) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the torchrun variables and ftrun's own.
 
     Values set here always win over ``base``, so a stale RANK inherited from a
-    parent launcher can never leak into a worker.
+    parent launcher can never leak into a worker. ``virtual_local_rank``: every
+    worker sees only its own GPU, as device 0 (LOCAL_RANK=0), as torchrun's flag.
     """
+    devices = {}
+    if virtual_local_rank:
+        visible = [d.strip() for d in base["CUDA_VISIBLE_DEVICES"].split(",")] if "CUDA_VISIBLE_DEVICES" in base else []
+        devices = {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": visible[a.local_rank] if visible else str(a.local_rank)}
     return {
         **base,
         "RANK": str(a.rank),
@@ -99,5 +104,9 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment) -> dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
         "TORCHELASTIC_RUN_ID": a.run_id,
         "TORCHELASTIC_ERROR_FILE": a.error_file,
+        # torch's env:// init then lets rank 0 host the job's TCPStore: ftrun's store is not one to share.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
         "FTRUN_ERROR_FILE": a.error_file,
+        **devices,
     }

@@ -91,7 +91,7 @@ class Executor(Generic[S]):
             port = command.master_port if command.master_port is not None else self._fresh_port()
             return self._group.start(command, port)
         if isinstance(command, StopWorkers):
-            return self._group.stop()
+            return self._group.stop(command.signal)
         if isinstance(command, ReportFailure):
             self._group.report_failure(command.will_restart)
             return []

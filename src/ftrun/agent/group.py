@@ -12,6 +12,7 @@ from the thread that forked them, and signal handlers live in the main thread.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.hangs import Found, HangWatch
-from ftrun.agent.logs import Console, RankOutput, RankPaths
+from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
 from ftrun.agent.pool import WarmPool, read_modules_report
 from ftrun.agent.signals import SignalWakeup
+from ftrun.agent.signals import name as signal_name
 from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
@@ -41,6 +43,7 @@ from ftrun.reporting import build_report, render, write_json
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
+LOCAL_RANK_MACRO = "${local_rank}"
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -55,7 +58,8 @@ class LocalGroup:
         self._clock = clock
         self._console = console
         self.run_dir = _fresh_dir(config.logs.base_dir / config.run_id)
-        self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock)
+        echo = self._echo_event if config.echo_events else None
+        self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
         self._wakeup = SignalWakeup()
         self._hangs = HangWatch(config.hang, clock, self.say, self._timeouts_changed)
         self._processes = AttemptProcesses(spawner, clock, self._wakeup.fd)  # empty until the first attempt
@@ -65,9 +69,11 @@ class LocalGroup:
         self._last_reason = ""
         self._finished = False
         self._learned_attempt = -1  # --warm auto: the attempt whose imported modules the pool has been told
-        self.say(f"run {config.run_id}: {config.nproc_per_node} workers, logs in {self.run_dir}")
-        for notice in config.rdzv.conf.notices:
-            self.say(notice)
+        self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
+        workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
+        self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
+        for notice in (*config.rdzv.conf.notices, *config.notices):
+            self.say(notice, always=True)
         self.emit(
             EventKind.RUN_STARTED,
             run_id=config.run_id,
@@ -115,7 +121,7 @@ class LocalGroup:
             group_rank=placement.group_rank,
         )
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
-        argv = c.entrypoint.command(c.python)
+        self._open_duplicates(attempt_dir)
         self._hangs.new_attempt(c.nproc_per_node, f"{c.run_id}-{command.attempt}")
         for local_rank in range(c.nproc_per_node):
             paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
@@ -133,14 +139,17 @@ class LocalGroup:
             )
             spawned = self._clock.monotonic()
             env = {
-                **worker_env.worker_env(c.worker_base_env, assignment),
+                **worker_env.worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank),
                 **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE), spawned),
             }
             if c.warm.enabled and c.warm.auto:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
+            # torchrun's ${local_rank} macro in the script's arguments
+            argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
             worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
             worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
-            output = RankOutput(paths, assignment.rank, local_rank, c.logs, self._console)
+            label = c.logs.prefix(c.role, assignment.rank, local_rank)
+            output = RankOutput(paths, local_rank, c.logs, self._console, label, self._duplicates)
             self._processes.spawn(worker, output, c.cwd)
             self.emit(EventKind.WORKER_SPAWNED, **_identity(worker), warm=getattr(worker.handle, "warm", False))
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
@@ -162,14 +171,14 @@ class LocalGroup:
         happened += [WorkerHung(w.local_rank) for w in self._find_hangs()]
         return happened, also_ready
 
-    def stop(self) -> list[Happening]:
-        """Stop the running workers: SIGTERM, ``--term-timeout``, SIGKILL; then sweep strays.
-
-        Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped.
-        """
+    def stop(self, first_signal: int | None = None) -> list[Happening]:
+        """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
+        sweep strays. Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
         if not self._processes.running:
             return [WorkersStopped()]
-        self.emit(EventKind.GROUP_STOPPING, attempt=self._attempt, running=[w.rank for w in self._processes.running])
+        first = signal.SIGTERM if first_signal is None else first_signal
+        running = [w.rank for w in self._processes.running]
+        self.emit(EventKind.GROUP_STOPPING, attempt=self._attempt, running=running, signal=signal_name(first))
         exits: list[Happening] = []
         late: list[Happening] = []
 
@@ -178,7 +187,10 @@ class LocalGroup:
             return self._signals_seen > 1  # a second signal: the user does not want to wait
 
         self._processes.stop(
-            self.config.term_timeout_s, on_exit=lambda w: exits.append(self._exited(w)), on_wake=on_wake
+            self.config.term_timeout_s,
+            on_exit=lambda w: exits.append(self._exited(w)),
+            on_wake=on_wake,
+            first_signal=first,
         )
         self._settle()
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
@@ -220,7 +232,7 @@ class LocalGroup:
         self._settle()
         self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
         self._finished = True
-        self.say(summarize(self.events.events).render())
+        self.say(summarize(self.events.events).render(), always=True)
         return finish.exit_code
 
     def close(self) -> None:
@@ -232,6 +244,10 @@ class LocalGroup:
             if not self._finished:
                 self._processes.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
                 self._processes.sweep()
+                for w in self._processes.workers:  # the pumps may still write into the duplicate files
+                    if w.output is not None:
+                        w.output.wait_drained(DRAIN_TIMEOUT_S)
+            self._close_duplicates()
             self._processes.close()
             if not self._finished:  # an error ended the run: the log still says how it ended
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
@@ -259,9 +275,28 @@ class LocalGroup:
             self._last_reason = reason
             self.say(reason)
 
-    def say(self, text: str) -> None:
-        # ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers.
-        self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+    def say(self, text: str, *, always: bool = False) -> None:
+        """ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers. With LOGLEVEL at
+        WARNING or above only those said ``always`` (what went wrong, notices, the summary) are shown."""
+        if always or not self.config.quiet:
+            self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+
+    def _echo_event(self, line: str) -> None:
+        self._console.write_lines(Std.ERR, f"ftrun event: {line}\n".encode())
+
+    def _open_duplicates(self, attempt_dir: Path) -> None:
+        """One filtered_std{out,err}.log per attempt for --duplicate-std*-filters (as torchrun's)."""
+        self._close_duplicates()
+        for stream, name in ((Std.OUT, "filtered_stdout.log"), (Std.ERR, "filtered_stderr.log")):
+            needles = self.config.logs.filters(stream)
+            if needles:
+                sink = LineSink(attempt_dir / name)
+                self._duplicates[stream] = Duplicate(tuple(n.encode() for n in needles), sink)
+
+    def _close_duplicates(self) -> None:
+        for d in self._duplicates.values():
+            d.sink.close()
+        self._duplicates = {}
 
     # --- inside -----------------------------------------------------------------------------------
 
@@ -274,7 +309,13 @@ class LocalGroup:
     def _signals(self) -> list[Happening]:
         found = self._wakeup.drain()
         self._signals_seen += len(found)
-        return [Interrupted(s) for s in found]
+        handled = self.config.signals_to_handle
+        for s in found:
+            if s not in handled:
+                self.say(
+                    f"{signal_name(s)} is not in --signals-to-handle: the workers get SIGTERM, not it", always=True
+                )
+        return [Interrupted(s, signal_name(s), forward=s in handled) for s in found]
 
     def _find_hangs(self) -> list[Worker]:
         """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
@@ -298,7 +339,9 @@ class LocalGroup:
             lag_s=now_mono - v.deadline,  # deadline -> verdict
             quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
         )
-        self.say(f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks")
+        self.say(
+            f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks", always=True
+        )
         w.hang.stacks = dump_stacks(
             w.pid,
             client_listens=self._hangs.client_listens(found.slot),
@@ -338,7 +381,7 @@ class LocalGroup:
         self._processes.sweep()
         for w in self._processes.workers:
             if w.output is not None and not w.output.wait_drained(DRAIN_TIMEOUT_S):
-                self.say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut")
+                self.say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut", always=True)
 
 
 def _identity(w: Worker) -> dict[str, int]:

@@ -22,17 +22,42 @@ _CHUNK = 65536
 
 
 class Console:
-    """ftrun's own stdout/stderr, shared by every pump; whole lines only, never interleaved."""
+    """ftrun's own stdout/stderr, shared by every pump; whole lines only, never interleaved.
+
+    A stream whose reader went away (``ftrun ... | head``) is dropped from then on:
+    the files still get every line, and neither ftrun nor its workers are harmed.
+    """
 
     def __init__(self, stdout: BinaryIO, stderr: BinaryIO) -> None:
-        self._streams = {Std.OUT: stdout, Std.ERR: stderr}
+        self._streams: dict[Std, BinaryIO | None] = {Std.OUT: stdout, Std.ERR: stderr}
         self._lock = threading.Lock()
 
     def write_lines(self, stream: Std, data: bytes) -> None:
         with self._lock:
             out = self._streams[stream]
-            out.write(data)
-            out.flush()
+            if out is None:
+                return
+            try:
+                out.write(data)
+                out.flush()
+            except (BrokenPipeError, ValueError):  # the reader is gone (or the stream was closed)
+                self._streams[stream] = None
+
+
+class LineSink:
+    """A file many pumps append whole lines to (--duplicate-std*-filters: ``filtered_stdout.log``)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self._lock = threading.Lock()
+
+    def write(self, lines: bytes) -> None:
+        with self._lock:
+            os.write(self._fd, lines)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +73,31 @@ class RankPaths:
         return RankPaths(d, d / "stdout.log", d / "stderr.log", d / "error.json")
 
 
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    """Lines containing any of ``needles`` also go, prefixed, to ``sink``."""
+
+    needles: tuple[bytes, ...]
+    sink: LineSink
+
+
 class _Pump(threading.Thread):
-    def __init__(self, read_fd: int, file_fd: int, console: Console, stream: Std, prefix: bytes) -> None:
-        super().__init__(name=f"ftrun-pump-{prefix.decode(errors='replace')}{stream.name}", daemon=True)
+    """Copies a worker's stream to its file and, line by line, to the console and/or a duplicate sink."""
+
+    def __init__(
+        self,
+        read_fd: int,
+        file_fd: int,
+        console: Console | None,
+        stream: Std,
+        prefix: bytes,
+        duplicate: Duplicate | None,
+        label: bytes,
+    ) -> None:
+        super().__init__(name=f"ftrun-pump-{label.decode(errors='replace')}{stream.name}", daemon=True)
         self._read_fd, self._file_fd = read_fd, file_fd
         self._console, self._stream, self._prefix = console, stream, prefix
+        self._duplicate, self._label = duplicate, label
 
     def run(self) -> None:
         pending = b""
@@ -71,27 +116,51 @@ class _Pump(threading.Thread):
             os.close(self._file_fd)
 
     def _show(self, lines: bytes) -> None:
+        if self._duplicate is not None:
+            wanted = [
+                line for line in lines.splitlines(keepends=True) if any(n in line for n in self._duplicate.needles)
+            ]
+            if wanted:
+                self._duplicate.sink.write(b"".join(self._label + line for line in wanted))
+        if self._console is None:
+            return
         if self._prefix:
             lines = b"".join(self._prefix + line for line in lines.splitlines(keepends=True))
         self._console.write_lines(self._stream, lines)
 
 
 class RankOutput:
-    """The stdout/stderr of one worker: fds to give the child, and the pumps that copy them."""
+    """The stdout/stderr of one worker: fds to give the child, and the pumps that copy them.
 
-    def __init__(self, paths: RankPaths, rank: int, local_rank: int, spec: LogSpec, console: Console) -> None:
+    ``label``: the worker's line prefix (``[default0]:``), used when tee'd and in duplicate files;
+    ``duplicates``: per stream, where lines matching --duplicate-std*-filters also go.
+    """
+
+    def __init__(
+        self,
+        paths: RankPaths,
+        local_rank: int,
+        spec: LogSpec,
+        console: Console,
+        label: str,
+        duplicates: dict[Std, Duplicate] | None = None,
+    ) -> None:
         paths.dir.mkdir(parents=True, exist_ok=True)
         self._child_fds: dict[Std, int] = {}
         self._pumps: list[_Pump] = []
         for stream, path in ((Std.OUT, paths.stdout), (Std.ERR, paths.stderr)):
             file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-            if not spec.console(local_rank, stream):
-                self._child_fds[stream] = file_fd
+            shown = spec.console(local_rank, stream)
+            duplicate = (duplicates or {}).get(stream)
+            if not shown and duplicate is None:
+                self._child_fds[stream] = file_fd  # nothing of ftrun in the path
                 continue
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-            prefix = f"[{rank}]:".encode() if spec.prefixed(local_rank, stream) else b""
+            prefix = label.encode() if spec.prefixed(local_rank, stream) else b""
             self._child_fds[stream] = write_fd
-            self._pumps.append(_Pump(read_fd, file_fd, console, stream, prefix))
+            self._pumps.append(
+                _Pump(read_fd, file_fd, console if shown else None, stream, prefix, duplicate, label.encode())
+            )
 
     @property
     def stdout_fd(self) -> int:

@@ -1,7 +1,9 @@
 """Signals to ftrun become readable bytes on a pipe, so the agent's one select() sees them.
 
-SIGINT, SIGTERM and SIGHUP do not kill the agent: they are queued, and the
-agent stops its workers cleanly before it exits with 128 + the signal.
+No signal that would end the agent by default kills it: they are queued, and
+the agent stops its workers cleanly (passing the signal on first when
+``--signals-to-handle`` names it) before it exits with 128 + the signal.
+SIGPIPE is ignored: a closed console must not end the run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,19 @@ import signal
 import threading
 from types import FrameType, TracebackType
 
-HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Every signal whose default action would end the agent without a word (SIGPIPE aside).
+CAUGHT = (
+    signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+    signal.SIGALRM, signal.SIGPWR, signal.SIGVTALRM, signal.SIGPROF, signal.SIGXCPU, signal.SIGXFSZ,
+)  # fmt: skip
+
+
+def name(number: int) -> str:
+    """SIGINT for 2: the name people read."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _note(signum: int, frame: FrameType | None) -> None:
@@ -29,7 +43,8 @@ class SignalWakeup:
         # Signal handlers can only be set from the main thread; elsewhere (tests) the caller handles signals.
         if threading.current_thread() is threading.main_thread():
             self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-            self._saved = {s: signal.signal(s, _note) for s in HANDLED}
+            self._saved = {s: signal.signal(s, _note) for s in CAUGHT}
+            self._saved[signal.SIGPIPE] = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
             self._active = True
 
     @property
@@ -58,4 +73,4 @@ class SignalWakeup:
             data = os.read(self._read_fd, 512)
         except BlockingIOError:
             return []
-        return [b for b in data if b in HANDLED]
+        return [b for b in data if b in CAUGHT]

@@ -72,6 +72,7 @@ class State:
     running: frozenset[int] = frozenset()  # local ranks of the current attempt still running
     failed: bool = False  # the current attempt had a failure (a report is owed)
     signal: int | None = None
+    signal_name: str = ""  # SIGTERM
 
 
 def initial(plan: Plan) -> State:
@@ -81,7 +82,7 @@ def initial(plan: Plan) -> State:
 def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0911 - one return per happening
     """The next state and commands after ``happening``, with a sentence saying why."""
     if isinstance(happening, Interrupted):
-        return _interrupted(state, happening.signal)
+        return _interrupted(state, happening)
     if isinstance(happening, RunBegins):
         return _begin(state)
     if isinstance(happening, WorkersStarted):
@@ -151,7 +152,7 @@ def _stopped(state: State) -> Transition[State]:
         return Transition(
             replace(stopped, phase=Phase.INTERRUPTED),
             (*report, Finish(Outcome.INTERRUPTED, state.signal)),
-            f"workers stopped after signal {state.signal}",
+            f"workers stopped after {state.signal_name}",
         )
     if state.phase is not Phase.STOPPING:
         return Transition(stopped, (), f"workers stopped in phase {state.phase.value}; nothing to do")
@@ -169,17 +170,23 @@ def _stopped(state: State) -> Transition[State]:
     )
 
 
-def _interrupted(state: State, signal: int) -> Transition[State]:
+def _interrupted(state: State, happening: Interrupted) -> Transition[State]:
+    said = happening.said
     if state.phase.finished or state.phase is Phase.INTERRUPTING:
-        return Transition(state, (), f"signal {signal} ignored in phase {state.phase.value}")
-    interrupting = replace(state, phase=Phase.INTERRUPTING, signal=signal)
+        return Transition(state, (), f"{said} ignored in phase {state.phase.value}")
+    interrupting = replace(state, phase=Phase.INTERRUPTING, signal=happening.signal, signal_name=said)
     if state.phase is Phase.STOPPING:
         # A stop is under way; its WorkersStopped will finish the run.
-        return Transition(interrupting, (), f"signal {signal} while stopping; will exit when stopped")
+        return Transition(interrupting, (), f"{said} while stopping; will exit when stopped")
     if state.phase is Phase.IDLE:
         return Transition(
             replace(interrupting, phase=Phase.INTERRUPTED),
-            (Finish(Outcome.INTERRUPTED, signal),),
-            f"signal {signal} before start",
+            (Finish(Outcome.INTERRUPTED, happening.signal),),
+            f"{said} before start",
         )
-    return Transition(interrupting, (StopWorkers(),), f"signal {signal}; stopping the workers")
+    return Transition(interrupting, (_stop_for(happening),), f"{said}; stopping the workers")
+
+
+def _stop_for(happening: Interrupted) -> StopWorkers:
+    """A signal named in --signals-to-handle goes on to the workers first; any other, SIGTERM."""
+    return StopWorkers(happening.signal if happening.forward else None)

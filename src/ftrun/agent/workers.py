@@ -252,8 +252,9 @@ class AttemptProcesses:
         grace_s: float,
         on_exit: Callable[[Worker], object],
         on_wake: Callable[[], bool],
+        first_signal: int = signal.SIGTERM,
     ) -> None:
-        """SIGTERM every worker's process group, wait ``grace_s``, then SIGKILL what is left.
+        """Send ``first_signal`` to every worker's process group, wait ``grace_s``, then SIGKILL what is left.
 
         Descendants that left their worker's group are signalled too. Returns once
         every worker is reaped. ``on_wake`` is called when the wake fd fires (a
@@ -262,7 +263,7 @@ class AttemptProcesses:
         for w in self.running:
             if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
                 w.state = WorkerState.STOPPED
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(first_signal)
         deadline = self._clock.monotonic() + grace_s
         while self.running:
             left = deadline - self._clock.monotonic()
