@@ -106,6 +106,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         quiet=flags.parse_loglevel(environ),
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
+        launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])
+        if environ.get("TORCHELASTIC_ERROR_FILE")
+        else None,
         warm=flags.parse_warm(a.no_warm, a.warm, a.preload),
         hang=parse_hang(
             {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},

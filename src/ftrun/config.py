@@ -190,6 +190,7 @@ class LaunchConfig:
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
     echo_events: bool = False  # --event-log-handler console: every event also on stderr
     notices: tuple[str, ...] = ()  # said once at start: flags accepted that cannot apply here
+    launcher_error_file: Path | None = None  # ftrun's own TORCHELASTIC_ERROR_FILE: the root cause goes there
     hang: HangSpec = field(default_factory=HangSpec)
     warm: WarmSpec = field(default_factory=WarmSpec)
 

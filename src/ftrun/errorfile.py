@@ -8,6 +8,7 @@ richer record. :func:`read_error_file` accepts both and validates everything.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -16,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar, overload
 
 from ftrun.errors import ErrorFileError
 from ftrun.jsonobject import load_object
@@ -67,32 +68,68 @@ def write_error_file(path: str, exc: BaseException, rank: int | None) -> None:
     os.replace(tmp, path)
 
 
-def record(fn: Callable[P, R]) -> Callable[P, R | None]:
+class ErrorHandler(Protocol):
+    """What torch's ``ErrorHandler`` offers and ``@record(error_handler=...)`` uses."""
+
+    def initialize(self) -> None: ...
+
+    def record_exception(self, e: BaseException) -> None: ...
+
+
+@overload
+def record(fn: Callable[P, R], error_handler: ErrorHandler | None = None) -> Callable[P, R | None]: ...
+
+
+@overload
+def record(
+    fn: None = None, error_handler: ErrorHandler | None = None
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+
+
+def record(
+    fn: Callable[P, R] | None = None, error_handler: ErrorHandler | None = None
+) -> Callable[P, R | None] | Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Decorate a worker's entry point so that an uncaught exception is reported.
 
-    The exception is written to the worker's error file and then re-raised, so
-    the process still exits as it would have. ``SystemExit(0)`` is a success and
-    writes nothing. Outside ftrun (no error file in the environment) it does
-    nothing but call ``fn``.
+    ``@ftrun.record``, ``@ftrun.record(error_handler=h)`` or ``ftrun.record(main, h)``, as torch's.
+    The exception is written to the worker's error file (by ``error_handler`` when given, e.g. a torch
+    ``ErrorHandler``) and re-raised, so the process still exits as it would have. ``SystemExit`` and
+    ``KeyboardInterrupt`` are not errors of the job and are not recorded (``SystemExit(0)`` returns). The
+    fault handler is enabled, so a crash in C (SIGSEGV) leaves its Python stack on stderr. Outside ftrun
+    (no error file in the environment) nothing is written.
     """
 
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-        try:
-            return fn(*args, **kwargs)
-        except SystemExit as e:
-            if e.code in (0, None):
-                return None
-            raise
-        except BaseException as e:
-            # Read at the failure, never at import: the same script runs under plain python.
-            error_file = os.environ.get("FTRUN_ERROR_FILE") or os.environ.get("TORCHELASTIC_ERROR_FILE")
-            if error_file:
-                rank = os.environ.get("RANK", "")
-                write_error_file(error_file, e, int(rank) if rank.isdigit() else None)
-            raise
+    def wrap(f: Callable[P, R]) -> Callable[P, R | None]:
+        @functools.wraps(f)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            if error_handler is not None:
+                error_handler.initialize()
+            else:
+                faulthandler.enable(all_threads=True)
+            try:
+                return f(*args, **kwargs)
+            except SystemExit as e:
+                if e.code in (0, None):
+                    return None
+                raise
+            except Exception as e:
+                if error_handler is not None:
+                    error_handler.record_exception(e)
+                else:
+                    _record(e)
+                raise
 
-    return wrapper
+        return wrapper
+
+    return wrap if fn is None else wrap(fn)
+
+
+def _record(e: BaseException) -> None:
+    # Read at the failure, never at import: the same script runs under plain python.
+    error_file = os.environ.get("FTRUN_ERROR_FILE") or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        rank = os.environ.get("RANK", "")
+        write_error_file(error_file, e, int(rank) if rank.isdigit() else None)
 
 
 def read_error_file(path: Path) -> ErrorRecord | None:

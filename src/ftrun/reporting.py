@@ -10,6 +10,7 @@ apart from the failure.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -168,6 +169,7 @@ def render(report: FailureReport) -> str:
     lines = [
         "=" * 78,
         f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
+        "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
         f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}",
     ]
     if r.stacks:
@@ -196,6 +198,23 @@ def render(report: FailureReport) -> str:
         lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def write_launcher_error_file(report: FailureReport, path: Path) -> None:
+    """The root cause in torch's error-file layout, for whoever launched ftrun with a TORCHELASTIC_ERROR_FILE
+    of its own (a scheduler, a nested launcher), as torchrun passes its first failure up."""
+    r = report.root_cause
+    callstack = (r.error.traceback if r.error else "") or r.stacks or "\n".join(r.stderr_tail)
+    doc = {
+        "message": {
+            "message": f"ftrun: {r.summary()}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(int(r.exit_wall or time.time()))},
+        },
+        "errorCode": r.exit_code if r.exit_code is not None else 1,
+    }
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    tmp.replace(path)
 
 
 def write_json(report: FailureReport, path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,83 @@ def test_exception_traceback_in_report(tmp_path: Path, script: WriteScript, deco
     assert ", in main" in root
     if decorator != "plain":
         assert r.report(0)["root_cause"]["error"]["exc_type"] == "ValueError"  # type: ignore[index]
+
+
+def test_the_report_has_torchruns_root_cause_words(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", BODIES["plain"])
+    r = run_ftrun(tmp_path, "w.py")
+    lines = r.stderr.splitlines()
+    at = lines.index("Root Cause (first observed failure):")  # what scripts written for torchrun look for
+    assert lines[at + 1].startswith("ROOT CAUSE  rank 0")
+
+
+def test_a_segfault_leaves_its_python_stack_in_the_report(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import ctypes\n\ndef crash_here():\n    ctypes.string_at(0)\n\ncrash_here()\n")
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    root = r.stderr[r.stderr.index("ROOT CAUSE") :]
+    assert "killed by SIGSEGV" in root
+    assert "Fatal Python error: Segmentation fault" in root
+    assert "in crash_here" in root  # the fault handler's stack, with no code change in the script
+
+
+KEYBOARD = """
+import os, ftrun
+
+@ftrun.record
+def main():
+    raise KeyboardInterrupt
+
+main()
+"""
+
+
+def test_keyboard_interrupt_is_not_recorded_as_the_jobs_error(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", KEYBOARD)
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    assert not (r.run_dir / "attempt_0" / "0" / "error.json").exists()
+
+
+HANDLER = """
+import json, os, ftrun
+
+class Handler:
+    def initialize(self):
+        print("initialized", flush=True)
+
+    def record_exception(self, e):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": f"mine: {e}", "extraInfo": {"py_callstack": "", "timestamp": "0"}}}, f)
+
+@ftrun.record(error_handler=Handler())
+def main():
+    raise ValueError("bad batch 7")
+
+main()
+"""
+
+
+def test_record_takes_an_error_handler_as_torchs_does(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", HANDLER)
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    assert r.log(0, 0) == "initialized\n"
+    assert "mine: bad batch 7" in r.stderr
+
+
+def test_the_root_cause_goes_to_the_launchers_own_error_file(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler or a nested launcher that gave ftrun a TORCHELASTIC_ERROR_FILE reads the first failure."""
+    script("w.py", BODIES["ftrun"])
+    own = tmp_path / "launcher-error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(own))
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 1
+    doc = json.loads(own.read_text())
+    assert "ValueError: bad batch 7" in doc["message"]["message"]
+    assert "raise ValueError('bad batch 7')" in doc["message"]["extraInfo"]["py_callstack"]
+    assert doc["errorCode"] == 1
+    # ...and the workers still wrote their own files, not the launcher's
+    assert (r.run_dir / "attempt_0" / "0" / "error.json").exists()

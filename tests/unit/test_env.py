@@ -5,6 +5,7 @@ from __future__ import annotations
 from ftrun.agent.env import Placement, WorkerAssignment, assign, worker_env
 
 TORCHRUN_VARS = {
+    "PYTHONFAULTHANDLER",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "RANK",

@@ -108,5 +108,7 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_ra
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
         "FTRUN_ERROR_FILE": a.error_file,
+        # A crash in C (SIGSEGV) leaves the Python stack on stderr, hence in the report (unless the user chose).
+        "PYTHONFAULTHANDLER": base.get("PYTHONFAULTHANDLER", "1"),
         **devices,
     }

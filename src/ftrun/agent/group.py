@@ -21,6 +21,7 @@ from ftrun.agent.driver import (
     Finish,
     Happening,
     Interrupted,
+    Outcome,
     StartWorkers,
     WorkerExited,
     WorkerHung,
@@ -39,7 +40,7 @@ from ftrun.events import EventKind, EventLog, summarize
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.monitor.watchdog import Timeouts
-from ftrun.reporting import build_report, render, write_json
+from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
@@ -70,6 +71,7 @@ class LocalGroup:
         self._finished = False
         self._learned_attempt = -1  # --warm auto: the attempt whose imported modules the pool has been told
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
+        self._last_report: FailureReport | None = None
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
         self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
         for notice in (*config.rdzv.conf.notices, *config.notices):
@@ -208,6 +210,7 @@ class LocalGroup:
         )
         path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
         write_json(report, path)
+        self._last_report = report
         self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
         root = report.root_cause
         self.emit(
@@ -230,6 +233,9 @@ class LocalGroup:
     def finish(self, finish: Finish) -> int:
         """End the run: the last event, the summary; returns ftrun's exit code."""
         self._settle()
+        own = self.config.launcher_error_file
+        if finish.outcome is Outcome.FAILED and own is not None and self._last_report is not None:
+            write_launcher_error_file(self._last_report, own)
         self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
         self._finished = True
         self.say(summarize(self.events.events).render(), always=True)

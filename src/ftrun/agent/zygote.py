@@ -179,6 +179,10 @@ def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter does at start-up with it
+        import faulthandler
+
+        faulthandler.enable(all_threads=True)
     warnings.filters[:] = filters  # type: ignore[index]
     modules_file = request["env"].get("FTRUN_MODULES_FILE")
     if modules_file:  # for --warm auto, also from scripts that never call ftrun
