@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
-from ftrun import addresses, flags
+from ftrun import addresses, flags, rdzv_flags
 from ftrun import config as cfg
 from ftrun.argparser import build_parser
 from ftrun.errors import ConfigError, FtrunError
@@ -38,7 +38,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"unknown backend {a.rdzv_backend!r}",
             f"use one of {', '.join(flags.RDZV_BACKENDS)}",
         )
-    store_url = _check_nodes(a, nnodes)
+    conf = rdzv_flags.parse_rdzv_conf(a.rdzv_conf)
+    store_url = _check_nodes(a, nnodes, conf.etcd)
     if a.rdzv_backend == "static" and nnodes.max > 1:
         master_port = master_port or addresses.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
     if a.start_method not in flags.START_METHODS:
@@ -47,10 +48,10 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"unknown start method {a.start_method!r}",
             f"use one of {', '.join(flags.START_METHODS)}",
         )
-    run_id = flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
+    run_id = rdzv_flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
     host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
-    token = flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, flags.parse_rdzv_conf(a.rdzv_conf), token, store_url)
+    token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store_url)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
         redirects=flags.parse_std("--redirects", a.redirects, nproc),
@@ -62,6 +63,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     )
     notices += flags.not_applied(logs_specs=a.logs_specs)
     notices += flags.numa_binding(a.numa_binding, environ)
+    if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:  # torch 2.13 starts nothing on it either
+        notices.append("TORCHELASTIC_HEALTH_CHECK_PORT: no health-check server is started (torch 2.13 starts none)")
     if logs.base_dir.exists() and not logs.base_dir.is_dir():
         raise ConfigError("--log-dir", f"{logs.base_dir} is a file", "pass a directory (it is created if missing)")
     entrypoint = flags.resolve_entrypoint(
@@ -106,6 +109,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         quiet=flags.parse_loglevel(environ),
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
+        file_timer=flags.file_timer(environ),
         launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])
         if environ.get("TORCHELASTIC_ERROR_FILE")
         else None,
@@ -117,7 +121,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     )
 
 
-def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange) -> str:
+def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple[str, str], ...]) -> str:
     """Validate --nnodes against the rendezvous flags; returns the store URL ("" for static)."""
     if a.rdzv_backend == "static":
         if nnodes.min != nnodes.max:
@@ -137,7 +141,8 @@ def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange) -> str:
             f"a {a.nnodes}-node job needs the address where the nodes meet",
             "pass e.g. --rdzv-endpoint node0:29400 (the same on every node)",
         )
-    return flags.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, addresses.DEFAULT_STORE_PORT)
+    # One node with no endpoint: this machine, where the agent hosts the store (as torchrun's c10d).
+    return rdzv_flags.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, addresses.DEFAULT_STORE_PORT, etcd)
 
 
 def version() -> str:

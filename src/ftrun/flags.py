@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -16,12 +15,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ftrun.addresses import DEFAULT_ETCD_PORT, bracketed, parse_endpoint
 from ftrun.agent.signals import CAUGHT
-from ftrun.config import Entrypoint, EntrypointKind, NodeRange, RdzvConf, Std, WarmSpec
+from ftrun.config import Entrypoint, EntrypointKind, NodeRange, Std, WarmSpec
 from ftrun.devices import count_gpus, count_xpus
 from ftrun.errors import ConfigError
-from ftrun.store.url import parse_store_url, read_token_file
 
 RDZV_BACKENDS = ("static", "c10d", "tcp", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -124,67 +121,6 @@ def parse_ranks_filter(text: str) -> frozenset[int] | None:
     return frozenset(int(t) for t in items)
 
 
-_CONF_DURATIONS = {
-    "join_timeout": "join_timeout_s",
-    "timeout": "join_timeout_s",  # torchrun's older name for join_timeout
-    "last_call_timeout": "last_call_timeout_s",
-    "close_timeout": "close_timeout_s",
-    "keep_alive_interval": "keep_alive_interval_s",
-    "read_timeout": "read_timeout_s",
-}
-_CONF_BOOLS = ("is_host", "use_libuv", "use_agent_store")
-# torchrun's keys about torch's own TCPStore: accepted, said once at start, without effect.
-_NOT_APPLICABLE = {
-    "use_libuv": "--rdzv-conf use_libuv has no effect: ftrun's rendezvous store is its own, not torch's TCPStore",
-    "use_agent_store": "--rdzv-conf use_agent_store has no effect: ftrun never shares its rendezvous store "
-    "with the workers",
-}
-
-
-def parse_rdzv_conf(text: str) -> RdzvConf:
-    flag = "--rdzv-conf"
-    known = sorted([*_CONF_DURATIONS, "keep_alive_max_attempt", *_CONF_BOOLS])
-    values: dict[str, object] = {}
-    notices: list[str] = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not value.strip():
-            raise ConfigError(flag, f"expected KEY=VALUE, got {item!r}", "pass e.g. --rdzv-conf join_timeout=900")
-        if key in _CONF_DURATIONS:
-            values[_CONF_DURATIONS[key]] = parse_seconds(f"{flag} {key}", value.strip())
-        elif key == "keep_alive_max_attempt":
-            values[key] = parse_int(f"{flag} {key}", value.strip(), minimum=1)
-        elif key in _CONF_BOOLS:
-            lowered = value.strip().lower()
-            if lowered not in ("1", "0", "true", "false", "yes", "no"):
-                raise ConfigError(f"{flag} {key}", f"expected true or false, got {value!r}", f"pass {key}=true")
-            if key == "is_host":
-                values[key] = lowered in ("1", "true", "yes")
-            else:
-                notices.append(_NOT_APPLICABLE[key])
-        else:
-            raise ConfigError(flag, f"unknown key {key!r}", f"use one of {', '.join(known)}")
-    return RdzvConf(**values, notices=tuple(notices))  # type: ignore[arg-type]
-
-
-_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
-def parse_run_id(text: str | None, *, standalone: bool = False) -> str:
-    """The job id: torchrun's default ``none``, so that nodes started with the same command meet (a rerun's
-    logs go to ``none.1``, ``none.2``...); ``--standalone`` draws a fresh one, as torchrun does.
-
-    Run ids name directories and store keys, so they are kept to a safe alphabet.
-    """
-    if standalone:
-        return f"ftrun-{uuid.uuid4().hex[:12]}"
-    text = text or "none"
-    if not _RUN_ID.match(text) or text in (".", ".."):
-        raise ConfigError("--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'")
-    return text
-
-
 def resolve_entrypoint(
     target: str, args: Sequence[str], *, module: bool, no_python: bool, run_path: bool, cwd: Path
 ) -> Entrypoint:
@@ -239,35 +175,6 @@ def omp_threads(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
     if "OMP_NUM_THREADS" in environ or nproc <= 1:
         return {}
     return {"OMP_NUM_THREADS": "1"}
-
-
-def store_token(token: str | None, token_file: str | None, environ: Mapping[str, str]) -> str | None:
-    """The embedded store's token: --rdzv-token-file, else --rdzv-token, else FTRUN_TOKEN.
-
-    A file keeps the secret out of ``ps`` output; prefer it on shared machines.
-    """
-    if token_file:
-        return read_token_file(token_file)
-    return token or environ.get("FTRUN_TOKEN") or None
-
-
-def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int) -> str:
-    """The store URL for ``--rdzv-backend``/``--rdzv-endpoint``; raises ConfigError naming the flag."""
-    flag = "--rdzv-endpoint"
-    if backend in ("etcd", "etcd-v2"):
-        if not endpoint:
-            raise ConfigError(
-                flag, "the etcd backend needs an endpoint", f"pass e.g. --rdzv-endpoint etcd0:{DEFAULT_ETCD_PORT}"
-            )
-        url = endpoint if endpoint.startswith(("etcd://", "etcds://")) else f"etcd://{endpoint}"
-    else:
-        host, port = parse_endpoint(endpoint)
-        url = f"tcp://{bracketed(host or '127.0.0.1')}:{default_tcp_port if port is None else port}"
-    try:
-        parse_store_url(url)
-    except ConfigError as e:
-        raise ConfigError(flag, e.problem, e.fix) from None
-    return url
 
 
 def parse_warm(no_warm: bool, warm: str, preload: str) -> WarmSpec:
@@ -387,3 +294,14 @@ def numa_binding(
     if numa_nodes <= 1:
         return [f"--numa-binding {mode} cannot apply: this machine has {numa_nodes or 'no'} NUMA node"]
     return [f"--numa-binding {mode} is not supported by ftrun yet: the workers run unbound (use numactl)"]
+
+
+def file_timer(environ: Mapping[str, str]) -> Path | None:
+    """torch's FileTimer: the pipe to serve when TORCHELASTIC_ENABLE_FILE_TIMER=1 (TORCHELASTIC_TIMER_FILE, or a
+    fresh path under the temp dir, as torchrun)."""
+    if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
+        return None
+    chosen = environ.get("TORCHELASTIC_TIMER_FILE")
+    if chosen:
+        return Path(chosen).absolute()
+    return Path(tempfile.gettempdir()) / f"watchdog_timer_{uuid.uuid4()}"

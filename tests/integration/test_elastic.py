@@ -229,7 +229,7 @@ def test_an_agent_hosts_the_store_and_a_late_agent_hears_the_job_finished(
     assert "already finished" in (a.stderr() + b.stderr())
 
 
-def test_a_late_agent_exits_0_when_the_job_already_finished(
+def test_a_late_agent_exits_1_when_the_job_already_finished_as_under_torchrun(
     tmp_path: Path, script: WriteScript, etcd_server: EtcdHarness
 ) -> None:
     script("w.py", WORKER)
@@ -239,8 +239,10 @@ def test_a_late_agent_exits_0_when_the_job_already_finished(
     r = run_ftrun(tmp_path, *flags)
     assert r.returncode == 0, r.stderr
     late = run_ftrun(tmp_path, *flags)
-    assert late.returncode == 0, late.stderr
+    assert late.returncode == 1, late.stderr  # torchrun's RendezvousClosedError ends it with 1
     assert "job already finished" in late.stderr
+    assert "this node came too late to take part" in late.stderr
+    assert "run late (exit 1)" in late.stderr
     assert "up rank" not in late.stdout
 
 
@@ -302,3 +304,11 @@ def test_agents_without_a_run_id_meet_as_under_torchrun(
     assert sorted(int(m.group(1)) for a in agents for m in a.wait_for_lines(UP, 1)) == [0, 1]
     assert all(m.group(2) == "2" for a in agents for m in a.wait_for_lines(UP, 1))  # one world of two
     assert all("run none:" in a.stderr() for a in agents)
+
+
+def test_c10d_with_no_endpoint_works_on_one_node_as_under_torchrun(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", WORKER)
+    r = run_ftrun(tmp_path, "--rdzv-backend", "c10d", "--nproc-per-node", "2", "w.py", "finish")
+    assert r.returncode == 0, r.stderr
+    assert "hosting the rendezvous store on 127.0.0.1:29400" in r.stderr
+    assert len(re.findall(UP, r.stdout)) == 2

@@ -14,7 +14,8 @@ from ftrun.addresses import parse_endpoint
 from ftrun.config import EntrypointKind, LaunchConfig, RdzvConf, Std
 from ftrun.devices import count_gpus
 from ftrun.errors import ConfigError
-from ftrun.flags import omp_threads, parse_rdzv_conf, store_token
+from ftrun.flags import omp_threads
+from ftrun.rdzv_flags import parse_rdzv_conf, store_token
 
 
 @pytest.fixture

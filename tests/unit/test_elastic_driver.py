@@ -155,3 +155,12 @@ def test_nothing_after_the_end() -> None:
     state, _ = walk(initial(), RunBegins(), advice(Action.FAIL))
     assert state.phase is Phase.DONE
     assert walk(state, Interrupted(2))[1] == [()]
+
+
+def test_a_node_that_joins_a_finished_job_exits_1_as_under_torchrun() -> None:
+    _, [_, late] = walk(initial(), RunBegins(), advice(Action.FINISHED))
+    assert late == (Finish(Outcome.LATE),)
+    assert late[0].exit_code == 1  # type: ignore[attr-defined]
+    # a spare that waited while the job ran ends with it, successfully
+    _, [_, _, done] = walk(initial(), RunBegins(), advice(Action.STANDBY), advice(Action.FINISHED))
+    assert done == (Finish(Outcome.SUCCEEDED),)

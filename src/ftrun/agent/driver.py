@@ -136,6 +136,7 @@ class Outcome(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    LATE = "late"  # this node joined a job that had already finished (exit 1, as torchrun's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,8 @@ class Finish:
     @property
     def exit_code(self) -> int:
         """0 when the job succeeded, 128 + the signal when a signal stopped ftrun (as a shell reports a
-        death by that signal), and 1 for any failure."""
+        death by that signal), and 1 for any failure, or for a node too late to join (torchrun's
+        RendezvousClosedError)."""
         if self.outcome is Outcome.SUCCEEDED:
             return 0
         if self.outcome is Outcome.INTERRUPTED and self.signal is not None:

@@ -66,6 +66,7 @@ class State:
     report_owed: bool = False  # ...and its report waits for the rendezvous to say whether the job restarts
     signal: int | None = None
     signal_name: str = ""  # SIGTERM
+    joined: bool = False  # the rendezvous said something other than "finished": this node took part
 
 
 def initial() -> State:
@@ -102,6 +103,9 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
     if state.report_owed:  # now it is known whether the job goes on
         report = (ReportFailure(will_restart=d.action is not Action.FAIL),)
         state = replace(state, report_owed=False)
+    if d.action is Action.FINISHED and not state.joined:  # torchrun's RendezvousClosedError: exit 1
+        return _done(state, (*report, Finish(Outcome.LATE)), f"{d.reason}; this node came too late to take part")
+    state = replace(state, joined=True)
     if d.action is Action.RUN:
         assert d.assignment is not None
         if d.assignment.round == state.local.running_round:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ftrun.agent import env as worker_env
+from ftrun.agent import proctree
 from ftrun.agent.driver import (
     Finish,
     Happening,
@@ -28,6 +29,7 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
+from ftrun.agent.filetimer import FileTimerServer
 from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
 from ftrun.agent.pool import WarmPool, read_modules_report
@@ -63,7 +65,8 @@ class LocalGroup:
         self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
         self._wakeup = SignalWakeup()
         self._hangs = HangWatch(config.hang, clock, self.say, self._timeouts_changed)
-        self._processes = AttemptProcesses(spawner, clock, self._wakeup.fd)  # empty until the first attempt
+        self._timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
+        self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -109,8 +112,10 @@ class LocalGroup:
                 f"ranks {placement.rank_offset}..{last} of {placement.world_size}, "
                 f"master {command.master_addr}:{master_port}"
             )
+        if self._timer is not None:
+            self._timer.forget({w.pid for w in self._processes.workers})
         self._processes.close()
-        self._processes = AttemptProcesses(self._spawner, self._clock, self._wakeup.fd)
+        self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds)
         self._attempt, self._master_port = command.attempt, master_port
         if command.attempt:
             self.emit(EventKind.RESTART, restart_count=command.restart_count)
@@ -146,6 +151,8 @@ class LocalGroup:
             }
             if c.warm.enabled and c.warm.auto:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
+            if self._timer is not None:
+                env["TORCHELASTIC_TIMER_FILE"] = str(self._timer.path)
             # torchrun's ${local_rank} macro in the script's arguments
             argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
             worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
@@ -162,16 +169,40 @@ class LocalGroup:
         Returns what happened (exits, signals to ftrun, hangs found) and whether
         ``also`` (an extra fd, the rendezvous') became readable.
         """
-        check = self._hangs.seconds_to_next_check() if self._processes.running else None
-        if check is not None:
-            timeout_s = check if timeout_s is None else min(timeout_s, check)
+        for check in (self._seconds_to_next_check(), self._seconds_to_next_timer()):
+            if check is not None:
+                timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
         self._learn_modules()
         happened += [WorkerHung(w.local_rank) for w in self._find_hangs()]
+        self._expire_timers()
         return happened, also_ready
+
+    def _seconds_to_next_check(self) -> float | None:
+        return self._hangs.seconds_to_next_check() if self._processes.running else None
+
+    def _seconds_to_next_timer(self) -> float | None:
+        when = self._timer.next_expiration() if self._timer is not None else None
+        return None if when is None else max(0.0, when - self._clock.wall())
+
+    def _expire_timers(self) -> None:
+        """torch's FileTimer: a worker whose timer expired gets the timer's signal (and is the root cause)."""
+        if self._timer is None:
+            return
+        for e in self._timer.expired(self._clock.wall()):
+            worker = next((w for w in self._processes.running if w.pid == e.pid), None)
+            if worker is None or e.signal <= 0:
+                continue
+            what = f"timer {e.scope!r} expired (torch FileTimer)"
+            worker.state = WorkerState.FAILED
+            worker.hang = Hang(what, "file timer", e.expiration_wall)
+            self.emit(EventKind.TIMER_EXPIRED, **_identity(worker), scope=e.scope, signal=signal_name(e.signal))
+            who = f"rank {worker.rank} (local rank {worker.local_rank}, pid {worker.pid})"
+            self.say(f"{who}: {what}; sending {signal_name(e.signal)}", always=True)
+            proctree.signal_quietly(worker.pid, e.signal)  # the process, as torch's server does
 
     def stop(self, first_signal: int | None = None) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
@@ -259,6 +290,8 @@ class LocalGroup:
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
             self.events.close()
         finally:
+            if self._timer is not None:
+                self._timer.close()
             self._wakeup.close()
 
     @property
@@ -312,7 +345,14 @@ class LocalGroup:
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
+    @property
+    def _wake_fds(self) -> tuple[int, ...]:
+        return (self._wakeup.fd,) if self._timer is None else (self._wakeup.fd, self._timer.fileno())
+
     def _signals(self) -> list[Happening]:
+        """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
+        if self._timer is not None:
+            self._timer.drain()
         found = self._wakeup.drain()
         self._signals_seen += len(found)
         handled = self.config.signals_to_handle

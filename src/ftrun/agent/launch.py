@@ -136,9 +136,12 @@ def rendezvous_for(
     )
     me = Me(node_id(host), config.local_addr or socket.getfqdn(), config.nproc_per_node)
     timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
-    return Rendezvous(
-        store, config.run_id, me, rules, timing, clock=clock, offer_port=lambda: fresh_port_on(clock), log=log
-    )
+
+    def offer_port() -> int:
+        """--master-port, when given, is the port the workers get, elastic or not (firewalls that open one)."""
+        return config.master_port or fresh_port_on(clock)
+
+    return Rendezvous(store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log)
 
 
 def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:
@@ -149,8 +152,8 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
     """
     r = config.rdzv
     wanted = r.conf.is_host
-    if wanted is None:
-        wanted = config.standalone or is_local_address(r.endpoint_host)
+    if wanted is None:  # no endpoint host: this machine (one node; the CLI insists on one for more)
+        wanted = config.standalone or not r.endpoint_host or is_local_address(r.endpoint_host)
     if not r.embedded_store or not wanted:
         return None
     from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting

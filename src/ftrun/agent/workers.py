@@ -186,12 +186,14 @@ class AttemptProcesses:
     :func:`ftrun.agent.proctree.die_with_parent_hook`).
     """
 
-    def __init__(self, spawner: Spawner, clock: Clock, wake_fd: int) -> None:
+    def __init__(self, spawner: Spawner, clock: Clock, wake_fds: Sequence[int]) -> None:
+        """``wake_fds``: what else wakes a wait (signals to ftrun, torch's timer pipe)."""
         self._spawner = spawner
         self._clock = clock
         self._selector = selectors.DefaultSelector()
-        self._wake_fd = wake_fd
-        self._selector.register(wake_fd, selectors.EVENT_READ)
+        self._wake_fds = set(wake_fds)
+        for fd in self._wake_fds:
+            self._selector.register(fd, selectors.EVENT_READ)
         self.workers: list[Worker] = []
 
     def close(self) -> None:
@@ -229,7 +231,7 @@ class AttemptProcesses:
             if also is not None:
                 self._selector.unregister(also)
         for key, _ in ready:
-            if key.fd == self._wake_fd:
+            if key.fd in self._wake_fds:
                 woken = True
             elif key.fd == also:
                 also_ready = True

@@ -10,7 +10,7 @@ from types import FrameType
 
 from ftrun.addresses import DEFAULT_STORE_PORT, parse_port
 from ftrun.errors import ConfigError
-from ftrun.flags import store_token
+from ftrun.rdzv_flags import store_token
 from ftrun.store.tcp_server import TcpStoreServer
 
 

@@ -1,0 +1,73 @@
+"""torch's own public APIs, used the way their docs show, under ftrun: nothing to change in the script."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import PortTaken, Result, WriteScript, run_ftrun, with_free_port
+
+pytestmark = pytest.mark.torch
+
+FILE_TIMER = """
+import os, time
+import torch.distributed.elastic.timer as timer
+
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with timer.expires(after=1, scope="step"):
+    if attempt == "0":
+        time.sleep(120)  # stuck: the timer must end it
+print("attempt", attempt, "done", flush=True)
+"""
+
+
+def test_torchs_file_timer_kills_a_stuck_worker_and_it_is_the_root_cause(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script("w.py", FILE_TIMER)
+    monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", str(tmp_path / "timer.pipe"))
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    [expired] = [e for e in r.events() if e["kind"] == "timer_expired"]
+    assert (expired["rank"], expired["scope"], expired["signal"]) == (0, "step", "SIGKILL")
+    root = r.report(0)["root_cause"]
+    assert root["hang"] == "timer 'step' expired (torch FileTimer)"  # type: ignore[index]
+    assert root["signal"] == "SIGKILL"  # type: ignore[index]
+    assert "attempt 1 done" in r.log(1, 0)
+    assert not (tmp_path / "timer.pipe").exists()  # the agent removed its pipe
+
+
+LAUNCHED = """
+import os
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+@record
+def main():
+    assert dist.is_torchelastic_launched()
+    dist.init_process_group("gloo", init_method="env://")
+    print("rank", dist.get_rank(), "of", dist.get_world_size(), "port", os.environ["MASTER_PORT"], flush=True)
+    dist.destroy_process_group()
+
+main()
+"""
+
+
+def test_env_init_with_the_master_port_given_in_an_elastic_job(tmp_path: Path, script: WriteScript) -> None:
+    """Clusters whose firewall opens one port: --master-port is the port the workers get, elastic or not."""
+    script("w.py", LAUNCHED)
+
+    def attempt(port: int) -> tuple[Result, int]:
+        r = run_ftrun(tmp_path, "--rdzv-backend", "c10d", "--master-port", str(port), "--nproc-per-node", "2", "w.py")
+        if "already in use" in r.stderr:
+            shutil.rmtree(r.run_dir)
+            raise PortTaken(r.stderr)
+        return r, port
+
+    r, port = with_free_port(attempt)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f"rank 0 of 2 port {port}", f"rank 1 of 2 port {port}"]
