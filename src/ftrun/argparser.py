@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import NoReturn
 
+from ftrun import nvidia_ft
 from ftrun.errors import ConfigError
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
@@ -122,6 +123,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(hang, "--safety-factor", default=None, help="calculate_timeouts() multiplies what it saw by this (5)")
     _flag(hang, "--hang-signal", default=None, help="signal sent to a hung worker first (SIGTERM)")
     _flag(hang, "--config", default=None, help="TOML file with the hang settings (keys as the flags, underscored)")
+    ft = p.add_argument_group("NVIDIA ft_launcher's hang settings (ftrun's own flags win)")
+    _flag(ft, "--ft-cfg-path", default=None, help="ft_launcher YAML with a fault_tolerance: section")
+    for name in nvidia_ft.NAMES:
+        _flag(ft, nvidia_ft.flag(name), default=None, help=f"as ft_launcher's {name}")
+    for name in nvidia_ft.NO_EFFECT:
+        _flag(ft, nvidia_ft.flag(name), default=None, help="accepted; ftrun checks each deadline when it falls due")
     warm = p.add_argument_group("warm restarts")
     _flag(warm, "--preload", default="", metavar="MOD[,MOD...]", help="modules the warm pool imports before forking")
     _flag(

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
-from ftrun import addresses, flags, rdzv_flags
+from ftrun import addresses, flags, nvidia_ft, rdzv_flags
 from ftrun import config as cfg
 from ftrun.argparser import build_parser
 from ftrun.errors import ConfigError, FtrunError
@@ -63,6 +63,13 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     )
     notices += flags.not_applied(logs_specs=a.logs_specs)
     notices += flags.numa_binding(a.numa_binding, environ)
+    hang, hang_notices = parse_hang(
+        {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
+        cwd / a.config if a.config else None,
+        {name: getattr(a, f"ft_{name}") for name in nvidia_ft.NAMES},
+        cwd / a.ft_cfg_path if a.ft_cfg_path else None,
+    )
+    notices += hang_notices
     if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:  # torch 2.13 starts nothing on it either
         notices.append("TORCHELASTIC_HEALTH_CHECK_PORT: no health-check server is started (torch 2.13 starts none)")
     if logs.base_dir.exists() and not logs.base_dir.is_dir():
@@ -114,10 +121,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         if environ.get("TORCHELASTIC_ERROR_FILE")
         else None,
         warm=flags.parse_warm(a.no_warm, a.warm, a.preload),
-        hang=parse_hang(
-            {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
-            Path(a.config) if a.config else None,
-        ),
+        hang=hang,
     )
 
 

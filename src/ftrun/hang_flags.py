@@ -6,6 +6,7 @@ import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ftrun import nvidia_ft
 from ftrun.config import HangSpec
 from ftrun.errors import ConfigError
 from ftrun.flags import parse_seconds, parse_signal_name
@@ -49,29 +50,46 @@ def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
     return found
 
 
-def parse_hang(flags: Mapping[str, object], config_file: Path | None) -> HangSpec:
-    """Hang settings from the flags (``flags`` maps HANG_KEYS to the raw flag values, None if not given),
-    each falling back to the --config file."""
-    file = read_config_file(config_file) if config_file else {}
+def parse_hang(
+    flags: Mapping[str, object],
+    config_file: Path | None,
+    nvidia_flags: Mapping[str, object] | None = None,
+    nvidia_file: Path | None = None,
+) -> tuple[HangSpec, list[str]]:
+    """Hang settings, each from the first source that sets it: ftrun's flags (``flags`` maps HANG_KEYS to the
+    raw values, None if not given), NVIDIA's ``--ft-*`` flags (their names), the --config TOML file, NVIDIA's
+    YAML (``--ft-cfg-path``). Returns them and what to say about settings that were not applied."""
+    layers: list[Mapping[str, object]] = [{k: v for k, v in flags.items() if v is not None}]
+    layers.append(nvidia_ft.from_flags(nvidia_flags or {}))
+    layers.append(read_config_file(config_file) if config_file else {})
+    notices: list[str] = []
+    if nvidia_file is not None:
+        from_yaml, ignored = nvidia_ft.read_yaml(nvidia_file)
+        layers.append(from_yaml)
+        if ignored:
+            notices.append(f"--ft-cfg-path: not applied (nothing to do in ftrun): {', '.join(ignored)}")
 
     def raw(key: str) -> object:
-        value = flags.get(key)
-        return value if value is not None else file.get(key)
+        return next((layer[key] for layer in layers if layer.get(key) is not None), None)
 
     def seconds(key: str) -> float | None:
         value = raw(key)
-        if value is None:
-            return None
-        return parse_seconds(HANG_KEYS[key], str(value))
+        return None if value is None else parse_seconds(HANG_KEYS[key], str(value))
 
-    sections_raw = file.get("section_timeouts") or {}
-    if not isinstance(sections_raw, dict):
-        raise ConfigError("--config", "section_timeouts must be a table of NAME = SECONDS", "see the README")
-    sections = parse_section_timeouts(HANG_KEYS["section_timeouts"], [f"{k}={v}" for k, v in sections_raw.items()])
-    sections.update(parse_section_timeouts(HANG_KEYS["section_timeouts"], flags.get("section_timeouts") or []))  # type: ignore[arg-type]
+    sections: dict[str, float] = {}
+    for layer in reversed(layers):  # the first source wins, section by section
+        found = layer.get("section_timeouts") or {}
+        if isinstance(found, list | tuple):  # --section-timeout NAME=SECONDS, repeated
+            sections.update(parse_section_timeouts(HANG_KEYS["section_timeouts"], found))
+        elif isinstance(found, dict):
+            sections.update(
+                parse_section_timeouts(HANG_KEYS["section_timeouts"], [f"{k}={v}" for k, v in found.items()])
+            )
+        else:
+            raise ConfigError("--config", "section_timeouts must be a table of NAME = SECONDS", "see the README")
     factor = raw("safety_factor")
     hang_signal = raw("hang_signal")
-    return HangSpec(
+    spec = HangSpec(
         Timeouts(
             seconds("initial_heartbeat_timeout"),
             seconds("heartbeat_timeout"),
@@ -81,3 +99,4 @@ def parse_hang(flags: Mapping[str, object], config_file: Path | None) -> HangSpe
         parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
         parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
     )
+    return spec, notices

@@ -399,3 +399,28 @@ def test_virtual_local_rank_needs_a_gpu_per_worker(tmp_path: Path, script: Path)
     assert parse(tmp_path, "--virtual-local-rank", "--nproc-per-node", "2", "train.py", environ=env).virtual_local_rank
     with pytest.raises(ConfigError, match="--virtual-local-rank"):
         parse(tmp_path, "--virtual-local-rank", "--nproc-per-node", "3", "train.py", environ=env)
+
+
+def test_nvidia_ft_launcher_settings_mean_the_same(tmp_path: Path, script: Path) -> None:
+    (tmp_path / "ft.yaml").write_text(
+        "trainer:\n"
+        "  fault_tolerance:\n"
+        "    initial_rank_heartbeat_timeout: 600\n"
+        "    rank_heartbeat_timeout: null\n"
+        "    rank_section_timeouts: {step: 30, eval: null}\n"
+        "    rank_termination_signal: SIGKILL\n"
+        "    enable_nic_monitor: true\n"
+        "    workload_check_interval: 5\n"
+    )
+    c = parse(tmp_path, "--ft-cfg-path", "ft.yaml", "--ft-rank-heartbeat-timeout", "90", "train.py")
+    t = c.hang.timeouts
+    assert (t.initial_heartbeat, t.heartbeat, dict(t.sections)) == (600, 90, {"step": 30})
+    assert c.hang.hang_signal == signal.SIGKILL
+    assert "--ft-cfg-path: not applied (nothing to do in ftrun): enable_nic_monitor" in c.notices
+    # ftrun's own flags win over NVIDIA's names; NVIDIA's section format is NAME:SECONDS
+    c = parse(tmp_path, "--heartbeat-timeout", "5", "--ft-rank-heartbeat-timeout", "90",
+              "--ft-rank-section-timeouts", "step:12,io:None", "train.py")  # fmt: skip
+    assert (c.hang.timeouts.heartbeat, dict(c.hang.timeouts.sections)) == (5, {"step": 12})
+    (tmp_path / "other.yaml").write_text("a: 1\n")
+    with pytest.raises(ConfigError, match="no fault_tolerance: section"):
+        parse(tmp_path, "--ft-cfg-path", "other.yaml", "train.py")

@@ -118,3 +118,17 @@ def test_outside_ftrun_every_call_is_a_no_op_with_one_warning() -> None:
 def test_a_foreign_state_is_refused() -> None:
     with pytest.raises(ValueError, match="not an ftrun monitor state"):
         client.load_monitor_state({"v": 99})
+
+
+def test_a_state_saved_by_nvidias_rank_monitor_client_is_taken(table: MonitorTable) -> None:
+    c = attach(table)
+    client._client = c
+    try:
+        client.load_monitor_state({"current_timeouts": {"initial": 600.0, "subsequent": 45.5, "were_calculated": True}})
+        assert published(table.read(1)) == Timeouts(initial_heartbeat=600.0, heartbeat=45.5)
+        client.load_monitor_state({})  # NVIDIA's state when it had calculated nothing: nothing changes
+        assert c.calculated == Timeouts(initial_heartbeat=600.0, heartbeat=45.5)
+        with pytest.raises(ValueError, match="must be a positive number"):
+            client.load_monitor_state({"current_timeouts": {"initial": -1, "subsequent": 1}})
+    finally:
+        client._client = client._NotYet()

@@ -348,7 +348,27 @@ def monitor_state() -> dict[str, Any]:
 
 
 def load_monitor_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`monitor_state` returned; raises ValueError if it is not such a state."""
-    if not isinstance(state, dict) or state.get("v") != STATE_VERSION or "timeouts" not in state:
+    """Restore what :func:`monitor_state` returned, or what NVIDIA's ``RankMonitorClient.state_dict()`` saved
+    (its calculated heartbeat timeouts); raises ValueError if it is neither."""
+    if isinstance(state, dict) and (not state or NVIDIA_STATE_KEY in state):
+        timeouts = _from_nvidia_state(state)
+    elif isinstance(state, dict) and state.get("v") == STATE_VERSION and "timeouts" in state:
+        timeouts = Timeouts.from_json(state["timeouts"])
+    else:
         raise ValueError(f"not an ftrun monitor state of version {STATE_VERSION}: {state!r:.200}")
-    _client.set_timeouts(Timeouts.from_json(state["timeouts"]))
+    _client.set_timeouts(timeouts)
+
+
+NVIDIA_STATE_KEY = "current_timeouts"
+
+
+def _from_nvidia_state(state: dict[str, Any]) -> Timeouts:
+    """``{"current_timeouts": {"initial": s, "subsequent": s, "were_calculated": True}}``, or ``{}`` when it had
+    calculated nothing."""
+    found = state.get(NVIDIA_STATE_KEY)
+    if found is None:
+        calculated: Timeouts = _client.calculated
+        return calculated
+    if not isinstance(found, dict):
+        raise ValueError(f"NVIDIA monitor state: {NVIDIA_STATE_KEY!r} must be a mapping, got {found!r:.100}")
+    return Timeouts.from_json({"initial_heartbeat": found.get("initial"), "heartbeat": found.get("subsequent")})
