@@ -62,7 +62,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         stderr_filters=flags.parse_filters(a.duplicate_stderr_filters),
     )
     notices += flags.not_applied(logs_specs=a.logs_specs)
-    notices += flags.numa_binding(a.numa_binding, environ)
+    numa_notices, cpu_affinity = flags.numa_binding(a.numa_binding, nproc, environ)
+    notices += numa_notices
     hang, hang_notices = parse_hang(
         {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
         cwd / a.config if a.config else None,
@@ -117,6 +118,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
         file_timer=flags.file_timer(environ),
+        cpu_affinity=cpu_affinity,
         launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])
         if environ.get("TORCHELASTIC_ERROR_FILE")
         else None,

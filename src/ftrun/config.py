@@ -191,6 +191,7 @@ class LaunchConfig:
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
     echo_events: bool = False  # --event-log-handler console: every event also on stderr
     notices: tuple[str, ...] = ()  # said once at start: flags accepted that cannot apply here
+    cpu_affinity: tuple[str, ...] = ()  # --numa-binding: each local rank's CPUs (cpulist), () for unbound
     file_timer: Path | None = None  # TORCHELASTIC_ENABLE_FILE_TIMER=1: the pipe torch's FileTimerClient writes to
     launcher_error_file: Path | None = None  # ftrun's own TORCHELASTIC_ERROR_FILE: the root cause goes there
     hang: HangSpec = field(default_factory=HangSpec)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ftrun import numa
 from ftrun.agent.signals import CAUGHT
 from ftrun.config import Entrypoint, EntrypointKind, NodeRange, Std, WarmSpec
 from ftrun.devices import count_gpus, count_xpus
@@ -277,23 +278,17 @@ def not_applied(*, logs_specs: str | None) -> list[str]:
     return notices
 
 
-NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-
-
-def numa_binding(
-    mode: str | None, environ: Mapping[str, str], nodes: Path = Path("/sys/devices/system/node")
-) -> list[str]:
-    """--numa-binding: validated; a line saying why it cannot apply here (no GPU, one NUMA node)."""
+def numa_binding(mode: str | None, nproc: int, environ: Mapping[str, str]) -> tuple[list[str], tuple[str, ...]]:
+    """--numa-binding: each local rank's CPUs (cpulist text), or a line saying why it cannot apply here."""
     if mode is None:
-        return []
-    if mode not in NUMA_MODES:
-        raise ConfigError("--numa-binding", f"unknown mode {mode!r}", f"use one of {', '.join(NUMA_MODES)}")
-    numa_nodes = len(list(nodes.glob("node[0-9]*")))
-    if count_gpus(environ) == 0:
-        return [f"--numa-binding {mode} cannot apply: no GPU is visible to bind the workers near"]
-    if numa_nodes <= 1:
-        return [f"--numa-binding {mode} cannot apply: this machine has {numa_nodes or 'no'} NUMA node"]
-    return [f"--numa-binding {mode} is not supported by ftrun yet: the workers run unbound (use numactl)"]
+        return [], ()
+    if mode not in numa.MODES:
+        raise ConfigError("--numa-binding", f"unknown mode {mode!r}", f"use one of {', '.join(numa.MODES)}")
+    try:
+        cpus = numa.plan(mode, nproc, environ)
+    except numa.CannotBind as e:
+        return [f"--numa-binding {mode} cannot apply: {e}; the workers run unbound"], ()
+    return [], tuple(numa.format_cpus(c) for c in cpus)
 
 
 def file_timer(environ: Mapping[str, str]) -> Path | None:

@@ -71,3 +71,23 @@ def test_env_init_with_the_master_port_given_in_an_elastic_job(tmp_path: Path, s
     r, port = with_free_port(attempt)
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == [f"rank 0 of 2 port {port}", f"rank 1 of 2 port {port}"]
+
+
+FABRIC = """
+import torch
+from lightning_fabric import Fabric
+from lightning_fabric.plugins.environments import TorchElasticEnvironment
+
+assert TorchElasticEnvironment.detect()  # Lightning sees a torchelastic launch
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()  # under a launcher: joins the group the launcher's environment describes
+total = fabric.all_reduce(torch.tensor([float(fabric.global_rank + 1)]), reduce_op="sum")
+print("rank", fabric.global_rank, "of", fabric.world_size, "sum", int(total.item()), flush=True)
+"""
+
+
+def test_lightning_detects_the_launch_and_trains_in_its_world(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", FABRIC)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["rank 0 of 2 sum 3", "rank 1 of 2 sum 3"]

@@ -163,3 +163,15 @@ def test_a_dead_zygote_is_replaced_and_the_job_goes_on(tmp_path: Path, script: W
     assert len(ready) >= 1
     assert ready[0]["rss_kb"] > 0
     assert "MiB resident" in r.stderr
+
+
+@pytest.mark.parametrize("warm", ["--warm=auto", "--no-warm"])
+def test_cpu_binding_is_in_place_before_the_workers_code_runs(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch, warm: str
+) -> None:
+    """What --numa-binding hands each worker (FTRUN_CPU_AFFINITY), applied warm and cold, on this GPU-less machine."""
+    script("w.py", "import os\nprint(sorted(os.sched_getaffinity(0)))\n")
+    monkeypatch.setenv("FTRUN_CPU_AFFINITY", "1")
+    r = run_ftrun(tmp_path, warm, "w.py")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[1]"

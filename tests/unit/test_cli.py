@@ -366,7 +366,7 @@ def test_torchrun_output_flags(tmp_path: Path, script: Path) -> None:
 
 def test_flags_that_cannot_apply_say_so(tmp_path: Path, script: Path, gpu_free: None) -> None:
     c = parse(tmp_path, "--numa-binding", "node", "--logs-specs", "mine", "train.py")
-    assert any(n.startswith("--numa-binding node cannot apply: no GPU") for n in c.notices)
+    assert any(n.startswith("--numa-binding node cannot apply: no NVIDIA GPU") for n in c.notices)
     assert any(n.startswith("--logs-specs mine has no effect") for n in c.notices)
     assert parse(tmp_path, "--event-log-handler", "console", "train.py").echo_events
 

@@ -42,6 +42,7 @@ from ftrun.events import EventKind, EventLog, summarize
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.monitor.watchdog import Timeouts
+from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
@@ -153,6 +154,8 @@ class LocalGroup:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
             if self._timer is not None:
                 env["TORCHELASTIC_TIMER_FILE"] = str(self._timer.path)
+            if c.cpu_affinity:
+                env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
             # torchrun's ${local_rank} macro in the script's arguments
             argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
             worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)

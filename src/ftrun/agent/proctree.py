@@ -13,7 +13,10 @@ import contextlib
 import ctypes
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+
+from ftrun.numa import ENV as CPU_AFFINITY_ENV
+from ftrun.numa import parse_cpus
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -84,7 +87,7 @@ def reap_orphans(keep: set[int]) -> list[int]:
     return reaped
 
 
-def die_with_parent_hook() -> Callable[[], None]:
+def die_with_parent_hook(env: Mapping[str, str] | None = None) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child receive SIGKILL when the agent dies.
 
     The kernel sends the parent-death signal when the *thread* that forked the
@@ -94,9 +97,13 @@ def die_with_parent_hook() -> Callable[[], None]:
     prctl = _prctl()
     parent = os.getpid()
 
+    cpus = parse_cpus(env[CPU_AFFINITY_ENV]) if env and env.get(CPU_AFFINITY_ENV) else None
+
     def hook() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the agent died between fork and prctl
             os._exit(1)
+        if cpus:  # --numa-binding, inherited across exec and by every thread
+            os.sched_setaffinity(0, cpus)
 
     return hook

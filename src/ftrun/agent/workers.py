@@ -119,7 +119,7 @@ class ProcessSpawner:
                 stdout=stdout,
                 stderr=stderr,
                 start_new_session=True,
-                preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
+                preexec_fn=proctree.die_with_parent_hook(env),  # noqa: PLW1509 - only prctl and affinity
             )
         except OSError as e:
             raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e

@@ -179,6 +179,10 @@ def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("FTRUN_CPU_AFFINITY"):  # --numa-binding, before the worker's code starts any thread
+        from ftrun.numa import parse_cpus
+
+        os.sched_setaffinity(0, parse_cpus(os.environ["FTRUN_CPU_AFFINITY"]))
     if os.environ.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter does at start-up with it
         import faulthandler
 
