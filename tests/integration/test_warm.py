@@ -114,10 +114,14 @@ def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, 
             root["exit_code"],
             root["signal"],
             error and (error["exc_type"], error["message"]),
-            [line for line in root["stderr_tail"] if "line" not in line],  # file paths and lines aside
+            # file paths, lines and the fault handler's thread address aside
+            [line for line in root["stderr_tail"] if "line" not in line and "thread 0x" not in line],
         )
         stderr = r.log(0, 0, "stderr")
-        assert "zygote" not in stderr  # the traceback starts in the user's code
+        traceback, _, fault = stderr.partition("Fatal Python error")
+        assert "zygote" not in traceback  # the traceback starts in the user's code
+        if fault:  # the fault handler's stack, most recent call first: the user's frame heads it
+            assert fault.splitlines()[3].strip().startswith(f'File "{tmp_path / "w.py"}"'), fault
     assert roots["warm"] == roots["cold"]
 
 

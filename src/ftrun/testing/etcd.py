@@ -66,6 +66,7 @@ class EtcdHarness:
         self.client_port = _free_port()
         self.peer_port = _free_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._drain: threading.Thread | None = None
         self.log = b""
         self.certs = make_certificates(Path(tempfile.mkdtemp(prefix="ftrun-etcd-certs-"))) if tls else {}
 
@@ -132,12 +133,13 @@ class EtcdHarness:
                     raise RuntimeError(f"etcd exited at start:\n{self.log[-2000:].decode()}")
                 self.log += chunk
 
-        # Keep draining etcd's log so it never blocks on a full pipe.
+        # Keep draining etcd's log so it never blocks on a full pipe; the pipe ends (EOF) when etcd exits.
         def drain(stream: int) -> None:
             while os.read(stream, 65536):
                 pass
 
-        threading.Thread(target=drain, args=(self._proc.stderr.fileno(),), daemon=True).start()
+        self._drain = threading.Thread(target=drain, args=(self._proc.stderr.fileno(),), daemon=True)
+        self._drain.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self._proc is None:
@@ -149,6 +151,9 @@ class EtcdHarness:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout_s)
+        if self._drain is not None:  # it reads the pipe's fd: close that only once it saw the end
+            self._drain.join(timeout_s)
+            self._drain = None
         if proc.stderr is not None:
             proc.stderr.close()
 
