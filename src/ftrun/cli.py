@@ -122,7 +122,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])
         if environ.get("TORCHELASTIC_ERROR_FILE")
         else None,
-        warm=flags.parse_warm(a.no_warm, a.warm, a.preload),
+        warm=flags.parse_warm(a.no_warm, a.warm, a.preload, environ),
         hang=hang,
     )
 

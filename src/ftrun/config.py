@@ -153,6 +153,7 @@ class WarmSpec:
     enabled: bool = True
     preload: tuple[str, ...] = ()
     auto: bool = True
+    cache_dir: Path | None = None  # what each job imported last time on this machine (None: not kept)
 
 
 @dataclass(frozen=True, slots=True)

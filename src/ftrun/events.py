@@ -123,14 +123,18 @@ class RunSummary:
     downtime_s: float
     failed_work_s: float
     root_causes: tuple[Mapping[str, Any], ...]
+    warm_restarts: int = 0  # restarts whose workers all came from the warm pool
 
     def render(self) -> str:
         restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
-        line = (
-            f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}; "
-            f"{self.downtime_s:.3f} s down between failure and restart, "
-            f"{self.failed_work_s:.3f} s of work in failed attempts"
-        )
+        if self.restarts:
+            cold = self.restarts - self.warm_restarts
+            kinds = [f"{n} {kind}" for n, kind in ((self.warm_restarts, "warm"), (cold, "cold")) if n]
+            restarts += f" ({', '.join(kinds)})" if len(kinds) > 1 else f" ({kinds[0].split()[1]})"
+        line = f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}"
+        if self.root_causes:
+            gap = "between failure and restart" if self.restarts else "from the failure to the end"
+            line += f"; {self.downtime_s:.3f} s down {gap}, {self.failed_work_s:.3f} s of work in failed attempts"
         for cause in self.root_causes:
             line += f"\n  root cause: {cause.get('summary', cause)}"
         return line
@@ -144,12 +148,15 @@ def summarize(events: Iterable[Event]) -> RunSummary:
     failed_at: float | None = None  # mono of the pending failure's root-cause exit
     spawned_pending = 0
     root_causes: list[Mapping[str, Any]] = []
+    warm: dict[int, bool] = {}  # attempt -> all its workers came from the pool
     for e in events:
         if e.kind is EventKind.ATTEMPT_STARTED:
             attempts += 1
             attempt_start = e.mono
             spawned_pending = int(e.data.get("workers", 0))
         elif e.kind is EventKind.WORKER_SPAWNED:
+            attempt = int(e.data.get("attempt", 0))
+            warm[attempt] = warm.get(attempt, True) and bool(e.data.get("warm"))
             spawned_pending -= 1
             if failed_at is not None and spawned_pending <= 0:
                 downtime += e.mono - failed_at
@@ -168,4 +175,5 @@ def summarize(events: Iterable[Event]) -> RunSummary:
             if failed_at is not None:
                 downtime += e.mono - failed_at
                 failed_at = None
-    return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes))
+    warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
+    return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts)

@@ -178,14 +178,22 @@ def omp_threads(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": "1"}
 
 
-def parse_warm(no_warm: bool, warm: str, preload: str) -> WarmSpec:
+def parse_warm(no_warm: bool, warm: str, preload: str, environ: Mapping[str, str] | None = None) -> WarmSpec:
+    """The warm pool's flags; its cache lives in $FTRUN_CACHE_DIR, else $XDG_CACHE_HOME/ftrun or ~/.cache/ftrun
+    (``FTRUN_CACHE_DIR=`` empty: none)."""
     if warm not in WARM_MODES:
         raise ConfigError("--warm", f"unknown mode {warm!r}", "pass --warm auto, --warm preload, or --no-warm")
     modules = tuple(m.strip() for m in preload.split(",") if m.strip())
     for m in modules:
         if not all(part.isidentifier() for part in m.split(".")):
             raise ConfigError("--preload", f"{m!r} is not a module name", "pass e.g. --preload torch,numpy")
-    return WarmSpec(enabled=not no_warm, preload=modules, auto=warm == "auto")
+    env = environ or {}
+    if "FTRUN_CACHE_DIR" in env:
+        cache = Path(env["FTRUN_CACHE_DIR"]) / "warm" if env["FTRUN_CACHE_DIR"] else None
+    else:
+        base = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+        cache = base / "ftrun" / "warm"
+    return WarmSpec(enabled=not no_warm, preload=modules, auto=warm == "auto", cache_dir=cache)
 
 
 def parse_filters(text: str) -> tuple[str, ...]:

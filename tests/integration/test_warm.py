@@ -11,7 +11,7 @@ import pytest
 
 from tests.integration.conftest import Result, WriteScript, run_ftrun
 
-WARM = ["--preload", "json,decimal"]  # a pool that has something preloaded
+WARM = ["--preload", "json,decimal", "--max-restarts", "1"]  # a pool (restarts to come) with a preload
 COLD = ["--no-warm"]
 
 FACTS = """
@@ -114,14 +114,15 @@ def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, 
             root["exit_code"],
             root["signal"],
             error and (error["exc_type"], error["message"]),
-            # file paths, lines and the fault handler's thread address aside
-            [line for line in root["stderr_tail"] if "line" not in line and "thread 0x" not in line],
+            # file paths, lines and the fault handler's threads aside (a warm worker has ftrun's import watcher)
+            [ln for ln in root["stderr_tail"] if ln.strip() and "line" not in ln and "hread 0x" not in ln],
         )
         stderr = r.log(0, 0, "stderr")
         traceback, _, fault = stderr.partition("Fatal Python error")
         assert "zygote" not in traceback  # the traceback starts in the user's code
-        if fault:  # the fault handler's stack, most recent call first: the user's frame heads it
-            assert fault.splitlines()[3].strip().startswith(f'File "{tmp_path / "w.py"}"'), fault
+        if fault:  # the fault handler's stack of the crashing thread, most recent call first: the user's frame
+            current = fault[fault.index("Current thread") :].splitlines()
+            assert current[1].strip().startswith(f'File "{tmp_path / "w.py"}"'), fault
     assert roots["warm"] == roots["cold"]
 
 
@@ -129,12 +130,15 @@ def test_a_preloaded_module_that_starts_a_thread_turns_the_pool_off(tmp_path: Pa
     script(
         "threaded.py", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
-    script("w.py", "print('ran', flush=True)\n")
-    r = run_ftrun(tmp_path, "--preload", "threaded", "--nproc-per-node", "2", "w.py")
+    script(
+        "w.py", "import os, sys\nprint('ran', flush=True)\nsys.exit(os.environ['TORCHELASTIC_RESTART_COUNT'] == '0')\n"
+    )
+    r = run_ftrun(tmp_path, "--preload", "threaded", "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
     assert r.returncode == 0, r.stderr
     assert "warm pool off: preloading 'threaded' started a thread" in r.stderr
-    assert [e["warm"] for e in spawned(r)] == [False, False]
-    assert r.log(0, 1) == "ran\n"
+    # The first attempt may come from the pool's base zygote (it preloads nothing); the restart, refused, cannot.
+    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [False, False]
+    assert r.log(1, 1) == "ran\n"
 
 
 KILLS_THE_POOL = """
@@ -159,10 +163,10 @@ def test_a_dead_zygote_is_replaced_and_the_job_goes_on(tmp_path: Path, script: W
     script("w.py", KILLS_THE_POOL)
     r = run_ftrun(tmp_path, *WARM, "--max-restarts", "2", "w.py")
     assert r.returncode == 0, r.stderr
-    assert r.log(0, 0) == "killed the pool\n"
+    assert set(r.log(0, 0).splitlines()) == {"killed the pool"}  # the base zygote, and the one preloading
     assert r.log(1, 0) == "attempt 1 ran\n"
     assert "warm pool: the zygote" in r.stderr
-    assert "a new pool is on its way" in r.stderr
+    assert "a new zygote is on its way" in r.stderr
     ready = [e for e in r.events() if e["kind"] == "pool_ready"]
     assert len(ready) >= 1
     assert ready[0]["rss_kb"] > 0

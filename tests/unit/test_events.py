@@ -54,14 +54,30 @@ def test_summary_of_a_run_with_one_restart() -> None:
     emit(EventKind.FAILURE, 0.5, root_cause={"exit_mono": 10.0, "summary": "rank 1 killed by SIGKILL"})
     emit(EventKind.RESTART)
     emit(EventKind.ATTEMPT_STARTED, workers=2)
-    emit(EventKind.WORKER_SPAWNED, 0.1)
-    emit(EventKind.WORKER_SPAWNED, 0.1)
+    emit(EventKind.WORKER_SPAWNED, 0.1, attempt=1, warm=True)
+    emit(EventKind.WORKER_SPAWNED, 0.1, attempt=1, warm=True)
     emit(EventKind.RUN_FINISHED, 5.0, exit_code=0, outcome="succeeded")
     s = summarize(log)
-    assert (s.outcome, s.exit_code, s.attempts, s.restarts) == ("succeeded", 0, 2, 1)
+    assert (s.outcome, s.exit_code, s.attempts, s.restarts, s.warm_restarts) == ("succeeded", 0, 2, 1, 1)
     assert s.downtime_s == pytest.approx(0.7)
     assert s.failed_work_s == pytest.approx(10.0)
     assert "rank 1 killed by SIGKILL" in s.render()
+    assert "after 2 attempt(s), 1 restart (warm); 0.700 s down between failure and restart" in s.render()
+
+
+def test_a_clean_run_says_nothing_of_downtime_and_a_cold_restart_says_so() -> None:
+    clean = [Event(EventKind.RUN_FINISHED, 1.0, 1.0, {"exit_code": 0, "outcome": "succeeded"})]
+    assert summarize(clean).render() == "run succeeded (exit 0) after 0 attempt(s), 0 restarts"
+    cold = [
+        Event(EventKind.ATTEMPT_STARTED, 0.0, 0.0, {"workers": 1}),
+        Event(EventKind.WORKER_SPAWNED, 0.0, 0.0, {"attempt": 0, "warm": False}),
+        Event(EventKind.FAILURE, 1.0, 1.0, {"root_cause": {"exit_mono": 1.0}}),
+        Event(EventKind.RESTART, 1.0, 1.0, {}),
+        Event(EventKind.ATTEMPT_STARTED, 1.0, 1.0, {"workers": 1}),
+        Event(EventKind.WORKER_SPAWNED, 2.0, 2.0, {"attempt": 1, "warm": False}),
+        Event(EventKind.RUN_FINISHED, 3.0, 3.0, {"exit_code": 0, "outcome": "succeeded"}),
+    ]
+    assert "1 restart (cold); 1.000 s down" in summarize(cold).render()
 
 
 def test_summary_of_a_failed_run_counts_downtime_to_the_end() -> None:

@@ -7,7 +7,8 @@ import os
 import sysconfig
 from pathlib import Path
 
-from ftrun.agent.pool import installed_modules, read_modules_report, worker_request
+from ftrun.agent.pool import worker_request
+from ftrun.agent.preload import installed_modules, read_modules_report
 
 PY = "/usr/bin/python3"
 

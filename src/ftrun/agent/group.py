@@ -32,7 +32,8 @@ from ftrun.agent.driver import (
 from ftrun.agent.filetimer import FileTimerServer
 from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
-from ftrun.agent.pool import WarmPool, read_modules_report
+from ftrun.agent.pool import WarmPool
+from ftrun.agent.preload import read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
@@ -73,7 +74,7 @@ class LocalGroup:
         self._signals_seen = 0
         self._last_reason = ""
         self._finished = False
-        self._learned_attempt = -1  # --warm auto: the attempt whose imported modules the pool has been told
+        self._reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime when read
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._last_report: FailureReport | None = None
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
@@ -403,16 +404,22 @@ class LocalGroup:
             w.handle.signal_group(self.config.hang.hang_signal)
 
     def _learn_modules(self) -> None:
-        """--warm auto: once per attempt, tell the pool what a worker imported (it reports at its first
-        heartbeat, or at exit)."""
-        if not isinstance(self._spawner, WarmPool) or self._learned_attempt == self._attempt:
+        """--warm auto: tell the pool what the workers imported, each time a report changed (the workers write
+        one when their imports settle, and at exit)."""
+        if not isinstance(self._spawner, WarmPool):
             return
         for w in self._processes.workers:
-            modules = read_modules_report(w.paths.dir / MODULES_FILE)
+            path = w.paths.dir / MODULES_FILE
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                continue
+            if self._reports.get(path) == stamp:
+                continue
+            self._reports[path] = stamp
+            modules = read_modules_report(path)
             if modules is not None:
-                self._learned_attempt = self._attempt
                 self._spawner.learn(modules)
-                return
 
     def _timeouts_changed(self, in_force: Timeouts) -> None:
         self.emit(EventKind.TIMEOUTS, **in_force.to_json())

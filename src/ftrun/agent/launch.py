@@ -24,6 +24,7 @@ from ftrun.agent.executor import Executor
 from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
 from ftrun.agent.pool import WarmPool
+from ftrun.agent.preload import Cache, entry_imports
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import LaunchConfig
@@ -43,8 +44,9 @@ def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     proctree.become_subreaper()
     spawner: Spawner = ProcessSpawner()
-    if config.warm.enabled:
-        spawner = WarmPool(config.python, config.warm.preload, config.worker_base_env, auto=config.warm.auto)
+    # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed).
+    if config.warm.enabled and (config.elastic or config.max_restarts > 0):
+        spawner = warm_pool(config)
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname())
@@ -59,6 +61,17 @@ def launch(config: LaunchConfig) -> int:
                 server.stop()
     finally:
         group.close()
+
+
+def warm_pool(config: LaunchConfig) -> WarmPool:
+    """The pool with all that is known to preload before any worker ran: --preload, the job's cache, the
+    entry script's imports."""
+    w = config.warm
+    cache = Cache(w.cache_dir, config.python, config.entrypoint, config.cwd) if w.auto else None
+    pool = WarmPool(config.python, w.preload, config.worker_base_env, auto=w.auto, cache=cache)
+    if w.auto:
+        pool.add(entry_imports(config.entrypoint, config.cwd, config.python))
+    return pool
 
 
 def fresh_port_on(clock: Clock) -> int:

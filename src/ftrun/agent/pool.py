@@ -1,15 +1,19 @@
-"""The warm worker pool: a Spawner that forks workers from a pre-imported zygote.
+"""The warm pool: a Spawner that forks workers from pre-imported zygotes.
 
-The agent starts the zygote (:mod:`ftrun.agent.zygote`) once per run, before the
-first attempt; it imports the modules to preload while the agent gets on with
-the rendezvous, then forks each attempt's workers in milliseconds. The workers
-come out as the agent's own children (a pidfd and the real exit status, as for
-a fresh process). Whatever goes wrong with the zygote (it refused a module that
-starts threads, died, or does not answer), the attempt gets fresh processes,
-and a dead zygote is replaced: the job's result never depends on the pool.
+At start the pool launches a *base* zygote that preloads nothing (ready as soon
+as Python is: forking from it is as fast as a fresh start) and, when something
+is known to preload (``--preload``, the job's cache, its entry script's
+imports), a second one that preloads it, at idle CPU priority so that it never
+slows the workers it will serve. Each spawn forks from the best *ready* zygote,
+the one with the most preloaded: a restart never waits for a zygote that is
+still preloading. When the workers report more imports, a bigger zygote is
+started beside the others; smaller ones are closed only once a bigger one is
+ready. Workers come out as the agent's own children (a pidfd and the real exit
+status, as for a fresh process).
 
-With ``--warm auto`` the workers report the modules they imported; the next
-zygote preloads those (installed packages only, never the job's own code).
+Whatever goes wrong with a zygote (it refused a module that starts threads,
+died, or does not answer), the worker is started fresh and the pool goes on
+without it: the job's result never depends on the pool.
 """
 
 from __future__ import annotations
@@ -21,26 +25,35 @@ import os
 import selectors
 import socket
 import subprocess
-import sysconfig
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ftrun.agent import proctree
+from ftrun.agent.preload import Cache
 from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.errors import SpawnError
 
-READY_TIMEOUT_S = 120.0  # a zygote importing torch on a loaded machine
+BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
 FORK_TIMEOUT_S = 10.0
 MAX_MESSAGE = 1 << 20
+GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH more modules than it has
+# The zygote pins its own thread pools (never the workers'): a library that starts threads at import
+# (OpenMP, BLAS) would make the zygote unsafe to fork.
+ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 class PoolError(Exception):
-    """The zygote cannot serve this spawn (the caller falls back to a fresh process)."""
+    """A zygote cannot serve this spawn (the caller falls back to another, or to a fresh process)."""
+
+
+class NotYet(PoolError):
+    """A zygote has not answered within the time given (it may still be preloading)."""
 
 
 class AdoptedHandle:
-    """A worker forked by the zygote and re-parented to the agent: the agent's child from then on."""
+    """A worker forked by a zygote and re-parented to the agent: the agent's child from then on."""
 
     warm = True
 
@@ -65,7 +78,7 @@ class AdoptedHandle:
 
 
 def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
-    """What the zygote must run for ``argv``, or None if it cannot (not this Python's script or module)."""
+    """What a zygote must run for ``argv``, or None if it cannot (not this Python's script or module)."""
     if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
         return None
     if argv[2] == "-m" and len(argv) >= 4:
@@ -75,31 +88,18 @@ def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
     return {"kind": "script", "target": argv[2], "args": list(argv[3:])}
 
 
-def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> list[str]:
-    """The modules worth preloading: from the standard library or installed packages, in the order the
-    worker imported them (import side effects then happen as they did there). The job's own modules are
-    left out: they may read the rank at import, or change between runs."""
-    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    keep = []
-    for name in names:
-        path = files.get(name)
-        if name in ("__main__", "__mp_main__") or name.startswith("ftrun") or not path:
-            continue
-        if any(path.startswith(root + os.sep) for root in roots):
-            keep.append(name)
-    return list(dict.fromkeys(keep))
-
-
 class _Zygote:
-    def __init__(self, python: str, preload: list[str], env: Mapping[str, str], log: Path) -> None:
+    def __init__(self, python: str, preload: list[str], env: Mapping[str, str], log: Path, *, idle: bool) -> None:
         self.preload = preload
+        self.started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
+        argv = [python, "-m", "ftrun.agent.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
         with log.open("ab") as err:
             self.proc = subprocess.Popen(
-                [python, "-m", "ftrun.agent.zygote", str(theirs.fileno())],
+                argv,
                 pass_fds=(theirs.fileno(),),
-                env=dict(env),
+                env={**env, **ZYGOTE_THREADS},
                 stdin=subprocess.PIPE,
                 stdout=err,
                 stderr=err,
@@ -112,22 +112,30 @@ class _Zygote:
             self.proc.stdin.write(json.dumps(preload).encode())
             self.proc.stdin.close()
         except BrokenPipeError:
-            pass  # it died at once: the first fork finds out and falls back
+            pass  # it died at once: the first look at it finds out
         self.ready: dict[str, Any] | None = None
         self.refused = ""
+        self.failed = ""  # why it can no longer serve
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """The zygote's ready message (read once); raises PoolError if it refused, died or is too slow."""
-        if self.ready is None:
-            answer = self._receive(timeout_s, "to finish preloading")
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
+        if self.ready is None and not self.failed:
+            try:
+                answer = self._receive(timeout_s, "to finish preloading")
+            except NotYet as e:
+                if timeout_s > 0:  # waited for in vain
+                    self.failed = str(e)
+                return False
+            except PoolError as e:  # gone
+                self.failed = str(e)
+                return False
             if "refused" in answer:
-                self.refused = str(answer["refused"])
-                raise PoolError(self.refused)
+                self.refused = self.failed = str(answer["refused"])
+                return False
             self.ready = answer
-        return self.ready
+        return self.ready is not None
 
     def fork(self, request: dict[str, Any], stdout: int, stderr: int) -> int:
-        self.wait_ready(READY_TIMEOUT_S)
         try:
             self._sock.sendmsg(
                 [json.dumps(request).encode()],
@@ -144,7 +152,7 @@ class _Zygote:
         with selectors.DefaultSelector() as sel:
             sel.register(self._sock, selectors.EVENT_READ)
             if not sel.select(timeout_s):
-                raise PoolError(f"the zygote took more than {timeout_s:g} s {what}")
+                raise NotYet(f"the zygote took more than {timeout_s:g} s {what}")
         try:
             data = self._sock.recv(MAX_MESSAGE)
         except OSError as e:
@@ -164,95 +172,129 @@ class _Zygote:
 class WarmPool:
     """A Spawner. ``start()`` before the first attempt; ``learn()`` feeds --warm auto; ``close()`` at the end."""
 
-    def __init__(self, python: str, preload: Sequence[str], env: Mapping[str, str], *, auto: bool) -> None:
+    def __init__(
+        self, python: str, preload: Sequence[str], env: Mapping[str, str], *, auto: bool, cache: Cache | None = None
+    ) -> None:
         self._python = python
-        self._preload = list(dict.fromkeys(preload))
         self._env = env
-        self._log = Path(os.devnull)
         self._auto = auto
+        self._cache = cache
+        cached, self._import_s = cache.load() if cache is not None and auto else ([], None)
+        self._known = list(dict.fromkeys([*preload, *cached]))  # the most we know to preload
+        self._log = Path(os.devnull)
         self._say: Callable[[str], None] = lambda text: None
         self._on_ready: Callable[[dict[str, Any]], None] = lambda info: None
         self._fresh = ProcessSpawner()
-        self._zygote: _Zygote | None = None
+        self._zygotes: list[_Zygote] = []
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
 
     def start(self, log: Path, say: Callable[[str], None], on_ready: Callable[[dict[str, Any]], None]) -> None:
-        """Start the zygote (in the background: it answers once it has preloaded). Its output goes to
-        ``log``; ``say`` tells the user what the pool does, ``on_ready`` gets its ready report."""
+        """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells
+        the user what the pool does, ``on_ready`` gets each zygote's ready report."""
         self._log, self._say, self._on_ready = log, say, on_ready
-        self._launch()
+        self._launch([])
+        if self._known:
+            self._launch(self._known)
 
-    def _launch(self) -> None:
-        if self._zygote is None and not self._off:
-            self._zygote = _Zygote(self._python, self._preload, self._env, self._log)
+    def add(self, modules: Sequence[str]) -> None:
+        """More modules known before any worker ran (the entry script's imports)."""
+        self._known = list(dict.fromkeys([*self._known, *modules]))
+
+    def _launch(self, preload: list[str]) -> None:
+        if not self._off:
+            self._zygotes.append(_Zygote(self._python, preload, self._env, self._log, idle=bool(preload)))
+
+    @property
+    def preloading(self) -> list[str]:
+        """The modules of the largest zygote, ready or not."""
+        return max((z.preload for z in self._zygotes), key=len, default=[])
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
-        """The zygote is the pool's own, never a stray of a worker group."""
-        signal_strays(sig, workers, helpers={self._zygote.proc.pid} if self._zygote is not None else set())
+        """The zygotes are the pool's own, never strays of a worker group."""
+        signal_strays(sig, workers, helpers={z.proc.pid for z in self._zygotes})
 
     def reap_orphans(self, keep: set[int]) -> None:
-        proctree.reap_orphans(keep | ({self._zygote.proc.pid} if self._zygote is not None else set()))
+        proctree.reap_orphans(keep | {z.proc.pid for z in self._zygotes})
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         request = worker_request(argv, self._python)
         if request is None or self._off:
             return self._fresh.spawn(argv, env, cwd, stdout, stderr)
-        self._launch()
-        assert self._zygote is not None
         request.update(env=dict(env), cwd=str(cwd), agent_pid=os.getpid())
-        try:
-            fresh_ready = self._zygote.ready is None
-            pid = self._zygote.fork(request, stdout, stderr)
-            if fresh_ready and self._zygote.ready is not None:
-                self._on_ready(
-                    {**self._zygote.ready, "preload": len(self._zygote.preload), "pid": self._zygote.proc.pid}
-                )
-        except PoolError as e:
-            self._fail(str(e))
-            return self._fresh.spawn(argv, env, cwd, stdout, stderr)
-        try:
-            return AdoptedHandle(pid)
-        except OSError as e:
-            raise SpawnError(f"warm worker {pid} vanished before it was watched: {e}") from e
+        while (zygote := self._best()) is not None:
+            try:
+                pid = zygote.fork(request, stdout, stderr)
+            except PoolError as e:
+                self._drop(zygote, str(e))
+                continue
+            try:
+                return AdoptedHandle(pid)
+            except OSError as e:
+                raise SpawnError(f"warm worker {pid} vanished before it was watched: {e}") from e
+        return self._fresh.spawn(argv, env, cwd, stdout, stderr)
 
-    def _fail(self, why: str) -> None:
-        refused = self._zygote is not None and bool(self._zygote.refused)
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-        if refused:
+    def _best(self) -> _Zygote | None:
+        """The ready zygote with the most preloaded; smaller ready ones are closed. With none ready, the base
+        zygote is waited for (it is a bare Python start: as fast as a fresh worker)."""
+        for z in list(self._zygotes):
+            was_ready = z.ready is not None
+            if z.poll() and not was_ready:
+                self._ready(z)
+            elif z.failed:
+                self._drop(z, z.failed)
+                if self._off:
+                    return None
+        ready = [z for z in self._zygotes if z.ready is not None]
+        if not ready:
+            base = next((z for z in self._zygotes if not z.preload), None)
+            if base is None or not base.poll(BASE_READY_TIMEOUT_S):
+                if base is not None:
+                    self._drop(base, base.failed or "it did not start")
+                return None
+            self._ready(base)
+            ready = [base]
+        best = max(ready, key=lambda z: len(z.preload))
+        for z in ready:
+            if z is not best:  # a bigger one serves from now on
+                z.close()
+                self._zygotes.remove(z)
+        return best
+
+    def _ready(self, z: _Zygote) -> None:
+        assert z.ready is not None
+        self._on_ready({**z.ready, "preload": len(z.preload), "pid": z.proc.pid})
+        if z.preload and self._cache is not None and self._auto:
+            self._cache.save(z.preload, float(z.ready.get("import_s", 0.0)))
+
+    def _drop(self, z: _Zygote, why: str) -> None:
+        z.close()
+        if z in self._zygotes:
+            self._zygotes.remove(z)
+        if z.refused:
             self._off = why
+            for other in self._zygotes:
+                other.close()
+            self._zygotes.clear()
             self._say(f"warm pool off: {why}; workers start as fresh processes")
         else:
-            self._say(f"warm pool: {why}; this worker starts fresh, and a new pool is on its way")
-            self._launch()
+            self._say(f"warm pool: {why}; a new zygote is on its way")
+            self._launch(z.preload)
 
     def learn(self, modules: Sequence[str]) -> None:
-        """--warm auto: preload what the workers imported, in a new zygote (the old one goes)."""
+        """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it."""
         if not self._auto or self._off:
             return
-        wanted = [m for m in modules if m not in self._preload]
-        if len(wanted) <= len(self._preload) // 20:
+        current = self.preloading
+        wanted = [m for m in modules if m not in current]
+        if len(wanted) <= len(current) // GROWTH:
             return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
-        self._preload += wanted
-        self._say(f"warm pool: preloading {len(self._preload)} modules the workers imported, for the next restart")
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-        self._launch()
+        bigger = list(dict.fromkeys([*current, *wanted]))
+        self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
+        if self._cache is not None:
+            self._cache.save(bigger, self._import_s)
+        self._launch(bigger)
 
     def close(self) -> None:
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
-
-
-def read_modules_report(path: Path) -> list[str] | None:
-    """A worker's report of its imported modules ({name: file}), filtered; None if absent or unreadable."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        return None
-    return installed_modules(list(data), {k: v if isinstance(v, str) else None for k, v in data.items()})
+        for z in self._zygotes:
+            z.close()
+        self._zygotes.clear()

@@ -106,7 +106,15 @@ def main() -> int:
     names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
     filters = list(warnings.filters)  # as a fresh interpreter has them, before any preloaded module
     started = time.monotonic()
+    idle = "--idle" in sys.argv[2:]
+    if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     loaded, failed, refusal = preload(names)
+    if idle:
+        try:  # its forks must run at normal priority
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
     if refusal:
         send(sock, {"refused": refusal})
         return 1
@@ -187,13 +195,15 @@ def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters
         import faulthandler
 
         faulthandler.enable(all_threads=True)
+    restore_threads()
     warnings.filters[:] = filters  # type: ignore[index]
     modules_file = request["env"].get("FTRUN_MODULES_FILE")
     if modules_file:  # for --warm auto, also from scripts that never call ftrun
         import atexit
 
-        from ftrun.monitor.client import report_modules
+        from ftrun.monitor.client import report_modules, report_when_imports_settle
 
+        report_when_imports_settle(modules_file)
         atexit.register(report_modules, modules_file)
     warnings._filters_mutated()  # type: ignore[attr-defined]
     # `python -u`: unbuffered binary layer, text written through at once.
@@ -201,6 +211,30 @@ def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+
+
+def restore_threads() -> None:
+    """The zygote pinned its thread pools to 1 (safe to fork); the worker gets what a fresh process would:
+    its own OMP_NUM_THREADS / MKL_NUM_THREADS, else torch's default of one thread per physical core."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    wanted = os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or ""
+    torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0 else physical_cores())
+
+
+def physical_cores() -> int:
+    """Cores (not hyperthreads) this process may run on, as torch counts its default threads."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                cores.add((f.read().strip(), core))
+        except OSError:
+            cores.add(("", str(cpu)))
+    return max(1, len(cores))
 
 
 def run(kind: str, target: str, args: list[str]) -> int:

@@ -228,6 +228,32 @@ def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
     return spawned if 0 < spawned <= attached else attached
 
 
+SETTLE_S = 0.3  # no new import for this long: the imports have settled
+SETTLE_POLL_S = 0.1
+SETTLE_GIVE_UP_S = 120.0  # nothing new for this long: the job imports no more; the watcher ends
+
+
+def report_when_imports_settle(path: str) -> None:
+    """--warm auto: report the worker's modules each time its imports settle, from a daemon thread, so the
+    agent knows what to preload long before a crash (and a worker killed right after has reported)."""
+    import sys
+    import threading
+
+    def watch() -> None:
+        reported = seen = len(sys.modules)
+        changed = time.monotonic()
+        while time.monotonic() - changed < SETTLE_GIVE_UP_S:
+            time.sleep(SETTLE_POLL_S)
+            now, count = time.monotonic(), len(sys.modules)
+            if count != seen:
+                seen, changed = count, now
+            elif count != reported and now - changed >= SETTLE_S:
+                report_modules(path)
+                reported = count
+
+    threading.Thread(target=watch, name="ftrun-imports", daemon=True).start()
+
+
 def report_modules(path: str) -> None:
     """Write {module name: file} of everything imported so far, for the agent's --warm auto."""
     import sys

@@ -1,0 +1,154 @@
+"""What the warm pool should preload, known before the first crash, with no help from the job.
+
+Three sources, merged in this order: ``--preload``; what the same job imported on
+this machine before (a small cache keyed by the interpreter and the script or
+module); what the entry script imports at its top level (read with ``ast``,
+never run). While the job runs, the workers' own reports (every module they
+imported, written as soon as their imports settle) add the rest.
+
+Only modules of the standard library and of installed packages are preloaded,
+never the job's own code: it may read the rank at import, or change between runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import importlib.machinery
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ftrun.config import Entrypoint, EntrypointKind
+
+CACHE_VERSION = 1
+
+
+def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> list[str]:
+    """The modules worth preloading, in the order given (import side effects then happen as they did in the
+    worker): from the standard library or installed packages, never the job's own, never ftrun's."""
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    keep = []
+    for name in names:
+        path = files.get(name)
+        if name in ("__main__", "__mp_main__") or name.startswith("ftrun") or not path:
+            continue
+        if any(path.startswith(root + os.sep) for root in roots):
+            keep.append(name)
+    return list(dict.fromkeys(keep))
+
+
+def read_modules_report(path: Path) -> list[str] | None:
+    """A worker's report of its imported modules ({name: file}), filtered; None if absent or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        return None
+    return installed_modules(list(data), {k: v if isinstance(v, str) else None for k, v in data.items()})
+
+
+def entry_imports(entry: Entrypoint, cwd: Path, python: str) -> list[str]:
+    """The installed modules the entry script (or module) imports at its top level, read without running it.
+    Only for this interpreter's own scripts: another interpreter has other packages."""
+    if python != sys.executable or entry.kind not in (EntrypointKind.SCRIPT, EntrypointKind.MODULE):
+        return []
+    source = _module_file(entry.target, cwd) if entry.kind is EntrypointKind.MODULE else cwd / entry.target
+    if source is None:
+        return []
+    try:
+        tree = ast.parse(source.read_bytes(), str(source))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in _top_level(tree.body):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return installed_modules(names, {n: _origin(n.split(".")[0]) for n in names})
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Statements run at import: the module body and the branches of its top-level if/try blocks."""
+    found: list[ast.stmt] = []
+    for node in body:
+        found.append(node)
+        if isinstance(node, ast.If):
+            found += _top_level(node.body) + _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            found += _top_level(node.body) + _top_level(node.orelse) + _top_level(node.finalbody)
+    return found
+
+
+def _origin(top: str) -> str | None:
+    """Where the top-level module ``top`` would be imported from (found, not imported)."""
+    if top in sys.builtin_module_names:
+        return None
+    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)
+    return spec.origin if spec is not None and spec.origin not in (None, "built-in", "frozen") else None
+
+
+def _module_file(name: str, cwd: Path) -> Path | None:
+    """The file ``python -m name`` runs, found part by part without importing the packages."""
+    path = [str(cwd), *sys.path]
+    spec = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path)
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    if spec is None or not spec.origin:
+        return None
+    if spec.submodule_search_locations:  # a package: python -m runs its __main__
+        main = Path(spec.origin).parent / "__main__.py"
+        return main if main.is_file() else None
+    return Path(spec.origin)
+
+
+class Cache:
+    """What the workers of one job imported last time on this machine, and how long preloading it took.
+
+    Keyed by the interpreter and the resolved script (or module name and cwd): a rerun, or the next job of
+    a sweep, is warm from its first failure.
+    """
+
+    def __init__(self, directory: Path | None, python: str, entry: Entrypoint, cwd: Path) -> None:
+        target = str((cwd / entry.target).resolve()) if entry.kind is EntrypointKind.SCRIPT else entry.target
+        key = hashlib.sha256(f"{python}\0{entry.kind.value}\0{target}\0{cwd}".encode()).hexdigest()[:24]
+        self.path = None if directory is None else directory / f"{key}.json"
+
+    def load(self) -> tuple[list[str], float | None]:
+        """The modules and the seconds preloading them took (([], None) when unknown)."""
+        if self.path is None:
+            return [], None
+        try:
+            doc: Any = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return [], None
+        if not isinstance(doc, dict) or doc.get("v") != CACHE_VERSION:
+            return [], None
+        modules = doc.get("modules")
+        seconds = doc.get("import_s")
+        if not isinstance(modules, list) or not all(isinstance(m, str) and m.isascii() for m in modules):
+            return [], None
+        if isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= 0:
+            return modules, float(seconds)
+        return modules, None
+
+    def save(self, modules: Sequence[str], import_s: float | None) -> None:
+        """Write atomically; a cache that cannot be written only costs the next run's first restart."""
+        if self.path is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"v": CACHE_VERSION, "modules": list(modules), "import_s": import_s}))
+            tmp.replace(self.path)
