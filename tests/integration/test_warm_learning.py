@@ -1,0 +1,90 @@
+"""The warm pool knows what to preload before the first crash, with no help from the job, and never costs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import Result, WriteScript, run_ftrun
+
+
+def kinds(r: Result, kind: str) -> list[dict[str, Any]]:
+    return [e for e in r.events() if e["kind"] == kind]
+
+
+def cached(tmp_path: Path) -> list[str]:
+    [entry] = list((tmp_path / "ftrun-cache" / "warm").glob("*.json"))  # FTRUN_CACHE_DIR, set by tests/conftest.py
+    modules: list[str] = json.loads(entry.read_text())["modules"]
+    return modules
+
+
+IMPORTS_THEN_DIES = """
+import os, signal, sys, time
+import decimal, fractions
+import statistics  # never calls ftrun
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(1)  # the crash comes a second after the imports (the job's story, not a synchronisation)
+    os.kill(os.getpid(), signal.SIGKILL)
+print("restarted", flush=True)
+"""
+
+
+def test_imports_are_known_before_a_worker_is_killed_and_kept_for_the_next_run(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", IMPORTS_THEN_DIES)
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    # Before any worker ran, the entry script's top-level imports were being preloaded.
+    assert "statistics" in cached(tmp_path)
+    assert "warm pool: preloading" in r.stderr  # the worker's report, written before SIGKILL, was learned
+    learned = cached(tmp_path)
+    assert {"decimal", "fractions", "statistics"} <= set(learned)
+    assert len(learned) > 3  # everything the worker imported, not only the script's own lines
+    # A rerun of the same job starts its preloading zygote with what the last run learned.
+    again = run_ftrun(tmp_path, "--log-dir", str(tmp_path / "again"), "--max-restarts", "1", "w.py")
+    again.run_dir = tmp_path / "again" / "t"
+    assert again.returncode == 0, again.stderr
+    preloads = [e["preload"] for e in kinds(again, "pool_ready")]
+    assert max(preloads) >= len(learned), preloads
+
+
+TORCH_THREADS = """
+import os, sys
+import torch
+print(torch.get_num_threads(), flush=True)
+sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+"""
+
+
+@pytest.mark.torch
+def test_one_worker_with_torch_restarts_warm_with_its_own_threads(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One worker per node leaves OMP_NUM_THREADS unset: the pool must stay safe to fork, and the worker must
+    get torch's own default, not the pool's pinned single thread."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script("w.py", TORCH_THREADS)
+    threads = {}
+    for name, flags in (("warm", []), ("cold", ["--no-warm"])):
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), "--max-restarts", "1", *flags, "w.py")
+        r.run_dir = tmp_path / name / "t"
+        assert r.returncode == 0, r.stderr
+        assert "warm pool off" not in r.stderr
+        restarted = [e["warm"] for e in kinds(r, "worker_spawned") if e["attempt"] == 1]
+        assert restarted == [name == "warm"]
+        assert f"1 restart ({name})" in r.stderr  # the summary says which
+        threads[name] = (r.log(0, 0), r.log(1, 0))
+    assert threads["warm"] == threads["cold"]
+
+
+def test_no_pool_when_no_restart_can_come(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import json\nprint('ran')\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")  # --max-restarts 0, a static job
+    assert r.returncode == 0, r.stderr
+    assert not kinds(r, "pool_ready")
+    assert [e["warm"] for e in kinds(r, "worker_spawned")] == [False, False]
+    assert "warm pool" not in r.stderr
