@@ -1,17 +1,21 @@
-"""Recovery after a worker crash: ftrun (warm and cold) against torchrun, same job, same flags, same run.
+"""Recovery after a worker crash, at every moment a crash can come: ftrun (warm, cold, a rerun) against torchrun.
 
-The demo DDP job (2 workers, gloo on CPU) runs under each launcher in turn; rank 1
-kills itself with SIGKILL at the same step on the first attempt. ftrun-warm is
-ftrun as it comes (a warm pool that learns what the workers import: it must have
-finished preloading before the crash: the default crash comes ~8 s into the job,
-300 steps of 20 ms simulated compute);
-ftrun-cold is ftrun --no-warm. From the job's
-own timeline (wall-clock records written by every rank) we take the time from
-the crash to the moment every rank has finished its first step after the
-restart. From ftrun's event log we also take ftrun's own overhead: from the
-failed worker's exit to the new workers' exec.
+The job (bench/plain_ddp.py) is a DDP job as people write it for torchrun: it never imports ftrun, imports
+torch and torch._dynamo, trains on 2 workers (gloo, CPU, 50 ms of simulated compute per step), checkpoints
+every 10 steps and ends with torch's normal teardown. Rank 1 kills itself (SIGKILL) at a given step of the
+first attempt: at the first step, about 0.5 s and 2 s after it, and late. Launchers, alternating in one run:
 
-    python bench/recovery.py [--reps 5] [--crash-at 300] [--step-time 0.02]
+  ftrun-warm        ftrun as it comes, with an empty cache: the job's first run on this machine
+  ftrun-rerun       ftrun again on the same job, with the cache the ftrun-warm run left
+  ftrun-cold        ftrun --no-warm
+  torchrun          torchrun as it comes (static rendezvous, the agent's store shared with the workers)
+  torchrun-noshare  torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+Figures, from the job's own timeline (wall-clock lines written by every rank): recovery = the crash to
+every rank having finished its first step after the restart; how many recovered on the first restart;
+and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
+
+    python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300]
 
 Prints figures; asserts nothing about time.
 """
@@ -26,43 +30,48 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+JOB = Path(__file__).resolve().parent / "plain_ddp.py"
+FTRUN = [sys.executable, "-m", "ftrun"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LAUNCHERS = {
-    "ftrun-warm": [sys.executable, "-m", "ftrun"],
-    "ftrun-cold": [sys.executable, "-m", "ftrun", "--no-warm"],
-    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    # torchrun's other common form: c10d rendezvous on localhost instead of its static default
-    "torchrun-standalone": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+    "ftrun-warm": FTRUN,
+    "ftrun-rerun": FTRUN,
+    "ftrun-cold": [*FTRUN, "--no-warm"],
+    "torchrun": TORCHRUN,
+    "torchrun-noshare": TORCHRUN,
 }
 
 
 @dataclass
 class Trial:
     launcher: str
+    crash_at: int
     recovery_s: float | None  # crash -> every rank stepped again; None: never trained again
-    first_restart: bool  # training resumed on the first restart (attempt 1)
-    overhead_s: float | None  # ftrun only: failed worker exit -> last new worker exec'd
-    detect_s: float | None  # ftrun only: crash -> exit seen by ftrun
-    start_s: float | None  # launcher started -> every rank finished its first step (a cold start)
+    first_restart: bool
+    own_s: float | None  # ftrun only: failed exit seen -> every new worker running its own code
+    warm: bool | None  # ftrun only: the restart's workers came from the pool
 
 
-def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
+def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
+    env = {**os.environ, "FTRUN_CACHE_DIR": str(cache)}
     if launcher.startswith("ftrun"):
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
-    job = [str(DEMO), "--steps", str(args.steps), "--checkpoint-every", "10", "--crash-at", str(args.crash_at)]
-    job += ["--step-time", str(args.step_time)]
-    job += ["--checkpoint-dir", str(workdir / "ckpt"), "--timeline", str(timeline), "--log-every", "1000000"]
-    started = time.time()
+    if launcher == "torchrun-noshare":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    steps = crash_at + 5
+    job = [str(JOB), "--steps", str(steps), "--crash-at", str(crash_at), "--timeline", str(timeline)]
+    job += ["--checkpoint", str(workdir / "ckpt.pt")]
     with (workdir / "launcher.log").open("w") as log:
-        proc = subprocess.Popen([*LAUNCHERS[launcher], *flags, *job], stdout=log, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            [*LAUNCHERS[launcher], *flags, *job], stdout=log, stderr=log, env=env, start_new_session=True
+        )
         try:
-            proc.wait(args.timeout)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -71,24 +80,23 @@ def run_once(launcher: str, args: argparse.Namespace, workdir: Path) -> Trial:
     if crash is None:
         raise SystemExit(f"{launcher}: the job never reached the crash step; see {workdir / 'launcher.log'}")
     resumed: dict[int, dict[int, float]] = {}  # attempt -> rank -> wall of its first step
+    started: dict[int, dict[int, float]] = {}  # attempt -> rank -> wall its process began running
     for r in records:
         if r["event"] == "step" and r["attempt"] > 0:
             resumed.setdefault(r["attempt"], {}).setdefault(r["rank"], r["wall"])
+        elif r["event"] == "start":
+            started.setdefault(r["attempt"], {})[r["rank"]] = r["wall"]
     complete = sorted(a for a, ranks in resumed.items() if len(ranks) == 2)
     recovery = max(resumed[complete[0]].values()) - crash if complete else None
-    overhead = detect = None
+    own = warm = None
     if launcher.startswith("ftrun") and events.exists():
         ev = [json.loads(line) for line in events.read_text().splitlines()]
         failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
+        if len(started.get(1, {})) == 2:
+            own = max(started[1].values()) - failed["wall"]
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
-        overhead = max(e["mono"] for e in respawned) - failed["mono"] if respawned else None
-        detect = failed["wall"] - crash
-    firsts = [
-        min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k), default=None)
-        for k in (0, 1)
-    ]
-    start = max(firsts) - started if None not in firsts else None  # type: ignore[type-var, operator]
-    return Trial(launcher, recovery, bool(complete) and complete[0] == 1, overhead, detect, start)
+        warm = bool(respawned) and all(e["warm"] for e in respawned)
+    return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, warm)
 
 
 def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
@@ -100,52 +108,52 @@ def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--steps", type=int, default=330)
-    p.add_argument("--crash-at", type=int, default=300)
-    p.add_argument("--step-time", type=float, default=0.02, help="simulated compute per step (s), as the demo's flag")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a run that hangs is killed")
-    p.add_argument("--launchers", default="ftrun-warm,ftrun-cold,torchrun,torchrun-standalone")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--crash-at", default="0,10,40,300", help="steps (50 ms each) at which rank 1 dies")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run that hangs is killed")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS))
     args = p.parse_args()
     launchers = args.launchers.split(",")
+    crash_points = [int(c) for c in args.crash_at.split(",")]
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as tmp:
         for rep in range(args.reps):
-            for launcher in launchers if rep % 2 == 0 else reversed(launchers):  # alternate the order
-                workdir = Path(tmp) / f"{launcher}-{rep}"
-                workdir.mkdir()
-                t = run_once(launcher, args, workdir)
-                trials.append(t)
-                rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
-                print(f"rep {rep} {launcher:19s} recovery {rec}  first restart: {'yes' if t.first_restart else 'NO'}")
+            for crash_at in crash_points:
+                cache = Path(tmp) / f"cache-{rep}-{crash_at}"  # ftrun-warm starts it empty, ftrun-rerun reuses it
+                order = launchers if rep % 2 == 0 else list(reversed(launchers))  # alternate the order
+                if "ftrun-rerun" in order and "ftrun-warm" in order:  # the rerun follows the first run
+                    order = [n for n in order if n != "ftrun-rerun"]
+                    order.insert(order.index("ftrun-warm") + 1, "ftrun-rerun")
+                for launcher in order:
+                    workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
+                    workdir.mkdir()
+                    t = run_once(launcher, crash_at, workdir, cache, args.timeout)
+                    trials.append(t)
+                    rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
+                    how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")
+                    print(f"rep {rep} step {crash_at:3d} {launcher:16s} recovery {rec}{how}", flush=True)
     print()
-    print(f"crash of rank 1 at step {args.crash_at} -> every rank stepping again ({args.reps} reps, alternating)")
-    print("  (times over the runs that trained again, on any restart)")
-    medians = {}
-    for launcher in launchers:
-        mine = [t for t in trials if t.launcher == launcher]
-        rec = [t.recovery_s for t in mine if t.recovery_s is not None]
-        firsts = sum(t.first_restart for t in mine)
-        never = len(mine) - len(rec)
-        print(
-            f"  {launcher:19s} {describe(rec)}  recovered on first restart {firsts}/{len(mine)}, "
-            f"never within {args.timeout:.0f} s {never}/{len(mine)}"
-        )
-        if rec:
-            medians[launcher] = statistics.median(rec)
-    for ours in [name for name in medians if name.startswith("ftrun")]:
-        for peer in [name for name in medians if name != ours and not name.startswith("ftrun-warm")]:
-            print(f"  ratio {ours}/{peer} (medians): {medians[ours] / medians[peer]:.2f}")
-    print("start: launcher started -> every rank finished its first step (the first attempt):")
-    for launcher in launchers:
-        starts = [t.start_s for t in trials if t.launcher == launcher and t.start_s is not None]
-        print(f"  {launcher:19s} {describe(starts)}")
-    for ours in [name for name in launchers if name.startswith("ftrun")]:
-        ft = [t for t in trials if t.launcher == ours]
-        print(f"{ours}: its own overhead, failed worker exit -> new workers spawned:")
-        print(f"  {describe([t.overhead_s for t in ft if t.overhead_s is not None], 1000, 'ms')}")
-        print(f"{ours}: crash -> exit seen:")
-        print(f"  {describe([t.detect_s for t in ft if t.detect_s is not None], 1000, 'ms')}")
+    print(f"crash of rank 1 -> every rank stepping again ({args.reps} reps, alternating; medians over recovered runs)")
+    for crash_at in crash_points:
+        print(f"crash at step {crash_at} ({crash_at * 0.05:.1f} s of steps after the first):")
+        medians = {}
+        for launcher in launchers:
+            mine = [t for t in trials if t.launcher == launcher and t.crash_at == crash_at]
+            rec = [t.recovery_s for t in mine if t.recovery_s is not None]
+            firsts = sum(t.first_restart for t in mine)
+            warm = sum(bool(t.warm) for t in mine)
+            extra = f", warm {warm}/{len(mine)}" if launcher.startswith("ftrun") else ""
+            print(f"  {launcher:16s} {describe(rec)}  first restart {firsts}/{len(mine)}{extra}")
+            if rec:
+                medians[launcher] = statistics.median(rec)
+        for ours in [n for n in medians if n.startswith("ftrun")]:
+            ratios = [f"/{peer} {medians[ours] / medians[peer]:.2f}" for peer in medians if peer.startswith("torch")]
+            cold = f"  /ftrun-cold {medians[ours] / medians['ftrun-cold']:.2f}" if "ftrun-cold" in medians else ""
+            print(f"    ratio {ours}{'  '.join(ratios)}{cold}")
+    for ours in [n for n in launchers if n.startswith("ftrun")]:
+        own = [t.own_s for t in trials if t.launcher == ours and t.own_s is not None]
+        print(f"{ours}: its own part, failed exit seen -> every new worker running its own code: "
+              f"{describe(own, 1000, 'ms')}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@
 At start the pool launches a *base* zygote that preloads nothing (ready as soon
 as Python is: forking from it is as fast as a fresh start) and, when something
 is known to preload (``--preload``, the job's cache, its entry script's
-imports), a second one that preloads it, at idle CPU priority so that it never
-slows the workers it will serve. Each spawn forks from the best *ready* zygote,
-the one with the most preloaded: a restart never waits for a zygote that is
-still preloading. When the workers report more imports, a bigger zygote is
-started beside the others; smaller ones are closed only once a bigger one is
-ready. Workers come out as the agent's own children (a pidfd and the real exit
-status, as for a fresh process).
+imports), a second one that preloads it. Each spawn forks from the biggest
+*ready* zygote: a restart never waits for one still preloading when another is
+ready. With none ready, it waits for the one preloading (it started before a
+fresh worker would, and imports only what a worker imports anyway), else uses
+the base. When the workers report more imports, a bigger zygote is started
+beside the others, at idle CPU priority so that it never slows the training;
+smaller ones are closed only once a bigger one is ready. Workers come out as the
+agent's own children (a pidfd and the real exit status, as for a fresh process).
 
 Whatever goes wrong with a zygote (it refused a module that starts threads,
 died, or does not answer), the worker is started fresh and the pool goes on
@@ -36,6 +37,7 @@ from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.errors import SpawnError
 
 BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
+PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
 FORK_TIMEOUT_S = 10.0
 MAX_MESSAGE = 1 << 20
 GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH more modules than it has
@@ -200,9 +202,10 @@ class WarmPool:
         """More modules known before any worker ran (the entry script's imports)."""
         self._known = list(dict.fromkeys([*self._known, *modules]))
 
-    def _launch(self, preload: list[str]) -> None:
+    def _launch(self, preload: list[str], *, idle: bool = False) -> None:
+        """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
         if not self._off:
-            self._zygotes.append(_Zygote(self._python, preload, self._env, self._log, idle=bool(preload)))
+            self._zygotes.append(_Zygote(self._python, preload, self._env, self._log, idle=idle))
 
     @property
     def preloading(self) -> list[str]:
@@ -234,8 +237,9 @@ class WarmPool:
         return self._fresh.spawn(argv, env, cwd, stdout, stderr)
 
     def _best(self) -> _Zygote | None:
-        """The ready zygote with the most preloaded; smaller ready ones are closed. With none ready, the base
-        zygote is waited for (it is a bare Python start: as fast as a fresh worker)."""
+        """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
+        biggest still preloading (it started before a fresh worker would, and preloads only what the workers
+        import anyway: waiting for it beats a fresh start); else the base zygote (a bare Python start)."""
         for z in list(self._zygotes):
             was_ready = z.ready is not None
             if z.poll() and not was_ready:
@@ -244,21 +248,25 @@ class WarmPool:
                 self._drop(z, z.failed)
                 if self._off:
                     return None
-        ready = [z for z in self._zygotes if z.ready is not None]
-        if not ready:
-            base = next((z for z in self._zygotes if not z.preload), None)
-            if base is None or not base.poll(BASE_READY_TIMEOUT_S):
-                if base is not None:
-                    self._drop(base, base.failed or "it did not start")
+        preloaded = [z for z in self._zygotes if z.preload]
+        ready = [z for z in preloaded if z.ready is not None]
+        if ready:
+            best = max(ready, key=lambda z: len(z.preload))
+            for z in list(self._zygotes):
+                if z is not best and z.ready is not None:  # a bigger one serves from now on
+                    z.close()
+                    self._zygotes.remove(z)
+            return best
+        for z in sorted(preloaded, key=lambda z: len(z.preload), reverse=True) + [
+            z for z in self._zygotes if not z.preload
+        ]:
+            if z.poll(PRELOAD_TIMEOUT_S if z.preload else BASE_READY_TIMEOUT_S):
+                self._ready(z)
+                return z
+            self._drop(z, z.failed or "it did not start")
+            if self._off:
                 return None
-            self._ready(base)
-            ready = [base]
-        best = max(ready, key=lambda z: len(z.preload))
-        for z in ready:
-            if z is not best:  # a bigger one serves from now on
-                z.close()
-                self._zygotes.remove(z)
-        return best
+        return None
 
     def _ready(self, z: _Zygote) -> None:
         assert z.ready is not None
@@ -278,7 +286,7 @@ class WarmPool:
             self._say(f"warm pool off: {why}; workers start as fresh processes")
         else:
             self._say(f"warm pool: {why}; a new zygote is on its way")
-            self._launch(z.preload)
+            self._launch(z.preload, idle=True)
 
     def learn(self, modules: Sequence[str]) -> None:
         """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it."""
@@ -292,7 +300,7 @@ class WarmPool:
         self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
         if self._cache is not None:
             self._cache.save(bigger, self._import_s)
-        self._launch(bigger)
+        self._launch(bigger, idle=True)
 
     def close(self) -> None:
         for z in self._zygotes:

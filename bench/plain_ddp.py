@@ -1,0 +1,72 @@
+"""A DDP job as people write it for torchrun: it never imports ftrun (benchmark workload).
+
+Imports torch and torch._dynamo (as many real jobs do, through torch.compile or a framework), trains a
+small model with gloo on CPU, checkpoints every 10 steps from rank 0 and resumes from the last checkpoint,
+and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills itself with
+SIGKILL at --crash-at. Every rank appends JSON lines to --timeline: when its process started (before any
+import), each step, the crash.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before any import: when this worker began running its own code
+
+import argparse  # noqa: E402 - the stamp above must come first
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402 - real jobs import it (torch.compile, frameworks)
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--timeline", required=True)
+    p.add_argument("--checkpoint", required=True)
+    a = p.parse_args()
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def record(event: str, wall: float | None = None, **data: object) -> None:
+        line = {"event": event, "wall": wall or time.time(), "rank": rank, "attempt": attempt, **data}
+        with open(a.timeline, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    record("start", STARTED)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    if os.path.exists(a.checkpoint):
+        state = torch.load(a.checkpoint)
+        model.module.load_state_dict(state["model"])
+        start = state["step"]
+    for step in range(start, a.steps):
+        if attempt == 0 and rank == 1 and step == a.crash_at:
+            record("crash")
+            os.kill(os.getpid(), signal.SIGKILL)
+        gen = torch.Generator().manual_seed(step * 100 + rank)
+        x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        time.sleep(a.step_time)
+        record("step", step=step)
+        if rank == 0 and (step + 1) % 10 == 0:
+            tmp = a.checkpoint + ".tmp"
+            torch.save({"model": model.module.state_dict(), "step": step + 1}, tmp)
+            os.replace(tmp, a.checkpoint)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
