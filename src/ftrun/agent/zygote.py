@@ -6,9 +6,10 @@ modules to preload on stdin; FD is its end of a SOCK_SEQPACKET socket pair. It a
 other threads vanish, with their locks held), then serves fork requests, each a
 JSON message with the worker's stdout and stderr as passed descriptors.
 
-Each worker is forked twice so that it is re-parented to the agent (a child
-subreaper) and becomes the agent's own child: the agent watches it with a pidfd
-and reaps its real exit status, exactly as for a fresh process. The worker then
+Each worker is born the agent's own child: forked with clone(CLONE_PARENT) in
+one step (or, where that is refused, forked twice and re-parented to the agent,
+a child subreaper). The agent watches it with a pidfd and reaps its real exit
+status, exactly as for a fresh process. The worker then
 becomes what ``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
 Single-threaded, and never imports anything it is not asked to.
 """
@@ -133,9 +134,40 @@ def main() -> int:
         send(sock, reply)
 
 
+# clone(2) with CLONE_PARENT: the worker is born the agent's child, in one fork (no intermediate to wait
+# for, no adoption). The syscall's number by machine; elsewhere (or refused: the zygote is a namespace's
+# init) the double fork below does the same in two.
+CLONE_PARENT = 0x00008000
+SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+
+
+def clone_as_sibling() -> int | None:
+    """Fork a child whose parent is the agent: 0 in the child, its pid in the zygote, None if unavailable.
+
+    As ``os.fork`` does, CPython's own before/after-fork steps run around the system call."""
+    number = SYS_CLONE.get(os.uname().machine)
+    if number is None:
+        return None
+    libc = ctypes.PyDLL(None, use_errno=True)  # the GIL stays held through the call, as in os.fork
+    libc.syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD), 0, 0, 0, 0)
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    api.PyOS_AfterFork_Parent()
+    return int(pid) if pid > 0 else None
+
+
 def fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
     if len(fds) != 2:
         return {"error": f"expected stdout and stderr descriptors, got {len(fds)}"}
+    pid = clone_as_sibling()
+    if pid == 0:
+        become_worker(sock, request, fds, filters, None)  # never returns
+    if pid is not None:
+        return {"pid": pid}
     read_end, write_end = os.pipe()
     first = os.fork()
     if first == 0:  # the intermediate: fork the worker, tell the zygote its pid, vanish
@@ -149,13 +181,13 @@ def fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int], fi
         os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as r:
-        pid = r.read()
+        told = r.read()
     os.waitpid(first, 0)
-    return {"pid": int(pid)} if pid else {"error": "fork failed"}
+    return {"pid": int(told)} if told else {"error": "fork failed"}
 
 
 def become_worker(
-    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int
+    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int | None
 ) -> None:
     """In the forked worker: set up as a fresh `python -u` would be, run the target, exit with its code."""
     try:
@@ -166,10 +198,12 @@ def become_worker(
     sys.exit(run(request["kind"], request["target"], request["args"]))
 
 
-def set_up(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int) -> None:
+def set_up(
+    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int | None
+) -> None:
     sock.close()
     deadline = time.monotonic() + ADOPTION_WAIT_S
-    while os.getppid() == intermediate and time.monotonic() < deadline:
+    while intermediate is not None and os.getppid() == intermediate and time.monotonic() < deadline:
         time.sleep(0.0002)  # the intermediate exits at once; then the agent (subreaper) is the parent
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
