@@ -122,6 +122,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(hang, "--out-of-section-timeout", default=None, help="seconds allowed while no section is open")
     _flag(hang, "--safety-factor", default=None, help="calculate_timeouts() multiplies what it saw by this (5)")
     _flag(hang, "--hang-signal", default=None, help="signal sent to a hung worker first (SIGTERM)")
+    _flag(
+        hang,
+        "--teardown-timeout",
+        default=None,
+        help="seconds a warm worker whose script ended may take to exit before it is ended, its result kept (30)",
+    )
     _flag(hang, "--config", default=None, help="TOML file with the hang settings (keys as the flags, underscored)")
     ft = p.add_argument_group("NVIDIA ft_launcher's hang settings (ftrun's own flags win)")
     _flag(ft, "--ft-cfg-path", default=None, help="ft_launcher YAML with a fault_tolerance: section")

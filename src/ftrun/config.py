@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftrun.monitor.watchdog import Timeouts
+from ftrun.monitor.watchdog import TEARDOWN_GRACE_S, Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
 DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"  # torchrun's tee prefix: [default0]:
@@ -163,6 +163,7 @@ class HangSpec:
     timeouts: Timeouts = field(default_factory=Timeouts)
     safety_factor: float = 5.0
     hang_signal: int = signal.SIGTERM
+    teardown_s: float = TEARDOWN_GRACE_S  # --teardown-timeout: a worker whose script ended may take this to exit
 
 
 @dataclass(frozen=True, slots=True)

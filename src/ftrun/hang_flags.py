@@ -10,7 +10,7 @@ from ftrun import nvidia_ft
 from ftrun.config import HangSpec
 from ftrun.errors import ConfigError
 from ftrun.flags import parse_seconds, parse_signal_name
-from ftrun.monitor.watchdog import Timeouts
+from ftrun.monitor.watchdog import TEARDOWN_GRACE_S, Timeouts
 
 HANG_KEYS = {
     "initial_heartbeat_timeout": "--initial-heartbeat-timeout",
@@ -19,6 +19,7 @@ HANG_KEYS = {
     "safety_factor": "--safety-factor",
     "hang_signal": "--hang-signal",
     "section_timeouts": "--section-timeout",
+    "teardown_timeout": "--teardown-timeout",
 }
 
 
@@ -98,5 +99,6 @@ def parse_hang(
         ),
         parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
         parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
+        seconds("teardown_timeout") or TEARDOWN_GRACE_S,
     )
     return spec, notices

@@ -183,3 +183,28 @@ def test_cpu_binding_is_in_place_before_the_workers_code_runs(
     r = run_ftrun(tmp_path, warm, "w.py")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[1]"
+
+
+STUCK_AT_TEARDOWN = """
+import atexit, os, sys, time
+if os.environ["RANK"] == "1":
+    atexit.register(time.sleep, 600)  # the interpreter's teardown never ends (as torch's gloo race can make it)
+print("work done", flush=True)
+sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
+"""
+
+
+@pytest.mark.parametrize("code", [0, 4])
+def test_a_teardown_stuck_after_the_script_ended_keeps_the_scripts_result(
+    tmp_path: Path, script: WriteScript, code: int
+) -> None:
+    script("w.py", STUCK_AT_TEARDOWN)
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--teardown-timeout", "1", "w.py", str(code))
+    assert r.returncode == (0 if code == 0 else 1), r.stderr
+    stuck = next(e for e in r.events() if e["kind"] == "teardown_stuck")
+    assert (stuck["rank"], stuck["end_code"]) == (1, code)
+    assert "the interpreter's teardown is stuck" in r.stderr
+    exits = {e["rank"]: e["state"] for e in r.events() if e["kind"] == "worker_exited" and e["attempt"] == 0}
+    assert exits[1] == ("succeeded" if code == 0 else "failed")  # the script's result, not the kill's
+    assert "stuck in interpreter teardown" in r.log(0, 1, "stderr")
+    assert not [e for e in r.events() if e["kind"] == "hang"]  # not a training hang

@@ -42,7 +42,7 @@ from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
-from ftrun.monitor.watchdog import Timeouts
+from ftrun.monitor.watchdog import TEARDOWN, TEARDOWN_GRACE_S, Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
 
@@ -369,11 +369,32 @@ class LocalGroup:
 
     def _find_hangs(self) -> list[Worker]:
         """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
-        judged = [w for w in self._processes.running if w.state is WorkerState.RUNNING]
+        judged = [w for w in self._processes.running if w.state is WorkerState.RUNNING and w.ended_code is None]
         found = self._hangs.find(judged)
+        hung = []
         for f in found:
-            self._hung(f)
-        return [f.worker for f in found]
+            if f.verdict.timeout == TEARDOWN and f.slot is not None:
+                self._stuck_in_teardown(f.worker, f.slot.end_code)
+            else:
+                self._hung(f)
+                hung.append(f.worker)
+        return hung
+
+    def _stuck_in_teardown(self, w: Worker, code: int) -> None:
+        """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""
+        w.ended_code = code
+        self.emit(EventKind.TEARDOWN_STUCK, **_identity(w), end_code=code, grace_s=TEARDOWN_GRACE_S)
+        who = f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid})"
+        self.say(
+            f"{who}: its script ended (exit code {code}) but the interpreter's teardown is stuck after "
+            f"{TEARDOWN_GRACE_S:g} s (e.g. torch's gloo teardown race); ending it, with the script's result",
+            always=True,
+        )
+        stacks = dump_stacks(w.pid, client_listens=False, stacks_file=w.paths.dir / STACKS_FILE, signal_number=0)
+        with w.paths.stderr.open("a", encoding="utf-8") as log:
+            log.write(f"\n[ftrun] stuck in interpreter teardown after the script ended; stacks:\n{stacks}\n")
+        if w.handle is not None:
+            w.handle.signal_group(signal.SIGKILL)
 
     def _hung(self, found: Found) -> None:
         w, v = found.worker, found.verdict

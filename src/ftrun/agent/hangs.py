@@ -103,7 +103,7 @@ class HangWatch:
             slots[w.local_rank] = slot
             watched.append(Watched(w.local_rank, w.spawn_mono, slot))
         now = self._clock.monotonic()
-        result = scan(watched, now, self.timeouts)
+        result = scan(watched, now, self.timeouts, self._spec.teardown_s)
         if not result.verdicts:
             return [], result.next_deadline
         culprit = result.culprit(now)

@@ -155,6 +155,7 @@ class Worker:
     exit_wall: float | None = None
     returncode: int | None = None  # negative: killed by that signal
     hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
+    ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
 
     @property
     def pid(self) -> int:
@@ -247,7 +248,9 @@ class AttemptProcesses:
         worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
         worker.returncode = worker.handle.reap()
         if worker.state is WorkerState.RUNNING:
-            worker.state = WorkerState.SUCCEEDED if worker.returncode == 0 else WorkerState.FAILED
+            # A script that ended before its teardown got stuck has the result it ended with.
+            result = worker.returncode if worker.ended_code is None else worker.ended_code
+            worker.state = WorkerState.SUCCEEDED if result == 0 else WorkerState.FAILED
 
     def stop(
         self,

@@ -195,7 +195,30 @@ def become_worker(
     except BaseException as e:  # nothing of the zygote's loop may run in the worker
         os.write(2, f"ftrun: the warm worker could not be set up: {e!r}\n".encode())
         os._exit(1)
-    sys.exit(run(request["kind"], request["target"], request["args"]))
+    try:
+        code = run(request["kind"], request["target"], request["args"])
+    except SystemExit as e:
+        ended(exit_code(e.code))
+        raise
+    ended(code)
+    sys.exit(code)
+
+
+def exit_code(code: object) -> int:
+    """What ``sys.exit(code)`` makes the process exit with."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def ended(code: int) -> None:
+    """The agent learns the script is over: a hang in the teardown that follows is not a training hang."""
+    try:
+        from ftrun.monitor.client import script_ended
+
+        script_ended(code)
+    except Exception as e:
+        os.write(2, f"ftrun: could not mark the script's end: {e!r}\n".encode())
 
 
 def set_up(

@@ -104,6 +104,12 @@ class _Attached:
             self._stacks_file.close()
         self._map.close()
 
+    def script_ended(self, code: int) -> None:
+        """The script itself is over with ``code``; what comes next is the interpreter's teardown."""
+        layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
+        self._flags |= layout.FLAG_EXITING
+        self._write_flags()
+
     def _exiting(self) -> None:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
         self._flags |= layout.FLAG_EXITING
@@ -233,6 +239,13 @@ SETTLE_POLL_S = 0.1
 SETTLE_GIVE_UP_S = 120.0  # nothing new for this long: the job imports no more; the watcher ends
 
 
+def script_ended(code: int) -> None:
+    """Tell the agent the script is over (with ``code``), so that a hang in the interpreter's teardown after it
+    is known for what it is. Called by ftrun's own worker start-up, not by jobs."""
+    if os.environ.get("FTRUN_MONITOR"):
+        _client.script_ended(code)
+
+
 def report_when_imports_settle(path: str) -> None:
     """--warm auto: report the worker's modules each time its imports settle, from a daemon thread, so the
     agent knows what to preload long before a crash (and a worker killed right after has reported)."""
@@ -292,6 +305,9 @@ class _Unattached:
 
     def set_timeouts(self, timeouts: Timeouts) -> None:
         self.calculated = timeouts
+
+    def script_ended(self, code: int) -> None:
+        pass
 
 
 class _NotYet:

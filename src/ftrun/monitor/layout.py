@@ -17,6 +17,8 @@ Layout (little endian)::
                              FLAG_EXITING: the script ended, the interpreter is tearing down
              t_seq      u64  bumped after the worker published timeouts (below)
              t_len      u32  length of that JSON
+             ended      f64  when the script itself ended (its interpreter tears down next); 0 before
+             end_code   i32  the exit code the script ended with
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
 
@@ -31,7 +33,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"FTRUNMON"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
 SLOT_SIZE = 4096
@@ -45,11 +47,12 @@ IDENTITY = struct.Struct("<qd")  # pid, attached: offset 8
 BEAT = struct.Struct("<dQ")  # last_beat, beats: offset 24
 IDLE = struct.Struct("<dII")  # idle_since, open, flags: offset 40
 TIMEOUTS_HEAD = struct.Struct("<QI")  # t_seq, t_len: offset 56
-ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 72
-OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENTRIES = 8, 24, 40, 56, 72
+ENDED = struct.Struct("<di")  # ended, end_code: offset 72
+ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 88
+OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENDED, OFF_ENTRIES = 8, 24, 40, 56, 72, 88
 OFF_TIMEOUTS = OFF_ENTRIES + MAX_OPEN * ENTRY.size
 TIMEOUTS_MAX = SLOT_SIZE - OFF_TIMEOUTS
-_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI")  # seq .. t_len in one unpack, offsets as above
+_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di")  # seq .. end_code, offsets as above
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,8 @@ class SlotView:
     flags: int
     timeouts_seq: int
     timeouts_json: bytes
+    ended: float = 0.0  # when the script ended (monotonic); 0: it has not
+    end_code: int = 0
 
 
 class CorruptSlot(ValueError):
@@ -76,7 +81,8 @@ def slot_offset(index: int) -> int:
 
 
 def parse_slot(raw: bytes) -> SlotView:
-    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len = _FIXED.unpack_from(raw)
+    fixed = _FIXED.unpack_from(raw)
+    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len, ended, end_code = fixed
     if not 0 <= open_ <= MAX_OPEN or not 0 <= t_len <= TIMEOUTS_MAX or pid < 0:
         raise CorruptSlot(f"impossible values (open sections {open_}, timeouts length {t_len}, pid {pid})")
     sections = []
@@ -89,4 +95,6 @@ def parse_slot(raw: bytes) -> SlotView:
     if len(sections) != open_:
         raise CorruptSlot(f"{open_} sections counted open but {len(sections)} entries in use")
     timeouts = bytes(raw[OFF_TIMEOUTS : OFF_TIMEOUTS + t_len])
-    return SlotView(pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts)
+    return SlotView(
+        pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, end_code
+    )

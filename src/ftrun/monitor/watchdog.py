@@ -26,6 +26,11 @@ BLAME_WINDOW_S = 0.05
 # A calculated timeout is never shorter: below it, the scheduler's and the garbage collector's own
 # hiccups would be taken for hangs.
 MIN_CALCULATED_S = 1.0
+# A script that has ended (ftrun's worker start-up marks it, with its exit code) and whose process is still
+# there this long after is stuck in the interpreter's teardown (torch 2.13's gloo race can do that); it is
+# ended, and its result is the script's own. Long enough for atexit handlers that upload or flush.
+TEARDOWN_GRACE_S = 30.0
+TEARDOWN = "teardown"
 # A restarted worker's start-up may load a checkpoint the first one did not: a calculated initial-heartbeat
 # timeout gives the start-up seen at least this much more, whatever the safety factor.
 STARTUP_MARGIN_S = 60.0
@@ -168,11 +173,13 @@ def last_activity(w: Watched) -> float:
     return max(slot.last_beat, slot.idle_since, slot.attached, *(start for _, start in slot.sections))
 
 
-def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
+def deadlines(w: Watched, t: Timeouts, teardown_s: float = TEARDOWN_GRACE_S) -> list[tuple[float, str, float, float]]:
     """Every running timer of one worker: (deadline, name, limit, start)."""
     found: list[tuple[float, str, float, float]] = []
     slot = w.slot
-    if slot is not None and slot.flags & FLAG_EXITING:
+    if slot is not None and slot.flags & FLAG_EXITING:  # the job is over: no training timer applies
+        if slot.ended:
+            found.append((slot.ended + teardown_s, TEARDOWN, teardown_s, slot.ended))
         return found
     beats = slot.beats if slot is not None and slot.pid else 0
     if beats == 0 and t.initial_heartbeat is not None:
@@ -190,11 +197,11 @@ def deadlines(w: Watched, t: Timeouts) -> list[tuple[float, str, float, float]]:
     return found
 
 
-def scan(workers: Sequence[Watched], now: float, timeouts: Timeouts) -> Scan:
+def scan(workers: Sequence[Watched], now: float, timeouts: Timeouts, teardown_s: float = TEARDOWN_GRACE_S) -> Scan:
     verdicts = []
     upcoming = []
     for w in workers:
-        for deadline, name, limit, start in deadlines(w, timeouts):
+        for deadline, name, limit, start in deadlines(w, timeouts, teardown_s):
             if deadline <= now:
                 verdicts.append(Verdict(w.local_rank, name, limit, now - start, deadline, last_activity(w)))
             else:
