@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ftrun.agent import env as worker_env
-from ftrun.agent import proctree
 from ftrun.agent.driver import (
     Finish,
     Happening,
@@ -29,24 +28,20 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.filetimer import FileTimerServer
-from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
-from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
+from ftrun.agent.watch import WorkerWatch
+from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
-from ftrun.monitor.stacks import dump_stacks
-from ftrun.monitor.table import STACK_SIGNAL
-from ftrun.monitor.watchdog import TEARDOWN, TEARDOWN_GRACE_S, Timeouts
+from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
 
-STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
@@ -66,8 +61,7 @@ class LocalGroup:
         echo = self._echo_event if config.echo_events else None
         self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
         self._wakeup = SignalWakeup()
-        self._hangs = HangWatch(config.hang, clock, self.say, self._timeouts_changed)
-        self._timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
+        self._watch = WorkerWatch(config, clock, self.emit, self.say)
         self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self._attempt = 0
         self._master_port = 0
@@ -114,8 +108,7 @@ class LocalGroup:
                 f"ranks {placement.rank_offset}..{last} of {placement.world_size}, "
                 f"master {command.master_addr}:{master_port}"
             )
-        if self._timer is not None:
-            self._timer.forget({w.pid for w in self._processes.workers})
+        previous = self._processes.workers
         self._processes.close()
         self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds)
         self._attempt, self._master_port = command.attempt, master_port
@@ -131,7 +124,7 @@ class LocalGroup:
         )
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
         self._open_duplicates(attempt_dir)
-        self._hangs.new_attempt(c.nproc_per_node, f"{c.run_id}-{command.attempt}")
+        self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
         for local_rank in range(c.nproc_per_node):
             paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
             assignment = worker_env.assign(
@@ -149,12 +142,10 @@ class LocalGroup:
             spawned = self._clock.monotonic()
             env = {
                 **worker_env.worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank),
-                **self._hangs.env(local_rank, str(paths.dir / STACKS_FILE), spawned),
+                **self._watch.env(local_rank, paths.dir, spawned),
             }
             if c.warm.enabled and c.warm.auto:
                 env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
-            if self._timer is not None:
-                env["TORCHELASTIC_TIMER_FILE"] = str(self._timer.path)
             if c.cpu_affinity:
                 env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
             # torchrun's ${local_rank} macro in the script's arguments
@@ -164,7 +155,7 @@ class LocalGroup:
             label = c.logs.prefix(c.role, assignment.rank, local_rank)
             output = RankOutput(paths, local_rank, c.logs, self._console, label, self._duplicates)
             self._processes.spawn(worker, output, c.cwd)
-            self.emit(EventKind.WORKER_SPAWNED, **_identity(worker), warm=getattr(worker.handle, "warm", False))
+            self.emit(EventKind.WORKER_SPAWNED, **worker.identity(), warm=getattr(worker.handle, "warm", False))
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
@@ -173,40 +164,16 @@ class LocalGroup:
         Returns what happened (exits, signals to ftrun, hangs found) and whether
         ``also`` (an extra fd, the rendezvous') became readable.
         """
-        for check in (self._seconds_to_next_check(), self._seconds_to_next_timer()):
-            if check is not None:
-                timeout_s = check if timeout_s is None else min(timeout_s, check)
+        check = self._watch.seconds_to_next_check(bool(self._processes.running))
+        if check is not None:
+            timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
         self._learn_modules()
-        happened += [WorkerHung(w.local_rank) for w in self._find_hangs()]
-        self._expire_timers()
+        happened += [WorkerHung(w.local_rank) for w in self._watch.check(self._processes.running)]
         return happened, also_ready
-
-    def _seconds_to_next_check(self) -> float | None:
-        return self._hangs.seconds_to_next_check() if self._processes.running else None
-
-    def _seconds_to_next_timer(self) -> float | None:
-        when = self._timer.next_expiration() if self._timer is not None else None
-        return None if when is None else max(0.0, when - self._clock.wall())
-
-    def _expire_timers(self) -> None:
-        """torch's FileTimer: a worker whose timer expired gets the timer's signal (and is the root cause)."""
-        if self._timer is None:
-            return
-        for e in self._timer.expired(self._clock.wall()):
-            worker = next((w for w in self._processes.running if w.pid == e.pid), None)
-            if worker is None or e.signal <= 0:
-                continue
-            what = f"timer {e.scope!r} expired (torch FileTimer)"
-            worker.state = WorkerState.FAILED
-            worker.hang = Hang(what, "file timer", e.expiration_wall)
-            self.emit(EventKind.TIMER_EXPIRED, **_identity(worker), scope=e.scope, signal=signal_name(e.signal))
-            who = f"rank {worker.rank} (local rank {worker.local_rank}, pid {worker.pid})"
-            self.say(f"{who}: {what}; sending {signal_name(e.signal)}", always=True)
-            proctree.signal_quietly(worker.pid, e.signal)  # the process, as torch's server does
 
     def stop(self, first_signal: int | None = None) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
@@ -279,7 +246,7 @@ class LocalGroup:
     def close(self) -> None:
         """On any way out of the run: no worker outlives the agent, even after an ftrun bug."""
         try:
-            self._hangs.close()
+            self._watch.close()
             if isinstance(self._spawner, WarmPool):
                 self._spawner.close()
             if not self._finished:
@@ -294,18 +261,17 @@ class LocalGroup:
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
             self.events.close()
         finally:
-            if self._timer is not None:
-                self._timer.close()
             self._wakeup.close()
 
     @property
     def calculated_timeouts(self) -> Timeouts:
         """The timeouts the workers calculated (widest over ranks, attempts and, once adopted, nodes)."""
-        return self._hangs.kept
+        kept: Timeouts = self._watch.hangs.kept
+        return kept
 
     def adopt_timeouts(self, theirs: Timeouts, why: str) -> None:
         """Apply timeouts calculated elsewhere in the job where they are wider than this node's."""
-        self._hangs.adopt(theirs, why)
+        self._watch.hangs.adopt(theirs, why)
 
     # --- what the group tells -------------------------------------------------------------------
 
@@ -345,18 +311,17 @@ class LocalGroup:
 
     def _exited(self, w: Worker) -> WorkerExited:
         self.emit(
-            EventKind.WORKER_EXITED, **_identity(w), exit_code=w.exit_code, signal=w.signal_name, state=w.state.value
+            EventKind.WORKER_EXITED, **w.identity(), exit_code=w.exit_code, signal=w.signal_name, state=w.state.value
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
     @property
     def _wake_fds(self) -> tuple[int, ...]:
-        return (self._wakeup.fd,) if self._timer is None else (self._wakeup.fd, self._timer.fileno())
+        return (self._wakeup.fd, *self._watch.fds)
 
     def _signals(self) -> list[Happening]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
-        if self._timer is not None:
-            self._timer.drain()
+        self._watch.drain()
         found = self._wakeup.drain()
         self._signals_seen += len(found)
         handled = self.config.signals_to_handle
@@ -366,63 +331,6 @@ class LocalGroup:
                     f"{signal_name(s)} is not in --signals-to-handle: the workers get SIGTERM, not it", always=True
                 )
         return [Interrupted(s, signal_name(s), forward=s in handled) for s in found]
-
-    def _find_hangs(self) -> list[Worker]:
-        """Workers past a hang deadline: recorded, their stacks dumped, sent --hang-signal."""
-        judged = [w for w in self._processes.running if w.state is WorkerState.RUNNING and w.ended_code is None]
-        found = self._hangs.find(judged)
-        hung = []
-        for f in found:
-            if f.verdict.timeout == TEARDOWN and f.slot is not None:
-                self._stuck_in_teardown(f.worker, f.slot.end_code)
-            else:
-                self._hung(f)
-                hung.append(f.worker)
-        return hung
-
-    def _stuck_in_teardown(self, w: Worker, code: int) -> None:
-        """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""
-        w.ended_code = code
-        self.emit(EventKind.TEARDOWN_STUCK, **_identity(w), end_code=code, grace_s=TEARDOWN_GRACE_S)
-        who = f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid})"
-        self.say(
-            f"{who}: its script ended (exit code {code}) but the interpreter's teardown is stuck after "
-            f"{TEARDOWN_GRACE_S:g} s (e.g. torch's gloo teardown race); ending it, with the script's result",
-            always=True,
-        )
-        stacks = dump_stacks(w.pid, client_listens=False, stacks_file=w.paths.dir / STACKS_FILE, signal_number=0)
-        with w.paths.stderr.open("a", encoding="utf-8") as log:
-            log.write(f"\n[ftrun] stuck in interpreter teardown after the script ended; stacks:\n{stacks}\n")
-        if w.handle is not None:
-            w.handle.signal_group(signal.SIGKILL)
-
-    def _hung(self, found: Found) -> None:
-        w, v = found.worker, found.verdict
-        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
-        w.state = WorkerState.FAILED
-        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
-        self.emit(
-            EventKind.HANG,
-            **_identity(w),
-            timeout=v.timeout,
-            limit_s=v.limit_s,
-            elapsed_s=v.elapsed_s,
-            lag_s=now_mono - v.deadline,  # deadline -> verdict
-            quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
-        )
-        self.say(
-            f"rank {w.rank} (local rank {w.local_rank}, pid {w.pid}) {v.describe()}; dumping its stacks", always=True
-        )
-        w.hang.stacks = dump_stacks(
-            w.pid,
-            client_listens=self._hangs.client_listens(found.slot),
-            stacks_file=w.paths.dir / STACKS_FILE,
-            signal_number=STACK_SIGNAL,
-        )
-        with w.paths.stderr.open("a", encoding="utf-8") as log:  # the pump appends too (O_APPEND)
-            log.write(f"\n[ftrun] {v.describe()}; stacks of all threads:\n{w.hang.stacks}\n")
-        if w.handle is not None:
-            w.handle.signal_group(self.config.hang.hang_signal)
 
     def _learn_modules(self) -> None:
         """--warm auto: tell the pool what the workers imported, each time a report changed (the workers write
@@ -442,9 +350,6 @@ class LocalGroup:
             if modules is not None:
                 self._spawner.learn(modules)
 
-    def _timeouts_changed(self, in_force: Timeouts) -> None:
-        self.emit(EventKind.TIMEOUTS, **in_force.to_json())
-
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)
         rss = int(info.get("rss_kb", 0)) / 1024  # type: ignore[call-overload]
@@ -459,11 +364,6 @@ class LocalGroup:
         for w in self._processes.workers:
             if w.output is not None and not w.output.wait_drained(DRAIN_TIMEOUT_S):
                 self.say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut", always=True)
-
-
-def _identity(w: Worker) -> dict[str, int]:
-    """Which worker an event is about."""
-    return {"attempt": w.attempt, "rank": w.rank, "local_rank": w.local_rank, "pid": w.pid}
 
 
 def _fresh_dir(path: Path) -> Path:

@@ -162,6 +162,14 @@ class Worker:
         return self.handle.pid if self.handle else 0
 
     @property
+    def who(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
+
+    def identity(self) -> dict[str, int]:
+        """Which worker an event is about."""
+        return {"attempt": self.attempt, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid}
+
+    @property
     def exit_code(self) -> int | None:
         return self.returncode if self.returncode is not None and self.returncode >= 0 else None
 

@@ -1,0 +1,153 @@
+"""What the agent watches in its running workers besides their exits: hang deadlines (the monitor table),
+scripts stuck in the interpreter's teardown, and torch's FileTimer.
+
+The local group asks it when to look next and calls :meth:`WorkerWatch.check`
+when it wakes; the watch acts on what it finds (stacks dumped into the rank's
+log, the hang or timer signal sent, a stuck teardown ended) and tells through
+the group's ``emit`` and ``say``. It returns the workers found hung: for the
+driver, a hang is a failure like any other.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from ftrun.agent import proctree
+from ftrun.agent.filetimer import FileTimerServer
+from ftrun.agent.hangs import Found, HangWatch
+from ftrun.agent.signals import name as signal_name
+from ftrun.agent.workers import Hang, Worker, WorkerState
+from ftrun.clock import Clock
+from ftrun.config import LaunchConfig
+from ftrun.events import EventKind
+from ftrun.monitor.stacks import dump_stacks
+from ftrun.monitor.table import STACK_SIGNAL
+from ftrun.monitor.watchdog import TEARDOWN, Timeouts
+
+STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
+
+Emit = Callable[..., None]
+Say = Callable[..., None]
+
+
+class WorkerWatch:
+    def __init__(self, config: LaunchConfig, clock: Clock, emit: Emit, say: Say) -> None:
+        self._config = config
+        self._clock = clock
+        self._emit = emit
+        self._say = say
+        self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
+        self.timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Extra fds that wake the agent: torch's timer pipe, when served."""
+        return () if self.timer is None else (self.timer.fileno(),)
+
+    def new_attempt(self, previous: list[Worker], nproc: int, tag: str) -> None:
+        if self.timer is not None:
+            self.timer.forget({w.pid for w in previous})
+        self.hangs.new_attempt(nproc, tag)
+
+    def env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
+        env = self.hangs.env(local_rank, str(rank_dir / STACKS_FILE), spawned)
+        if self.timer is not None:
+            env["TORCHELASTIC_TIMER_FILE"] = str(self.timer.path)
+        return env
+
+    def seconds_to_next_check(self, running: bool) -> float | None:
+        """How long the agent may sleep (None: nothing to watch)."""
+        checks = [self.hangs.seconds_to_next_check() if running else None]
+        when = self.timer.next_expiration() if self.timer is not None else None
+        checks.append(None if when is None else max(0.0, when - self._clock.wall()))
+        return min((c for c in checks if c is not None), default=None)
+
+    def drain(self) -> None:
+        """Read the timer requests waiting (their pipe woke the agent)."""
+        if self.timer is not None:
+            self.timer.drain()
+
+    def check(self, running: list[Worker]) -> list[Worker]:
+        """Act on every deadline passed; returns the workers found hung."""
+        judged = [w for w in running if w.state is WorkerState.RUNNING and w.ended_code is None]
+        hung = []
+        for f in self.hangs.find(judged):
+            if f.verdict.timeout == TEARDOWN and f.slot is not None:
+                self._stuck_in_teardown(f.worker, f.slot.end_code)
+            else:
+                self._hung(f)
+                hung.append(f.worker)
+        self._expire_timers(running)
+        return hung
+
+    def close(self) -> None:
+        self.hangs.close()
+        if self.timer is not None:
+            self.timer.close()
+
+    # --- what is done about it --------------------------------------------------------------------
+
+    def _hung(self, found: Found) -> None:
+        w, v = found.worker, found.verdict
+        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
+        w.state = WorkerState.FAILED
+        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
+        self._emit(
+            EventKind.HANG,
+            **w.identity(),
+            timeout=v.timeout,
+            limit_s=v.limit_s,
+            elapsed_s=v.elapsed_s,
+            lag_s=now_mono - v.deadline,  # deadline -> verdict
+            quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
+        )
+        self._say(f"{w.who} {v.describe()}; dumping its stacks", always=True)
+        w.hang.stacks = dump_stacks(
+            w.pid,
+            client_listens=self.hangs.client_listens(found.slot),
+            stacks_file=w.paths.dir / STACKS_FILE,
+            signal_number=STACK_SIGNAL,
+        )
+        _append(w, f"{v.describe()}; stacks of all threads:\n{w.hang.stacks}")
+        if w.handle is not None:
+            w.handle.signal_group(self._config.hang.hang_signal)
+
+    def _stuck_in_teardown(self, w: Worker, code: int) -> None:
+        """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""
+        w.ended_code = code
+        grace = self._config.hang.teardown_s
+        self._emit(EventKind.TEARDOWN_STUCK, **w.identity(), end_code=code, grace_s=grace)
+        self._say(
+            f"{w.who}: its script ended (exit code {code}) but the interpreter's teardown is stuck after "
+            f"{grace:g} s (e.g. torch's gloo teardown race); ending it, with the script's result",
+            always=True,
+        )
+        stacks = dump_stacks(w.pid, client_listens=False, stacks_file=w.paths.dir / STACKS_FILE, signal_number=0)
+        _append(w, f"stuck in interpreter teardown after the script ended; stacks:\n{stacks}")
+        if w.handle is not None:
+            w.handle.signal_group(signal.SIGKILL)
+
+    def _expire_timers(self, running: list[Worker]) -> None:
+        """torch's FileTimer: a worker whose timer expired gets the timer's signal (and is the root cause)."""
+        if self.timer is None:
+            return
+        for e in self.timer.expired(self._clock.wall()):
+            worker = next((w for w in running if w.pid == e.pid), None)
+            if worker is None or e.signal <= 0:
+                continue
+            what = f"timer {e.scope!r} expired (torch FileTimer)"
+            worker.state = WorkerState.FAILED
+            worker.hang = Hang(what, "file timer", e.expiration_wall)
+            self._emit(EventKind.TIMER_EXPIRED, **worker.identity(), scope=e.scope, signal=signal_name(e.signal))
+            self._say(f"{worker.who}: {what}; sending {signal_name(e.signal)}", always=True)
+            proctree.signal_quietly(worker.pid, e.signal)  # the process, as torch's server does
+
+    def _timeouts_changed(self, in_force: Timeouts) -> None:
+        self._emit(EventKind.TIMEOUTS, **in_force.to_json())
+
+
+def _append(w: Worker, text: str) -> None:
+    with w.paths.stderr.open("a", encoding="utf-8") as log:  # the pump appends too (O_APPEND)
+        log.write(f"\n[ftrun] {text}\n")
