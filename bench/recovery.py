@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class Trial:
     first_restart: bool
     own_s: float | None  # ftrun only: failed exit seen -> every new worker running its own code
     warm: bool | None  # ftrun only: the restart's workers came from the pool
+    start_s: float | None  # launcher started -> every rank finished its first step (the first attempt)
 
 
 def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float) -> Trial:
@@ -66,6 +68,7 @@ def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: 
     steps = crash_at + 5
     job = [str(JOB), "--steps", str(steps), "--crash-at", str(crash_at), "--timeline", str(timeline)]
     job += ["--checkpoint", str(workdir / "ckpt.pt")]
+    launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(
             [*LAUNCHERS[launcher], *flags, *job], stdout=log, stderr=log, env=env, start_new_session=True
@@ -75,6 +78,7 @@ def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    kill_leftovers(workdir)  # a launcher killed on its timeout may leave workers behind (torchrun does)
     records = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
     crash = next((r["wall"] for r in records if r["event"] == "crash"), None)
     if crash is None:
@@ -96,7 +100,24 @@ def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: 
             own = max(started[1].values()) - failed["wall"]
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
         warm = bool(respawned) and all(e["warm"] for e in respawned)
-    return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, warm)
+    firsts = [min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k),
+                  default=None) for k in (0, 1)]  # fmt: skip
+    start = max(firsts) - launched if None not in firsts else None  # type: ignore[type-var, operator]
+    return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, warm, start)
+
+
+def kill_leftovers(workdir: Path) -> None:
+    """SIGKILL every process whose command line names this run's directory: nothing may skew the next run."""
+    mark = str(workdir).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark in f.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def describe(values: list[float], scale: float = 1.0, unit: str = "s") -> str:
@@ -150,6 +171,10 @@ def main() -> None:
             ratios = [f"/{peer} {medians[ours] / medians[peer]:.2f}" for peer in medians if peer.startswith("torch")]
             cold = f"  /ftrun-cold {medians[ours] / medians['ftrun-cold']:.2f}" if "ftrun-cold" in medians else ""
             print(f"    ratio {ours}{'  '.join(ratios)}{cold}")
+    print("start: launcher started -> every rank finished its first step (all crash points):")
+    for launcher in launchers:
+        starts = [t.start_s for t in trials if t.launcher == launcher and t.start_s is not None]
+        print(f"  {launcher:16s} {describe(starts)}")
     for ours in [n for n in launchers if n.startswith("ftrun")]:
         own = [t.own_s for t in trials if t.launcher == ours and t.own_s is not None]
         print(f"{ours}: its own part, failed exit seen -> every new worker running its own code: "

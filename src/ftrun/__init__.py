@@ -15,10 +15,12 @@ from ftrun.monitor.client import (
     section,
     start_section,
 )
+from ftrun.monitor.nvidia import RankMonitorClient
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RankMonitorClient",
     "__version__",
     "calculate_timeouts",
     "end_all_sections",

@@ -249,3 +249,35 @@ def test_a_restarted_worker_with_a_slow_start_is_not_a_false_hang(tmp_path: Path
     assert "attempt 1 finished" in r.log(1, 0)
     [in_force] = [e for e in r.events() if e["kind"] == "timeouts"]
     assert in_force["initial_heartbeat"] >= 2 + 60  # at least the start-up seen plus the margin
+
+
+STOPS = """
+import os, signal, time
+import ftrun
+
+def stopped_here():
+    os.kill(os.getpid(), signal.SIGSTOP)  # a rank that cannot run: a frozen container, a debugger, SIGSTOP
+
+for step in range(30):
+    ftrun.heartbeat()
+    time.sleep(0.05)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1" and step == 5:
+        stopped_here()
+print("done", flush=True)
+"""
+
+
+def test_a_stopped_rank_is_a_hang_read_without_suspending_and_killed_at_once(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", STOPS)
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "1"]
+    # A grace period longer than this test may take: waiting it out for the stopped rank would fail the test.
+    r = run_ftrun(tmp_path, *flags, "--shutdown-timeout", "600", "w.py")
+    assert r.returncode == 0, r.stderr
+    [hang] = hang_events(r)
+    assert hang["rank"] == 1
+    exit1 = next(e for e in r.events() if e["kind"] == "worker_exited" and e["rank"] == 1 and e["attempt"] == 0)
+    assert exit1["signal"] == "SIGKILL"  # it could not handle SIGTERM: killed at once
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert "stopped_here" in root["stacks"]  # read without suspending it (py-spy --nonblocking)

@@ -10,6 +10,7 @@ import ftrun
 
 def test_public_surface() -> None:
     assert sorted(ftrun.__all__) == [
+        "RankMonitorClient",
         "__version__",
         "calculate_timeouts",
         "end_all_sections",

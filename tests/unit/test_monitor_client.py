@@ -132,3 +132,38 @@ def test_a_state_saved_by_nvidias_rank_monitor_client_is_taken(table: MonitorTab
             client.load_monitor_state({"current_timeouts": {"initial": -1, "subsequent": 1}})
     finally:
         client._client = client._NotYet()
+
+
+def test_nvidias_rank_monitor_client_maps_onto_ftruns(table: MonitorTable) -> None:
+    from ftrun import RankMonitorClient
+
+    c = attach(table, FTRUN_SAFETY_FACTOR="4")
+    client._client = c
+    try:
+        rmc = RankMonitorClient()
+        client._client = c  # init_workload_monitoring() attaches from the environment; here, to the test's table
+        assert rmc.calculate_and_set_hb_timeouts(skip_if_not_ready=True) is False  # no heartbeat yet
+        with pytest.raises(ValueError, match="not enough heartbeats"):
+            rmc.calculate_and_set_hb_timeouts()
+        rmc.send_heartbeat()
+        rmc.start_section("step")
+        rmc.end_section("step")
+        rmc.start_section("eval")
+        rmc.end_all_sections()
+        rmc.send_heartbeat()
+        assert rmc.calculate_and_set_hb_timeouts() is True
+        after_hb = published(table.read(1))
+        assert after_hb is not None
+        assert after_hb.heartbeat is not None
+        assert not after_hb.sections
+        assert rmc.calculate_and_set_section_timeouts(selected_sections=["step"], calc_out_of_section=False)
+        after = published(table.read(1))
+        assert after is not None
+        assert set(after.sections) == {"step"}
+        assert after.out_of_section is None
+        state = rmc.state_dict()
+        rmc.load_state_dict(state)
+        assert published(table.read(1)) == after
+        rmc.shutdown_workload_monitoring()
+    finally:
+        client._client = client._NotYet()

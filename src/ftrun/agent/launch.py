@@ -44,8 +44,10 @@ def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     proctree.become_subreaper()
     spawner: Spawner = ProcessSpawner()
-    # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed).
-    if config.warm.enabled and (config.elastic or config.max_restarts > 0):
+    # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed);
+    # and the zygote is ftrun's own code, so it runs in ftrun's interpreter (not another PYTHON_EXEC's).
+    restarts_can_come = config.elastic or config.max_restarts > 0
+    if config.warm.enabled and restarts_can_come and config.python == sys.executable:
         spawner = warm_pool(config)
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)

@@ -54,6 +54,16 @@ def descendants(roots: Iterable[int]) -> set[int]:
     return found
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether the process cannot run (SIGSTOP, a frozen container: state T or t): signals wait for it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+
+
 def signal_quietly(pid: int, sig: int, *, group: bool = False) -> None:
     """Send ``sig``; a process that is already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

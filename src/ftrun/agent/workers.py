@@ -277,6 +277,9 @@ class AttemptProcesses:
             if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
                 w.state = WorkerState.STOPPED
         self._signal_all(first_signal)
+        for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
+            if w.handle is not None and proctree.is_stopped(w.pid):
+                w.handle.signal_group(signal.SIGKILL)
         deadline = self._clock.monotonic() + grace_s
         while self.running:
             left = deadline - self._clock.monotonic()

@@ -253,6 +253,13 @@ def set_up(
 
         faulthandler.enable(all_threads=True)
     restore_threads()
+    if os.environ.get("FTRUN_MONITOR"):
+        # Before the job's code: its stacks can be dumped even if it hangs in an import (no py-spy needed),
+        # and every optimizer step is a heartbeat, with no change to the script.
+        from ftrun.monitor import autobeat, client
+
+        client.attach()
+        autobeat.install()
     warnings.filters[:] = filters  # type: ignore[index]
     modules_file = request["env"].get("FTRUN_MODULES_FILE")
     if modules_file:  # for --warm auto, also from scripts that never call ftrun

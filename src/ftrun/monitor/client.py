@@ -63,6 +63,7 @@ class _Attached:
         self._idle_at = self._base + layout.OFF_IDLE
         self._seq = 0
         self._beats = 0
+        self.in_charge = False  # the job called heartbeat() or opened a section itself: no automatic beats
         self._last_beat = 0.0
         self._open: dict[str, int] = {}  # name -> entry index
         self._started: dict[str, float] = {}
@@ -126,6 +127,15 @@ class _Attached:
     # --- the hot path --------------------------------------------------------------------------
 
     def heartbeat(self) -> None:
+        self.in_charge = True
+        self._beat()
+
+    def auto_heartbeat(self) -> None:
+        """An optimizer step (ftrun's automatic heartbeat): counts only while the job beats on its own."""
+        if not self.in_charge:
+            self._beat()
+
+    def _beat(self) -> None:
         now = time.monotonic()
         last = self._last_beat
         if last:
@@ -139,6 +149,7 @@ class _Attached:
         layout.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
 
     def start_section(self, name: str) -> None:
+        self.in_charge = True
         if name in self._open:
             raise ValueError(f"section {name!r} is already open: end it before opening it again")
         encoded = self._names.get(name) or self._encode(name)
@@ -200,8 +211,12 @@ class _Attached:
             dict(self._longest_section),
         )
 
+    def fresh_timeouts(self, safety_factor: float | None) -> Timeouts:
+        """What was observed so far, times the safety factor (nothing is set)."""
+        return scaled(self.observed(), safety_factor or self._safety_factor)
+
     def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
-        fresh = scaled(self.observed(), safety_factor or self._safety_factor)
+        fresh = self.fresh_timeouts(safety_factor)
         self.set_timeouts(self._calculated.widest(fresh))
         return self._calculated
 
@@ -237,6 +252,16 @@ def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
 SETTLE_S = 0.3  # no new import for this long: the imports have settled
 SETTLE_POLL_S = 0.1
 SETTLE_GIVE_UP_S = 120.0  # nothing new for this long: the job imports no more; the watcher ends
+
+
+def attach() -> None:
+    """Attach to the agent's monitor table now rather than at the first call (ftrun's worker start-up)."""
+    _attach()
+
+
+def auto_heartbeat() -> None:
+    """ftrun's automatic heartbeat (an optimizer step), ignored once the job beats on its own."""
+    _client.auto_heartbeat()
 
 
 def script_ended(code: int) -> None:
@@ -291,6 +316,9 @@ class _Unattached:
     def heartbeat(self) -> None:
         pass
 
+    def auto_heartbeat(self) -> None:
+        pass
+
     def start_section(self, name: str) -> None:
         pass
 
@@ -302,6 +330,9 @@ class _Unattached:
 
     def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
         return self.calculated
+
+    def fresh_timeouts(self, safety_factor: float | None) -> Timeouts:
+        return Timeouts()
 
     def set_timeouts(self, timeouts: Timeouts) -> None:
         self.calculated = timeouts

@@ -15,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from ftrun.agent.proctree import is_stopped
+
 PY_SPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
 
@@ -23,10 +25,13 @@ def dump_stacks(pid: int, *, client_listens: bool, stacks_file: Path, signal_num
     """The stacks as text, or a line saying why there are none."""
     py_spy = shutil.which("py-spy")
     why = "py-spy is not installed"
+    stopped = is_stopped(pid)
     if py_spy:
+        # A stopped process (SIGSTOP, a frozen container) cannot be suspended: read its memory as it is.
+        nonblocking = ["--nonblocking"] if stopped else []
         try:
             done = subprocess.run(
-                [py_spy, "dump", "--pid", str(pid)],
+                [py_spy, "dump", *nonblocking, "--pid", str(pid)],
                 capture_output=True,
                 text=True,
                 timeout=PY_SPY_TIMEOUT_S,
@@ -40,6 +45,8 @@ def dump_stacks(pid: int, *, client_listens: bool, stacks_file: Path, signal_num
             why = f"py-spy failed: {(done.stderr or done.stdout).strip()[:300]}"
     if not client_listens:
         return f"(no stacks: {why}, and the worker never started ftrun's client)"
+    if stopped:
+        return f"(no stacks: {why}, and the worker is stopped (state T): it cannot run its fault handler)"
     return _faulthandler(pid, stacks_file, signal_number) or f"(no stacks: {why}, and faulthandler wrote nothing)"
 
 
