@@ -22,6 +22,7 @@ from ftrun.agent.logs import tail_lines
 from ftrun.agent.workers import Worker, WorkerState
 from ftrun.errorfile import ErrorRecord, read_error_file
 from ftrun.errors import ErrorFileError
+from ftrun.monitor.blame import waiting_in_collective
 
 STDERR_TAIL_LINES = 20
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
@@ -47,6 +48,8 @@ class WorkerOutcome:
     hang: str | None = None  # the watchdog's verdict, when ftrun found this worker hung
     hang_wall: float | None = None  # when the missed deadline passed
     stacks: str | None = None  # all threads, dumped before it was stopped
+    why: str | None = None  # why this rank was blamed for a hang rather than the others that went quiet
+    waiting_stacks: str | None = None  # a rank that went quiet waiting for the hung one: its stacks
 
     @property
     def how(self) -> str:
@@ -107,6 +110,8 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
         hang=worker.hang.what if worker.hang else None,
         hang_wall=worker.hang.wall if worker.hang else None,
         stacks=worker.hang.stacks if worker.hang else None,
+        why=worker.hang.why if worker.hang and worker.hang.why else None,
+        waiting_stacks=worker.waiting_stacks or None,
     )
 
 
@@ -172,6 +177,8 @@ def render(report: FailureReport) -> str:
         "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
         f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}",
     ]
+    if r.why:
+        lines.append(f"  why this rank: {r.why}")
     if r.stacks:
         lines.append("  stacks of all threads when it was found hung:")
         lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
@@ -196,6 +203,9 @@ def render(report: FailureReport) -> str:
         lines.append(f"  logs: {o.stderr_log}")
     for o in report.stopped_by_ftrun:
         lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
+        where = waiting_in_collective(o.waiting_stacks or "")
+        if where:
+            lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
     lines.append("=" * 78)
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ PURE = [
     "ftrun.rendezvous.state",
     "ftrun.monitor.watchdog",
     "ftrun.monitor.layout",
+    "ftrun.monitor.blame",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -18,7 +18,16 @@ from ftrun.clock import Clock
 from ftrun.config import HangSpec
 from ftrun.monitor.layout import FLAG_STACKS, CorruptSlot, SlotView
 from ftrun.monitor.table import MonitorTable
-from ftrun.monitor.watchdog import BLAME_WINDOW_S, SCAN_INTERVAL_S, Timeouts, Verdict, Watched, published, scan
+from ftrun.monitor.watchdog import (
+    BLAME_WINDOW_S,
+    SCAN_INTERVAL_S,
+    Timeouts,
+    Verdict,
+    Watched,
+    last_activity,
+    published,
+    scan,
+)
 
 IDLE_SCAN_S = 1.0  # no timeout in force yet: look for calculated ones this often
 
@@ -111,6 +120,19 @@ class HangWatch:
             return [], min(v.deadline for v in result.verdicts) + BLAME_WINDOW_S
         worker = next(w for w in running if w.local_rank == culprit.local_rank)
         return [Found(worker, culprit, slots.get(culprit.local_rank))], result.next_deadline
+
+    def slot(self, local_rank: int) -> SlotView | None:
+        """The worker's slot now (None before it attached, or unreadable)."""
+        if self._table is None:
+            return None
+        try:
+            return self._read(local_rank)
+        except CorruptSlot:
+            return None
+
+    def quiet_for(self, w: Worker) -> float:
+        """Seconds since the worker's last sign of progress (heartbeat, section change, start)."""
+        return self._clock.monotonic() - last_activity(Watched(w.local_rank, w.spawn_mono, self.slot(w.local_rank)))
 
     def _read(self, local_rank: int) -> SlotView | None:
         """The slot (None before the worker attached), merging timeouts it published; raises CorruptSlot."""

@@ -22,6 +22,8 @@ from ftrun.agent.workers import Hang, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.events import EventKind
+from ftrun.monitor.blame import suspect
+from ftrun.monitor.layout import SlotView
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.monitor.watchdog import TEARDOWN, Timeouts
@@ -77,8 +79,7 @@ class WorkerWatch:
             if f.verdict.timeout == TEARDOWN and f.slot is not None:
                 self._stuck_in_teardown(f.worker, f.slot.end_code)
             else:
-                self._hung(f)
-                hung.append(f.worker)
+                hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
         self._expire_timers(running)
         return hung
 
@@ -89,11 +90,27 @@ class WorkerWatch:
 
     # --- what is done about it --------------------------------------------------------------------
 
-    def _hung(self, found: Found) -> None:
-        w, v = found.worker, found.verdict
+    def _hung(self, found: Found, others: list[Worker]) -> Worker:
+        """Blame the hung rank (read from the quiet ranks' stacks), dump its stacks, send --hang-signal."""
+        v = found.verdict
+        quiet = {found.worker.local_rank: found.worker}
+        stacks = {found.worker.local_rank: self._stacks(found.worker, found.slot)}
+        # Heartbeats stop together on every rank waiting for the hung one: their stacks tell them apart.
+        # A section timeout names its rank on purpose; others are read only when they went quiet too.
+        if not v.timeout.startswith("section"):
+            for other in others:
+                if self.hangs.quiet_for(other) >= v.limit_s / 2:
+                    quiet[other.local_rank] = other
+                    stacks[other.local_rank] = self._stacks(other, None)
+        chosen, why = suspect(found.worker.local_rank, stacks)
+        w = quiet[chosen]
+        for rank, victim in quiet.items():
+            if victim is not w:
+                victim.waiting_stacks = stacks[rank]
+                _append(victim, f"quiet while rank {w.rank} hung; stacks of all threads:\n{stacks[rank]}")
         now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
         w.state = WorkerState.FAILED
-        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline))
+        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why)
         self._emit(
             EventKind.HANG,
             **w.identity(),
@@ -103,16 +120,19 @@ class WorkerWatch:
             lag_s=now_mono - v.deadline,  # deadline -> verdict
             quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
         )
-        self._say(f"{w.who} {v.describe()}; dumping its stacks", always=True)
-        w.hang.stacks = dump_stacks(
-            w.pid,
-            client_listens=self.hangs.client_listens(found.slot),
-            stacks_file=w.paths.dir / STACKS_FILE,
-            signal_number=STACK_SIGNAL,
-        )
+        self._say(f"{w.who} {v.describe()}: {why}", always=True)
         _append(w, f"{v.describe()}; stacks of all threads:\n{w.hang.stacks}")
         if w.handle is not None:
             w.handle.signal_group(self._config.hang.hang_signal)
+        return w
+
+    def _stacks(self, w: Worker, slot: SlotView | None) -> str:
+        return dump_stacks(
+            w.pid,
+            client_listens=self.hangs.client_listens(slot if slot is not None else self.hangs.slot(w.local_rank)),
+            stacks_file=w.paths.dir / STACKS_FILE,
+            signal_number=STACK_SIGNAL,
+        )
 
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
         """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""

@@ -134,6 +134,7 @@ class Hang:
     timeout: str  # which timer: "heartbeat", "section 'step'", ...
     wall: float  # when its deadline passed
     stacks: str = ""
+    why: str = ""  # why this rank and not the others that went quiet with it
 
 
 @dataclass(slots=True)
@@ -156,6 +157,7 @@ class Worker:
     returncode: int | None = None  # negative: killed by that signal
     hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
     ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
+    waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: where it waited
 
     @property
     def pid(self) -> int:
