@@ -8,6 +8,9 @@
 3. The demo DDP job (2 ranks, gloo) with --hang-at and --out-of-section-timeout
    (the step is a section): from the hang (the job's own
    timeline) to every rank stepping again, and that minus the heartbeat timeout.
+4. With no code change: the cost of the automatic heartbeat (the optimizer step hook,
+   in a warm worker) per step, and bench/plain_ddp.py (never imports ftrun) with rank 1
+   hanging at step 40 and --heartbeat-timeout 3: hang -> every rank stepping again.
 
     python bench/heartbeat.py [--reps 5]
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +53,24 @@ def step():
         pass
 ftrun.heartbeat()
 print(json.dumps({"loop": timed(nothing), "heartbeat": timed(ftrun.heartbeat), "section": timed(step)}))
+"""
+
+AUTO_COST = """
+import json, time
+import torch
+from ftrun.monitor.autobeat import _after_step  # what torch calls after every optimizer step
+BATCH, BATCHES = 100, 10_000
+costs = []
+for _ in range(BATCHES):
+    t0 = time.perf_counter_ns()
+    for _ in range(BATCH):
+        _after_step(None, (), {})
+    costs.append((time.perf_counter_ns() - t0) / BATCH / 1000)
+costs.sort()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+hooked = bool(torch.optim.optimizer._global_optimizer_post_hooks)
+print(json.dumps({"hook": [costs[len(costs) // 2], costs[int(len(costs) * 0.99)]], "installed": hooked}))
 """
 
 STOPS_BEATING = """
@@ -118,6 +140,37 @@ def demo(hang_at: int, timeout_s: float) -> float:
     return max(resumed) - hung
 
 
+def auto_cost() -> dict[str, object]:
+    """The automatic heartbeat's cost per optimizer step, in a warm worker (where it is installed)."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "auto.py").write_text(AUTO_COST)
+        out = subprocess.run(
+            ftrun_cmd(Path(d), "--max-restarts", "1", "auto.py"), cwd=d, capture_output=True, text=True,
+            timeout=600, check=True,
+        )  # fmt: skip
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def unmodified(hang_at: int, timeout_s: float) -> float:
+    """bench/plain_ddp.py (never imports ftrun): hang -> every rank stepping again, in seconds."""
+    with tempfile.TemporaryDirectory() as d:
+        timeline = Path(d) / "timeline.jsonl"
+        cmd = ftrun_cmd(
+            Path(d), "--nproc-per-node", "2", "--max-restarts", "2", "--heartbeat-timeout", str(timeout_s),
+            str(ROOT / "bench" / "plain_ddp.py"), "--steps", str(hang_at + 20), "--hang-at", str(hang_at),
+            "--timeline", str(timeline), "--checkpoint", str(Path(d) / "ckpt.pt"),
+        )  # fmt: skip
+        subprocess.run(cmd, cwd=d, capture_output=True, timeout=300, check=True, env={**os.environ,
+                       "FTRUN_CACHE_DIR": str(Path(d) / "cache")})  # fmt: skip
+        records = [json.loads(line) for line in timeline.read_text().splitlines()]
+    hung = next(r["wall"] for r in records if r["event"] == "hang")
+    resumed = [
+        min(r["wall"] for r in records if r["attempt"] == 1 and r["rank"] == k and r["event"] == "step") for k in (0, 1)
+    ]
+    return max(resumed) - hung
+
+
 def spread(values: list[float], scale: float, unit: str) -> str:
     v = [x * scale for x in values]
     return f"median {statistics.median(v):.2f} {unit} (min {min(v):.2f}, max {max(v):.2f})"
@@ -146,6 +199,15 @@ def main() -> None:
     print(f"demo DDP job (2 ranks), --hang-at 40, --out-of-section-timeout {a.demo_timeout:g}, {a.reps} runs:")
     print(f"  hang -> every rank stepping again   {spread(totals, 1, 's')}")
     print(f"  the same minus the timeout          {spread([t - a.demo_timeout for t in totals], 1, 's')}")
+
+    auto = auto_cost()
+    hook: list[float] = auto["hook"]  # type: ignore[assignment]
+    print(f"automatic heartbeat (optimizer step hook) in a warm worker, installed: {auto['installed']}")
+    print(f"  per step   {hook[0]:.3f} / {hook[1]:.3f} us (median / p99)")
+    totals = [unmodified(40, 3.0) for _ in range(a.reps)]
+    print(f"unmodified DDP job (never imports ftrun), rank 1 hangs at step 40, --heartbeat-timeout 3, {a.reps} runs:")
+    print(f"  hang -> every rank stepping again   {spread(totals, 1, 's')}")
+    print(f"  the same minus the timeout          {spread([t - 3.0 for t in totals], 1, 's')}")
 
 
 if __name__ == "__main__":
