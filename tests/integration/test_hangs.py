@@ -281,3 +281,28 @@ def test_a_stopped_rank_is_a_hang_read_without_suspending_and_killed_at_once(
     assert exit1["signal"] == "SIGKILL"  # it could not handle SIGTERM: killed at once
     root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
     assert "stopped_here" in root["stacks"]  # read without suspending it (py-spy --nonblocking)
+
+
+def test_a_hang_in_an_import_has_stacks_without_py_spy(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any heartbeat and with no py-spy on PATH: the warm worker's client was attached before the job's
+    code, so its fault handler writes the stacks."""
+    script(
+        "slow_module.py",
+        """
+        import os, time
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            def importing_forever():
+                time.sleep(120)
+            importing_forever()
+        """,
+    )
+    script("w.py", "import slow_module\nprint('imported', flush=True)\n")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # py-spy sits beside the interpreter, not here
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "--initial-heartbeat-timeout", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["stacks"].startswith("(faulthandler)")
+    assert "importing_forever" in root["stacks"]
+    assert r.log(1, 0) == "imported\n"
