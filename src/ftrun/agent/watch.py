@@ -93,6 +93,7 @@ class WorkerWatch:
     def _hung(self, found: Found, others: list[Worker]) -> Worker:
         """Blame the hung rank (read from the quiet ranks' stacks), dump its stacks, send --hang-signal."""
         v = found.verdict
+        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()  # the verdict's time, before any dump
         quiet = {found.worker.local_rank: found.worker}
         stacks = {found.worker.local_rank: self._stacks(found.worker, found.slot)}
         # Heartbeats stop together on every rank waiting for the hung one: their stacks tell them apart.
@@ -108,7 +109,6 @@ class WorkerWatch:
             if victim is not w:
                 victim.waiting_stacks = stacks[rank]
                 _append(victim, f"quiet while rank {w.rank} hung; stacks of all threads:\n{stacks[rank]}")
-        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()
         w.state = WorkerState.FAILED
         w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why)
         self._emit(
