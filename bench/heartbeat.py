@@ -56,7 +56,7 @@ print(json.dumps({"loop": timed(nothing), "heartbeat": timed(ftrun.heartbeat), "
 """
 
 AUTO_COST = """
-import json, time
+import json, sys, time
 import torch
 from ftrun.monitor.autobeat import _after_step  # what torch calls after every optimizer step
 BATCH, BATCHES = 100, 10_000
@@ -69,7 +69,7 @@ for _ in range(BATCHES):
 costs.sort()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-hooked = bool(torch.optim.optimizer._global_optimizer_post_hooks)
+hooked = bool(sys.modules["torch.optim.optimizer"]._global_optimizer_post_hooks)  # torch.optim hides the submodule's name
 print(json.dumps({"hook": [costs[len(costs) // 2], costs[int(len(costs) * 0.99)]], "installed": hooked}))
 """
 

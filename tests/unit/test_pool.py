@@ -8,7 +8,8 @@ import sysconfig
 from pathlib import Path
 
 from ftrun.agent.pool import worker_request
-from ftrun.agent.preload import installed_modules, read_modules_report
+from ftrun.agent.preload import Cache, installed_modules, read_modules_report
+from ftrun.config import Entrypoint, EntrypointKind
 
 PY = "/usr/bin/python3"
 
@@ -48,3 +49,20 @@ def test_only_installed_modules_are_preloaded(tmp_path: Path) -> None:
     report.write_text("{garbage")
     assert read_modules_report(report) is None
     assert read_modules_report(tmp_path / "missing.json") is None
+
+
+def test_a_script_is_warm_from_any_directory_a_module_only_from_its_own(tmp_path: Path) -> None:
+    """A rerun in a fresh directory (a sweep, a benchmark) finds what the script imported last time; ``-m``
+    resolves against the directory, so a module's cache is per directory."""
+    script = tmp_path / "train.py"
+    script.write_text("import json\n")
+    here, there = tmp_path / "a", tmp_path / "b"
+    here.mkdir()
+    there.mkdir()
+    by_script = Entrypoint(EntrypointKind.SCRIPT, str(script))
+    Cache(tmp_path / "cache", "python", by_script, here).save(["json"], 0.5)
+    assert Cache(tmp_path / "cache", "python", by_script, there).load() == (["json"], 0.5)
+    by_module = Entrypoint(EntrypointKind.MODULE, "train")
+    Cache(tmp_path / "cache", "python", by_module, here).save(["json"], 0.5)
+    assert Cache(tmp_path / "cache", "python", by_module, there).load() == ([], None)
+    assert Cache(tmp_path / "cache", "python", by_module, here).load() == (["json"], 0.5)

@@ -116,13 +116,16 @@ def _module_file(name: str, cwd: Path) -> Path | None:
 class Cache:
     """What the workers of one job imported last time on this machine, and how long preloading it took.
 
-    Keyed by the interpreter and the resolved script (or module name and cwd): a rerun, or the next job of
-    a sweep, is warm from its first failure.
+    Keyed by the interpreter and the resolved script (or module name and cwd, which decides what ``-m``
+    finds): a rerun, or the next job of a sweep from its own directory, is warm from its first failure.
     """
 
     def __init__(self, directory: Path | None, python: str, entry: Entrypoint, cwd: Path) -> None:
-        target = str((cwd / entry.target).resolve()) if entry.kind is EntrypointKind.SCRIPT else entry.target
-        key = hashlib.sha256(f"{python}\0{entry.kind.value}\0{target}\0{cwd}".encode()).hexdigest()[:24]
+        if entry.kind is EntrypointKind.SCRIPT:
+            target = str((cwd / entry.target).resolve())
+        else:
+            target = f"{entry.target}\0{cwd.resolve()}"
+        key = hashlib.sha256(f"{python}\0{entry.kind.value}\0{target}".encode()).hexdigest()[:24]
         self.path = None if directory is None else directory / f"{key}.json"
 
     def load(self) -> tuple[list[str], float | None]:
