@@ -69,7 +69,8 @@ for _ in range(BATCHES):
 costs.sort()
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-hooked = bool(sys.modules["torch.optim.optimizer"]._global_optimizer_post_hooks)  # torch.optim hides the submodule's name
+optimizer_module = sys.modules["torch.optim.optimizer"]  # torch.optim hides the submodule's name
+hooked = bool(optimizer_module._global_optimizer_post_hooks)
 print(json.dumps({"hook": [costs[len(costs) // 2], costs[int(len(costs) * 0.99)]], "installed": hooked}))
 """
 
