@@ -1,7 +1,9 @@
-"""Hangs found in a job that never imports ftrun: every optimizer step is a heartbeat (warm workers)."""
+"""Hangs found in a job that never imports ftrun: every optimizer step is a heartbeat, in warm workers and in
+fresh ones (which start through ftrun's sitecustomize)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +36,56 @@ def hangs(r: Result) -> list[dict[str, Any]]:
     return [e for e in r.events() if e["kind"] == "hang"]
 
 
-def test_an_unmodified_script_that_stops_stepping_is_a_hang(tmp_path: Path, script: WriteScript) -> None:
+@pytest.mark.parametrize("warm", ["--warm=auto", "--no-warm"])
+def test_an_unmodified_script_that_stops_stepping_is_a_hang(tmp_path: Path, script: WriteScript, warm: str) -> None:
     script("w.py", TRAINS)
-    flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "2"]
+    flags = [warm, "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "2"]
     r = run_ftrun(tmp_path, *flags, "w.py")
     assert r.returncode == 0, r.stderr
     [hang] = hangs(r)
     assert (hang["rank"], hang["timeout"]) == (1, "heartbeat")
+    assert all(e["warm"] == (warm != "--no-warm") for e in r.events() if e["kind"] == "worker_spawned")
     assert r.log(1, 1).splitlines()[-1] == "done 1"
+
+
+SEES = """
+import json, os, sys
+print(json.dumps({
+    "pid": os.getpid(),
+    "client_attached": "ftrun.monitor.client" in sys.modules,
+    "torch": "torch" in sys.modules,
+    "pythonpath": os.environ.get("PYTHONPATH"),
+    "ftrun_boot": [k for k in os.environ if k.startswith("FTRUN_BOOT")],
+    "boot_on_path": [p for p in sys.path if p.endswith("boot")],
+}))
+"""
+
+THEIR_SITECUSTOMIZE = """
+import os
+open(os.path.join(os.path.dirname(__file__), f"ran.{os.getpid()}"), "w").close()
+"""
+
+
+def test_a_fresh_worker_has_the_client_before_the_job_and_the_job_sees_its_own_environment(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No pool (no restart can come): the client is attached before the script's first line, torch is not
+    imported for it, and the job sees its PYTHONPATH as given, with the environment's sitecustomize run."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(THEIR_SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", str(theirs))
+    script("w.py", SEES)
+    r = run_ftrun(tmp_path, "--heartbeat-timeout", "30", "w.py")
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.log(0, 0).splitlines()[-1])
+    assert seen["client_attached"] is True
+    assert seen["torch"] is False
+    assert seen["pythonpath"] == str(theirs)
+    assert seen["ftrun_boot"] == []
+    assert seen["boot_on_path"] == []
+    assert (theirs / f"ran.{seen['pid']}").exists()
+    assert not [e for e in r.events() if e["kind"] == "worker_spawned" and e["warm"]]
 
 
 IN_CHARGE = """

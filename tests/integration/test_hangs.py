@@ -283,11 +283,12 @@ def test_a_stopped_rank_is_a_hang_read_without_suspending_and_killed_at_once(
     assert "stopped_here" in root["stacks"]  # read without suspending it (py-spy --nonblocking)
 
 
+@pytest.mark.parametrize("warm", ["--warm=auto", "--no-warm"])
 def test_a_hang_in_an_import_has_stacks_without_py_spy(
-    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch, warm: str
 ) -> None:
-    """Before any heartbeat and with no py-spy on PATH: the warm worker's client was attached before the job's
-    code, so its fault handler writes the stacks."""
+    """Before any heartbeat and with no py-spy on PATH: the worker's client was attached before the job's code
+    (warm: by the zygote; fresh: by ftrun's sitecustomize), so its fault handler writes the stacks."""
     script(
         "slow_module.py",
         """
@@ -300,7 +301,7 @@ def test_a_hang_in_an_import_has_stacks_without_py_spy(
     )
     script("w.py", "import slow_module\nprint('imported', flush=True)\n")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # py-spy sits beside the interpreter, not here
-    r = run_ftrun(tmp_path, "--max-restarts", "1", "--initial-heartbeat-timeout", "2", "w.py")
+    r = run_ftrun(tmp_path, warm, "--max-restarts", "1", "--initial-heartbeat-timeout", "2", "w.py")
     assert r.returncode == 0, r.stderr
     root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
     assert root["stacks"].startswith("(faulthandler)")

@@ -13,6 +13,7 @@ import os
 import selectors
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ftrun.agent.logs import RankOutput, RankPaths
 from ftrun.clock import Clock
 from ftrun.errors import SpawnError
 
+BOOT_DIR = str(Path(__file__).resolve().parents[1] / "monitor" / "boot")  # ftrun's sitecustomize
 KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
 
 
@@ -113,7 +115,7 @@ class ProcessSpawner:
         try:
             popen = subprocess.Popen(
                 list(argv),
-                env=dict(env),
+                env=booted(argv, env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
@@ -124,6 +126,18 @@ class ProcessSpawner:
         except OSError as e:
             raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
         return _PopenHandle(popen)
+
+
+def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a fresh worker: a watched worker of ftrun's own Python starts through ftrun's
+    sitecustomize (client attached, optimizer steps as heartbeats: what a warm worker has), which puts the
+    job's PYTHONPATH back before the job's code runs. Another interpreter (PYTHON_EXEC) is left alone."""
+    env = dict(env)
+    if argv and argv[0] == sys.executable and env.get("FTRUN_MONITOR"):
+        original = env.get("PYTHONPATH", "")
+        env["FTRUN_BOOT_PYTHONPATH"] = original
+        env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, original]) if original else BOOT_DIR
+    return env
 
 
 @dataclass(slots=True)
