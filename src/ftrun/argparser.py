@@ -121,6 +121,15 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(hang, "--out-of-section-timeout", default=None, help="seconds allowed while no section is open")
     _flag(hang, "--safety-factor", default=None, help="calculate_timeouts() multiplies what it saw by this (5)")
+    _flag(
+        hang,
+        "--learn-timeouts",
+        default=None,
+        metavar="STEPS",
+        help="after STEPS optimizer steps, and every STEPS more, the heartbeat timeout becomes the longest gap seen"
+        " x --safety-factor, at least --learned-timeout-floor (0: off)",
+    )
+    _flag(hang, "--learned-timeout-floor", default=None, help="the smallest heartbeat timeout learned (60 s)")
     _flag(hang, "--hang-signal", default=None, help="signal sent to a hung worker first (SIGTERM)")
     _flag(
         hang,

@@ -164,6 +164,8 @@ class HangSpec:
     safety_factor: float = 5.0
     hang_signal: int = signal.SIGTERM
     teardown_s: float = TEARDOWN_GRACE_S  # --teardown-timeout: a worker whose script ended may take this to exit
+    learn_after: int = 0  # --learn-timeouts: optimizer steps before the heartbeat timeout is learned (0: never)
+    learned_floor_s: float = 60.0  # --learned-timeout-floor: the smallest heartbeat timeout learned
 
 
 @dataclass(frozen=True, slots=True)

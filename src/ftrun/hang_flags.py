@@ -20,7 +20,10 @@ HANG_KEYS = {
     "hang_signal": "--hang-signal",
     "section_timeouts": "--section-timeout",
     "teardown_timeout": "--teardown-timeout",
+    "learn_timeouts": "--learn-timeouts",
+    "learned_timeout_floor": "--learned-timeout-floor",
 }
+DEFAULT_LEARNED_FLOOR_S = 60.0
 
 
 def read_config_file(path: Path) -> dict[str, object]:
@@ -49,6 +52,15 @@ def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
             raise ConfigError(flag, f"expected NAME=SECONDS, got {item!r}", f"pass e.g. {flag} step=30")
         found[name.strip()] = parse_seconds(f"{flag} {name.strip()}", seconds)
     return found
+
+
+def parse_steps(flag: str, value: object) -> int:
+    if value is None:
+        return 0
+    text = str(value).strip()
+    if not text.isdigit():
+        raise ConfigError(flag, f"expected a number of optimizer steps, got {value!r}", f"pass e.g. {flag} 100")
+    return int(text)
 
 
 def parse_hang(
@@ -100,5 +112,7 @@ def parse_hang(
         parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
         parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
         seconds("teardown_timeout") or TEARDOWN_GRACE_S,
+        parse_steps(HANG_KEYS["learn_timeouts"], raw("learn_timeouts")),
+        seconds("learned_timeout_floor") or DEFAULT_LEARNED_FLOOR_S,
     )
     return spec, notices

@@ -149,3 +149,55 @@ def test_the_hung_rank_is_blamed_not_the_one_waiting_for_it(tmp_path: Path, scri
     assert "torch/autograd" in waiting["waiting_stacks"] or "torch/distributed" in waiting["waiting_stacks"]
     assert "it was waiting for its peers" in r.stderr
     assert {r.log(1, k).splitlines()[-1] for k in (0, 1)} == {"done 0", "done 1"}
+
+
+EVALUATES = """
+import sys, time
+import torch
+from torch.utils.data import DataLoader
+
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def train(steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        time.sleep(0.02)
+
+def slow(batch):
+    time.sleep(0.1)
+    return torch.stack(batch)
+
+train(30)  # the heartbeat timeout is learned after 10 steps: the 1 s floor
+print("evaluating", flush=True)
+with torch.no_grad():
+    if sys.argv[1] == "loader":  # 3 s of batches: no optimizer step, but progress
+        for batch in DataLoader(torch.randn(30, 4), batch_size=1, collate_fn=slow):
+            model(batch)
+    else:  # 3 s without a step or a batch
+        time.sleep(3)
+train(10)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("evaluation", "hung"), [("loader", False), ("sleep", True)])
+def test_learned_timeouts_flag_a_stall_but_not_an_evaluation_that_fetches_batches(
+    tmp_path: Path, script: WriteScript, evaluation: str, hung: bool
+) -> None:
+    script("w.py", EVALUATES)
+    flags = ["--learn-timeouts", "10", "--learned-timeout-floor", "1", "--safety-factor", "5"]
+    r = run_ftrun(tmp_path, *flags, "w.py", evaluation)
+    learned = [e["heartbeat"] for e in r.events() if e["kind"] == "timeouts"]
+    assert learned[0] == 1.0  # the floor: 5 x the longest gap between steps is well under it
+    assert r.log(0, 0).startswith("evaluating\n")
+    if hung:
+        assert r.returncode == 1
+        [hang] = hangs(r)
+        assert hang["timeout"] == "heartbeat"
+    else:
+        assert r.returncode == 0, r.stderr
+        assert hangs(r) == []
+        assert r.log(0, 0).endswith("done\n")

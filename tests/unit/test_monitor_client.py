@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -167,3 +168,33 @@ def test_nvidias_rank_monitor_client_maps_onto_ftruns(table: MonitorTable) -> No
         rmc.shutdown_workload_monitoring()
     finally:
         client._client = client._NotYet()
+
+
+def test_learned_timeouts_come_after_the_steps_asked_for_with_a_floor_and_only_grow(table: MonitorTable) -> None:
+    c = attach(table, FTRUN_LEARN_AFTER="3", FTRUN_LEARNED_FLOOR="0.5", FTRUN_SAFETY_FACTOR="2")
+    c.auto_heartbeat()
+    c.auto_heartbeat()
+    c.auto_progress()  # a batch is progress, not a step
+    assert published(table.read(1)) is None
+    c.auto_heartbeat()  # step 3: learned; the gaps were tiny, so the floor
+    assert published(table.read(1)) == Timeouts(heartbeat=0.5)
+    c.auto_heartbeat()
+    time.sleep(0.4)  # a long gap (an evaluation, say): the next learning widens the timeout to 2 x 0.4 s
+    c.auto_heartbeat()
+    c.auto_heartbeat()  # step 6
+    widened = published(table.read(1))
+    assert widened is not None
+    assert widened.heartbeat is not None
+    assert widened.heartbeat >= 0.8
+    c.heartbeat()  # the job beats on its own: nothing automatic counts any more
+    for _ in range(6):
+        c.auto_heartbeat()
+    assert published(table.read(1)) == widened
+
+
+def test_without_learning_automatic_steps_publish_nothing(table: MonitorTable) -> None:
+    c = attach(table)
+    for _ in range(50):
+        c.auto_heartbeat()
+    assert table.read(1).beats == 50
+    assert published(table.read(1)) is None

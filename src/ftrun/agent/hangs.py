@@ -81,6 +81,9 @@ class HangWatch:
             "FTRUN_SAFETY_FACTOR": repr(self._spec.safety_factor),
             "FTRUN_STACKS_FILE": stacks_file,
         }
+        if self._spec.learn_after:
+            env["FTRUN_LEARN_AFTER"] = str(self._spec.learn_after)
+            env["FTRUN_LEARNED_FLOOR"] = repr(self._spec.learned_floor_s)
         if self.kept.any:
             env["FTRUN_MONITOR_TIMEOUTS"] = json.dumps(self.kept.to_json())
         return env

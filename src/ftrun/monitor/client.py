@@ -72,6 +72,10 @@ class _Attached:
         self._flags = 0
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
+        # --learn-timeouts: every this many automatic steps, the heartbeat timeout is learned from the gaps seen.
+        self._learn_after = _int(environ.get("FTRUN_LEARN_AFTER"))
+        self._learned_floor = float(environ.get("FTRUN_LEARNED_FLOOR") or 60.0)
+        self._steps = 0
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()
         # Start-up is measured from when the agent started this process, the basis it judges it on.
@@ -131,9 +135,24 @@ class _Attached:
         self._beat()
 
     def auto_heartbeat(self) -> None:
-        """An optimizer step (ftrun's automatic heartbeat): counts only while the job beats on its own."""
+        """An optimizer step (ftrun's automatic heartbeat): counts only while the job does not beat on its own."""
         if not self.in_charge:
             self._beat()
+            self._steps += 1
+            if self._learn_after and self._steps % self._learn_after == 0:
+                self._learn()
+
+    def auto_progress(self) -> None:
+        """A batch from a DataLoader: progress (an evaluation loop has no optimizer steps), not a step."""
+        if not self.in_charge:
+            self._beat()
+
+    def _learn(self) -> None:
+        """--learn-timeouts: the longest gap between automatic beats x the safety factor, at least the floor;
+        it only grows (an evaluation or checkpoint phase seen once widens it for good)."""
+        learned = max(self._learned_floor, self._longest_beat_gap * self._safety_factor)
+        if self._calculated.heartbeat is None or learned > self._calculated.heartbeat:
+            self.set_timeouts(self._calculated.widest(Timeouts(heartbeat=learned)))
 
     def _beat(self) -> None:
         now = time.monotonic()
@@ -240,6 +259,10 @@ class _Attached:
         return self._calculated
 
 
+def _int(text: str | None) -> int:
+    return int(text) if text and text.isdigit() else 0
+
+
 def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
     """FTRUN_SPAWNED_AT if it is a sane monotonic time before ``attached``, else ``attached``."""
     try:
@@ -262,6 +285,11 @@ def attach() -> None:
 def auto_heartbeat() -> None:
     """ftrun's automatic heartbeat (an optimizer step), ignored once the job beats on its own."""
     _client.auto_heartbeat()
+
+
+def auto_progress() -> None:
+    """ftrun's automatic progress beat (a DataLoader batch), ignored once the job beats on its own."""
+    _client.auto_progress()
 
 
 def script_ended(code: int) -> None:
@@ -317,6 +345,9 @@ class _Unattached:
         pass
 
     def auto_heartbeat(self) -> None:
+        pass
+
+    def auto_progress(self) -> None:
         pass
 
     def start_section(self, name: str) -> None:
