@@ -1,0 +1,109 @@
+"""Every kind of hang in a real DDP job that never imports ftrun: found, blamed on the rank that hung with its
+stack, restarted from the job's checkpoint, and ending with the same model as a run without the fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import Result, WriteScript, run_ftrun
+
+pytestmark = pytest.mark.torch
+
+DDP = """
+import ctypes, hashlib, os, sys, threading, time
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+kind, checkpoint = sys.argv[1], sys.argv[2]
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+faulty = attempt == 0 and rank == 1
+
+def stuck_in_c_holding_the_gil():
+    ctypes.PyDLL(None).sleep(120)  # libc's sleep, called without releasing the GIL
+
+def stuck_before_the_first_step():
+    time.sleep(120)
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+start = 0
+if os.path.exists(checkpoint):
+    state = torch.load(checkpoint)
+    model.module.load_state_dict(state["model"])
+    start = state["step"]
+if faulty and kind == "before_first_step":
+    stuck_before_the_first_step()
+for step in range(start, 30):
+    if faulty and kind == "in_c" and step == 12:
+        stuck_in_c_holding_the_gil()
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
+    opt.zero_grad()
+    model(data).sum().backward()
+    opt.step()
+    if rank == 0 and step % 5 == 4:
+        torch.save({"model": model.module.state_dict(), "step": step + 1}, checkpoint + ".tmp")
+        os.replace(checkpoint + ".tmp", checkpoint)
+    time.sleep(0.02)
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print("checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+dist.destroy_process_group()
+if faulty and kind == "at_exit":
+    threading.Thread(target=time.sleep, args=(120,)).start()  # the interpreter waits for it, forever
+"""
+
+FLAGS = ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "3"]
+
+
+def checksums(r: Result, attempt: int) -> set[str]:
+    return {r.log(attempt, rank).splitlines()[-1] for rank in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("failure_free")
+    (d / "w.py").write_text(DDP)
+    r = run_ftrun(d, *FLAGS, "w.py", "none", str(d / "ckpt.pt"))
+    assert r.returncode == 0, r.stderr
+    [line] = checksums(r, 0)
+    return line
+
+
+@pytest.mark.parametrize(
+    ("kind", "stuck_in", "extra"),
+    [
+        ("in_c", "stuck_in_c_holding_the_gil", []),
+        ("before_first_step", "stuck_before_the_first_step", ["--initial-heartbeat-timeout", "20"]),
+    ],
+)
+def test_a_hung_rank_is_found_blamed_with_its_stack_and_the_job_ends_as_without_the_fault(
+    tmp_path: Path, script: WriteScript, failure_free: str, kind: str, stuck_in: str, extra: list[str]
+) -> None:
+    script("w.py", DDP)
+    r = run_ftrun(tmp_path, *FLAGS, *extra, "w.py", kind, str(tmp_path / "ckpt.pt"), timeout=240)
+    assert r.returncode == 0, r.stderr
+    [hang] = [e for e in r.events() if e["kind"] == "hang"]
+    assert hang["rank"] == 1
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 1
+    assert stuck_in in root["stacks"]
+    assert checksums(r, 1) == {failure_free}
+
+
+def test_a_rank_that_stops_at_exit_is_a_stuck_teardown_not_a_hang(
+    tmp_path: Path, script: WriteScript, failure_free: str
+) -> None:
+    """Its script ended (warm worker): the wait for a thread at exit is the interpreter's teardown, ended after
+    --teardown-timeout with the script's own result; no restart."""
+    script("w.py", DDP)
+    flags = [*FLAGS, "--teardown-timeout", "2"]
+    r = run_ftrun(tmp_path, *flags, "w.py", "at_exit", str(tmp_path / "ckpt.pt"), timeout=240)
+    assert r.returncode == 0, r.stderr
+    [stuck] = [e for e in r.events() if e["kind"] == "teardown_stuck"]
+    assert stuck["rank"] == 1
+    assert [e for e in r.events() if e["kind"] == "hang"] == []
+    assert checksums(r, 0) == {failure_free}
