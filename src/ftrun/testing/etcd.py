@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from ftrun.agent.proctree import die_with_parent_hook
 from ftrun.ports import reserve_port
 
 READY_TEXT = b"ready to serve client requests"
@@ -112,6 +113,8 @@ class EtcdHarness:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            # If the tests are killed before they can stop it, etcd goes with them (no stray server).
+            preexec_fn=die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
             start_new_session=True,
         )  # fmt: skip
         self._await_ready()
