@@ -71,7 +71,24 @@ model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 optimizer_module = sys.modules["torch.optim.optimizer"]  # torch.optim hides the submodule's name
 hooked = bool(optimizer_module._global_optimizer_post_hooks)
-print(json.dumps({"hook": [costs[len(costs) // 2], costs[int(len(costs) * 0.99)]], "installed": hooked}))
+# A DataLoader batch: the wrapped iterator against torch's own, alternating, over the same 20,000 items.
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+wrapped = _BaseDataLoaderIter.__next__
+original = wrapped.__closure__[0].cell_contents  # what the wrapper calls
+loader = DataLoader(list(range(20_000)), batch_size=None)
+per_batch = {"ftrun": [], "torch": []}
+for _ in range(10):
+    for name, fn in (("ftrun", wrapped), ("torch", original)):
+        _BaseDataLoaderIter.__next__ = fn
+        t0 = time.perf_counter_ns()
+        for _ in loader:
+            pass
+        per_batch[name].append((time.perf_counter_ns() - t0) / 20_000 / 1000)
+_BaseDataLoaderIter.__next__ = wrapped
+batch = {name: sorted(v)[len(v) // 2] for name, v in per_batch.items()}
+print(json.dumps({"hook": [costs[len(costs) // 2], costs[int(len(costs) * 0.99)]], "installed": hooked,
+                  "batch": batch, "batch_hooked": getattr(wrapped, "_ftrun", False)}))
 """
 
 STOPS_BEATING = """
@@ -205,6 +222,10 @@ def main() -> None:
     hook: list[float] = auto["hook"]  # type: ignore[assignment]
     print(f"automatic heartbeat (optimizer step hook) in a warm worker, installed: {auto['installed']}")
     print(f"  per step   {hook[0]:.3f} / {hook[1]:.3f} us (median / p99)")
+    batch: dict[str, float] = auto["batch"]  # type: ignore[assignment]
+    print(f"  per DataLoader batch (installed: {auto['batch_hooked']}), median of 10 passes over 20,000 items:")
+    print(f"    torch's iterator {batch['torch']:.2f} us, wrapped {batch['ftrun']:.2f} us: "
+          f"+{batch['ftrun'] - batch['torch']:.2f} us")  # fmt: skip
     totals = [unmodified(40, 3.0) for _ in range(a.reps)]
     print(f"unmodified DDP job (never imports ftrun), rank 1 hangs at step 40, --heartbeat-timeout 3, {a.reps} runs:")
     print(f"  hang -> every rank stepping again   {spread(totals, 1, 's')}")
