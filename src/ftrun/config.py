@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftrun.monitor.watchdog import TEARDOWN_GRACE_S, Timeouts
+from ftrun.monitor.watchdog import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
 DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"  # torchrun's tee prefix: [default0]:
@@ -165,7 +165,7 @@ class HangSpec:
     hang_signal: int = signal.SIGTERM
     teardown_s: float = TEARDOWN_GRACE_S  # --teardown-timeout: a worker whose script ended may take this to exit
     learn_after: int = 0  # --learn-timeouts: optimizer steps before the heartbeat timeout is learned (0: never)
-    learned_floor_s: float = 60.0  # --learned-timeout-floor: the smallest heartbeat timeout learned
+    learned_floor_s: float = LEARNED_FLOOR_S  # --learned-timeout-floor: the smallest heartbeat timeout learned
 
 
 @dataclass(frozen=True, slots=True)

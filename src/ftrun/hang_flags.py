@@ -10,7 +10,7 @@ from ftrun import nvidia_ft
 from ftrun.config import HangSpec
 from ftrun.errors import ConfigError
 from ftrun.flags import parse_seconds, parse_signal_name
-from ftrun.monitor.watchdog import TEARDOWN_GRACE_S, Timeouts
+from ftrun.monitor.watchdog import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
 HANG_KEYS = {
     "initial_heartbeat_timeout": "--initial-heartbeat-timeout",
@@ -23,7 +23,6 @@ HANG_KEYS = {
     "learn_timeouts": "--learn-timeouts",
     "learned_timeout_floor": "--learned-timeout-floor",
 }
-DEFAULT_LEARNED_FLOOR_S = 60.0
 
 
 def read_config_file(path: Path) -> dict[str, object]:
@@ -113,6 +112,6 @@ def parse_hang(
         parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
         seconds("teardown_timeout") or TEARDOWN_GRACE_S,
         parse_steps(HANG_KEYS["learn_timeouts"], raw("learn_timeouts")),
-        seconds("learned_timeout_floor") or DEFAULT_LEARNED_FLOOR_S,
+        seconds("learned_timeout_floor") or LEARNED_FLOOR_S,
     )
     return spec, notices

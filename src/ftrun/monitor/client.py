@@ -27,7 +27,7 @@ from typing import Any
 
 from ftrun.monitor import layout
 from ftrun.monitor.table import STACK_SIGNAL, check_header
-from ftrun.monitor.watchdog import Timeouts, scaled
+from ftrun.monitor.watchdog import LEARNED_FLOOR_S, Timeouts, scaled
 
 STATE_VERSION = 1
 DEFAULT_SAFETY_FACTOR = 5.0
@@ -74,7 +74,7 @@ class _Attached:
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
         # --learn-timeouts: every this many automatic steps, the heartbeat timeout is learned from the gaps seen.
         self._learn_after = _int(environ.get("FTRUN_LEARN_AFTER"))
-        self._learned_floor = float(environ.get("FTRUN_LEARNED_FLOOR") or 60.0)
+        self._learned_floor = float(environ.get("FTRUN_LEARNED_FLOOR") or LEARNED_FLOOR_S)
         self._steps = 0
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()

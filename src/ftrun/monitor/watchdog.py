@@ -31,6 +31,8 @@ MIN_CALCULATED_S = 1.0
 # ended, and its result is the script's own. Long enough for atexit handlers that upload or flush.
 TEARDOWN_GRACE_S = 30.0
 TEARDOWN = "teardown"
+# --learned-timeout-floor: the smallest heartbeat timeout --learn-timeouts sets (a phase not yet seen).
+LEARNED_FLOOR_S = 60.0
 # A restarted worker's start-up may load a checkpoint the first one did not: a calculated initial-heartbeat
 # timeout gives the start-up seen at least this much more, whatever the safety factor.
 STARTUP_MARGIN_S = 60.0
