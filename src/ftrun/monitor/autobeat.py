@@ -55,15 +55,15 @@ HOOKS = {"torch.optim.optimizer": _hook_optimizer, "torch.utils.data.dataloader"
 
 def install() -> None:
     """Hook torch's modules now if the job has them, else once the job imports them."""
-    waiting = False
+    missing = set()
     for name, hook in HOOKS.items():
         module = sys.modules.get(name)
-        if module is not None:
-            hook(module)
+        if module is None:
+            missing.add(name)
         else:
-            waiting = True
-    if waiting and not any(isinstance(f, _WhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WhenImported({n for n in HOOKS if n not in sys.modules}))
+            hook(module)
+    if missing and not any(isinstance(f, _WhenImported) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WhenImported(missing))
 
 
 class _WhenImported(importlib.abc.MetaPathFinder):
