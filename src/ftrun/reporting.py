@@ -13,7 +13,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,8 @@ class FailureReport:
     other_failures: tuple[WorkerOutcome, ...]
     stopped_by_ftrun: tuple[WorkerOutcome, ...]
     hint: str | None
+    # Another node's verdict when every quiet rank here waited for its peers: the job's root cause.
+    elsewhere: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"v": 1, **asdict(self)}
@@ -130,7 +132,14 @@ def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
 
 
 def build_report(
-    workers: Sequence[Worker], *, run_id: str, attempt: int, will_restart: bool, master_port: int, host: str
+    workers: Sequence[Worker],
+    *,
+    run_id: str,
+    attempt: int,
+    will_restart: bool,
+    master_port: int,
+    host: str,
+    elsewhere: Mapping[str, Any] | None = None,
 ) -> FailureReport:
     """The report of a failed attempt; raises ValueError if no worker failed."""
     outcomes = [outcome(w, host) for w in workers]
@@ -139,9 +148,9 @@ def build_report(
         raise ValueError(f"attempt {attempt} has no failed worker to report")
     root = failed[0]
     stopped = tuple(o for o in outcomes if o.state == WorkerState.STOPPED.value)
-    return FailureReport(
-        run_id, attempt, will_restart, master_port, root, tuple(failed[1:]), stopped, _hint(root, master_port)
-    )
+    hint = _hint(root, master_port)
+    remote = dict(elsewhere) if elsewhere is not None else None
+    return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed[1:]), stopped, hint, remote)
 
 
 def _hint(root: WorkerOutcome, port: int) -> str | None:
@@ -175,13 +184,8 @@ def render(report: FailureReport) -> str:
         "=" * 78,
         f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
         "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
-        f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}",
     ]
-    if r.why:
-        lines.append(f"  why this rank: {r.why}")
-    if r.stacks:
-        lines.append("  stacks of all threads when it was found hung:")
-        lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
+    lines += _root_lines(report)
     if r.error and r.error.traceback:
         lines.append(f"  traceback (from {r.error.source} error file {r.error_file}):")
         lines += ["    " + line for line in r.error.traceback.rstrip().splitlines()]
@@ -208,6 +212,35 @@ def render(report: FailureReport) -> str:
             lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _root_lines(report: FailureReport) -> list[str]:
+    """Who is to blame and why, with the stacks it was found with; another node's rank when ours waited for it."""
+    r = report.root_cause
+    if report.elsewhere is not None:
+        lines = [*_elsewhere(report.elsewhere), f"WAITED FOR IT {_who(r)} on {r.host}: {r.how}"]
+        found = "quiet"
+    else:
+        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}"]
+        lines += [f"  why this rank: {r.why}"] if r.why else []
+        found = "hung"
+    if r.stacks:
+        lines.append(f"  stacks of all threads when it was found {found}:")
+        lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
+    return lines
+
+
+def _elsewhere(v: Mapping[str, Any]) -> list[str]:
+    """Another node's hung rank, as that node's agent found it."""
+    lines = [f"ROOT CAUSE  rank {v.get('rank')} (pid {v.get('pid')}) on {v.get('host')}, another node: {v.get('what')}"]
+    if v.get("why"):
+        lines.append(
+            f"  why this rank: {v['why']} (found by node {v.get('node')}; every quiet rank here waited for it)"
+        )
+    if v.get("stacks"):
+        lines.append("  stacks of all threads when it was found hung:")
+        lines += ["    " + line for line in str(v["stacks"]).rstrip().splitlines()]
+    return lines
 
 
 def write_launcher_error_file(report: FailureReport, path: Path) -> None:

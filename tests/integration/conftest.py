@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ftrun.ports import reserve_port
+from ftrun.testing.etcd import EtcdHarness
 
 RUN_ID = "t"
 WAIT_S = 60.0  # generous bound for one step of a test on a loaded 2-core machine
@@ -250,3 +251,50 @@ def _zombie(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat[stat.rfind(")") + 2] in "ZX"
+
+
+# --- stores for several agents (tcp: a separate `ftrun store` process, so that any agent can be killed) ---
+
+CONF = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=60,close_timeout=20"
+
+
+@pytest.fixture(scope="module")
+def etcd_server() -> Iterator[EtcdHarness]:
+    with EtcdHarness() as harness:
+        yield harness
+
+
+@pytest.fixture(scope="module")
+def tcp_server() -> Iterator[str]:
+    """A standalone embedded store shared by the module's tests: `ftrun store --port 0`; yields HOST:PORT."""
+    yield from _store_process()
+
+
+@pytest.fixture
+def own_tcp_server() -> Iterator[str]:
+    """A store for this test alone (its run ids are nobody else's)."""
+    yield from _store_process()
+
+
+def _store_process() -> Iterator[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        found = re.search(r"serving on (127\.0\.0\.1:\d+)", proc.stderr.readline())
+        assert found
+        yield found.group(1)
+    finally:
+        proc.kill()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def rdzv(request: pytest.FixtureRequest) -> list[str]:
+    """The rendezvous flags of one backend (the store already running)."""
+    if request.param == "tcp":
+        endpoint = request.getfixturevalue("tcp_server")
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf", f"{CONF},is_host=false"]
+    etcd: EtcdHarness = request.getfixturevalue("etcd_server")
+    return ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.url.removeprefix("etcd://"), "--rdzv-conf", CONF]

@@ -10,18 +10,22 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftrun.testing.etcd import EtcdHarness
-from tests.integration.conftest import LiveFtrun, PortTaken, WriteScript, run_ftrun, wait_gone, with_free_port
+from tests.integration.conftest import (
+    CONF,
+    LiveFtrun,
+    PortTaken,
+    WriteScript,
+    run_ftrun,
+    wait_gone,
+    with_free_port,
+)
 
 # Fast detection for tests: a node is dead 1 s after its last keep-alive (etcd rounds TTLs up to its minimum).
-CONF = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=60,close_timeout=20"
 
 WORKER = """
 import os, sys, time
@@ -43,48 +47,6 @@ time.sleep(600)
 """
 
 UP = r"up rank=(\d+) world=(\d+) group=(\d+) restart=(\d+) pid=(\d+)"
-
-
-@pytest.fixture(scope="module")
-def etcd_server() -> Iterator[EtcdHarness]:
-    with EtcdHarness() as harness:
-        yield harness
-
-
-@pytest.fixture(scope="module")
-def tcp_server() -> Iterator[str]:
-    """A standalone embedded store shared by the module's tests: `ftrun store --port 0`; yields HOST:PORT."""
-    yield from _store_process()
-
-
-@pytest.fixture
-def own_tcp_server() -> Iterator[str]:
-    """A store for this test alone (its run ids are nobody else's)."""
-    yield from _store_process()
-
-
-def _store_process() -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        found = re.search(r"serving on (127\.0\.0\.1:\d+)", proc.stderr.readline())
-        assert found
-        yield found.group(1)
-    finally:
-        proc.kill()
-        proc.wait(30)
-        assert proc.stderr is not None
-        proc.stderr.close()
-
-
-@pytest.fixture(params=["tcp", "etcd"])
-def rdzv(request: pytest.FixtureRequest) -> list[str]:
-    """The rendezvous flags of one backend (the store already running)."""
-    if request.param == "tcp":
-        endpoint = request.getfixturevalue("tcp_server")
-        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf", f"{CONF},is_host=false"]
-    etcd: EtcdHarness = request.getfixturevalue("etcd_server")
-    return ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.url.removeprefix("etcd://"), "--rdzv-conf", CONF]
 
 
 class Nodes:
@@ -312,3 +274,22 @@ def test_c10d_with_no_endpoint_works_on_one_node_as_under_torchrun(tmp_path: Pat
     assert r.returncode == 0, r.stderr
     assert "hosting the rendezvous store on 127.0.0.1:29400" in r.stderr
     assert len(re.findall(UP, r.stdout)) == 2
+
+
+def test_a_killed_agent_leaves_at_once_on_the_embedded_store(
+    tmp_path: Path, live: list[LiveFtrun], tcp_server: str, script: WriteScript
+) -> None:
+    """The store ends a lease when its connection closes, and the kernel closes a killed agent's socket: the
+    survivor goes on alone although the lease's TTL (10 min here) could not have passed within the wait."""
+    script("w.py", WORKER)
+    slow_ttl = "last_call_timeout=0.5,keep_alive_interval=60,keep_alive_max_attempt=10,join_timeout=60,is_host=false"
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", tcp_server, "--rdzv-conf", slow_ttl]
+    nodes = Nodes(tmp_path, live, flags)
+    a = nodes.start("a", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    b = nodes.start("b", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    ups(a, 4, 2)
+    ups(b, 4, 2)
+    b.proc.kill()
+    b.wait()
+    ups(a, 2, 2)  # a new round without b
+    assert "left round" in a.stderr()

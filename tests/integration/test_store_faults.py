@@ -87,9 +87,9 @@ def test_etcd_restart_watch_resumes_without_losing_events(caplog: pytest.LogCapt
 KEEPER = """
 import sys, threading, time
 from ftrun.store.factory import open_store
-url, token = sys.argv[1], sys.argv[2] or None
+url, token, ttl = sys.argv[1], sys.argv[2] or None, float(sys.argv[3])
 store = open_store(url, token=token)
-lease = store.grant_lease(2)
+lease = store.grant_lease(ttl)
 store.put("/alive/me", b"x", lease=lease)
 print("ready", flush=True)
 while True:
@@ -98,10 +98,10 @@ while True:
 """
 
 
-def _kill_keeper_and_see_its_key_vanish(url: str, token: str | None) -> None:
+def _kill_keeper_and_see_its_key_vanish(url: str, token: str | None, ttl_s: float = 2.0) -> None:
     observer = open_store(url, token=token)
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(KEEPER), url, token or ""], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", textwrap.dedent(KEEPER), url, token or "", str(ttl_s)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None
@@ -125,6 +125,12 @@ def _kill_keeper_and_see_its_key_vanish(url: str, token: str | None) -> None:
 
 def test_killed_client_lease_expires_tcp(server: TcpStoreServer) -> None:
     _kill_keeper_and_see_its_key_vanish(f"tcp://127.0.0.1:{server.port}", TOKEN)
+
+
+def test_a_killed_clients_lease_ends_with_its_connection_not_its_ttl_tcp(server: TcpStoreServer) -> None:
+    """The embedded store ties a lease to the connection it was granted or kept alive on: the kernel closes a
+    dead process's socket, so its keys go at once (a TTL of 10 min could not have expired within the wait)."""
+    _kill_keeper_and_see_its_key_vanish(f"tcp://127.0.0.1:{server.port}", TOKEN, ttl_s=600)
 
 
 def test_killed_client_lease_expires_etcd() -> None:

@@ -3,12 +3,13 @@ stack, restarted from the job's checkpoint, and ending with the same model as a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import WAIT_S, LiveFtrun, Result, WriteScript, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -27,6 +28,9 @@ def stuck_in_c_holding_the_gil():
 def stuck_before_the_first_step():
     time.sleep(120)
 
+def asleep_between_steps():
+    time.sleep(120)
+
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Linear(8, 1))
@@ -41,6 +45,8 @@ if faulty and kind == "before_first_step":
 for step in range(start, 30):
     if faulty and kind == "in_c" and step == 12:
         stuck_in_c_holding_the_gil()
+    if faulty and kind == "sleeps" and step == 12:
+        asleep_between_steps()
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
     opt.zero_grad()
     model(data).sum().backward()
@@ -107,3 +113,33 @@ def test_a_rank_that_stops_at_exit_is_a_stuck_teardown_not_a_hang(
     assert stuck["rank"] == 1
     assert [e for e in r.events() if e["kind"] == "hang"] == []
     assert checksums(r, 0) == {failure_free}
+
+
+def test_on_two_nodes_each_agent_blames_the_rank_that_hung_on_the_other(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str], failure_free: str
+) -> None:
+    """Two agents (separate processes, one rank each) on tcp and on etcd. Rank 1 sleeps between steps; rank 0
+    waits for it in backward's all-reduce. Each agent reads only its own rank's stacks: rank 0's agent sees a
+    rank that only waited, finds rank 1's agent's verdict in the store, and names rank 1, with its stack."""
+    (tmp_path / "w.py").write_text(DDP)
+    run_id = f"{tmp_path.name}-blame"
+    flags = [*rdzv, "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "1"]
+    flags += ["--max-restarts", "1", "--heartbeat-timeout", "3"]
+    job = [str(tmp_path / "w.py"), "sleeps", str(tmp_path / "ckpt.pt")]
+    agents = [LiveFtrun(tmp_path, *flags, "--log-dir", str(tmp_path / n), *job, name=n) for n in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait(WAIT_S) == 0, agent.stderr()
+    reports = {}
+    for name in ("a", "b"):
+        [report_file] = (tmp_path / name).glob("*/attempt_0/failure_report.json")
+        report = json.loads(report_file.read_text())
+        reports[report["root_cause"]["rank"]] = report
+    waited, hung = reports[0], reports[1]
+    assert "asleep_between_steps" in hung["root_cause"]["stacks"]
+    assert hung["elsewhere"] is None
+    assert waited["elsewhere"]["rank"] == 1, waited  # not its own rank 0, which only waited
+    assert "asleep_between_steps" in waited["elsewhere"]["stacks"]
+    rank0 = next(a for a in agents if "asleep_between_steps" in a.stderr() and "another node" in a.stderr())
+    assert "ROOT CAUSE  rank 1" in rank0.stderr()
+    assert {line for a in agents for line in a.lines if line.startswith("checksum")} == {failure_free}

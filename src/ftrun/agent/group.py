@@ -33,6 +33,7 @@ from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
+from ftrun.agent.verdicts import HangVerdicts
 from ftrun.agent.watch import WorkerWatch
 from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
@@ -71,6 +72,8 @@ class LocalGroup:
         self._reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime when read
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._last_report: FailureReport | None = None
+        self._verdicts: HangVerdicts | None = None  # an elastic job's nodes share what each found hung
+        self._round: int | None = None
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
         self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
         for notice in (*config.rdzv.conf.notices, *config.notices):
@@ -111,7 +114,7 @@ class LocalGroup:
         previous = self._processes.workers
         self._processes.close()
         self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds)
-        self._attempt, self._master_port = command.attempt, master_port
+        self._attempt, self._master_port, self._round = command.attempt, master_port, command.round
         if command.attempt:
             self.emit(EventKind.RESTART, restart_count=command.restart_count)
         self.emit(
@@ -125,38 +128,48 @@ class LocalGroup:
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
         self._open_duplicates(attempt_dir)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
-        for local_rank in range(c.nproc_per_node):
-            paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
-            assignment = worker_env.assign(
-                local_rank,
-                c.nproc_per_node,
-                placement,
-                role=c.role,
-                master_addr=command.master_addr,
-                master_port=master_port,
-                restart_count=command.restart_count,
-                max_restarts=c.max_restarts,
-                run_id=c.run_id,
-                error_file=str(paths.error_file),
-            )
-            spawned = self._clock.monotonic()
-            env = {
-                **worker_env.worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank),
-                **self._watch.env(local_rank, paths.dir, spawned),
-            }
-            if c.warm.enabled and c.warm.auto:
-                env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
-            if c.cpu_affinity:
-                env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
-            # torchrun's ${local_rank} macro in the script's arguments
-            argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
-            worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
-            worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
-            label = c.logs.prefix(c.role, assignment.rank, local_rank)
-            output = RankOutput(paths, local_rank, c.logs, self._console, label, self._duplicates)
-            self._processes.spawn(worker, output, c.cwd)
-            self.emit(EventKind.WORKER_SPAWNED, **worker.identity(), warm=getattr(worker.handle, "warm", False))
+        try:
+            for local_rank in range(c.nproc_per_node):
+                self._spawn(command, attempt_dir, local_rank, master_port)
+        finally:
+            self._processes.start_copying()
+            if isinstance(self._spawner, WarmPool):
+                self._spawner.refill()
+        self._learn_modules(previous)  # what the last attempt's workers reported since the last look
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
+
+    def _spawn(self, command: StartWorkers, attempt_dir: Path, local_rank: int, master_port: int) -> None:
+        c, placement = self.config, command.placement
+        paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
+        assignment = worker_env.assign(
+            local_rank,
+            c.nproc_per_node,
+            placement,
+            role=c.role,
+            master_addr=command.master_addr,
+            master_port=master_port,
+            restart_count=command.restart_count,
+            max_restarts=c.max_restarts,
+            run_id=c.run_id,
+            error_file=str(paths.error_file),
+        )
+        spawned = self._clock.monotonic()
+        env = {
+            **worker_env.worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank),
+            **self._watch.env(local_rank, paths.dir, spawned),
+        }
+        if c.warm.enabled and c.warm.auto:
+            env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
+        if c.cpu_affinity:
+            env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
+        # torchrun's ${local_rank} macro in the script's arguments
+        argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
+        worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
+        worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
+        label = c.logs.prefix(c.role, assignment.rank, local_rank)
+        output = RankOutput(paths, local_rank, c.logs, self._console, label, self._duplicates)
+        self._processes.spawn(worker, output, c.cwd)
+        self.emit(EventKind.WORKER_SPAWNED, **worker.identity(), warm=getattr(worker.handle, "warm", False))
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
         """Sleep until something happens here, at most ``timeout_s`` (None: no limit but the hang checks).
@@ -171,8 +184,11 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
-        self._learn_modules()
-        happened += [WorkerHung(w.local_rank) for w in self._watch.check(self._processes.running)]
+        for hung in self._watch.check(self._processes.running):
+            self._publish_verdict(hung)
+            happened.append(WorkerHung(hung.local_rank))
+        if not happened:  # a failure is answered first (learning may start a zygote: tens of ms)
+            self._learn_modules(self._processes.workers)
         return happened, also_ready
 
     def stop(self, first_signal: int | None = None) -> list[Happening]:
@@ -200,6 +216,10 @@ class LocalGroup:
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         return [*exits, *late, WorkersStopped()]
 
+    def share_verdicts(self, verdicts: HangVerdicts) -> None:
+        """Publish every hang found here to the job's other nodes, and read theirs when ours only waited."""
+        self._verdicts = verdicts
+
     def report_failure(self, will_restart: bool) -> None:
         """Write and print the current attempt's failure report, root cause first."""
         report = build_report(
@@ -209,6 +229,7 @@ class LocalGroup:
             will_restart=will_restart,
             master_port=self._master_port,
             host=self.host,
+            elsewhere=self._suspect_elsewhere(),
         )
         path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
         write_json(report, path)
@@ -230,6 +251,8 @@ class LocalGroup:
                 "exit_wall": root.exit_wall,
                 "summary": root.summary(),
             },
+            elsewhere=report.elsewhere
+            and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why")},
         )
 
     def finish(self, finish: Finish) -> int:
@@ -315,6 +338,24 @@ class LocalGroup:
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
+    def _publish_verdict(self, w: Worker) -> None:
+        if self._verdicts is None or self._round is None or w.hang is None:
+            return
+        h = w.hang
+        verdict = {"rank": w.rank, "host": self.host, "pid": w.pid, "what": h.what, "why": h.why}
+        self._verdicts.publish(self._round, {**verdict, "waiting": h.waiting, "stacks": h.stacks})
+
+    def _suspect_elsewhere(self) -> dict[str, object] | None:
+        """When every rank found quiet here waited for its peers in a collective: the rank another node
+        found hung outside one (the job's root cause), if it tells within a few seconds."""
+        hangs = [w.hang for w in self._processes.workers if w.hang is not None]
+        if self._verdicts is None or self._round is None or not hangs or not all(h.waiting for h in hangs):
+            return None
+        found = self._verdicts.suspect_elsewhere(self._round)
+        if found is None:
+            self.say("every quiet rank here waited in a collective, and no other node named a suspect", always=True)
+        return found
+
     @property
     def _wake_fds(self) -> tuple[int, ...]:
         return (self._wakeup.fd, *self._watch.fds)
@@ -332,12 +373,12 @@ class LocalGroup:
                 )
         return [Interrupted(s, signal_name(s), forward=s in handled) for s in found]
 
-    def _learn_modules(self) -> None:
-        """--warm auto: tell the pool what the workers imported, each time a report changed (the workers write
+    def _learn_modules(self, workers: list[Worker]) -> None:
+        """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write
         one when their imports settle, and at exit)."""
         if not isinstance(self._spawner, WarmPool):
             return
-        for w in self._processes.workers:
+        for w in workers:
             path = w.paths.dir / MODULES_FILE
             try:
                 stamp = path.stat().st_mtime_ns

@@ -25,6 +25,7 @@ from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import Cache, entry_imports
+from ftrun.agent.verdicts import HangVerdicts
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import LaunchConfig
@@ -70,7 +71,9 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
     entry script's imports."""
     w = config.warm
     cache = Cache(w.cache_dir, config.python, config.entrypoint, config.cwd) if w.auto else None
-    pool = WarmPool(config.python, w.preload, config.worker_base_env, auto=w.auto, cache=cache)
+    pool = WarmPool(
+        config.python, w.preload, config.worker_base_env, auto=w.auto, standbys=config.nproc_per_node, cache=cache
+    )
     if w.auto:
         pool.add(entry_imports(config.entrypoint, config.cwd, config.python))
     return pool
@@ -116,6 +119,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     try:
         rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=group.say)
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
+        group.share_verdicts(HangVerdicts(store, config.run_id, rendezvous.node_id, clock))
         code = -1
         try:
             rendezvous.start()

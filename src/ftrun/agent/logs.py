@@ -171,12 +171,17 @@ class RankOutput:
         return self._child_fds[Std.ERR]
 
     def child_started(self) -> None:
-        """Close the child's ends in the agent (the child has its copies) and start copying."""
+        """Close the child's ends in the agent (the child has its copies)."""
         for fd in self._child_fds.values():
             os.close(fd)
         self._child_fds.clear()
+
+    def start_copying(self) -> None:
+        """Start the threads that copy the output (after every worker of the attempt is started: starting a
+        thread waits for it to run, and a restart waits for no one). The pipe holds what comes meanwhile."""
         for pump in self._pumps:
-            pump.start()
+            if pump.ident is None:  # not started yet
+                pump.start()
 
     def wait_drained(self, timeout_s: float) -> bool:
         """Wait until every writer (the worker and its children) has closed the pipes."""

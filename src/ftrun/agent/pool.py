@@ -7,7 +7,9 @@ imports), a second one that preloads it. Each spawn forks from the biggest
 *ready* zygote: a restart never waits for one still preloading when another is
 ready. With none ready, it waits for the one preloading (it started before a
 fresh worker would, and imports only what a worker imports anyway), else uses
-the base. When the workers report more imports, a bigger zygote is started
+the base. Each zygote keeps as many standby workers forked ahead of time as the
+node runs workers: a spawn hands a standby its work in one message, and a new
+standby is asked for at once, for the next restart. When the workers report more imports, a bigger zygote is started
 beside the others, at idle CPU priority so that it never slows the training;
 smaller ones are closed only once a bigger one is ready. Workers come out as the
 agent's own children (a pidfd and the real exit status, as for a fresh process).
@@ -23,10 +25,12 @@ import array
 import contextlib
 import json
 import os
+import select
 import selectors
 import socket
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,6 @@ from typing import Any
 from ftrun.agent import proctree
 from ftrun.agent.preload import Cache
 from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
-from ftrun.errors import SpawnError
 
 BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
 PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
@@ -72,8 +75,13 @@ class AdoptedHandle:
             code = os.waitstatus_to_exitcode(status)
         except ChildProcessError:  # not adopted after all: its status went to someone else
             code = 255
-        os.close(self._pidfd)
+        self.close()
         return code
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def signal_group(self, sig: int) -> None:
         proctree.signal_quietly(self.pid, sig, group=True)
@@ -90,8 +98,38 @@ def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
     return {"kind": "script", "target": argv[2], "args": list(argv[3:])}
 
 
+class _Standby:
+    """A worker forked ahead of time, asleep on its socket until it is told what to run."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.sock = sock
+        self.handle = AdoptedHandle(pid)
+
+    def alive(self) -> bool:
+        return not select.select([self.handle], [], [], 0)[0]  # a pidfd is readable once the process exited
+
+    def run(self, request: dict[str, Any], stdout: int, stderr: int) -> AdoptedHandle:
+        try:
+            self.sock.sendmsg(
+                [json.dumps(request).encode()],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
+            )
+        except OSError as e:
+            raise PoolError(f"the standby worker {self.handle.pid} is gone ({e})") from None
+        finally:
+            self.sock.close()
+        return self.handle
+
+    def discard(self) -> None:
+        """It exits when its socket closes; the agent reaps it with the other orphans."""
+        self.sock.close()
+        self.handle.close()
+
+
 class _Zygote:
-    def __init__(self, python: str, preload: list[str], env: Mapping[str, str], log: Path, *, idle: bool) -> None:
+    def __init__(
+        self, python: str, preload: list[str], env: Mapping[str, str], log: Path, *, idle: bool, standbys: int
+    ) -> None:
         self.preload = preload
         self.started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -105,7 +143,7 @@ class _Zygote:
                 stdin=subprocess.PIPE,
                 stdout=err,
                 stderr=err,
-                start_new_session=True,
+                start_new_session=True,  # its group holds the standbys too: see WarmPool.signal_strays
                 preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
             )
         theirs.close()
@@ -118,6 +156,11 @@ class _Zygote:
         self.ready: dict[str, Any] | None = None
         self.refused = ""
         self.failed = ""  # why it can no longer serve
+        self._asked: deque[socket.socket] = deque()  # standbys asked for, in order; the zygote answers in order
+        self._standbys: deque[_Standby] = deque()
+        self.owed = 0  # standbys taken and not yet asked for again
+        for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
+            self.ask_standby()
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
@@ -137,18 +180,54 @@ class _Zygote:
             self.ready = answer
         return self.ready is not None
 
-    def fork(self, request: dict[str, Any], stdout: int, stderr: int) -> int:
+    def ask_standby(self) -> None:
+        """Ask for one more standby worker (answered later: nobody waits for the fork now)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._sock.sendmsg(
-                [json.dumps(request).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
+                [json.dumps({"agent_pid": os.getpid()}).encode()],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
             )
         except OSError as e:
-            raise PoolError(f"the zygote is gone ({e})") from None
-        answer = self._receive(FORK_TIMEOUT_S, "to fork")
-        if "pid" not in answer:
-            raise PoolError(str(answer.get("error", answer)))
-        return int(answer["pid"])
+            ours.close()
+            self.failed = f"the zygote is gone ({e})"
+        else:
+            self._asked.append(ours)
+        finally:
+            theirs.close()
+
+    def standby(self) -> _Standby:
+        """A live standby worker of this (ready) zygote; another one is asked for in its place."""
+        while self._asked:  # collect the answers that came, waiting only when no standby is left
+            waited = FORK_TIMEOUT_S if not self._standbys else 0.0
+            try:
+                answer = self._receive(waited, "to fork a standby worker")
+            except NotYet:
+                if waited > 0:
+                    raise
+                break
+            sock = self._asked.popleft()
+            if "pid" not in answer:
+                sock.close()
+                raise PoolError(str(answer.get("error", answer)))
+            try:
+                self._standbys.append(_Standby(int(answer["pid"]), sock))
+            except OSError:  # it died before it was watched
+                sock.close()
+        while self._standbys:
+            standby = self._standbys.popleft()
+            self.owed += 1
+            if standby.alive():
+                return standby
+            standby.discard()
+        raise PoolError("the zygote has no standby worker")
+
+    def refill(self) -> None:
+        """Ask for the standbys taken since the last refill (after a spawn, not during: the fork would take a
+        core from the workers being started)."""
+        for _ in range(self.owed):
+            self.ask_standby()
+        self.owed = 0
 
     def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
         with selectors.DefaultSelector() as sel:
@@ -165,6 +244,12 @@ class _Zygote:
         return answer
 
     def close(self) -> None:
+        for standby in self._standbys:
+            standby.discard()
+        for sock in self._asked:
+            sock.close()
+        self._standbys.clear()
+        self._asked.clear()
         self._sock.close()  # the zygote sees EOF and exits
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
@@ -175,9 +260,18 @@ class WarmPool:
     """A Spawner. ``start()`` before the first attempt; ``learn()`` feeds --warm auto; ``close()`` at the end."""
 
     def __init__(
-        self, python: str, preload: Sequence[str], env: Mapping[str, str], *, auto: bool, cache: Cache | None = None
+        self,
+        python: str,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        auto: bool,
+        standbys: int,
+        cache: Cache | None = None,
     ) -> None:
+        """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers)."""
         self._python = python
+        self._standbys = standbys
         self._env = env
         self._auto = auto
         self._cache = cache
@@ -205,7 +299,9 @@ class WarmPool:
     def _launch(self, preload: list[str], *, idle: bool = False) -> None:
         """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
         if not self._off:
-            self._zygotes.append(_Zygote(self._python, preload, self._env, self._log, idle=idle))
+            self._zygotes.append(
+                _Zygote(self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys)
+            )
 
     @property
     def preloading(self) -> list[str]:
@@ -213,8 +309,8 @@ class WarmPool:
         return max((z.preload for z in self._zygotes), key=len, default=[])
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
-        """The zygotes are the pool's own, never strays of a worker group."""
-        signal_strays(sig, workers, helpers={z.proc.pid for z in self._zygotes})
+        """The zygotes and their standby workers (in the zygotes' process groups) are the pool's own."""
+        signal_strays(sig, workers, helper_groups={z.proc.pid for z in self._zygotes})
 
     def reap_orphans(self, keep: set[int]) -> None:
         proctree.reap_orphans(keep | {z.proc.pid for z in self._zygotes})
@@ -223,17 +319,16 @@ class WarmPool:
         request = worker_request(argv, self._python)
         if request is None or self._off:
             return self._fresh.spawn(argv, env, cwd, stdout, stderr)
-        request.update(env=dict(env), cwd=str(cwd), agent_pid=os.getpid())
+        request.update(env=dict(env), cwd=str(cwd))
         while (zygote := self._best()) is not None:
             try:
-                pid = zygote.fork(request, stdout, stderr)
+                handle = zygote.standby().run(request, stdout, stderr)
             except PoolError as e:
                 self._drop(zygote, str(e))
                 continue
-            try:
-                return AdoptedHandle(pid)
-            except OSError as e:
-                raise SpawnError(f"warm worker {pid} vanished before it was watched: {e}") from e
+            if zygote.failed:  # it could not fork a standby in place of this one
+                self._drop(zygote, zygote.failed)
+            return handle
         return self._fresh.spawn(argv, env, cwd, stdout, stderr)
 
     def _best(self) -> _Zygote | None:
@@ -293,7 +388,8 @@ class WarmPool:
         if not self._auto or self._off:
             return
         current = self.preloading
-        wanted = [m for m in modules if m not in current]
+        have = set(current)
+        wanted = [m for m in modules if m not in have]
         if len(wanted) <= len(current) // GROWTH:
             return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
         bigger = list(dict.fromkeys([*current, *wanted]))
@@ -301,6 +397,11 @@ class WarmPool:
         if self._cache is not None:
             self._cache.save(bigger, self._import_s)
         self._launch(bigger, idle=True)
+
+    def refill(self) -> None:
+        """Once the workers of an attempt are started: fork standbys in place of those they took."""
+        for z in self._zygotes:
+            z.refill()
 
     def close(self) -> None:
         for z in self._zygotes:

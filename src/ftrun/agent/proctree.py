@@ -22,27 +22,33 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _parents() -> dict[int, int]:
-    """pid -> ppid for every process visible in /proc (racy by nature: processes come and go)."""
-    result: dict[int, int] = {}
+def _table() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, process group) for every process visible in /proc (racy by nature: processes come and
+    go). Raw reads: this runs between a failure and the restart, once per process on the machine."""
+    result: dict[int, tuple[int, int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
+            fd = os.open(f"/proc/{entry}/stat", os.O_RDONLY)
         except OSError:
             continue
-        # Fields after the command name, which is in parentheses and may contain spaces.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        result[int(entry)] = int(fields[1])
+        try:
+            stat = os.read(fd, 1024)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        # Fields after the command name, which is in parentheses and may contain spaces: state ppid pgrp ...
+        fields = stat[stat.rfind(b")") + 2 :].split(None, 3)
+        result[int(entry)] = (int(fields[1]), int(fields[2]))
     return result
 
 
-def descendants(roots: Iterable[int]) -> set[int]:
+def descendants(roots: Iterable[int], table: dict[int, tuple[int, int]] | None = None) -> set[int]:
     """Every live process below ``roots`` (not the roots themselves)."""
     children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
+    for pid, (ppid, _) in (table if table is not None else _table()).items():
         children.setdefault(ppid, []).append(pid)
     found: set[int] = set()
     stack = list(roots)
@@ -52,6 +58,14 @@ def descendants(roots: Iterable[int]) -> set[int]:
                 found.add(child)
                 stack.append(child)
     return found
+
+
+def strays(workers: set[int], helper_groups: set[int]) -> set[int]:
+    """The agent's descendants that are neither ``workers`` nor in one of ``helper_groups`` (process groups of
+    the agent's own helpers, e.g. the warm pool, whose standby workers are the agent's children)."""
+    table = _table()
+    below = descendants([os.getpid()], table) - workers
+    return {pid for pid in below if pid in table and table[pid][1] not in helper_groups}
 
 
 def is_stopped(pid: int) -> bool:
@@ -88,7 +102,7 @@ def reap_orphans(keep: set[int]) -> list[int]:
     """Reap exited children of this process that are not in ``keep`` (adopted orphans)."""
     me = os.getpid()
     reaped = []
-    for pid, ppid in _parents().items():
+    for pid, (ppid, _) in _table().items():
         if ppid == me and pid not in keep:
             with contextlib.suppress(ChildProcessError):
                 done, _ = os.waitpid(pid, os.WNOHANG)

@@ -22,7 +22,7 @@ from ftrun.agent.workers import Hang, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.events import EventKind
-from ftrun.monitor.blame import suspect
+from ftrun.monitor.blame import suspect, waiting_in_collective
 from ftrun.monitor.layout import SlotView
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
@@ -110,7 +110,8 @@ class WorkerWatch:
                 victim.waiting_stacks = stacks[rank]
                 _append(victim, f"quiet while rank {w.rank} hung; stacks of all threads:\n{stacks[rank]}")
         w.state = WorkerState.FAILED
-        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why)
+        waiting = waiting_in_collective(stacks[chosen]) or ""
+        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why, waiting)
         self._emit(
             EventKind.HANG,
             **w.identity(),

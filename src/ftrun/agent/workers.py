@@ -95,10 +95,9 @@ class _PopenHandle:
         proctree.signal_quietly(self.pid, sig, group=True)
 
 
-def signal_strays(sig: int, workers: set[int], helpers: set[int]) -> None:
-    """``Spawner.signal_strays`` for a spawner whose own processes are ``helpers``."""
-    found = proctree.descendants([os.getpid()]) - workers - helpers - proctree.descendants(helpers)
-    for pid in found:
+def signal_strays(sig: int, workers: set[int], helper_groups: set[int]) -> None:
+    """``Spawner.signal_strays`` for a spawner whose own processes are in the process groups ``helper_groups``."""
+    for pid in proctree.strays(workers, helper_groups):
         proctree.signal_quietly(pid, sig)
 
 
@@ -106,7 +105,7 @@ class ProcessSpawner:
     """Fresh processes: own session and process group, SIGKILL when the agent dies."""
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
-        signal_strays(sig, workers, helpers=set())
+        signal_strays(sig, workers, helper_groups=set())
 
     def reap_orphans(self, keep: set[int]) -> None:
         proctree.reap_orphans(keep)
@@ -149,6 +148,7 @@ class Hang:
     wall: float  # when its deadline passed
     stacks: str = ""
     why: str = ""  # why this rank and not the others that went quiet with it
+    waiting: str = ""  # the collective it waited in: every quiet rank here waited, the hung one is elsewhere
 
 
 @dataclass(slots=True)
@@ -234,6 +234,12 @@ class AttemptProcesses:
         self.workers.append(worker)
         self._selector.register(handle.fileno(), selectors.EVENT_READ, worker)
 
+    def start_copying(self) -> None:
+        """Copy every worker's output from now on (see RankOutput.start_copying)."""
+        for w in self.workers:
+            if w.output is not None:
+                w.output.start_copying()
+
     @property
     def running(self) -> list[Worker]:
         return [w for w in self.workers if w.returncode is None]
@@ -285,8 +291,9 @@ class AttemptProcesses:
     ) -> None:
         """Send ``first_signal`` to every worker's process group, wait ``grace_s``, then SIGKILL what is left.
 
-        Descendants that left their worker's group are signalled too. Returns once
-        every worker is reaped. ``on_wake`` is called when the wake fd fires (a
+        Descendants that left their worker's group are signalled too (SIGKILL for them
+        comes with :meth:`sweep`, which must follow). Returns once every worker is
+        reaped. ``on_wake`` is called when the wake fd fires (a
         signal to ftrun) and returns True to skip the rest of the grace period.
         """
         for w in self.running:
@@ -306,7 +313,8 @@ class AttemptProcesses:
                 on_exit(w)
             if woken and on_wake():
                 break
-        self._signal_all(signal.SIGKILL)
+        if self.running:  # else the sweep that follows every stop kills the strays
+            self._signal_all(signal.SIGKILL)
         # SIGKILL cannot be refused; only a process stuck in the kernel (D state) outlives it.
         deadline = self._clock.monotonic() + KILL_WAIT_S
         while self.running and (left := deadline - self._clock.monotonic()) > 0:

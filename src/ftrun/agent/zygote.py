@@ -1,17 +1,23 @@
-"""The warm pool's process (the zygote): imports the modules to preload, then forks workers on request.
+"""The warm pool's process (the zygote): imports the modules to preload, then forks standby workers.
 
 Run by the agent as ``python -m ftrun.agent.zygote FD`` with the JSON list of
 modules to preload on stdin; FD is its end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
 ``refused`` if preloading started a thread: fork would copy a process whose
-other threads vanish, with their locks held), then serves fork requests, each a
-JSON message with the worker's stdout and stderr as passed descriptors.
+other threads vanish, with their locks held), then serves standby requests.
 
-Each worker is born the agent's own child: forked with clone(CLONE_PARENT) in
-one step (or, where that is refused, forked twice and re-parented to the agent,
-a child subreaper). The agent watches it with a pidfd and reaps its real exit
-status, exactly as for a fresh process. The worker then
-becomes what ``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
-Single-threaded, and never imports anything it is not asked to.
+A standby is a worker forked ahead of time, before anyone knows its rank: each
+request passes one end of a socket pair, the standby keeps it and sleeps on it
+until the agent sends what it must run (environment, directory, arguments) with
+its stdout and stderr as passed descriptors. A restart then costs one message per
+worker, not a fork. Each standby is born the agent's own child: forked with
+clone(CLONE_PARENT) in one step (or, where that is refused, forked twice and
+re-parented to the agent, a child subreaper), and stays in the zygote's process
+group until it becomes a worker (the agent tells the pool's processes from a
+worker's strays by that group). The agent watches it with a pidfd and reaps its
+real exit status, exactly as for a fresh process. The worker then becomes what
+``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
+Single-threaded, and imports nothing but what it is asked to and ftrun's own
+worker start-up (which every watched worker imports anyway).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
 THIS_FILE = __file__
+STARTUP_MODULES = ("ftrun.monitor.client", "ftrun.monitor.autobeat")  # what set_up imports (no torch, no thread)
 
 
 def threads() -> int:
@@ -110,6 +117,7 @@ def main() -> int:
     idle = "--idle" in sys.argv[2:]
     if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    preload(list(STARTUP_MODULES))  # a worker's start-up attaches them: paid once here, not at each restart
     loaded, failed, refusal = preload(names)
     if idle:
         try:  # its forks must run at normal priority
@@ -118,6 +126,9 @@ def main() -> int:
             refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
     if refusal:
         send(sock, {"refused": refusal})
+        while (leftover := receive(sock))[0] is not None:  # exiting with requests unread would reset the
+            for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
+                os.close(fd)
         return 1
     send(sock, {"ready": True, "loaded": len(loaded), "failed": failed, "import_s": time.monotonic() - started,
                 "rss_kb": rss_kb()})  # fmt: skip
@@ -126,7 +137,7 @@ def main() -> int:
         if message is None:
             return 0  # the agent is gone or closed the pool
         try:
-            reply = fork_worker(sock, message, fds, filters)  # in the worker it never returns
+            reply = fork_standby(sock, message, fds, filters)  # in the standby it never returns
         except OSError as e:
             reply = {"error": f"fork failed: {e}"}
         for fd in fds:
@@ -160,23 +171,24 @@ def clone_as_sibling() -> int | None:
     return int(pid) if pid > 0 else None
 
 
-def fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
-    if len(fds) != 2:
-        return {"error": f"expected stdout and stderr descriptors, got {len(fds)}"}
+def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
+    """Fork a standby worker that waits on ``fds[0]`` for what to run; returns its pid for the agent."""
+    if len(fds) != 1:
+        return {"error": f"expected the standby's socket, got {len(fds)} descriptors"}
     pid = clone_as_sibling()
     if pid == 0:
-        become_worker(sock, request, fds, filters, None)  # never returns
+        stand_by(sock, request["agent_pid"], fds[0], filters, None)  # never returns
     if pid is not None:
         return {"pid": pid}
     read_end, write_end = os.pipe()
     first = os.fork()
-    if first == 0:  # the intermediate: fork the worker, tell the zygote its pid, vanish
+    if first == 0:  # the intermediate: fork the standby, tell the zygote its pid, vanish
         os.close(read_end)
-        intermediate = os.getpid()  # not getppid() in the worker: this process may be gone by then
+        intermediate = os.getpid()  # not getppid() in the standby: this process may be gone by then
         second = os.fork()
         if second == 0:
             os.close(write_end)
-            become_worker(sock, request, fds, filters, intermediate)  # never returns
+            stand_by(sock, request["agent_pid"], fds[0], filters, intermediate)  # never returns
         os.write(write_end, str(second).encode())
         os._exit(0)
     os.close(write_end)
@@ -186,12 +198,17 @@ def fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int], fi
     return {"pid": int(told)} if told else {"error": "fork failed"}
 
 
-def become_worker(
-    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int | None
-) -> None:
-    """In the forked worker: set up as a fresh `python -u` would be, run the target, exit with its code."""
+def stand_by(zygote: socket.socket, agent_pid: int, fd: int, filters: list[Any], intermediate: int | None) -> None:
+    """In the standby: become the agent's watched child, wait for the work, then run it as a worker."""
     try:
-        set_up(sock, request, fds, filters, intermediate)
+        zygote.close()
+        adopt(agent_pid, intermediate)
+        standby = socket.socket(fileno=fd)
+        request, fds = receive(standby)
+        standby.close()
+        if request is None:
+            os._exit(0)  # the agent no longer needs this standby
+        set_up(request, fds, filters)
     except BaseException as e:  # nothing of the zygote's loop may run in the worker
         os.write(2, f"ftrun: the warm worker could not be set up: {e!r}\n".encode())
         os._exit(1)
@@ -202,6 +219,16 @@ def become_worker(
         raise
     ended(code)
     sys.exit(code)
+
+
+def adopt(agent_pid: int, intermediate: int | None) -> None:
+    """Wait until the agent is the parent (after a double fork), and die with it from then on."""
+    deadline = time.monotonic() + ADOPTION_WAIT_S
+    while intermediate is not None and os.getppid() == intermediate and time.monotonic() < deadline:
+        time.sleep(0.0002)  # the intermediate exits at once; then the agent (subreaper) is the parent
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:
+        os._exit(1)  # the agent died meanwhile (or adoption failed): never run unwatched
 
 
 def exit_code(code: object) -> int:
@@ -221,17 +248,11 @@ def ended(code: int) -> None:
         os.write(2, f"ftrun: could not mark the script's end: {e!r}\n".encode())
 
 
-def set_up(
-    sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any], intermediate: int | None
-) -> None:
-    sock.close()
-    deadline = time.monotonic() + ADOPTION_WAIT_S
-    while intermediate is not None and os.getppid() == intermediate and time.monotonic() < deadline:
-        time.sleep(0.0002)  # the intermediate exits at once; then the agent (subreaper) is the parent
-    os.setsid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != request["agent_pid"]:
-        os._exit(1)  # the agent died meanwhile (or adoption failed): never run unwatched
+def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
+    """Become the worker ``request`` describes, as a fresh ``python -u`` would start."""
+    if len(fds) != 2:
+        raise ValueError(f"expected stdout and stderr descriptors, got {len(fds)}")
+    os.setsid()  # out of the zygote's group: from now on a worker with its own process group
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fds[0], 1)

@@ -302,11 +302,12 @@ def script_ended(code: int) -> None:
 def report_when_imports_settle(path: str) -> None:
     """--warm auto: report the worker's modules each time its imports settle, from a daemon thread, so the
     agent knows what to preload long before a crash (and a worker killed right after has reported)."""
+    import _thread
     import sys
-    import threading
 
     def watch() -> None:
-        reported = seen = len(sys.modules)
+        seen = len(sys.modules)
+        reported = -1  # once at least: a warm worker may import nothing its zygote had not (still news to learn)
         changed = time.monotonic()
         while time.monotonic() - changed < SETTLE_GIVE_UP_S:
             time.sleep(SETTLE_POLL_S)
@@ -317,7 +318,8 @@ def report_when_imports_settle(path: str) -> None:
                 report_modules(path)
                 reported = count
 
-    threading.Thread(target=watch, name="ftrun-imports", daemon=True).start()
+    # Not threading.Thread: its start() waits for the thread to run, and the worker's start-up waits for no one.
+    _thread.start_new_thread(watch, ())
 
 
 def report_modules(path: str) -> None:

@@ -66,6 +66,7 @@ class _Connection(asyncio.Protocol):
         self.nonce = wire.new_nonce()
         self.authenticated = False
         self.watches: dict[int, str] = {}  # watch id -> prefix
+        self.leases: set[int] = set()  # kept alive over this connection: revoked when it closes
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -216,9 +217,15 @@ class TcpStoreServer:
         self._connections.add(conn)
 
     def _disconnected(self, conn: _Connection) -> None:
+        """A closed connection ends its leases at once: a node whose agent died (SIGKILL, the OOM killer, a
+        crash: the kernel closes its socket) leaves the job now, not a keep-alive TTL later. A node that
+        vanishes without closing (power, network) is still found by its lease's TTL."""
         self._connections.discard(conn)
         for watch_id in list(conn.watches):
             self._drop_watch(conn, watch_id)
+        for lease in sorted(conn.leases):
+            self._publish(self._state.revoke(lease))
+        conn.leases.clear()
 
     def _drop_watch(self, conn: _Connection, watch_id: int) -> None:
         prefix = conn.watches.pop(watch_id, None)
@@ -338,17 +345,29 @@ class TcpStoreServer:
 
     def _grant(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
         lease = self._state.grant(float(_arg(m, "ttl", (int, float))), self._now())
+        conn.leases.add(lease)
         self._schedule_expiry()
         return lease
 
     def _keepalive(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
-        ttl = self._state.keep_alive(_arg(m, "lease", int), self._now())
+        lease = _arg(m, "lease", int)
+        ttl = self._state.keep_alive(lease, self._now())
+        self._own(conn, lease)  # a client that reconnected keeps its lease alive over its new connection
         self._schedule_expiry()
         return ttl
 
     def _revoke(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
-        self._publish(self._state.revoke(_arg(m, "lease", int)))
+        lease = _arg(m, "lease", int)
+        self._publish(self._state.revoke(lease))
+        for other in self._connections:
+            other.leases.discard(lease)
         return None
+
+    def _own(self, conn: _Connection, lease: int) -> None:
+        if lease not in conn.leases:
+            for other in self._connections:
+                other.leases.discard(lease)
+            conn.leases.add(lease)
 
     def _watch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
         if len(conn.watches) >= MAX_WATCHES:
