@@ -9,11 +9,14 @@ from ftrun.monitor.client import (
     calculate_timeouts,
     end_all_sections,
     end_section,
+    exclude_this_node,
     heartbeat,
     load_monitor_state,
     monitor_state,
+    request_restart,
     section,
     start_section,
+    stop_job,
 )
 from ftrun.monitor.nvidia import RankMonitorClient
 
@@ -25,10 +28,13 @@ __all__ = [
     "calculate_timeouts",
     "end_all_sections",
     "end_section",
+    "exclude_this_node",
     "heartbeat",
     "load_monitor_state",
     "monitor_state",
     "record",
+    "request_restart",
     "section",
     "start_section",
+    "stop_job",
 ]

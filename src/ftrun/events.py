@@ -30,6 +30,7 @@ class EventKind(enum.Enum):
     HANG = "hang"  # the watchdog found a worker past a deadline
     TEARDOWN_STUCK = "teardown_stuck"  # a worker's script ended but its interpreter's teardown hung; ended
     TIMER_EXPIRED = "timer_expired"  # torch's FileTimer: a worker's timer expired; it gets the timer's signal
+    REQUEST = "request"  # a worker asked ftrun to exclude its node, stop the job, or restart it (workload control)
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
     GROUP_STOPPING = "group_stopping"

@@ -50,9 +50,12 @@ class WorkerOutcome:
     stacks: str | None = None  # all threads, dumped before it was stopped
     why: str | None = None  # why this rank was blamed for a hang rather than the others that went quiet
     waiting_stacks: str | None = None  # a rank that went quiet waiting for the hung one: its stacks
+    request: str | None = None  # its workload control request ("stopped the job: loss is NaN")
 
     @property
     def how(self) -> str:
+        if self.request:
+            return f"{self.request}, then {self._end()}"
         if self.hang:
             return f"{self.hang}, then {self._end()}"
         return self._end()
@@ -114,6 +117,7 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
         stacks=worker.hang.stacks if worker.hang else None,
         why=worker.hang.why if worker.hang and worker.hang.why else None,
         waiting_stacks=worker.waiting_stacks or None,
+        request=worker.request or None,
     )
 
 

@@ -26,6 +26,7 @@ PURE = [
     "ftrun.monitor.watchdog",
     "ftrun.monitor.layout",
     "ftrun.monitor.blame",
+    "ftrun.monitor.requests",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -16,6 +16,7 @@ from ftrun.agent.driver import (
     RendezvousAdvised,
     RendezvousWoke,
     ReportFailure,
+    Requested,
     RunBegins,
     StartWorkers,
     StopWorkers,
@@ -26,6 +27,8 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.elastic import Phase, State, initial, step
 from ftrun.agent.env import Placement
+from ftrun.monitor.requests import Action as Ask
+from ftrun.monitor.requests import Request
 from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
 
 TWO = frozenset({0, 1})
@@ -164,3 +167,28 @@ def test_a_node_that_joins_a_finished_job_exits_1_as_under_torchrun() -> None:
     # a spare that waited while the job ran ends with it, successfully
     _, [_, _, done] = walk(initial(), RunBegins(), advice(Action.STANDBY), advice(Action.FINISHED))
     assert done == (Finish(Outcome.SUCCEEDED),)
+
+
+def test_a_worker_stopping_the_job_tells_the_rendezvous_after_its_workers_stopped() -> None:
+    state, commands = walk(running(), Requested(1, Request(Ask.STOP_JOB, "NaN"), "rank 3 on b"))
+    assert commands == [(StopWorkers(),)]
+    state, commands = walk(state, WorkersStopped())
+    [(ask,)] = commands
+    assert isinstance(ask, AskRendezvous)
+    assert ask.local.stop_job == "rank 3 on b stopped the job: NaN"
+    state, commands = walk(state, advice(Action.FAIL))
+    assert commands == [(ReportFailure(will_restart=False), Finish(Outcome.FAILED))]
+
+
+def test_a_worker_excluding_its_node_leaves_with_its_own_exit_code() -> None:
+    state, commands = walk(running(), Requested(0, Request(Ask.EXCLUDE_NODE, "ECC")), WorkersStopped())
+    assert commands == [(StopWorkers(),), (ReportFailure(will_restart=False), Finish(Outcome.EXCLUDED))]
+    assert state.phase is Phase.DONE
+
+
+def test_a_requested_restart_is_a_local_failure() -> None:
+    _, commands = walk(running(), Requested(0, Request(Ask.RESTART, "slow")), WorkersStopped())
+    assert commands[0] == (StopWorkers(),)
+    [(ask,)] = commands[1:]
+    assert isinstance(ask, AskRendezvous)
+    assert ask.local.local_failure

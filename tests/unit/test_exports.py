@@ -15,12 +15,15 @@ def test_public_surface() -> None:
         "calculate_timeouts",
         "end_all_sections",
         "end_section",
+        "exclude_this_node",
         "heartbeat",
         "load_monitor_state",
         "monitor_state",
         "record",
+        "request_restart",
         "section",
         "start_section",
+        "stop_job",
     ]
     for name in ftrun.__all__:
         assert hasattr(ftrun, name)

@@ -262,3 +262,13 @@ def test_no_bytes_crash_the_decoders(raw: bytes) -> None:
     for decode in (decode_round, decode_node):
         with contextlib.suppress(RecordError):
             decode(raw)
+
+
+def test_a_member_that_stopped_the_job_fails_the_round_for_every_node_with_its_reason() -> None:
+    why = "rank 3 on host-b stopped the job: loss is NaN"
+    d = decide(follower(closed("a", "b"), 1, running_round=1, stop_job=why), RULES)
+    assert d.action is Action.ABORT
+    assert d.record is not None
+    assert (d.record.status, d.record.reason) == (Status.FAILED, why)
+    everyone = decide(follower(d.record, 1, me="b", running_round=1), RULES)
+    assert (everyone.action, why in everyone.reason) == (Action.FAIL, True)

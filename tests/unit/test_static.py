@@ -11,6 +11,7 @@ from ftrun.agent.driver import (
     Interrupted,
     Outcome,
     ReportFailure,
+    Requested,
     RunBegins,
     StartWorkers,
     StopWorkers,
@@ -21,6 +22,7 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.env import Placement
 from ftrun.agent.static import Phase, Plan, State, step
+from ftrun.monitor.requests import Action, Request
 
 TWO = frozenset({0, 1})
 PLAN = Plan(max_restarts=2, placement=Placement(1, 2, 2, 4), master_addr="node0", master_port=29500)
@@ -158,3 +160,30 @@ def test_a_signal_not_to_hand_on_stops_the_workers_with_sigterm() -> None:
     assert d.commands == (StopWorkers(),)
     assert d.reason == "SIGUSR2; stopping the workers"
     assert step(d.state, WorkersStopped()).commands == (finish(128 + signal.SIGUSR2),)
+
+
+@pytest.mark.parametrize(
+    ("action", "outcome", "code"), [(Action.STOP_JOB, Outcome.STOPPED, 1), (Action.EXCLUDE_NODE, Outcome.EXCLUDED, 3)]
+)
+def test_a_worker_that_stops_the_job_or_excludes_the_node_ends_the_run_without_restart(
+    action: Action, outcome: Outcome, code: int
+) -> None:
+    t = step(running(), Requested(1, Request(action, "NaN")))
+    assert (t.state.phase, t.commands) == (Phase.ENDING, (StopWorkers(),))
+    end = step(t.state, WorkersStopped())
+    assert end.commands == (ReportFailure(will_restart=False), Finish(outcome))
+    assert Finish(outcome).exit_code == code
+
+
+@pytest.mark.parametrize(("budget", "restarts"), [(2, True), (0, False)])
+def test_a_requested_restart_is_a_failure_the_budget_decides(budget: int, restarts: bool) -> None:
+    t = step(running(max_restarts=budget), Requested(0, Request(Action.RESTART, "slow node")))
+    assert t.commands == (StopWorkers(),)
+    end = step(t.state, WorkersStopped())
+    assert end.commands[0] == ReportFailure(will_restart=restarts)
+    assert (end.commands[1] == start(1)) if restarts else (end.commands[1] == Finish(Outcome.FAILED))
+
+
+def test_a_request_while_stopping_is_ignored() -> None:
+    stopping = step(running(), WorkerExited(0, success=False)).state
+    assert step(stopping, Requested(1, Request(Action.STOP_JOB, "x"))).commands == ()

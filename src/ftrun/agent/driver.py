@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ftrun.agent.env import Placement
+from ftrun.monitor.requests import Request
 from ftrun.rendezvous.state import Decision, Local
+
+EXIT_EXCLUDED = 3  # ftrun's exit code when a worker excluded its node (ftrun.exclude_this_node)
 
 # --- happenings: facts the executor observed ---------------------------------------------
 
@@ -77,6 +80,15 @@ class RendezvousAdvised:
     decision: Decision
 
 
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """A worker asked for workload control: exclude this node, stop the job, or restart it."""
+
+    local_rank: int
+    request: Request
+    who: str = ""  # "rank 3 on host-a": for the other nodes' messages
+
+
 Happening = (
     RunBegins
     | WorkersStarted
@@ -86,6 +98,7 @@ Happening = (
     | Interrupted
     | RendezvousWoke
     | RendezvousAdvised
+    | Requested
 )
 
 
@@ -137,6 +150,8 @@ class Outcome(enum.Enum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"
     LATE = "late"  # this node joined a job that had already finished (exit 1, as torchrun's)
+    STOPPED = "stopped"  # a worker stopped the job (ftrun.stop_job): exit 1
+    EXCLUDED = "excluded"  # a worker excluded this node (ftrun.exclude_this_node): exit EXIT_EXCLUDED
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +164,14 @@ class Finish:
     @property
     def exit_code(self) -> int:
         """0 when the job succeeded, 128 + the signal when a signal stopped ftrun (as a shell reports a
-        death by that signal), and 1 for any failure, or for a node too late to join (torchrun's
-        RendezvousClosedError)."""
+        death by that signal), EXIT_EXCLUDED when a worker excluded this node, and 1 for any failure, a job
+        a worker stopped, or a node too late to join (torchrun's RendezvousClosedError)."""
         if self.outcome is Outcome.SUCCEEDED:
             return 0
         if self.outcome is Outcome.INTERRUPTED and self.signal is not None:
             return 128 + self.signal
+        if self.outcome is Outcome.EXCLUDED:
+            return EXIT_EXCLUDED
         return 1
 
 
@@ -170,3 +187,4 @@ class Transition(Generic[S]):
     state: S
     commands: tuple[Command, ...]
     reason: str
+    said: bool = True  # False: routine, not worth a line on the console (the log of decisions stays readable)

@@ -16,6 +16,12 @@ Lifecycle of one node::
         |   '--FINISHED: the job succeeded elsewhere --> FINISHING (my workers end) --> exit 0, or 1
         '--FAIL (budget spent, join timeout) --> FAILING (stop) --> exit 1
     any live phase --signal--> INTERRUPTING (stop) --> exit 128 + signal
+
+A worker's workload control request: a restart is a local failure (a new round, counted
+against the job's budget); stopping the job stops my workers, then tells the rendezvous,
+which fails the round for every node with the worker's reason; excluding this node stops
+my workers and leaves (ENDING --stopped--> exit EXIT_EXCLUDED; the lease goes with the
+agent, so the others open a new round without it).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ftrun.agent.driver import (
     RendezvousAdvised,
     RendezvousWoke,
     ReportFailure,
+    Requested,
     RunBegins,
     StartWorkers,
     StopWorkers,
@@ -43,6 +50,7 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.env import Placement
+from ftrun.monitor.requests import Action as RequestAction
 from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
 
 
@@ -53,6 +61,7 @@ class Phase(enum.Enum):
     FINISHING = "finishing"  # the job succeeded elsewhere: waiting for my own workers to end
     FAILING = "failing"  # the job failed: stopping my workers, then exit 1
     INTERRUPTING = "interrupting"  # a signal to ftrun: stopping my workers, then exit 128 + signal
+    ENDING = "ending"  # a worker excluded this node: stopping my workers, then leave the job
     DONE = "done"
 
 
@@ -82,7 +91,8 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
     if isinstance(happening, RendezvousAdvised):
         return _advised(state, happening.decision)
     if isinstance(happening, RendezvousWoke):
-        return Transition(state, (AskRendezvous(state.local),), "the rendezvous may have news")
+        # Not said: the rendezvous wakes at every lease check, and its answer says what changed.
+        return Transition(state, (AskRendezvous(state.local),), "the rendezvous may have news", said=False)
     if isinstance(happening, WorkersStarted):
         return Transition(replace(state, running=happening.local_ranks), (), "workers started")
     if isinstance(happening, WorkerExited):
@@ -93,6 +103,8 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
         return _failed(state, f"local rank {happening.local_rank} hung; stopping the workers")
     if isinstance(happening, WorkersStopped):
         return _stopped(replace(state, running=frozenset()))
+    if isinstance(happening, Requested):
+        return _requested(state, happening)
     return _interrupted(state, happening)
 
 
@@ -162,7 +174,23 @@ def _failed(state: State, reason: str) -> Transition[State]:
     return Transition(failing, (StopWorkers(),), reason)
 
 
+def _requested(state: State, happening: Requested) -> Transition[State]:
+    rank, request = happening.local_rank, happening.request
+    if state.phase is not Phase.RUNNING:
+        return Transition(state, (), f"local rank {rank}'s request ignored while {state.phase.value}")
+    if request.action is RequestAction.RESTART:
+        return _failed(state, f"local rank {rank} asked for a restart; stopping the workers")
+    if request.action is RequestAction.STOP_JOB:
+        reason = f"{happening.who} stopped the job: {request.reason}"
+        stopping = replace(state, phase=Phase.STOPPING, local=replace(state.local, stop_job=reason), failed=True)
+        return Transition(replace(stopping, report_owed=True), (StopWorkers(),), f"{reason}; stopping the workers")
+    ending = replace(state, phase=Phase.ENDING, failed=True)
+    return Transition(ending, (StopWorkers(),), f"local rank {rank} excluded this node; stopping the workers")
+
+
 def _stopped(state: State) -> Transition[State]:
+    if state.phase is Phase.ENDING:
+        return _done(state, (ReportFailure(will_restart=False), Finish(Outcome.EXCLUDED)), "workers stopped; leaving")
     if state.phase is Phase.STOPPING:
         return Transition(replace(state, phase=Phase.FOLLOWING), (AskRendezvous(state.local),), "workers stopped")
     if state.phase is Phase.FAILING:

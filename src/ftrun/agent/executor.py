@@ -79,7 +79,7 @@ class Executor(Generic[S]):
                 pending.extend(self._wait())
             transition = self._step(self.state, pending.popleft())
             self.state = transition.state
-            if transition.commands:
+            if transition.commands and transition.said:
                 self._group.note(transition.reason)
             for command in transition.commands:
                 if isinstance(command, Finish):

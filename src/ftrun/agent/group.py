@@ -22,6 +22,7 @@ from ftrun.agent.driver import (
     Happening,
     Interrupted,
     Outcome,
+    Requested,
     StartWorkers,
     WorkerExited,
     WorkerHung,
@@ -39,6 +40,7 @@ from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
+from ftrun.monitor.requests import Action
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
@@ -74,6 +76,7 @@ class LocalGroup:
         self._last_report: FailureReport | None = None
         self._verdicts: HangVerdicts | None = None  # an elastic job's nodes share what each found hung
         self._round: int | None = None
+        self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
         self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
         for notice in (*config.rdzv.conf.notices, *config.notices):
@@ -184,6 +187,7 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
+        happened += self._requests()
         for hung in self._watch.check(self._processes.running):
             self._publish_verdict(hung)
             happened.append(WorkerHung(hung.local_rank))
@@ -372,6 +376,22 @@ class LocalGroup:
                     f"{signal_name(s)} is not in --signals-to-handle: the workers get SIGTERM, not it", always=True
                 )
         return [Interrupted(s, signal_name(s), forward=s in handled) for s in found]
+
+    def _requests(self) -> list[Happening]:
+        """Workload control requests from the workers (they wake the agent after writing one)."""
+        happened: list[Happening] = []
+        for w, request in self._watch.requests(self._processes.running):
+            if isinstance(request, str):
+                self.say(f"{w.who}: ignoring an unreadable workload control request ({request})", always=True)
+                continue
+            w.request = request.describe()
+            w.state = WorkerState.FAILED  # the cause of what follows, as a hung worker is
+            if request.action is Action.EXCLUDE_NODE:
+                self.excluded_because = f"rank {w.rank}: {request.reason}"
+            self.emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
+            self.say(f"{w.who} {w.request}", always=True)
+            happened.append(Requested(w.local_rank, request, f"rank {w.rank} on {self.host}"))
+        return happened
 
     def _learn_modules(self, workers: list[Worker]) -> None:
         """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write

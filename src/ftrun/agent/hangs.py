@@ -10,6 +10,7 @@ next workers, so a restart keeps them.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from ftrun.agent.workers import Worker
 from ftrun.clock import Clock
 from ftrun.config import HangSpec
 from ftrun.monitor.layout import FLAG_STACKS, CorruptSlot, SlotView
+from ftrun.monitor.requests import Request
+from ftrun.monitor.requests import decode as decode_request
 from ftrun.monitor.table import MonitorTable
 from ftrun.monitor.watchdog import (
     BLAME_WINDOW_S,
@@ -56,6 +59,7 @@ class HangWatch:
         self._table: MonitorTable | None = None
         self._next_deadline: float | None = None  # monotonic: the earliest deadline known at the last check
         self._seen: dict[int, int] = {}  # local rank -> timeouts_seq already merged
+        self._requests_seen: dict[int, int] = {}  # local rank -> request_seq already read
         self._warned: set[tuple[int, str]] = set()
 
     @property
@@ -68,6 +72,7 @@ class HangWatch:
         self._table = MonitorTable(nproc, tag=tag)
         self._next_deadline = None
         self._seen = {}
+        self._requests_seen = {}
         self._warned = set()
 
     def env(self, local_rank: int, stacks_file: str, spawned: float) -> dict[str, str]:
@@ -80,6 +85,7 @@ class HangWatch:
             "FTRUN_MONITOR_SLOT": str(local_rank),
             "FTRUN_SAFETY_FACTOR": repr(self._spec.safety_factor),
             "FTRUN_STACKS_FILE": stacks_file,
+            "FTRUN_AGENT_PID": str(os.getpid()),  # woken by workload control requests
         }
         if self._spec.learn_after:
             env["FTRUN_LEARN_AFTER"] = str(self._spec.learn_after)
@@ -123,6 +129,20 @@ class HangWatch:
             return [], min(v.deadline for v in result.verdicts) + BLAME_WINDOW_S
         worker = next(w for w in running if w.local_rank == culprit.local_rank)
         return [Found(worker, culprit, slots.get(culprit.local_rank))], result.next_deadline
+
+    def requests(self, running: Sequence[Worker]) -> list[tuple[Worker, Request | str]]:
+        """Workload control requests written since the last look: (worker, request, or why it is unreadable)."""
+        found: list[tuple[Worker, Request | str]] = []
+        for w in running:
+            slot = self.slot(w.local_rank)
+            if slot is None or slot.request_seq == self._requests_seen.get(w.local_rank, 0):
+                continue
+            self._requests_seen[w.local_rank] = slot.request_seq
+            try:
+                found.append((w, decode_request(slot.request_json)))
+            except ValueError as e:
+                found.append((w, str(e)))
+        return found
 
     def slot(self, local_rank: int) -> SlotView | None:
         """The worker's slot now (None before it attached, or unreadable)."""

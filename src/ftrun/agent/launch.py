@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 from ftrun.addresses import DEFAULT_STORE_PORT
 from ftrun.agent import elastic, proctree, static
 from ftrun.agent.agreement import TimeoutAgreement
+from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement
+from ftrun.agent.exclusions import Exclusions
 from ftrun.agent.executor import Executor
 from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
@@ -120,6 +122,15 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=group.say)
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_verdicts(HangVerdicts(store, config.run_id, rendezvous.node_id, clock))
+        exclusions = Exclusions(store, config.run_id)
+        excluded = exclusions.reason(group.host)
+        if excluded is not None:
+            group.say(
+                f"{group.host} was excluded from run {config.run_id} ({excluded}) and is not readmitted; "
+                "a new job needs a new --rdzv-id",
+                always=True,
+            )
+            return group.finish(Finish(Outcome.EXCLUDED))
         code = -1
         try:
             rendezvous.start()
@@ -133,6 +144,8 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
                 agreement=TimeoutAgreement(group, rendezvous),
             )
             code = executor.run()
+            if code == EXIT_EXCLUDED:
+                exclusions.mark(group.host, group.excluded_because)
             return code
         finally:
             if code in (0, 1) and server is not None:

@@ -13,6 +13,8 @@ import signal
 import threading
 from types import FrameType, TracebackType
 
+from ftrun.monitor.table import REQUEST_SIGNAL
+
 # Every signal whose default action would end the agent without a word (SIGPIPE aside).
 CAUGHT = (
     signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
@@ -43,7 +45,8 @@ class SignalWakeup:
         # Signal handlers can only be set from the main thread; elsewhere (tests) the caller handles signals.
         if threading.current_thread() is threading.main_thread():
             self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-            self._saved = {s: signal.signal(s, _note) for s in CAUGHT}
+            # REQUEST_SIGNAL: a worker wrote a workload control request (a real-time signal would end the agent).
+            self._saved = {s: signal.signal(s, _note) for s in (*CAUGHT, REQUEST_SIGNAL)}
             self._saved[signal.SIGPIPE] = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
             self._active = True
 
@@ -68,7 +71,7 @@ class SignalWakeup:
         self.close()
 
     def drain(self) -> list[int]:
-        """The signals received since the last drain, in order."""
+        """The signals to ftrun received since the last drain, in order (a worker's wake-up is not one)."""
         try:
             data = os.read(self._read_fd, 512)
         except BlockingIOError:

@@ -14,6 +14,10 @@ Lifecycle of one run::
                       | signal (from any live phase)
                       v
                   INTERRUPTING --stopped--> INTERRUPTED (exit 128 + signal)
+
+A worker's workload control request: a restart is a failure (the budget decides);
+stopping the job or excluding this node (which alone is the job) stops the workers
+and ends the run with that outcome (ENDING --stopped--> ENDED).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ftrun.agent.driver import (
     Interrupted,
     Outcome,
     ReportFailure,
+    Requested,
     RunBegins,
     StartWorkers,
     StopWorkers,
@@ -38,6 +43,7 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.env import Placement
+from ftrun.monitor.requests import Action
 
 
 class Phase(enum.Enum):
@@ -45,13 +51,15 @@ class Phase(enum.Enum):
     RUNNING = "running"
     STOPPING = "stopping"  # after a failure, before the restart decision
     INTERRUPTING = "interrupting"  # after a signal to ftrun
+    ENDING = "ending"  # a worker stopped the job or excluded this node: stopping, then the end
+    ENDED = "ended"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
 
     @property
     def finished(self) -> bool:
-        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.INTERRUPTED)
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.INTERRUPTED, Phase.ENDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +81,7 @@ class State:
     failed: bool = False  # the current attempt had a failure (a report is owed)
     signal: int | None = None
     signal_name: str = ""  # SIGTERM
+    ending: Outcome = Outcome.STOPPED  # ENDING: how the run ends once the workers are stopped
 
 
 def initial(plan: Plan) -> State:
@@ -97,6 +106,8 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
         return _worker_hung(state, happening)
     if isinstance(happening, WorkersStopped):
         return _stopped(state)
+    if isinstance(happening, Requested):
+        return _requested(state, happening)
     return Transition(state, (), f"{type(happening).__name__} does not concern a static job")
 
 
@@ -144,9 +155,31 @@ def _worker_exited(state: State, happening: WorkerExited) -> Transition[State]:
     )
 
 
+def _requested(state: State, happening: Requested) -> Transition[State]:
+    rank, request = happening.local_rank, happening.request
+    if state.phase is not Phase.RUNNING:
+        return Transition(state, (), f"local rank {rank}'s request ignored while {state.phase.value}")
+    if request.action is Action.RESTART:
+        stopping = replace(state, phase=Phase.STOPPING, failed=True)
+        return Transition(stopping, (StopWorkers(),), f"local rank {rank} asked for a restart; stopping the workers")
+    ending = Outcome.EXCLUDED if request.action is Action.EXCLUDE_NODE else Outcome.STOPPED
+    what = "excluded this node" if ending is Outcome.EXCLUDED else "stopped the job"
+    return Transition(
+        replace(state, phase=Phase.ENDING, failed=True, ending=ending),
+        (StopWorkers(),),
+        f"local rank {rank} {what} ({request.reason}); stopping the workers, no restart",
+    )
+
+
 def _stopped(state: State) -> Transition[State]:
     stopped = replace(state, running=frozenset())
     max_restarts = state.plan.max_restarts
+    if state.phase is Phase.ENDING:
+        return Transition(
+            replace(stopped, phase=Phase.ENDED),
+            (ReportFailure(will_restart=False), Finish(state.ending)),
+            "workers stopped; the run ends as its worker asked",
+        )
     if state.phase is Phase.INTERRUPTING:
         report: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.failed else ()
         return Transition(

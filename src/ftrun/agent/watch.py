@@ -24,6 +24,7 @@ from ftrun.config import LaunchConfig
 from ftrun.events import EventKind
 from ftrun.monitor.blame import suspect, waiting_in_collective
 from ftrun.monitor.layout import SlotView
+from ftrun.monitor.requests import Request
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.monitor.watchdog import TEARDOWN, Timeouts
@@ -82,6 +83,10 @@ class WorkerWatch:
                 hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
         self._expire_timers(running)
         return hung
+
+    def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
+        """Workload control requests the workers wrote since the last look (or why one is unreadable)."""
+        return self.hangs.requests(running)
 
     def close(self) -> None:
         self.hangs.close()

@@ -172,6 +172,7 @@ class Worker:
     hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
     ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
     waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: where it waited
+    request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
 
     @property
     def pid(self) -> int:

@@ -41,7 +41,11 @@ MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
 THIS_FILE = __file__
-STARTUP_MODULES = ("ftrun.monitor.client", "ftrun.monitor.autobeat")  # what set_up imports (no torch, no thread)
+STARTUP_MODULES = (
+    "ftrun.monitor.client",
+    "ftrun.monitor.autobeat",
+    "ftrun.monitor.imports",
+)  # what set_up imports (no torch, no thread)
 
 
 def threads() -> int:
@@ -286,7 +290,7 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
     if modules_file:  # for --warm auto, also from scripts that never call ftrun
         import atexit
 
-        from ftrun.monitor.client import report_modules, report_when_imports_settle
+        from ftrun.monitor.imports import report_modules, report_when_imports_settle
 
         report_when_imports_settle(modules_file)
         atexit.register(report_modules, modules_file)

@@ -26,7 +26,9 @@ from types import TracebackType
 from typing import Any
 
 from ftrun.monitor import layout
-from ftrun.monitor.table import STACK_SIGNAL, check_header
+from ftrun.monitor.imports import report_modules
+from ftrun.monitor.requests import encode as encode_request
+from ftrun.monitor.table import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.monitor.watchdog import LEARNED_FLOOR_S, Timeouts, scaled
 
 STATE_VERSION = 1
@@ -70,6 +72,7 @@ class _Attached:
         self._free = list(range(layout.MAX_OPEN - 1, -1, -1))
         self._names: dict[str, bytes] = {}
         self._flags = 0
+        self._agent = int(environ.get("FTRUN_AGENT_PID") or os.getppid())
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
         # --learn-timeouts: every this many automatic steps, the heartbeat timeout is learned from the gaps seen.
@@ -258,6 +261,18 @@ class _Attached:
     def calculated(self) -> Timeouts:
         return self._calculated
 
+    def request(self, raw: bytes) -> None:
+        """Write a workload control request in the slot, then wake the agent (rare: never in the hot path)."""
+        m, base = self._map, self._base
+        (r_seq, _) = layout.REQUEST_HEAD.unpack_from(m, base + layout.OFF_REQUEST_HEAD)
+        self._seq += 1
+        layout.SEQ.pack_into(m, base, self._seq)
+        m[base + layout.OFF_REQUEST : base + layout.OFF_REQUEST + len(raw)] = raw
+        layout.REQUEST_HEAD.pack_into(m, base + layout.OFF_REQUEST_HEAD, r_seq + 1, len(raw))
+        self._seq += 1
+        layout.SEQ.pack_into(m, base, self._seq)
+        os.kill(self._agent, REQUEST_SIGNAL)
+
 
 def _int(text: str | None) -> int:
     return int(text) if text and text.isdigit() else 0
@@ -270,11 +285,6 @@ def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
     except ValueError:
         return attached
     return spawned if 0 < spawned <= attached else attached
-
-
-SETTLE_S = 0.3  # no new import for this long: the imports have settled
-SETTLE_POLL_S = 0.1
-SETTLE_GIVE_UP_S = 120.0  # nothing new for this long: the job imports no more; the watcher ends
 
 
 def attach() -> None:
@@ -299,49 +309,16 @@ def script_ended(code: int) -> None:
         _client.script_ended(code)
 
 
-def report_when_imports_settle(path: str) -> None:
-    """--warm auto: report the worker's modules each time its imports settle, from a daemon thread, so the
-    agent knows what to preload long before a crash (and a worker killed right after has reported)."""
-    import _thread
-    import sys
-
-    def watch() -> None:
-        seen = len(sys.modules)
-        reported = -1  # once at least: a warm worker may import nothing its zygote had not (still news to learn)
-        changed = time.monotonic()
-        while time.monotonic() - changed < SETTLE_GIVE_UP_S:
-            time.sleep(SETTLE_POLL_S)
-            now, count = time.monotonic(), len(sys.modules)
-            if count != seen:
-                seen, changed = count, now
-            elif count != reported and now - changed >= SETTLE_S:
-                report_modules(path)
-                reported = count
-
-    # Not threading.Thread: its start() waits for the thread to run, and the worker's start-up waits for no one.
-    _thread.start_new_thread(watch, ())
-
-
-def report_modules(path: str) -> None:
-    """Write {module name: file} of everything imported so far, for the agent's --warm auto."""
-    import sys
-
-    files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(files, f)
-        os.replace(tmp, path)
-    except (OSError, TypeError, ValueError):
-        pass  # only an optimisation of the next restart is lost
-
-
 class _Unattached:
-    """Outside ftrun: every call does nothing (after one warning)."""
+    """Outside ftrun: every call does nothing (after one warning), but a request raises: its caller must know."""
 
     def __init__(self, why: str) -> None:
         warnings.warn(f"ftrun: {why}; heartbeats and sections do nothing", RuntimeWarning, stacklevel=4)
         self.calculated = Timeouts()
+        self.why = why
+
+    def request(self, raw: bytes) -> None:
+        raise RuntimeError(f"ftrun: nothing was done: {self.why}; workload control needs the ftrun launcher")
 
     def heartbeat(self) -> None:
         pass
@@ -446,6 +423,24 @@ def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool 
     if safety_factor is not None and not safety_factor > 0:
         raise ValueError(f"safety_factor must be > 0, got {safety_factor}")
     return _client.calculate_timeouts(safety_factor).to_json()  # type: ignore[no-any-return]
+
+
+def exclude_this_node(reason: str) -> None:
+    """This node leaves the job for good, now: its agent stops its workers and exits (code 3, never readmitted
+    under this run id); the other nodes go on in a new round. Raises ValueError for a bad reason, RuntimeError
+    outside ftrun."""
+    _client.request(encode_request("exclude_node", reason))
+
+
+def stop_job(reason: str) -> None:
+    """Stop the whole job, now: every node stops its workers, nothing restarts, every agent exits non-zero and
+    prints ``reason``."""
+    _client.request(encode_request("stop_job", reason))
+
+
+def request_restart(reason: str) -> None:
+    """A job-wide restart, now, counted against --max-restarts (as a failure would be)."""
+    _client.request(encode_request("restart", reason))
 
 
 def monitor_state() -> dict[str, Any]:

@@ -21,6 +21,9 @@ Layout (little endian)::
              end_code   i32  the exit code the script ended with
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
+             r_seq      u64  bumped after the worker wrote a workload control request (below);
+             r_len      u32  in the last REQUEST_AREA bytes of the slot
+             request    JSON (ftrun.monitor.requests)
 
 A reader copies a slot and keeps the copy only if ``seq`` was even and equal
 before and after; x86 and ARM keep these stores in program order for another
@@ -33,7 +36,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"FTRUNMON"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
 SLOT_SIZE = 4096
@@ -51,7 +54,12 @@ ENDED = struct.Struct("<di")  # ended, end_code: offset 72
 ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 88
 OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENDED, OFF_ENTRIES = 8, 24, 40, 56, 72, 88
 OFF_TIMEOUTS = OFF_ENTRIES + MAX_OPEN * ENTRY.size
-TIMEOUTS_MAX = SLOT_SIZE - OFF_TIMEOUTS
+REQUEST_AREA = 512
+REQUEST_HEAD = struct.Struct("<QI4x")  # r_seq, r_len
+OFF_REQUEST_HEAD = SLOT_SIZE - REQUEST_AREA
+OFF_REQUEST = OFF_REQUEST_HEAD + REQUEST_HEAD.size
+REQUEST_MAX = SLOT_SIZE - OFF_REQUEST
+TIMEOUTS_MAX = OFF_REQUEST_HEAD - OFF_TIMEOUTS
 _FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di")  # seq .. end_code, offsets as above
 
 
@@ -70,6 +78,8 @@ class SlotView:
     timeouts_json: bytes
     ended: float = 0.0  # when the script ended (monotonic); 0: it has not
     end_code: int = 0
+    request_seq: int = 0  # how many workload control requests the worker wrote
+    request_json: bytes = b""  # the last one
 
 
 class CorruptSlot(ValueError):
@@ -95,6 +105,11 @@ def parse_slot(raw: bytes) -> SlotView:
     if len(sections) != open_:
         raise CorruptSlot(f"{open_} sections counted open but {len(sections)} entries in use")
     timeouts = bytes(raw[OFF_TIMEOUTS : OFF_TIMEOUTS + t_len])
+    r_seq, r_len = REQUEST_HEAD.unpack_from(raw, OFF_REQUEST_HEAD)
+    if r_len > REQUEST_MAX:
+        raise CorruptSlot(f"a request of {r_len} bytes")
+    request = bytes(raw[OFF_REQUEST : OFF_REQUEST + r_len])
     return SlotView(
-        pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, end_code
-    )
+        pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, end_code,
+        r_seq, request,
+    )  # fmt: skip

@@ -29,6 +29,7 @@ from ftrun.monitor.layout import (
 )
 
 STACK_SIGNAL = signal.SIGRTMIN + 7  # rarely used by anything else; harmless unless the client registered it
+REQUEST_SIGNAL = signal.SIGRTMIN + 6  # a worker wakes its agent with it after writing a workload request
 
 
 class MonitorTable:

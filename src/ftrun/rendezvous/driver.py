@@ -199,6 +199,7 @@ class Rendezvous:
             running_round=local.running_round,
             local_failure=local.local_failure,
             job_done=local.job_done,
+            stop_job=local.stop_job,
         )
 
     def _wake_at(self, decision: Decision) -> float:

@@ -128,6 +128,7 @@ class Local:
     running_round: int | None = None  # the round my workers run in, if any
     local_failure: bool = False  # my workers failed in ``running_round``
     job_done: bool = False  # my workers all succeeded in ``running_round``
+    stop_job: str = ""  # a worker of mine stopped the job in ``running_round``, for this reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,7 @@ class View:
     running_round: int | None = None  # as in Local
     local_failure: bool = False
     job_done: bool = False
+    stop_job: str = ""
 
 
 def decide(view: View, rules: Rules) -> Decision:
@@ -235,6 +237,9 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
         if view.running_round == r.round and view.job_done:
             done = RoundRecord(**{**_fields(r), "status": Status.FINISHED, "reason": f"{view.me} finished"})
             return Decision(Action.COMPLETE, f"round {r.round} succeeded", record=done)
+        if view.running_round == r.round and view.stop_job:
+            stopped = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": view.stop_job})
+            return Decision(Action.ABORT, view.stop_job, record=stopped)
         if view.running_round == r.round and view.local_failure:
             return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True)
         return Decision(Action.RUN, f"member of round {r.round}", assignment=node_assignment(r, view.me))

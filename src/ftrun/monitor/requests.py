@@ -1,0 +1,68 @@
+"""PURE: what a worker may ask of ftrun about the whole job (workload control), and how a request is written.
+
+A training script often knows before ftrun does that something is wrong (a GPU with
+ECC errors, a loss that is NaN, a node that is too slow). It can ask for:
+
+    exclude_node   this node leaves the job for good; the others go on in a new round
+    stop_job       every node stops its workers, nothing restarts, every agent exits non-zero
+    restart        a job-wide restart now, counted against --max-restarts
+
+A request is a small JSON record in the worker's slot of the monitor table (the
+client writes it, the agent reads it when the worker wakes it); this module is
+the one place that says what a valid request is.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+MAX_REASON_BYTES = 400  # UTF-8; the reason travels to every node and into the reports
+
+
+class Action(enum.Enum):
+    EXCLUDE_NODE = "exclude_node"
+    STOP_JOB = "stop_job"
+    RESTART = "restart"
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    action: Action
+    reason: str
+
+    def describe(self) -> str:
+        what = {
+            Action.EXCLUDE_NODE: "excluded its node from the job",
+            Action.STOP_JOB: "stopped the job",
+            Action.RESTART: "asked for a restart",
+        }[self.action]
+        return f"{what}: {self.reason}"
+
+
+def encode(action: object, reason: object) -> bytes:
+    """The record for a request; a ValueError names what is wrong with it (raised in the worker, at the call)."""
+    names = ", ".join(a.value for a in Action)
+    if not isinstance(action, str) or action not in {a.value for a in Action}:
+        raise ValueError(f"unknown workload control action {action!r}; one of: {names}")
+    if not isinstance(reason, str):
+        raise ValueError(f"the reason must be a str, not {type(reason).__name__}")
+    if not reason.strip():
+        raise ValueError("give a reason: it is printed by every agent and kept in the reports")
+    size = len(reason.encode("utf-8"))
+    if size > MAX_REASON_BYTES:
+        raise ValueError(f"the reason is {size} bytes of UTF-8; at most {MAX_REASON_BYTES}")
+    return json.dumps({"action": action, "reason": reason}).encode()
+
+
+def decode(raw: bytes) -> Request:
+    """A request read from a slot; ValueError if it is not one (a stray write)."""
+    try:
+        record = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    encode(record.get("action"), record.get("reason"))  # the same checks as the worker's
+    return Request(Action(record["action"]), record["reason"])
