@@ -81,6 +81,9 @@ class RdzvConf:
         keep_alive_interval_s: how often a node proves it is alive.
         keep_alive_max_attempt: missed keep-alives before a node is declared dead;
             interval x attempts is the dead-node detection time.
+        exit_barrier_timeout_s: once the job finished, how long a node whose workers
+            succeeded waits for the other members' workers to end too (a failure there
+            still fails the job on every node); 0: no barrier.
         read_timeout_s: how long one store operation keeps retrying while the
             store is unreachable; None: the dead-node detection time (a node cut
             off from the store for longer is out of the job anyway).
@@ -92,6 +95,7 @@ class RdzvConf:
     close_timeout_s: float = 30.0
     keep_alive_interval_s: float = 5.0
     keep_alive_max_attempt: int = 3
+    exit_barrier_timeout_s: float = 300.0
     read_timeout_s: float | None = None
     is_host: bool | None = None
     notices: tuple[str, ...] = ()

@@ -24,6 +24,7 @@ _DURATIONS = {
     "timeout": "join_timeout_s",  # torchrun's older name for join_timeout (etcd-v2)
     "last_call_timeout": "last_call_timeout_s",
     "close_timeout": "close_timeout_s",
+    "exit_barrier_timeout": "exit_barrier_timeout_s",
     "keep_alive_interval": "keep_alive_interval_s",
     "read_timeout": "read_timeout_s",
     "heartbeat_timeout": "heartbeat_timeout_s",

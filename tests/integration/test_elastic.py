@@ -293,3 +293,30 @@ def test_a_killed_agent_leaves_at_once_on_the_embedded_store(
     b.wait()
     ups(a, 2, 2)  # a new round without b
     assert "left round" in a.stderr()
+
+
+LATE_FAILURE = """
+import os, sys
+if os.environ["RANK"] == "1":
+    open(sys.argv[1]).read()  # a FIFO: the test opens it once rank 0's node has finished the job
+    sys.exit(5)
+"""
+
+
+def test_a_node_whose_workers_fail_after_the_job_finished_fails_the_job_on_every_node(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str], script: WriteScript
+) -> None:
+    """The exit barrier: rank 0's node finishes the job, waits for rank 1's node, whose worker then fails."""
+    script("w.py", LATE_FAILURE)
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    nodes = Nodes(tmp_path, live, rdzv)
+    flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "0", "w.py", str(gate)]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    first = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
+    other = b if first is a else a
+    first.wait_for_stderr("every worker exited 0")
+    gate.write_text("fail now\n")
+    assert other.wait() == 1, other.stderr()
+    assert first.wait() == 1, first.stderr()
+    assert "failed after this node's succeeded: the job failed" in first.stderr()

@@ -203,7 +203,11 @@ def test_non_executable_no_python_binary(tmp_path: Path) -> None:
 
 
 def test_rdzv_conf_accepts_torchrun_keys() -> None:
-    conf = parse_rdzv_conf("timeout=10, read_timeout=3,is_host=true,use_agent_store=false,close_timeout=1")
+    conf = parse_rdzv_conf(
+        "timeout=10, read_timeout=3,is_host=true,use_agent_store=false,close_timeout=1,exit_barrier_timeout=7"
+    )
+    assert conf.exit_barrier_timeout_s == 7
+    assert RdzvConf().exit_barrier_timeout_s == 300  # torchrun's default
     assert conf.join_timeout_s == 10
     assert conf.read_timeout_s == 3
     assert conf.is_host is True

@@ -61,7 +61,9 @@ class Executor(Generic[S]):
         fresh_port: Callable[[], int],
         rendezvous: Rendezvous | None = None,
         agreement: TimeoutAgreement | None = None,
+        settle: Callable[[Finish], Finish] = lambda finish: finish,
     ) -> None:
+        """``settle``: the last word on how the run ends (an elastic job's exit barrier)."""
         self._step = step
         self.state = state
         self._group = group
@@ -69,6 +71,7 @@ class Executor(Generic[S]):
         self._fresh_port = fresh_port
         self._rendezvous = rendezvous
         self._agreement = agreement
+        self._settle = settle
         self._wake_at: float | None = None  # monotonic: when the rendezvous wants to be asked again
 
     def run(self) -> int:
@@ -83,7 +86,7 @@ class Executor(Generic[S]):
                 self._group.note(transition.reason)
             for command in transition.commands:
                 if isinstance(command, Finish):
-                    return self._group.finish(command)
+                    return self._group.finish(self._settle(command))
                 pending.extend(self._carry_out(command))
 
     def _carry_out(self, command: Command) -> list[Happening]:

@@ -23,6 +23,7 @@ from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement
 from ftrun.agent.exclusions import Exclusions
 from ftrun.agent.executor import Executor
+from ftrun.agent.exit_barrier import ExitBarrier
 from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
 from ftrun.agent.pool import WarmPool
@@ -131,6 +132,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
                 always=True,
             )
             return group.finish(Finish(Outcome.EXCLUDED))
+        barrier = ExitBarrier(store, config.run_id, rendezvous.node_id, clock)
         code = -1
         try:
             rendezvous.start()
@@ -142,6 +144,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
                 fresh_port=lambda: fresh_port_on(clock),
                 rendezvous=rendezvous,
                 agreement=TimeoutAgreement(group, rendezvous),
+                settle=lambda finish: leave_together(finish, rendezvous, barrier, conf.exit_barrier_timeout_s, group),
             )
             code = executor.run()
             if code == EXIT_EXCLUDED:
@@ -156,6 +159,18 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
             rendezvous.close(leave=True)
     finally:
         store.close()
+
+
+def leave_together(
+    finish: Finish, rendezvous: Rendezvous, barrier: ExitBarrier, timeout_s: float, group: LocalGroup
+) -> Finish:
+    """The exit barrier: once the job finished, a node whose workers succeeded waits for the other members;
+    one that failed late fails the job here too."""
+    members = rendezvous.finished_with()
+    if not members:
+        return finish
+    code = barrier.settle(finish.exit_code, members, timeout_s, lambda text: group.say(text, always=True))
+    return finish if code == finish.exit_code else Finish(Outcome.FAILED)
 
 
 def rendezvous_for(

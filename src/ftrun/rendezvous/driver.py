@@ -151,6 +151,13 @@ class Rendezvous:
     def node_id(self) -> str:
         return self._me.node_id
 
+    def finished_with(self) -> tuple[str, ...]:
+        """The members of the round the job finished in, if this node was one of them (else ())."""
+        r = self._record
+        if r is None or r.status is not state.Status.FINISHED or self._me.node_id not in r.members:
+            return ()
+        return r.members
+
     @property
     def leading(self) -> bool:
         return self._nodes_watch is not None

@@ -1,0 +1,56 @@
+"""The exit barrier (torchrun's ``exit_barrier_timeout``): the nodes of a finished job leave together.
+
+The first node whose workers all succeed finishes the job; the others may still
+be running theirs. Each member writes how its run ended under the job's key, and a
+node whose workers succeeded waits (bounded) for every other member's: if one
+failed after this node's workers had succeeded, the job failed, and this node
+says so and exits 1 too, so that no node reports a success the job did not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ftrun.clock import Clock
+from ftrun.errors import StoreError
+from ftrun.store.base import Store
+
+
+class ExitBarrier:
+    def __init__(self, store: Store, run_id: str, node_id: str, clock: Clock) -> None:
+        self._store = store
+        self._root = f"/ftrun/{run_id}/exit/"
+        self._node = node_id
+        self._clock = clock
+
+    def settle(self, code: int, members: Sequence[str], timeout_s: float, say: Callable[[str], None]) -> int:
+        """Tell the others how this node ended (``code``); with 0, wait for theirs. Returns the exit code."""
+        try:
+            self._store.put(self._root + self._node, str(code).encode())
+            if code != 0 or timeout_s <= 0:
+                return code
+            ended = self._wait(set(members) - {self._node}, timeout_s)
+        except StoreError as e:
+            say(f"exit barrier: the store is unreachable ({e}); exiting with this node's own result")
+            return code
+        failed = sorted(node for node, theirs in ended.items() if theirs != "0")
+        missing = sorted(set(members) - {self._node} - set(ended))
+        if failed:
+            say(f"the workers of {', '.join(failed)} failed after this node's succeeded: the job failed")
+            return 1
+        if missing:
+            say(f"exit barrier: {', '.join(missing)} not done after {timeout_s:g} s (exit_barrier_timeout); exiting")
+        return 0
+
+    def _wait(self, others: set[str], timeout_s: float) -> dict[str, str]:
+        """How each of ``others`` ended, as far as known when all told or ``timeout_s`` passed."""
+        deadline = self._clock.monotonic() + timeout_s
+        kvs, revision = self._store.list_prefix(self._root)
+        ended = {kv.key.removeprefix(self._root): kv.value.decode(errors="replace") for kv in kvs}
+        with self._store.watch(self._root, revision + 1) as watch:
+            while not others <= set(ended) and (left := deadline - self._clock.monotonic()) > 0:
+                event = watch.get(left)
+                if event is None:
+                    break
+                ended[event.key.removeprefix(self._root)] = event.value.decode(errors="replace")
+        return {node: theirs for node, theirs in ended.items() if node in others}
