@@ -50,6 +50,11 @@ class StoreUnavailable(StoreError):
         super().__init__(f"store {endpoint} unavailable after {waited_s:.1f} s: {cause}")
 
 
+class StoreGone(StoreError):
+    """The store this client was talking to refuses connections since it went away: its host (the agent that
+    hosted it, or ``ftrun store``) exited. Not retried for long: a store that comes back is a fresh, empty one."""
+
+
 class StoreConnectionLost(StoreError):
     """The connection to the store broke; retryable (the client reconnects)."""
 

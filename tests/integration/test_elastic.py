@@ -320,3 +320,35 @@ def test_a_node_whose_workers_fail_after_the_job_finished_fails_the_job_on_every
     assert other.wait() == 1, other.stderr()
     assert first.wait() == 1, first.stderr()
     assert "failed after this node's succeeded: the job failed" in first.stderr()
+
+
+def test_when_the_agent_hosting_the_store_dies_the_others_say_so_and_stop(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """The store dies with its host: the survivor names it, stops its workers and exits 1, long before the
+    lease's TTL (10 min here) could pass or any join timeout."""
+    script("w.py", WORKER)
+    slow = "last_call_timeout=0.5,keep_alive_interval=60,keep_alive_max_attempt=10,join_timeout=600"
+
+    def attempt(port: int) -> tuple[LiveFtrun, LiveFtrun]:
+        flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", slow]
+        flags += ["--nnodes", "2", "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "w.py"]
+        tag = f"-{port}"
+        agents = (LiveFtrun(tmp_path, *flags, name=f"a{tag}"), LiveFtrun(tmp_path, *flags, name=f"b{tag}"))
+        live.extend(agents)
+        said = [f.wait_for_stderr("hosting the rendezvous store|is taken") for f in agents]
+        if not any("hosting" in line for line in said):
+            for f in agents:
+                f.close()
+            raise PortTaken(str(said))
+        return agents
+
+    a, b = with_free_port(attempt)
+    host, other = (a, b) if "hosting the rendezvous store" in a.stderr() else (b, a)
+    ups(other, 4, 2)
+    workers = pids(other, 4)
+    host.proc.kill()
+    host.wait()
+    assert other.wait() == 1, other.stderr()
+    assert re.search(r"the store tcp://127\.0\.0\.1:\d+ is gone", other.stderr())
+    assert wait_gone(workers) == []

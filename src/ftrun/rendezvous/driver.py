@@ -269,6 +269,7 @@ class Rendezvous:
         self._stop_leading()
         self._selector.unregister(self._keeper.fileno())
         self._keeper.close(revoke=False)
+        self._keeper = None  # until the new one is granted (the store may be gone: close() must still work)
         self._new_lease()
 
     def _drain_shared(self) -> None:

@@ -26,11 +26,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftrun.errors import StoreAuthError, StoreConnectionLost, StoreError, StoreProtocolError, WatchLost
+from ftrun.errors import (
+    StoreAuthError,
+    StoreConnectionLost,
+    StoreError,
+    StoreGone,
+    StoreProtocolError,
+    WatchLost,
+)
 from ftrun.store import wire
 from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value
 from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
 from ftrun.store.watchqueue import QueuedWatch
+
+# Refused this long after our connection broke: nobody serves the store there any more (a restarting
+# `ftrun store` is back within a second; an agent that hosted the store never comes back with its state).
+GONE_AFTER_S = 2.0
 
 
 @dataclass(eq=False)
@@ -89,6 +100,7 @@ class TcpStoreClient:
         self._send_lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._store_id: str | None = None
+        self._lost_at: float | None = None  # monotonic: when the last connection broke (None: connected, or never)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Call] = {}
         self._subscriptions: dict[int, _Subscription] = {}  # by the id of their current watch request
@@ -256,6 +268,14 @@ class TcpStoreClient:
             self._lost(self._sock, "closed by the store while idle")
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
+        except ConnectionRefusedError as e:
+            gone_for = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
+            if self._store_id is not None and gone_for >= GONE_AFTER_S:  # nobody listens where it was
+                raise StoreGone(
+                    f"the store {self.endpoint} is gone: connections refused for {gone_for:.1f} s since it closed "
+                    "ours (the agent that hosted it, or `ftrun store`, exited)"
+                ) from e
+            raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
         except OSError as e:
             raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
         try:
@@ -269,6 +289,7 @@ class TcpStoreClient:
             self._store_restarted()
         self._store_id = store_id
         self._sock = sock
+        self._lost_at = None
         return sock
 
     def _handshake(self, sock: socket.socket) -> str:
@@ -342,6 +363,7 @@ class TcpStoreClient:
         with self._lock:
             if self._sock is sock:
                 self._sock = None
+                self._lost_at = time.monotonic()
             pending, self._pending = self._pending, {}
         _shut(sock)
         for call in pending.values():
