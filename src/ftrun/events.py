@@ -166,7 +166,7 @@ def summarize(events: Iterable[Event]) -> RunSummary:
         elif e.kind is EventKind.FAILURE:
             cause = e.data.get("root_cause") or {}
             root_causes.append(cause)
-            failed_mono = float(cause.get("exit_mono", e.mono))
+            failed_mono = _failed_mono(cause, e)
             failed_at = failed_mono
             if attempt_start is not None:
                 failed_work += max(0.0, failed_mono - attempt_start)
@@ -179,3 +179,12 @@ def summarize(events: Iterable[Event]) -> RunSummary:
                 failed_at = None
     warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
     return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts)
+
+
+def _failed_mono(cause: Mapping[str, Any], e: Event) -> float:
+    """When the root cause failed, on this agent's monotonic clock (another node's is known by wall time)."""
+    if cause.get("exit_mono") is not None:
+        return float(cause["exit_mono"])
+    if cause.get("exit_wall") is not None:
+        return e.mono - max(0.0, e.wall - float(cause["exit_wall"]))
+    return e.mono

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from ftrun.errors import ErrorFileError
 from ftrun.monitor.blame import waiting_in_collective
 
 STDERR_TAIL_LINES = 20
+MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 
 
@@ -121,6 +123,31 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
     )
 
 
+def outcome_json(o: WorkerOutcome) -> dict[str, Any]:
+    """A root cause as the other nodes read it (``outcome_from_json``)."""
+    record = asdict(o)
+    for key in ("stacks", "waiting_stacks"):
+        if record.get(key):
+            record[key] = record[key][:MAX_SHARED_CHARS]
+    return record
+
+
+def outcome_from_json(record: Mapping[str, Any]) -> WorkerOutcome:
+    """Another node's root cause; ValueError if it is not one. Its monotonic time is another machine's: dropped."""
+    fields = {f.name for f in dataclass_fields(WorkerOutcome)}
+    try:
+        error = record.get("error")
+        values = {k: v for k, v in record.items() if k in fields}
+        values.update(
+            error=ErrorRecord(**error) if isinstance(error, dict) else None,
+            stderr_tail=tuple(record.get("stderr_tail") or ()),
+            exit_mono=None,
+        )
+        return WorkerOutcome(**values)
+    except TypeError as e:
+        raise ValueError(f"not a root cause: {e}") from None
+
+
 def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
     # ftrun's error record is stamped when the exception was caught, before the
     # interpreter's teardown (which for a torch process can outlast a peer that
@@ -144,17 +171,20 @@ def build_report(
     master_port: int,
     host: str,
     elsewhere: Mapping[str, Any] | None = None,
+    root: WorkerOutcome | None = None,
 ) -> FailureReport:
-    """The report of a failed attempt; raises ValueError if no worker failed."""
+    """The report of a failed attempt; raises ValueError if no worker failed. ``root``: the root cause when
+    it is on another node (every worker here was stopped because of it)."""
     outcomes = [outcome(w, host) for w in workers]
     failed = sorted((o for o in outcomes if o.state == WorkerState.FAILED.value), key=_earliest_first)
-    if not failed:
-        raise ValueError(f"attempt {attempt} has no failed worker to report")
-    root = failed[0]
+    if root is None:
+        if not failed:
+            raise ValueError(f"attempt {attempt} has no failed worker to report")
+        root, failed = failed[0], failed[1:]
     stopped = tuple(o for o in outcomes if o.state == WorkerState.STOPPED.value)
     hint = _hint(root, master_port)
     remote = dict(elsewhere) if elsewhere is not None else None
-    return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed[1:]), stopped, hint, remote)
+    return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
 
 
 def _hint(root: WorkerOutcome, port: int) -> str | None:

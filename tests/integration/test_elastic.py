@@ -6,6 +6,7 @@ can be killed; one test has an agent host it, as torchrun's c10d does.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -118,8 +119,12 @@ def test_a_worker_crash_on_one_node_restarts_every_node_then_the_job_succeeds(no
     assert b.wait() == 0, b.stderr()
     restarted = [m for f in (a, b) for m in map(re.compile(UP).search, f.lines) if m and m.group(4) == "1"]
     assert len(restarted) == 4  # every worker of both nodes ran again, as restart 1
-    crashed = a if "ROOT CAUSE  rank 3" in a.stderr() else b
-    assert "ROOT CAUSE  rank 3" in crashed.stderr()
+    # Every node tells the same story: the root cause is rank 3, the other node's workers were stopped for it.
+    for agent in (a, b):
+        assert "ROOT CAUSE  rank 3" in agent.stderr(), agent.stderr()
+    reports = [json.loads(f.read_text()) for f in nodes.tmp_path.glob("**/attempt_0/failure_report.json")]
+    assert sorted(r["root_cause"]["rank"] for r in reports) == [3, 3]
+    assert sorted(len(r["stopped_by_ftrun"]) for r in reports) == [1, 2]  # rank 2 on the failing node; 0, 1
 
 
 def test_a_hang_on_one_node_restarts_every_node_then_the_job_succeeds(nodes: Nodes) -> None:

@@ -29,7 +29,7 @@ from ftrun.agent.elastic import Phase, State, initial, step
 from ftrun.agent.env import Placement
 from ftrun.monitor.requests import Action as Ask
 from ftrun.monitor.requests import Request
-from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
+from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment, RoundRecord, Status
 
 TWO = frozenset({0, 1})
 
@@ -125,10 +125,27 @@ def test_the_round_is_over_stop_then_ask_again() -> None:
     assert walk(replace(state, running=frozenset()), advice(Action.STOP))[1] == [(AskRendezvous(Local()),)]
 
 
-def test_the_job_failed_elsewhere_stop_then_exit_1() -> None:
+def test_the_job_failed_elsewhere_stop_then_report_it_and_exit_1() -> None:
     _, [stop, stopped] = walk(running(), advice(Action.FAIL), WorkersStopped())
     assert stop == (StopWorkers(),)
-    assert stopped == (Finish(Outcome.FAILED),)
+    assert stopped == (ReportFailure(will_restart=False), Finish(Outcome.FAILED))
+
+
+def test_a_round_reopened_for_a_failure_elsewhere_is_reported_here_once_the_job_goes_on() -> None:
+    reopened = RendezvousAdvised(
+        Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1, reason="x failed"))
+    )
+    state, [stop, _] = walk(running(), reopened, WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert state.report_owed
+    _, [answer] = walk(state, run(2, restarts=1))
+    assert answer[0] == ReportFailure(will_restart=True)
+
+
+def test_a_round_reopened_to_scale_up_is_not_a_failure_to_report() -> None:
+    grown = RendezvousAdvised(Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN)))
+    state, _ = walk(running(), grown, WorkersStopped())
+    assert not state.report_owed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ftrun.agent import env as worker_env
+from ftrun.agent.board import JobBoard
 from ftrun.agent.driver import (
     Finish,
     Happening,
@@ -34,7 +35,6 @@ from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
-from ftrun.agent.verdicts import HangVerdicts
 from ftrun.agent.watch import WorkerWatch
 from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
@@ -43,7 +43,15 @@ from ftrun.events import EventKind, EventLog, summarize
 from ftrun.monitor.requests import Action
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
-from ftrun.reporting import FailureReport, build_report, render, write_json, write_launcher_error_file
+from ftrun.reporting import (
+    FailureReport,
+    build_report,
+    outcome_from_json,
+    outcome_json,
+    render,
+    write_json,
+    write_launcher_error_file,
+)
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"
@@ -74,7 +82,7 @@ class LocalGroup:
         self._reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime when read
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._last_report: FailureReport | None = None
-        self._verdicts: HangVerdicts | None = None  # an elastic job's nodes share what each found hung
+        self._board: JobBoard | None = None  # an elastic job's nodes share their root causes and hang verdicts
         self._round: int | None = None
         self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
@@ -220,14 +228,20 @@ class LocalGroup:
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         return [*exits, *late, WorkersStopped()]
 
-    def share_verdicts(self, verdicts: HangVerdicts) -> None:
-        """Publish every hang found here to the job's other nodes, and read theirs when ours only waited."""
-        self._verdicts = verdicts
+    def share_board(self, board: JobBoard) -> None:
+        """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
+        elsewhere, or a hang whose quiet ranks here only waited."""
+        self._board = board
 
     def report_failure(self, will_restart: bool) -> None:
-        """Write and print the current attempt's failure report, root cause first."""
+        """Write and print the current attempt's failure report, root cause first: this node's, or (when its
+        workers were only stopped) the one another node published."""
+        workers = self._processes.workers
+        if not any(w.state is WorkerState.FAILED for w in workers):
+            self._report_elsewhere(will_restart)
+            return
         report = build_report(
-            self._processes.workers,
+            workers,
             run_id=self.config.run_id,
             attempt=self._attempt,
             will_restart=will_restart,
@@ -235,6 +249,33 @@ class LocalGroup:
             host=self.host,
             elsewhere=self._suspect_elsewhere(),
         )
+        if self._board is not None and self._round is not None:
+            self._board.publish_failure(self._round, outcome_json(report.root_cause))
+        self._tell(report, will_restart)
+
+    def _report_elsewhere(self, will_restart: bool) -> None:
+        """The round failed on another node: its root cause, read from the store, with this node's workers
+        listed as stopped (their own errors are the failure's echo, e.g. "Connection closed by peer")."""
+        found = self._board.failure_elsewhere(self._round) if self._board and self._round is not None else None
+        try:
+            root = outcome_from_json(found) if found is not None else None
+        except ValueError:
+            root = None
+        if root is None:
+            self.say("the job failed on another node, which published no root cause in time", always=True)
+            return
+        report = build_report(
+            self._processes.workers,
+            run_id=self.config.run_id,
+            attempt=self._attempt,
+            will_restart=will_restart,
+            master_port=self._master_port,
+            host=self.host,
+            root=root,
+        )
+        self._tell(report, will_restart)
+
+    def _tell(self, report: FailureReport, will_restart: bool) -> None:
         path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
         write_json(report, path)
         self._last_report = report
@@ -343,19 +384,19 @@ class LocalGroup:
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
     def _publish_verdict(self, w: Worker) -> None:
-        if self._verdicts is None or self._round is None or w.hang is None:
+        if self._board is None or self._round is None or w.hang is None:
             return
         h = w.hang
         verdict = {"rank": w.rank, "host": self.host, "pid": w.pid, "what": h.what, "why": h.why}
-        self._verdicts.publish(self._round, {**verdict, "waiting": h.waiting, "stacks": h.stacks})
+        self._board.publish_hang(self._round, {**verdict, "waiting": h.waiting, "stacks": h.stacks})
 
     def _suspect_elsewhere(self) -> dict[str, object] | None:
         """When every rank found quiet here waited for its peers in a collective: the rank another node
         found hung outside one (the job's root cause), if it tells within a few seconds."""
         hangs = [w.hang for w in self._processes.workers if w.hang is not None]
-        if self._verdicts is None or self._round is None or not hangs or not all(h.waiting for h in hangs):
+        if self._board is None or self._round is None or not hangs or not all(h.waiting for h in hangs):
             return None
-        found = self._verdicts.suspect_elsewhere(self._round)
+        found = self._board.suspect_elsewhere(self._round)
         if found is None:
             self.say("every quiet rank here waited in a collective, and no other node named a suspect", always=True)
         return found

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from ftrun.addresses import DEFAULT_STORE_PORT
 from ftrun.agent import elastic, proctree, static
 from ftrun.agent.agreement import TimeoutAgreement
+from ftrun.agent.board import JobBoard
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement
 from ftrun.agent.exclusions import Exclusions
@@ -28,7 +29,6 @@ from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import Cache, entry_imports
-from ftrun.agent.verdicts import HangVerdicts
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import LaunchConfig
@@ -122,7 +122,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     try:
         rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=group.say)
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
-        group.share_verdicts(HangVerdicts(store, config.run_id, rendezvous.node_id, clock))
+        group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         exclusions = Exclusions(store, config.run_id)
         excluded = exclusions.reason(group.host)
         if excluded is not None:

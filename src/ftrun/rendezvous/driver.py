@@ -21,6 +21,7 @@ returns only what the agent must act on: run, stop, wait, finish or fail.
 
 from __future__ import annotations
 
+import contextlib
 import selectors
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ class Rendezvous:
             self._unwatch(self._shared_watch)
             self._shared_watch = None
         if self._keeper is not None:
-            self._selector.unregister(self._keeper.fileno())
+            with contextlib.suppress(KeyError):  # on the way out after an error, it may not be registered
+                self._selector.unregister(self._keeper.fileno())
             self._keeper.close(revoke=leave)
             self._keeper = None
         self._selector.close()

@@ -172,7 +172,8 @@ def _fenced(view: View) -> Decision | None:
         return Decision(Action.STOP, f"my workers run in round {mine}, but my node key is gone (store lease lost)")
     if r is None or r.round != mine or r.status is not Status.CLOSED or view.me not in r.members:
         now = "gone" if r is None else f"round {r.round} is {r.status.value}"
-        return Decision(Action.STOP, f"my workers run in round {mine}, but {now}")
+        why = f" ({r.reason})" if r is not None and r.reason and r.round != mine else ""
+        return Decision(Action.STOP, f"my workers run in round {mine}, but {now}{why}", record=r)
     return None
 
 

@@ -1,6 +1,11 @@
-"""Hang verdicts shared between the nodes of an elastic job, so that every node blames the same rank.
+"""What each node of an elastic job found, shared through the store, so that every node tells the same story.
 
-A rank that hangs stops the whole job: its peers on every node wait for it in a
+Failures: the node where a worker failed publishes its root cause (rank, error,
+traceback or stacks); a node whose workers were only stopped because of it reads
+it and reports it as the job's root cause, its own workers listed as stopped.
+
+Hangs:
+a rank that hangs stops the whole job: its peers on every node wait for it in a
 collective, and each node's agent finds its own ranks quiet. An agent can only
 read its own ranks' stacks; when every quiet rank here waits in a collective,
 the hung one is elsewhere. So each agent that finds a hang publishes its verdict
@@ -25,25 +30,25 @@ MAX_STACKS_CHARS = 16_000  # a verdict is read by every node: stacks beyond this
 SUSPECT_WAIT_S = 5.0  # how long a node whose ranks only waited looks for another node's suspect
 
 
-class HangVerdicts:
-    """This node's side of the job's hang verdicts, in ``store`` under ``/ftrun/<run_id>/hang/``."""
+class JobBoard:
+    """This node's side of the job's board, in ``store`` under ``/ftrun/<run_id>/``."""
 
     def __init__(self, store: Store, run_id: str, node: str, clock: Clock) -> None:
         self._store = store
-        self._root = f"/ftrun/{run_id}/hang/"
+        self._root = f"/ftrun/{run_id}/"
         self._node = node
         self._clock = clock
 
-    def publish(self, round_: int, verdict: Mapping[str, Any]) -> None:
+    def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
         """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""
         record = {**verdict, "node": self._node, "stacks": str(verdict.get("stacks", ""))[:MAX_STACKS_CHARS]}
         with contextlib.suppress(StoreError):
-            self._store.put(self._prefix(round_) + self._node, json.dumps(record).encode())
+            self._store.put(self._prefix("hang", round_) + self._node, json.dumps(record).encode())
 
     def suspect_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
         """Another node's verdict that blames a rank not waiting for its peers, waiting for one at most
         ``timeout_s`` (the nodes find the hang at about the same time); None when none came."""
-        prefix = self._prefix(round_)
+        prefix = self._prefix("hang", round_)
         deadline = self._clock.monotonic() + timeout_s
         try:
             kvs, revision = self._store.list_prefix(prefix)
@@ -72,5 +77,37 @@ class HangVerdicts:
                 return verdict
         return None
 
-    def _prefix(self, round_: int) -> str:
-        return f"{self._root}{round_}/"
+    def publish_failure(self, round_: int, root_cause: Mapping[str, Any]) -> None:
+        """This node's root cause of the round's failure, for the nodes whose workers were only stopped."""
+        with contextlib.suppress(StoreError):
+            self._store.put(self._prefix("failure", round_) + self._node, json.dumps(root_cause).encode())
+
+    def failure_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
+        """The earliest root cause another node published for the round, waiting for one at most ``timeout_s``
+        (it is published once that node has stopped its workers)."""
+        prefix = self._prefix("failure", round_)
+        deadline = self._clock.monotonic() + timeout_s
+        try:
+            kvs, revision = self._store.list_prefix(prefix)
+            found = [v for v in (_object(kv.value) for kv in kvs) if v is not None]
+            if not found:
+                with self._store.watch(prefix, revision + 1) as watch:
+                    while not found and (left := deadline - self._clock.monotonic()) > 0:
+                        event = watch.get(left)
+                        if event is None:
+                            break
+                        found = [v for v in (_object(event.value),) if v is not None]
+        except StoreError:
+            return None
+        return min(found, key=lambda v: float(v.get("exit_wall") or v.get("hang_wall") or 0.0), default=None)
+
+    def _prefix(self, kind: str, round_: int) -> str:
+        return f"{self._root}{kind}/{round_}/"
+
+
+def _object(value: bytes) -> dict[str, Any] | None:
+    try:
+        found = json.loads(value)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
