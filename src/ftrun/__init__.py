@@ -19,6 +19,7 @@ from ftrun.monitor.client import (
     stop_job,
 )
 from ftrun.monitor.nvidia import RankMonitorClient
+from ftrun.monitor.peers import start_peer_heartbeat
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "record",
     "request_restart",
     "section",
+    "start_peer_heartbeat",
     "start_section",
     "stop_job",
 ]

@@ -22,6 +22,7 @@ def test_public_surface() -> None:
         "record",
         "request_restart",
         "section",
+        "start_peer_heartbeat",
         "start_section",
         "stop_job",
     ]

@@ -37,3 +37,10 @@ def test_garbage_in_a_slot_is_not_a_request(raw: bytes) -> None:
 
 def test_describe_says_what_was_asked() -> None:
     assert Request(Action.STOP_JOB, "NaN").describe() == "stopped the job: NaN"
+
+
+def test_a_peer_failure_names_the_peer() -> None:
+    assert decode(encode("peer_failed", "silent for 2 s", 3)) == Request(Action.PEER_FAILED, "silent for 2 s", 3)
+    assert Request(Action.PEER_FAILED, "silent", 3).describe() == "lost its peer rank 3: silent"
+    with pytest.raises(ValueError, match="names the peer's rank"):
+        encode("peer_failed", "silent", None)

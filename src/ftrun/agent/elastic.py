@@ -188,8 +188,8 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
     rank, request = happening.local_rank, happening.request
     if state.phase is not Phase.RUNNING:
         return Transition(state, (), f"local rank {rank}'s request ignored while {state.phase.value}")
-    if request.action is RequestAction.RESTART:
-        return _failed(state, f"local rank {rank} asked for a restart; stopping the workers")
+    if request.action in (RequestAction.RESTART, RequestAction.PEER_FAILED):
+        return _failed(state, f"local rank {rank} {request.describe()}; stopping the workers")
     if request.action is RequestAction.STOP_JOB:
         reason = f"{happening.who} stopped the job: {request.reason}"
         stopping = replace(state, phase=Phase.STOPPING, local=replace(state.local, stop_job=reason), failed=True)

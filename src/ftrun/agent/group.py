@@ -36,11 +36,11 @@ from ftrun.agent.preload import read_modules_report
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.watch import WorkerWatch
-from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState
+from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
-from ftrun.monitor.requests import Action
+from ftrun.monitor.requests import Action, Request
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import (
@@ -425,14 +425,32 @@ class LocalGroup:
             if isinstance(request, str):
                 self.say(f"{w.who}: ignoring an unreadable workload control request ({request})", always=True)
                 continue
+            self.emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
+            if request.action is Action.PEER_FAILED:
+                happened += self._peer_failed(w, request)
+                continue
             w.request = request.describe()
             w.state = WorkerState.FAILED  # the cause of what follows, as a hung worker is
             if request.action is Action.EXCLUDE_NODE:
                 self.excluded_because = f"rank {w.rank}: {request.reason}"
-            self.emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
             self.say(f"{w.who} {w.request}", always=True)
             happened.append(Requested(w.local_rank, request, f"rank {w.rank} on {self.host}"))
         return happened
+
+    def _peer_failed(self, reporter: Worker, request: Request) -> list[Happening]:
+        """A rank's peer heartbeat found its peer silent or out of step: that peer is the root cause (marked
+        here when it is one of this node's; else the reporter's report names it)."""
+        peer = next((w for w in self._processes.running if w.rank == request.peer), None)
+        what = f"unresponsive to its peers (rank {reporter.rank}: {request.reason})"
+        if peer is not None:
+            peer.state = WorkerState.FAILED
+            peer.hang = Hang(what, "peer heartbeat", self._clock.wall())
+            self.say(f"{peer.who} {what}", always=True)
+        else:
+            reporter.state = WorkerState.FAILED
+            reporter.request = f"{request.describe()} (on another node)"
+            self.say(f"{reporter.who} {reporter.request}", always=True)
+        return [Requested(reporter.local_rank, request, f"rank {reporter.rank} on {self.host}")]
 
     def _learn_modules(self, workers: list[Worker]) -> None:
         """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write

@@ -159,9 +159,9 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
     rank, request = happening.local_rank, happening.request
     if state.phase is not Phase.RUNNING:
         return Transition(state, (), f"local rank {rank}'s request ignored while {state.phase.value}")
-    if request.action is Action.RESTART:
+    if request.action in (Action.RESTART, Action.PEER_FAILED):
         stopping = replace(state, phase=Phase.STOPPING, failed=True)
-        return Transition(stopping, (StopWorkers(),), f"local rank {rank} asked for a restart; stopping the workers")
+        return Transition(stopping, (StopWorkers(),), f"local rank {rank} {request.describe()}; stopping the workers")
     ending = Outcome.EXCLUDED if request.action is Action.EXCLUDE_NODE else Outcome.STOPPED
     what = "excluded this node" if ending is Outcome.EXCLUDED else "stopped the job"
     return Transition(

@@ -443,6 +443,11 @@ def request_restart(reason: str) -> None:
     _client.request(encode_request("restart", reason))
 
 
+def report_peer_failure(peer: int, why: str) -> None:
+    """ftrun's peer heartbeat: the peer of global rank ``peer`` is silent or out of step (a failure)."""
+    _client.request(encode_request("peer_failed", why[:300], peer))
+
+
 def monitor_state() -> dict[str, Any]:
     """The calculated timeouts as JSON-able data, to keep in a checkpoint."""
     return {"v": STATE_VERSION, "timeouts": _client.calculated.to_json()}

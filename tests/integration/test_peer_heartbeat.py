@@ -1,0 +1,84 @@
+"""Peer liveness: ranks check each other over their own side channel; a frozen rank is found with no hang timeout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+
+pytestmark = pytest.mark.torch
+
+DDP = """
+import os, signal, sys
+import torch, torch.distributed as dist
+import ftrun
+from torch.nn.parallel import DistributedDataParallel
+
+frozen = int(sys.argv[1])
+dist.init_process_group("gloo")
+ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)
+ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)  # idempotent
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+model = DistributedDataParallel(torch.nn.Linear(4, 1))
+for step in range(20):
+    if step == 10 and rank == frozen and attempt == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive to its agent, silent to its peers
+    model(torch.ones(2, 4)).sum().backward()
+print(f"rank {rank} attempt {attempt} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_frozen_rank_is_found_by_its_peer_and_the_job_restarts_naming_it(
+    tmp_path: Path, script: WriteScript, frozen: int
+) -> None:
+    script("w.py", DDP)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", str(frozen), timeout=180)
+    assert r.returncode == 0, r.stderr
+    [request] = [e for e in r.events() if e["kind"] == "request"]
+    assert request["action"] == "peer_failed"
+    assert request["rank"] == 1 - frozen  # its successor in the ring noticed
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == frozen
+    assert "unresponsive to its peers" in root["hang"]
+    assert root["signal"] == "SIGKILL"  # it could not handle SIGTERM: killed at once
+    assert sorted(r.stdout.splitlines()) == ["rank 0 attempt 1 done", "rank 1 attempt 1 done"]
+
+
+OUTSIDE = """
+import ftrun
+try:
+    ftrun.start_peer_heartbeat(1, 0.5)
+except ValueError as e:
+    print("ValueError:", e)
+"""
+
+
+def test_bad_periods_are_a_value_error(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", OUTSIDE)
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ValueError: need 0 < period_s < timeout_s, got period_s=1, timeout_s=0.5"
+
+
+def test_on_two_nodes_a_frozen_rank_is_found_across_them(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
+) -> None:
+    (tmp_path / "w.py").write_text(DDP)
+    flags = [*rdzv, "--rdzv-id", f"{tmp_path.name}-peers", "--local-addr", "127.0.0.1", "--nnodes", "2:2"]
+    flags += ["--nproc-per-node", "1", "--max-restarts", "1"]
+    agents = [LiveFtrun(tmp_path, *flags, "--log-dir", str(tmp_path / n), str(tmp_path / "w.py"), "1", name=n)
+              for n in ("a", "b")]  # fmt: skip
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait(WAIT_S * 2) == 0, agent.stderr()
+    said = "\n".join(a.stderr() for a in agents)
+    assert "lost its peer rank 1" in said
+    assert sorted(line for a in agents for line in a.lines if "done" in line) == [
+        "rank 0 attempt 1 done",
+        "rank 1 attempt 1 done",
+    ]
