@@ -357,3 +357,21 @@ def test_when_the_agent_hosting_the_store_dies_the_others_say_so_and_stop(
     assert other.wait() == 1, other.stderr()
     assert re.search(r"the store tcp://127\.0\.0\.1:\d+ is gone", other.stderr())
     assert wait_gone(workers) == []
+
+
+def test_an_agent_stopped_by_a_signal_leaves_at_once_on_etcd(
+    tmp_path: Path, live: list[LiveFtrun], etcd_server: EtcdHarness, script: WriteScript
+) -> None:
+    """etcd keeps a lease until its TTL (10 min here): an agent stopped by SIGTERM revokes its own first, so the
+    survivor goes on alone at once."""
+    script("w.py", WORKER)
+    slow_ttl = "last_call_timeout=0.5,keep_alive_interval=60,keep_alive_max_attempt=10,join_timeout=60"
+    endpoint = etcd_server.url.removeprefix("etcd://")
+    nodes = Nodes(tmp_path, live, ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-conf", slow_ttl])
+    a = nodes.start("a", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    b = nodes.start("b", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    ups(a, 4, 2)
+    ups(b, 4, 2)
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.wait() == 128 + signal.SIGTERM
+    ups(a, 2, 2)  # a new round without b

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +83,53 @@ def test_on_two_nodes_a_frozen_rank_is_found_across_them(
         "rank 0 attempt 1 done",
         "rank 1 attempt 1 done",
     ]
+
+
+def test_a_peer_out_of_step_is_reported_with_its_restart() -> None:
+    """Two ring members on real loopback UDP sockets, one a restart behind: each reports the other."""
+    import threading
+
+    from ftrun.monitor.peers import PeerHeartbeat
+
+    book: dict[int, tuple[str, int]] = {}
+    both = threading.Barrier(2, timeout=WAIT_S)
+    reports: dict[int, tuple[int, str]] = {}
+    done = threading.Event()
+
+    def addresses(rank: int) -> Callable[[str], dict[int, tuple[str, int]]]:
+        def exchange(mine: str) -> dict[int, tuple[str, int]]:
+            host, _, port = mine.rpartition(":")
+            book[rank] = (host, int(port))
+            both.wait()
+            return book
+
+        return exchange
+
+    def report(rank: int) -> Callable[[int, str], None]:
+        def told(peer: int, why: str) -> None:
+            reports[rank] = (peer, why)
+            if len(reports) == 2:
+                done.set()
+
+        return told
+
+    members: list[PeerHeartbeat] = []
+    starters = [
+        threading.Thread(
+            target=lambda r=r: members.append(
+                PeerHeartbeat(r, 2, r, 0.05, WAIT_S, addresses(r), report(r), bind_host="127.0.0.1").start()
+            )
+        )
+        for r in (0, 1)
+    ]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join(WAIT_S)
+    try:
+        assert done.wait(WAIT_S)
+    finally:
+        for m in members:
+            m.stop()
+    assert reports[0] == (1, "its peer heartbeat says restart 1, this rank is in restart 0 (out of step)")
+    assert reports[1] == (0, "its peer heartbeat says restart 0, this rank is in restart 1 (out of step)")

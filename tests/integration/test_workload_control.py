@@ -173,3 +173,16 @@ def test_requests_are_events_on_the_node_that_made_them(tmp_path: Path, script: 
     script("w.py", ASKS)
     r = run_ftrun(tmp_path, "--nproc-per-node", "1", "w.py", action, "0", "forever")
     assert [e["action"] for e in r.events() if e["kind"] == "request"] == [action]
+
+
+def test_a_restart_request_on_one_node_restarts_every_node(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
+) -> None:
+    start = _agents(tmp_path, rdzv, "2:2", "request_restart", "1")
+    agents = [start(n) for n in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait(WAIT_S) == 0, agent.stderr()
+    restarted = [line for agent in agents for line in agent.lines if re.search(r"restart=1", line)]
+    assert sorted(restarted) == ["up rank=0 world=2 restart=1", "up rank=1 world=2 restart=1"]
+    assert "asked for a restart: loss is NaN at step 7" in "".join(a.stderr() for a in agents)

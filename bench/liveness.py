@@ -1,0 +1,226 @@
+"""Node-level events between several agents on this machine: how long until the job trains again.
+
+  dead agent     two agents (1:2 nodes, one worker each, the default keep-alive: 5 s x 3); the one that does not
+                 host the store is SIGKILLed; figure: the kill -> the survivor's worker stepping in a new round.
+                 ftrun (embedded store, c10d) against torchrun (c10d), alternating.
+  exclusion      two members and a hot spare (2:2 nodes); rank 1 calls ftrun.exclude_this_node(); figure: the
+                 call -> the spare's worker stepping in its place. ftrun only (NVIDIA's launcher acts at the
+                 next failure; torchrun has no such call).
+  frozen peer    two agents, a DDP job (gloo) calling ftrun.start_peer_heartbeat(0.5, 3); rank 1 SIGSTOPs
+                 itself; no hang timeout; figure: the stop -> rank 1 stepping again after a restart.
+                 torchrun runs the same job (there the call raises and the job goes on without it): it
+                 finds nothing within --bound (gloo's own timeout is 30 min).
+
+    python bench/liveness.py [--reps 3] [--bound 60]
+
+Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FTRUN = [sys.executable, "-m", "ftrun"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+STEPPER = """
+import json, os, sys, time
+timeline, mode = sys.argv[1], sys.argv[2]
+rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+world = int(os.environ["WORLD_SIZE"])
+def record(event):
+    with open(timeline, "a") as f:
+        f.write(json.dumps({"event": event, "rank": rank, "restart": restart, "world": world,
+                            "pid": os.getpid(), "wall": time.time()}) + "\\n")
+for step in range(10**6):
+    record("step")
+    if mode == "exclude" and rank == 1 and restart == 0 and step == 20:
+        import ftrun
+        record("exclude")
+        ftrun.exclude_this_node("bench: this node leaves")
+    time.sleep(0.05)
+"""
+
+FROZEN = """
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+timeline = sys.argv[1]
+dist.init_process_group("gloo")
+try:
+    import ftrun
+    ftrun.start_peer_heartbeat(period_s=0.5, timeout_s=3.0)
+except (ImportError, RuntimeError):
+    pass  # torchrun: no peer heartbeat
+rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+def record(event):
+    with open(timeline, "a") as f:
+        f.write(json.dumps({"event": event, "rank": rank, "restart": restart, "wall": time.time()}) + "\\n")
+t = torch.ones(4)
+for step in range(10**6):
+    if rank == 1 and restart == 0 and step == 20:
+        record("frozen")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(t)
+    record("step")
+    time.sleep(0.05)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def records(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(path: Path, predicate, bound: float) -> dict[str, object] | None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        found = next((r for r in records(path) if predicate(r)), None)
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    return None
+
+
+def launch(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]], workdir: Path) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    mark = str(workdir).encode()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark in f.read():
+                    os.kill(int(entry), signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
+    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
+    job.write_text(STEPPER)
+    port = free_port()
+    base = FTRUN if launcher == "ftrun" else TORCHRUN
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    host = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "host.log", env)
+    procs = [host]
+    try:
+        if wait_for(timeline, lambda r: True, bound) is None:
+            return None
+        other = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "other.log", env)
+        procs.append(other)
+        if wait_for(timeline, lambda r: r["world"] == 2, bound) is None:
+            return None
+        time.sleep(1.0)  # both train for a while (the job's story, not a synchronisation)
+        killed = time.time()
+        os.killpg(other.pid, signal.SIGKILL)  # the agent and its worker: a node lost
+        back = wait_for(timeline, lambda r: r["world"] == 1 and r["wall"] > killed, bound)
+        return float(back["wall"]) - killed if back else None  # type: ignore[arg-type]
+    finally:
+        stop_all(procs, workdir)
+
+
+def exclusion(workdir: Path, bound: float) -> float | None:
+    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
+    job.write_text(STEPPER)
+    port = free_port()
+    flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [launch([*FTRUN, *flags, str(job), str(timeline), "exclude"], workdir / f"{n}.log", env) for n in "ab"]
+    try:
+        if wait_for(timeline, lambda r: r["world"] == 2, bound) is None:
+            return None
+        procs.append(launch([*FTRUN, *flags, str(job), str(timeline), "exclude"], workdir / "spare.log", env))
+        deadline = time.monotonic() + bound
+        while b"hot spare" not in (workdir / "spare.log").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        excluded = wait_for(timeline, lambda r: r["event"] == "exclude", bound)
+        if excluded is None:
+            return None
+        pids = {r["pid"] for r in records(timeline) if float(r["wall"]) <= float(excluded["wall"])}  # type: ignore[arg-type]
+        back = wait_for(timeline, lambda r: r["rank"] == 1 and r["pid"] not in pids, bound)
+        return float(back["wall"]) - float(excluded["wall"]) if back else None  # type: ignore[arg-type]
+    finally:
+        stop_all(procs, workdir)
+
+
+def frozen_peer(launcher: str, workdir: Path, bound: float) -> float | None:
+    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
+    job.write_text(FROZEN)
+    port = free_port()
+    base = FTRUN if launcher == "ftrun" else TORCHRUN
+    flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [launch([*base, *flags, str(job), str(timeline)], workdir / f"{n}.log", env) for n in "ab"]
+    try:
+        frozen = wait_for(timeline, lambda r: r["event"] == "frozen", bound * 2)
+        if frozen is None:
+            return None
+        back = wait_for(timeline, lambda r: r["event"] == "step" and r["restart"] > 0 and r["rank"] == 1, bound)
+        return float(back["wall"]) - float(frozen["wall"]) if back else None  # type: ignore[arg-type]
+    finally:
+        stop_all(procs, workdir)
+
+
+def describe(values: list[float | None]) -> str:
+    done = [v for v in values if v is not None]
+    if not done:
+        return f"never within the bound ({len(values)} runs)"
+    return (f"median {statistics.median(done):6.2f} s  min {min(done):6.2f}  max {max(done):6.2f}  "
+            f"({len(done)}/{len(values)} within the bound)")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bound", type=float, default=60.0, help="seconds to wait for the job to train again")
+    args = p.parse_args()
+    figures: dict[str, list[float | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="ftrun-liveness-") as tmp:
+        for rep in range(args.reps):
+            for name, run in (
+                ("dead agent, ftrun", lambda d: dead_agent("ftrun", d, args.bound)),
+                ("dead agent, torchrun", lambda d: dead_agent("torchrun", d, args.bound)),
+                ("exclusion -> spare training, ftrun", lambda d: exclusion(d, args.bound)),
+                ("frozen peer -> restarted, ftrun", lambda d: frozen_peer("ftrun", d, args.bound)),
+                ("frozen peer -> restarted, torchrun", lambda d: frozen_peer("torchrun", d, args.bound)),
+            ):
+                workdir = Path(tmp) / f"{rep}-{len(figures.get(name, []))}-{name.split(',')[0].replace(' ', '_')}"
+                workdir = workdir.with_name(workdir.name + ("-t" if "torchrun" in name else "-f"))
+                workdir.mkdir()
+                value = run(workdir)
+                figures.setdefault(name, []).append(value)
+                shown = "never" if value is None else f"{value:.2f} s"
+                print(f"rep {rep} {name:38s} {shown}", flush=True)
+    print()
+    for name, values in figures.items():
+        print(f"{name:38s} {describe(values)}")
+
+
+if __name__ == "__main__":
+    main()
