@@ -126,14 +126,23 @@ def test_the_round_is_over_stop_then_ask_again() -> None:
 
 
 def test_the_job_failed_elsewhere_stop_then_report_it_and_exit_1() -> None:
-    _, [stop, stopped] = walk(running(), advice(Action.FAIL), WorkersStopped())
+    failed = RoundRecord(1, Status.FAILED, failed_node="b", reason="workers of b failed; budget spent")
+    _, [stop, stopped] = walk(
+        running(), RendezvousAdvised(Decision(Action.FAIL, "failed", record=failed)), WorkersStopped()
+    )
     assert stop == (StopWorkers(),)
     assert stopped == (ReportFailure(will_restart=False), Finish(Outcome.FAILED))
 
 
+def test_the_job_failed_with_no_node_to_blame_stop_then_exit_1() -> None:
+    _, [stop, stopped] = walk(running(), advice(Action.FAIL), WorkersStopped())
+    assert stop == (StopWorkers(),)
+    assert stopped == (Finish(Outcome.FAILED),)
+
+
 def test_a_round_reopened_for_a_failure_elsewhere_is_reported_here_once_the_job_goes_on() -> None:
     reopened = RendezvousAdvised(
-        Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1, reason="x failed"))
+        Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1, failed_node="b"))
     )
     state, [stop, _] = walk(running(), reopened, WorkersStopped())
     assert stop == (StopWorkers(),)
@@ -142,8 +151,8 @@ def test_a_round_reopened_for_a_failure_elsewhere_is_reported_here_once_the_job_
     assert answer[0] == ReportFailure(will_restart=True)
 
 
-def test_a_round_reopened_to_scale_up_is_not_a_failure_to_report() -> None:
-    grown = RendezvousAdvised(Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN)))
+def test_a_round_reopened_to_scale_up_or_for_a_lost_node_is_not_a_failure_to_read_from_the_store() -> None:
+    grown = RendezvousAdvised(Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1)))
     state, _ = walk(running(), grown, WorkersStopped())
     assert not state.report_owed
 

@@ -272,3 +272,14 @@ def test_a_member_that_stopped_the_job_fails_the_round_for_every_node_with_its_r
     assert (d.record.status, d.record.reason) == (Status.FAILED, why)
     everyone = decide(follower(d.record, 1, me="b", running_round=1), RULES)
     assert (everyone.action, why in everyone.reason) == (Action.FAIL, True)
+
+
+def test_a_round_reopened_for_my_workers_failure_names_me_as_the_failed_node() -> None:
+    d = decide(follower(closed("a", "b"), 1, running_round=1, local_failure=True), RULES)
+    assert d.action is Action.REOPEN
+    assert d.record is not None
+    assert d.record.failed_node == "a"
+    assert decode_round(encode_round(d.record)).failed_node == "a"
+    lost = decide(view(closed("a", "b"), nodes("a")), RULES)
+    assert lost.record is not None
+    assert lost.record.failed_node == ""  # a lost node publishes nothing: nobody waits for it

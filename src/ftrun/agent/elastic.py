@@ -76,7 +76,6 @@ class State:
     signal: int | None = None
     signal_name: str = ""  # SIGTERM
     joined: bool = False  # the rendezvous said something other than "finished": this node took part
-    restarts: int = 0  # the job's failure count when my workers' round closed (a higher one: a failure elsewhere)
 
 
 def initial() -> State:
@@ -130,14 +129,13 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
             local=Local(d.assignment.round),
             attempts=state.attempts + 1,
             failed=False,
-            restarts=d.assignment.restarts,
         )
         return Transition(running, (*report, start), d.reason)
     if d.action is Action.STOP:
         if state.running:
             # A round reopened for a failure elsewhere: this node reports it too (read from the store), once
             # the rendezvous says whether the job goes on.
-            elsewhere = d.record is not None and d.record.failures > state.restarts and not state.failed
+            elsewhere = d.record is not None and bool(d.record.failed_node) and not state.failed
             stopping = replace(state, phase=Phase.STOPPING, local=Local(), report_owed=state.report_owed or elsewhere)
             return Transition(stopping, (*report, StopWorkers()), d.reason)
         return Transition(replace(state, local=Local()), (*report, AskRendezvous(Local())), d.reason)
@@ -145,7 +143,9 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
         return _finishing(replace(state, phase=Phase.FINISHING), report, d.reason)
     if d.action is Action.FAIL:
         if state.running:  # the job failed elsewhere while my workers ran: say so once they are stopped
-            return Transition(replace(state, phase=Phase.FAILING, report_owed=True), (*report, StopWorkers()), d.reason)
+            elsewhere = d.record is not None and bool(d.record.failed_node) and not state.failed
+            failing = replace(state, phase=Phase.FAILING, report_owed=state.report_owed or elsewhere)
+            return Transition(failing, (*report, StopWorkers()), d.reason)
         return _done(state, (*report, Finish(Outcome.FAILED)), d.reason)
     return Transition(state, report, d.reason)  # WAIT, STANDBY: until the store changes or wake_at
 

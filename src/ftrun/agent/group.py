@@ -33,6 +33,7 @@ from ftrun.agent.driver import (
 from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import read_modules_report
+from ftrun.agent.reports import Attempt, Reports
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.watch import WorkerWatch
@@ -44,12 +45,6 @@ from ftrun.monitor.requests import Action, Request
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import (
-    FailureReport,
-    build_report,
-    outcome_from_json,
-    outcome_json,
-    render,
-    write_json,
     write_launcher_error_file,
 )
 
@@ -73,16 +68,17 @@ class LocalGroup:
         self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
         self._wakeup = SignalWakeup()
         self._watch = WorkerWatch(config, clock, self.emit, self.say)
+        self._reports = Reports(
+            config.run_id, host, self.run_dir, console, self.emit, lambda t: self.say(t, always=True)
+        )
         self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
         self._last_reason = ""
         self._finished = False
-        self._reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime when read
+        self._module_reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
-        self._last_report: FailureReport | None = None
-        self._board: JobBoard | None = None  # an elastic job's nodes share their root causes and hang verdicts
         self._round: int | None = None
         self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
@@ -197,7 +193,7 @@ class LocalGroup:
             happened += self._signals()
         happened += self._requests()
         for hung in self._watch.check(self._processes.running):
-            self._publish_verdict(hung)
+            self._reports.publish_hang(hung, self._round)
             happened.append(WorkerHung(hung.local_rank))
         if not happened:  # a failure is answered first (learning may start a zygote: tens of ms)
             self._learn_modules(self._processes.workers)
@@ -226,86 +222,29 @@ class LocalGroup:
         )
         self._settle()
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
+        self._reports.publish_root_cause(self._this_attempt)
         return [*exits, *late, WorkersStopped()]
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
         elsewhere, or a hang whose quiet ranks here only waited."""
-        self._board = board
+        self._reports.board = board
 
     def report_failure(self, will_restart: bool) -> None:
-        """Write and print the current attempt's failure report, root cause first: this node's, or (when its
-        workers were only stopped) the one another node published."""
-        workers = self._processes.workers
-        if not any(w.state is WorkerState.FAILED for w in workers):
-            self._report_elsewhere(will_restart)
-            return
-        report = build_report(
-            workers,
-            run_id=self.config.run_id,
-            attempt=self._attempt,
-            will_restart=will_restart,
-            master_port=self._master_port,
-            host=self.host,
-            elsewhere=self._suspect_elsewhere(),
-        )
-        if self._board is not None and self._round is not None:
-            self._board.publish_failure(self._round, outcome_json(report.root_cause))
-        self._tell(report, will_restart)
+        """Write and print the current attempt's failure report, root cause first (this node's, or when its
+        workers were only stopped, the one another node published)."""
+        self._reports.report(self._this_attempt, will_restart)
 
-    def _report_elsewhere(self, will_restart: bool) -> None:
-        """The round failed on another node: its root cause, read from the store, with this node's workers
-        listed as stopped (their own errors are the failure's echo, e.g. "Connection closed by peer")."""
-        found = self._board.failure_elsewhere(self._round) if self._board and self._round is not None else None
-        try:
-            root = outcome_from_json(found) if found is not None else None
-        except ValueError:
-            root = None
-        if root is None:
-            self.say("the job failed on another node, which published no root cause in time", always=True)
-            return
-        report = build_report(
-            self._processes.workers,
-            run_id=self.config.run_id,
-            attempt=self._attempt,
-            will_restart=will_restart,
-            master_port=self._master_port,
-            host=self.host,
-            root=root,
-        )
-        self._tell(report, will_restart)
-
-    def _tell(self, report: FailureReport, will_restart: bool) -> None:
-        path = self.run_dir / f"attempt_{self._attempt}" / "failure_report.json"
-        write_json(report, path)
-        self._last_report = report
-        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
-        root = report.root_cause
-        self.emit(
-            EventKind.FAILURE,
-            attempt=self._attempt,
-            will_restart=will_restart,
-            report=str(path),
-            root_cause={
-                "rank": root.rank,
-                "local_rank": root.local_rank,
-                "pid": root.pid,
-                "exit_code": root.exit_code,
-                "signal": root.signal,
-                "exit_mono": root.exit_mono,
-                "exit_wall": root.exit_wall,
-                "summary": root.summary(),
-            },
-            elsewhere=report.elsewhere
-            and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why")},
-        )
+    @property
+    def _this_attempt(self) -> Attempt:
+        return Attempt(self._processes.workers, self._attempt, self._round, self._master_port)
 
     def finish(self, finish: Finish) -> int:
         """End the run: the last event, the summary; returns ftrun's exit code."""
         self._settle()
         own = self.config.launcher_error_file
-        if finish.outcome is Outcome.FAILED and own is not None and self._last_report is not None:
-            write_launcher_error_file(self._last_report, own)
+        if finish.outcome is Outcome.FAILED and own is not None and self._reports.last is not None:
+            write_launcher_error_file(self._reports.last, own)
         self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
         self._finished = True
         self.say(summarize(self.events.events).render(), always=True)
@@ -383,24 +322,6 @@ class LocalGroup:
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
-    def _publish_verdict(self, w: Worker) -> None:
-        if self._board is None or self._round is None or w.hang is None:
-            return
-        h = w.hang
-        verdict = {"rank": w.rank, "host": self.host, "pid": w.pid, "what": h.what, "why": h.why}
-        self._board.publish_hang(self._round, {**verdict, "waiting": h.waiting, "stacks": h.stacks})
-
-    def _suspect_elsewhere(self) -> dict[str, object] | None:
-        """When every rank found quiet here waited for its peers in a collective: the rank another node
-        found hung outside one (the job's root cause), if it tells within a few seconds."""
-        hangs = [w.hang for w in self._processes.workers if w.hang is not None]
-        if self._board is None or self._round is None or not hangs or not all(h.waiting for h in hangs):
-            return None
-        found = self._board.suspect_elsewhere(self._round)
-        if found is None:
-            self.say("every quiet rank here waited in a collective, and no other node named a suspect", always=True)
-        return found
-
     @property
     def _wake_fds(self) -> tuple[int, ...]:
         return (self._wakeup.fd, *self._watch.fds)
@@ -463,9 +384,9 @@ class LocalGroup:
                 stamp = path.stat().st_mtime_ns
             except OSError:
                 continue
-            if self._reports.get(path) == stamp:
+            if self._module_reports.get(path) == stamp:
                 continue
-            self._reports[path] = stamp
+            self._module_reports[path] = stamp
             modules = read_modules_report(path)
             if modules is not None:
                 self._spawner.learn(modules)

@@ -71,6 +71,7 @@ class RoundRecord:
     master_port: int = 0
     nproc: tuple[int, ...] = ()  # workers per member, aligned with ``members``
     reason: str = ""  # why this round was opened or closed, for humans and logs
+    failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +155,7 @@ def decide(view: View, rules: Rules) -> Decision:
     if r is not None and r.status is Status.FINISHED:
         return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
     if r is not None and r.status is Status.FAILED:
-        return Decision(Action.FAIL, f"the job failed in round {r.round}: {r.reason}")
+        return Decision(Action.FAIL, f"the job failed in round {r.round}: {r.reason}", record=r)
     if view.running_round is not None:
         stop = _fenced(view)
         if stop is not None:
@@ -239,10 +240,12 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
             done = RoundRecord(**{**_fields(r), "status": Status.FINISHED, "reason": f"{view.me} finished"})
             return Decision(Action.COMPLETE, f"round {r.round} succeeded", record=done)
         if view.running_round == r.round and view.stop_job:
-            stopped = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": view.stop_job})
+            stopped = RoundRecord(
+                **{**_fields(r), "status": Status.FAILED, "reason": view.stop_job, "failed_node": view.me}
+            )
             return Decision(Action.ABORT, view.stop_job, record=stopped)
         if view.running_round == r.round and view.local_failure:
-            return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True)
+            return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True, by=view.me)
         return Decision(Action.RUN, f"member of round {r.round}", assignment=node_assignment(r, view.me))
     if view.registered != r.round:
         # A key first, so that the leader counts this node when the next round opens.
@@ -252,13 +255,16 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
     return Decision(Action.STANDBY, f"hot spare: round {r.round} is full ({rules.max_nodes} nodes)")
 
 
-def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False) -> Decision:
+def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "") -> Decision:
+    """``by``: the node whose workers failed (the others read its root cause)."""
     failures = r.failures + (1 if failure else 0)
     if failures > rules.max_restarts:
         spent = f"{reason}; restart budget spent ({rules.max_restarts} restarts)"
-        failed = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": spent})
+        failed = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": spent, "failed_node": by})
         return Decision(Action.ABORT, spent, record=failed)
-    record = RoundRecord(round=r.round + 1, status=Status.OPEN, previous=r.members, failures=failures, reason=reason)
+    record = RoundRecord(
+        round=r.round + 1, status=Status.OPEN, previous=r.members, failures=failures, reason=reason, failed_node=by
+    )
     return Decision(Action.REOPEN, f"opening round {r.round + 1}: {reason}", record=record)
 
 
@@ -347,6 +353,7 @@ def decode_round(raw: bytes) -> RoundRecord:
         master_port=_get(doc, what, "master_port", int),
         nproc=tuple(nproc),
         reason=_get(doc, what, "reason", str),
+        failed_node=str(doc.get("failed_node") or ""),
     )
     if record.round < 1 or record.failures < 0 or not 0 <= record.master_port <= 65535:
         raise RecordError(f"{what}: round, failures or master_port out of range")
