@@ -1,8 +1,9 @@
 """Node-level events between several agents on this machine: how long until the job trains again.
 
-  dead agent     two agents (1:2 nodes, one worker each, the default keep-alive: 5 s x 3); the one that does not
-                 host the store is SIGKILLed; figure: the kill -> the survivor's worker stepping in a new round.
-                 ftrun (embedded store, c10d) against torchrun (c10d), alternating.
+  dead agent     two agents (1:2 nodes, one worker each, the default keep-alive: 5 s x 3), a gloo job with an
+                 all-reduce per step; the agent that does not host the store is SIGKILLed (its worker with
+                 it); figure: the kill -> the survivor's worker stepping alone in a new round. ftrun
+                 (embedded store, c10d) against torchrun (c10d), alternating.
   exclusion      two members and a hot spare (2:2 nodes); rank 1 calls ftrun.exclude_this_node(); figure: the
                  call -> the spare's worker stepping in its place. ftrun only (NVIDIA's launcher acts at the
                  next failure; torchrun has no such call).
@@ -33,44 +34,34 @@ from pathlib import Path
 FTRUN = [sys.executable, "-m", "ftrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
-STEPPER = """
-import json, os, sys, time
+JOB = """
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
 timeline, mode = sys.argv[1], sys.argv[2]
-rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-world = int(os.environ["WORLD_SIZE"])
+dist.init_process_group("gloo")
+if mode == "freeze":
+    try:
+        import ftrun
+        ftrun.start_peer_heartbeat(period_s=0.5, timeout_s=3.0)
+    except (ImportError, RuntimeError):
+        pass  # torchrun: no peer heartbeat
+rank, world = dist.get_rank(), dist.get_world_size()
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 def record(event):
     with open(timeline, "a") as f:
         f.write(json.dumps({"event": event, "rank": rank, "restart": restart, "world": world,
                             "pid": os.getpid(), "wall": time.time()}) + "\\n")
-for step in range(10**6):
-    record("step")
-    if mode == "exclude" and rank == 1 and restart == 0 and step == 20:
-        import ftrun
-        record("exclude")
-        ftrun.exclude_this_node("bench: this node leaves")
-    time.sleep(0.05)
-"""
-
-FROZEN = """
-import json, os, signal, sys, time
-import torch, torch.distributed as dist
-timeline = sys.argv[1]
-dist.init_process_group("gloo")
-try:
-    import ftrun
-    ftrun.start_peer_heartbeat(period_s=0.5, timeout_s=3.0)
-except (ImportError, RuntimeError):
-    pass  # torchrun: no peer heartbeat
-rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-def record(event):
-    with open(timeline, "a") as f:
-        f.write(json.dumps({"event": event, "rank": rank, "restart": restart, "wall": time.time()}) + "\\n")
 t = torch.ones(4)
 for step in range(10**6):
-    if rank == 1 and restart == 0 and step == 20:
+    if rank == 1 and restart == 0 and step == 20 and mode == "exclude":
+        import ftrun
+        open(sys.argv[3]).read()  # a FIFO: the bench opens it once the hot spare waits
+        record("exclude")
+        ftrun.exclude_this_node("bench: this node leaves")
+    if rank == 1 and restart == 0 and step == 20 and mode == "freeze":
         record("frozen")
         os.kill(os.getpid(), signal.SIGSTOP)
-    dist.all_reduce(t)
+    dist.all_reduce(t)  # the job's own collective: a lost peer breaks it
     record("step")
     time.sleep(0.05)
 """
@@ -119,7 +110,7 @@ def stop_all(procs: list[subprocess.Popen[bytes]], workdir: Path) -> None:
 
 def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(STEPPER)
+    job.write_text(JOB)
     port = free_port()
     base = FTRUN if launcher == "ftrun" else TORCHRUN
     flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
@@ -145,19 +136,23 @@ def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
 
 def exclusion(workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(STEPPER)
+    job.write_text(JOB)
     port = free_port()
     flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
     flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [launch([*FTRUN, *flags, str(job), str(timeline), "exclude"], workdir / f"{n}.log", env) for n in "ab"]
+    gate = workdir / "gate"
+    os.mkfifo(gate)
+    args = [str(job), str(timeline), "exclude", str(gate)]
+    procs = [launch([*FTRUN, *flags, *args], workdir / f"{n}.log", env) for n in "ab"]
     try:
         if wait_for(timeline, lambda r: r["world"] == 2, bound) is None:
             return None
-        procs.append(launch([*FTRUN, *flags, str(job), str(timeline), "exclude"], workdir / "spare.log", env))
+        procs.append(launch([*FTRUN, *flags, *args], workdir / "spare.log", env))
         deadline = time.monotonic() + bound
         while b"hot spare" not in (workdir / "spare.log").read_bytes() and time.monotonic() < deadline:
             time.sleep(0.05)
+        gate.write_text("go\n")  # all agents share this host: the spare must be in before the host is excluded
         excluded = wait_for(timeline, lambda r: r["event"] == "exclude", bound)
         if excluded is None:
             return None
@@ -170,13 +165,13 @@ def exclusion(workdir: Path, bound: float) -> float | None:
 
 def frozen_peer(launcher: str, workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(FROZEN)
+    job.write_text(JOB)
     port = free_port()
     base = FTRUN if launcher == "ftrun" else TORCHRUN
     flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
     flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [launch([*base, *flags, str(job), str(timeline)], workdir / f"{n}.log", env) for n in "ab"]
+    procs = [launch([*base, *flags, str(job), str(timeline), "freeze"], workdir / f"{n}.log", env) for n in "ab"]
     try:
         frozen = wait_for(timeline, lambda r: r["event"] == "frozen", bound * 2)
         if frozen is None:
