@@ -74,6 +74,13 @@ def free_port() -> int:
         return port
 
 
+def agent_flags(nnodes: str) -> list[str]:
+    """One worker per agent, the embedded store on a free port hosted by the first agent (c10d)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    flags = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
+    return [*flags, "--rdzv-endpoint", endpoint, "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+
+
 def records(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -111,10 +118,8 @@ def stop_all(procs: list[subprocess.Popen[bytes]], workdir: Path) -> None:
 def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
     job.write_text(JOB)
-    port = free_port()
     base = FTRUN if launcher == "ftrun" else TORCHRUN
-    flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
-    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    flags = agent_flags("1:2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     host = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "host.log", env)
     procs = [host]
@@ -137,9 +142,7 @@ def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
 def exclusion(workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
     job.write_text(JOB)
-    port = free_port()
-    flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
-    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    flags = agent_flags("2:2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     gate = workdir / "gate"
     os.mkfifo(gate)
@@ -166,10 +169,8 @@ def exclusion(workdir: Path, bound: float) -> float | None:
 def frozen_peer(launcher: str, workdir: Path, bound: float) -> float | None:
     job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
     job.write_text(JOB)
-    port = free_port()
     base = FTRUN if launcher == "ftrun" else TORCHRUN
-    flags = ["--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d"]
-    flags += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", "last_call_timeout=1"]
+    flags = agent_flags("2:2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [launch([*base, *flags, str(job), str(timeline), "freeze"], workdir / f"{n}.log", env) for n in "ab"]
     try:

@@ -27,8 +27,8 @@ if rank == int(sys.argv[2]) and restart == 0:
         open(sys.argv[4]).read()  # a FIFO: the test says when (e.g. once a hot spare waits)
     getattr(ftrun, action)("loss is NaN at step 7")
     time.sleep(600)  # the agent stops it: the request took effect now, not at the next failure
-if len(sys.argv) > 3 and sys.argv[3] == "forever":
-    time.sleep(600)
+if len(sys.argv) > 3 and (sys.argv[3] == "forever" or (sys.argv[3] == "hold" and restart == 0)):
+    time.sleep(600)  # "hold": the other ranks wait for the request to take effect
 """
 
 
@@ -178,7 +178,7 @@ def test_requests_are_events_on_the_node_that_made_them(tmp_path: Path, script: 
 def test_a_restart_request_on_one_node_restarts_every_node(
     tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
 ) -> None:
-    start = _agents(tmp_path, rdzv, "2:2", "request_restart", "1")
+    start = _agents(tmp_path, rdzv, "2:2", "request_restart", "1", "hold")
     agents = [start(n) for n in ("a", "b")]
     live.extend(agents)
     for agent in agents:

@@ -19,6 +19,7 @@ import faulthandler
 import json
 import mmap
 import os
+import struct
 import time
 import warnings
 from collections.abc import Mapping
@@ -248,29 +249,26 @@ class _Attached:
         raw = json.dumps(timeouts.to_json()).encode()
         if len(raw) > layout.TIMEOUTS_MAX:
             raise ValueError(f"too many section timeouts to publish ({len(raw)} bytes of JSON)")
-        m, base = self._map, self._base
-        (t_seq, _) = layout.TIMEOUTS_HEAD.unpack_from(m, base + layout.OFF_TIMEOUTS_HEAD)
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
-        m[base + layout.OFF_TIMEOUTS : base + layout.OFF_TIMEOUTS + len(raw)] = raw
-        layout.TIMEOUTS_HEAD.pack_into(m, base + layout.OFF_TIMEOUTS_HEAD, t_seq + 1, len(raw))
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
+        self._publish(layout.TIMEOUTS_HEAD, layout.OFF_TIMEOUTS_HEAD, layout.OFF_TIMEOUTS, raw)
 
     @property
     def calculated(self) -> Timeouts:
         return self._calculated
 
+    def _publish(self, head: struct.Struct, head_at: int, data_at: int, raw: bytes) -> None:
+        """Write ``raw`` in one of the slot's JSON areas and bump its sequence number, under the seqlock."""
+        m, base = self._map, self._base
+        (seq, *_) = head.unpack_from(m, base + head_at)
+        self._seq += 1
+        layout.SEQ.pack_into(m, base, self._seq)
+        m[base + data_at : base + data_at + len(raw)] = raw
+        head.pack_into(m, base + head_at, seq + 1, len(raw))
+        self._seq += 1
+        layout.SEQ.pack_into(m, base, self._seq)
+
     def request(self, raw: bytes) -> None:
         """Write a workload control request in the slot, then wake the agent (rare: never in the hot path)."""
-        m, base = self._map, self._base
-        (r_seq, _) = layout.REQUEST_HEAD.unpack_from(m, base + layout.OFF_REQUEST_HEAD)
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
-        m[base + layout.OFF_REQUEST : base + layout.OFF_REQUEST + len(raw)] = raw
-        layout.REQUEST_HEAD.pack_into(m, base + layout.OFF_REQUEST_HEAD, r_seq + 1, len(raw))
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
+        self._publish(layout.REQUEST_HEAD, layout.OFF_REQUEST_HEAD, layout.OFF_REQUEST, raw)
         os.kill(self._agent, REQUEST_SIGNAL)
 
 
