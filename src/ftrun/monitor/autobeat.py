@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from ftrun.monitor import client
+from ftrun.monitor.master_wait import hook_rendezvous
 
 
 def _hook_optimizer(module: ModuleType) -> None:
@@ -50,7 +51,11 @@ def _hook_data_loader(module: ModuleType) -> None:
     iterator.__next__ = __next__  # type: ignore[union-attr]
 
 
-HOOKS = {"torch.optim.optimizer": _hook_optimizer, "torch.utils.data.dataloader": _hook_data_loader}
+HOOKS = {
+    "torch.optim.optimizer": _hook_optimizer,
+    "torch.utils.data.dataloader": _hook_data_loader,
+    "torch.distributed.rendezvous": hook_rendezvous,  # a warm start's race for rank 0's TCPStore (master_wait)
+}
 
 
 def install() -> None:
