@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun.clock import Clock
@@ -48,34 +48,11 @@ class JobBoard:
     def suspect_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
         """Another node's verdict that blames a rank not waiting for its peers, waiting for one at most
         ``timeout_s`` (the nodes find the hang at about the same time); None when none came."""
-        prefix = self._prefix("hang", round_)
-        deadline = self._clock.monotonic() + timeout_s
-        try:
-            kvs, revision = self._store.list_prefix(prefix)
-            found = self._suspect(kv.value for kv in kvs)
-            if found is not None:
-                return found
-            with self._store.watch(prefix, revision + 1) as watch:
-                while (left := deadline - self._clock.monotonic()) > 0:
-                    event = watch.get(left)
-                    if event is None:
-                        return None
-                    found = self._suspect([event.value])
-                    if found is not None:
-                        return found
-        except StoreError:
-            return None
-        return None
 
-    def _suspect(self, values: Any) -> dict[str, Any] | None:
-        for value in values:
-            try:
-                verdict = json.loads(value)
-            except ValueError:
-                continue
-            if isinstance(verdict, dict) and verdict.get("node") != self._node and not verdict.get("waiting"):
-                return verdict
-        return None
+        def blames(v: dict[str, Any]) -> bool:
+            return v.get("node") != self._node and not v.get("waiting")
+
+        return next(iter(self._await("hang", round_, blames, timeout_s)), None)
 
     def publish_failure(self, round_: int, root_cause: Mapping[str, Any]) -> None:
         """This node's root cause of the round's failure, for the nodes whose workers were only stopped."""
@@ -85,21 +62,32 @@ class JobBoard:
     def failure_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
         """The earliest root cause another node published for the round, waiting for one at most ``timeout_s``
         (it is published once that node has stopped its workers)."""
-        prefix = self._prefix("failure", round_)
+        found = self._await("failure", round_, lambda v: True, timeout_s)
+        return min(found, key=lambda v: float(v.get("exit_wall") or v.get("hang_wall") or 0.0), default=None)
+
+    def _await(
+        self, kind: str, round_: int, accept: Callable[[dict[str, Any]], bool], timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """The records of ``kind`` for the round that ``accept`` takes: those there now, else the first one to
+        come within ``timeout_s``; [] when none (or the store cannot be read: only the cross-check is lost)."""
+        prefix = self._prefix(kind, round_)
         deadline = self._clock.monotonic() + timeout_s
         try:
             kvs, revision = self._store.list_prefix(prefix)
-            found = [v for v in (_object(kv.value) for kv in kvs) if v is not None]
-            if not found:
-                with self._store.watch(prefix, revision + 1) as watch:
-                    while not found and (left := deadline - self._clock.monotonic()) > 0:
-                        event = watch.get(left)
-                        if event is None:
-                            break
-                        found = [v for v in (_object(event.value),) if v is not None]
+            found = [v for v in map(_object, (kv.value for kv in kvs)) if v is not None and accept(v)]
+            if found:
+                return found
+            with self._store.watch(prefix, revision + 1) as watch:
+                while (left := deadline - self._clock.monotonic()) > 0:
+                    event = watch.get(left)
+                    if event is None:
+                        break
+                    v = _object(event.value)
+                    if v is not None and accept(v):
+                        return [v]
         except StoreError:
-            return None
-        return min(found, key=lambda v: float(v.get("exit_wall") or v.get("hang_wall") or 0.0), default=None)
+            pass
+        return []
 
     def _prefix(self, kind: str, round_: int) -> str:
         return f"{self._root}{kind}/{round_}/"
