@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
+
 FTRUN = [sys.executable, "-m", "ftrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -105,14 +107,7 @@ def stop_all(procs: list[subprocess.Popen[bytes]], workdir: Path) -> None:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    mark = str(workdir).encode()
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if mark in f.read():
-                    os.kill(int(entry), signal.SIGKILL)
-        except OSError:
-            continue
+    kill_leftovers(workdir)
 
 
 def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
