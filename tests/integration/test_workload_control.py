@@ -145,12 +145,15 @@ def test_an_excluded_node_leaves_for_good_and_a_spare_takes_its_place(
 def test_an_excluded_node_without_a_spare_leaves_the_others_going_on(
     tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
 ) -> None:
-    start = _agents(tmp_path, rdzv, "1:2", "exclude_this_node", "1", "forever")
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    start = _agents(tmp_path, rdzv, "1:2", "exclude_this_node", "1", "forever", str(gate))
     agents = [start(n) for n in ("a", "b")]
     live.extend(agents)
     for agent in agents:  # both in a round of two (maybe after one of one, until the other came)
         agent.wait_for_lines(r"up rank=\d world=2", 1)
     leaving, staying = agents if re.search(r"up rank=1 world=2", "\n".join(agents[0].lines)) else reversed(agents)
+    gate.write_text("go\n")  # only now: rank 0 could otherwise be stopped before it said it was up
     assert leaving.wait(WAIT_S) == 3, leaving.stderr()
     alone = len([line for line in staying.lines if "world=1" in line]) + 1
     staying.wait_for_lines(r"up rank=0 world=1", alone)  # the other goes on alone, in a new round
