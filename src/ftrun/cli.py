@@ -165,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ftrun.store.serve import main as store_main
 
         return store_main(args[1:], os.environ)
+    if args[:1] == ["status"]:
+        from ftrun.status import main as status_main
+
+        return status_main(args[1:], os.environ)
     try:
         config = parse(args, os.environ, Path.cwd())
     except ConfigError as e:

@@ -31,6 +31,7 @@ class EventKind(enum.Enum):
     TEARDOWN_STUCK = "teardown_stuck"  # a worker's script ended but its interpreter's teardown hung; ended
     TIMER_EXPIRED = "timer_expired"  # torch's FileTimer: a worker's timer expired; it gets the timer's signal
     REQUEST = "request"  # a worker asked ftrun to exclude its node, stop the job, or restart it (workload control)
+    FIRST_STEP = "first_step"  # an attempt's first heartbeat (of any of its ranks): training begins
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
     GROUP_STOPPING = "group_stopping"
@@ -166,10 +167,9 @@ def summarize(events: Iterable[Event]) -> RunSummary:
         elif e.kind is EventKind.FAILURE:
             cause = e.data.get("root_cause") or {}
             root_causes.append(cause)
-            failed_mono = _failed_mono(cause, e)
-            failed_at = failed_mono
+            failed_at = failed_mono(cause, e)
             if attempt_start is not None:
-                failed_work += max(0.0, failed_mono - attempt_start)
+                failed_work += max(0.0, failed_at - attempt_start)
         elif e.kind is EventKind.RESTART:
             restarts += 1
         elif e.kind is EventKind.RUN_FINISHED:
@@ -181,7 +181,7 @@ def summarize(events: Iterable[Event]) -> RunSummary:
     return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts)
 
 
-def _failed_mono(cause: Mapping[str, Any], e: Event) -> float:
+def failed_mono(cause: Mapping[str, Any], e: Event) -> float:
     """When the root cause failed, on this agent's monotonic clock (another node's is known by wall time)."""
     if cause.get("exit_mono") is not None:
         return float(cause["exit_mono"])

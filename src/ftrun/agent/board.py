@@ -39,6 +39,15 @@ class JobBoard:
         self._node = node
         self._clock = clock
 
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def publish_status(self, record: bytes) -> None:
+        """This node's status record (:mod:`ftrun.agent.status`), for ``ftrun status`` through the store."""
+        with contextlib.suppress(StoreError):
+            self._store.put(f"{self._root}status/{self._node}", record)
+
     def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
         """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""
         record = {**verdict, "node": self._node, "stacks": str(verdict.get("stacks", ""))[:MAX_STACKS_CHARS]}
@@ -99,3 +108,9 @@ def _object(value: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return found if isinstance(found, dict) else None
+
+
+def read_statuses(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Every node's last status record in the job's store, in node order (unreadable ones left out)."""
+    kvs, _ = store.list_prefix(f"/ftrun/{run_id}/status/")
+    return [v for v in (_object(kv.value) for kv in sorted(kvs, key=lambda kv: kv.key)) if v is not None]

@@ -36,11 +36,13 @@ from ftrun.agent.preload import read_modules_report
 from ftrun.agent.reports import Attempt, Reports
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
+from ftrun.agent.status import NodeStatus, progress
 from ftrun.agent.watch import WorkerWatch
 from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
+from ftrun.goodput import measure
 from ftrun.monitor.requests import Action, Request
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
@@ -72,6 +74,8 @@ class LocalGroup:
             config.run_id, host, self.run_dir, console, self.emit, lambda t: self.say(t, always=True)
         )
         self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
+        self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
+        self._world_size = config.nproc_per_node
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -122,6 +126,7 @@ class LocalGroup:
         self._processes.close()
         self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds)
         self._attempt, self._master_port, self._round = command.attempt, master_port, command.round
+        self._world_size = placement.world_size or c.nproc_per_node
         if command.attempt:
             self.emit(EventKind.RESTART, restart_count=command.restart_count)
         self.emit(
@@ -184,9 +189,11 @@ class LocalGroup:
         Returns what happened (exits, signals to ftrun, hangs found) and whether
         ``also`` (an extra fd, the rendezvous') became readable.
         """
-        check = self._watch.seconds_to_next_check(bool(self._processes.running))
-        if check is not None:
-            timeout_s = check if timeout_s is None else min(timeout_s, check)
+        running = bool(self._processes.running)
+        self._update_status()
+        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running)):
+            if check is not None:
+                timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
@@ -206,7 +213,15 @@ class LocalGroup:
             return [WorkersStopped()]
         first = signal.SIGTERM if first_signal is None else first_signal
         running = [w.rank for w in self._processes.running]
-        self.emit(EventKind.GROUP_STOPPING, attempt=self._attempt, running=running, signal=signal_name(first))
+        slot_of, workers = self._watch.hangs.slot, self._processes.workers
+        self.status.notice_first_step(workers, slot_of)
+        self.emit(
+            EventKind.GROUP_STOPPING,
+            attempt=self._attempt,
+            running=running,
+            signal=signal_name(first),
+            **progress(workers, slot_of),
+        )
         exits: list[Happening] = []
         late: list[Happening] = []
 
@@ -229,6 +244,7 @@ class LocalGroup:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
         elsewhere, or a hang whose quiet ranks here only waited."""
         self._reports.board = board
+        self.status.board, self.status.node = board, board.node
 
     def report_failure(self, will_restart: bool) -> None:
         """Write and print the current attempt's failure report, root cause first (this node's, or when its
@@ -247,7 +263,9 @@ class LocalGroup:
             write_launcher_error_file(self._reports.last, own)
         self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
         self._finished = True
+        self._update_status(force=True)
         self.say(summarize(self.events.events).render(), always=True)
+        self.say(measure(self.events.events).render(), always=True)
         return finish.exit_code
 
     def close(self) -> None:
@@ -296,6 +314,14 @@ class LocalGroup:
         WARNING or above only those said ``always`` (what went wrong, notices, the summary) are shown."""
         if always or not self.config.quiet:
             self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
+
+    def _update_status(self, *, force: bool = False) -> None:
+        workers = self._processes.workers
+        phase = "finished" if self._finished else "running" if self._processes.running else "waiting"
+        self.status.update(
+            workers, self._watch.hangs.slot, self.events.events,
+            phase=phase, round_=self._round, world_size=self._world_size, force=force,
+        )  # fmt: skip
 
     def _echo_event(self, line: str) -> None:
         self._console.write_lines(Std.ERR, f"ftrun event: {line}\n".encode())

@@ -64,6 +64,7 @@ class _Attached:
         self._base = layout.slot_offset(slot)
         self._beat_at = self._base + layout.OFF_BEAT
         self._idle_at = self._base + layout.OFF_IDLE
+        self._step_at = self._base + layout.OFF_STEP
         self._seq = 0
         self._beats = 0
         self.in_charge = False  # the job called heartbeat() or opened a section itself: no automatic beats
@@ -101,6 +102,7 @@ class _Attached:
             faulthandler.register(STACK_SIGNAL, file=self._stacks_file, all_threads=True)
             self._flags |= layout.FLAG_STACKS
         layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
+        layout.STEP.pack_into(self._map, self._step_at, -1)
         layout.IDENTITY.pack_into(self._map, self._base + layout.OFF_IDENTITY, os.getpid(), self._attached)
         atexit.register(self._exiting)
 
@@ -134,8 +136,10 @@ class _Attached:
 
     # --- the hot path --------------------------------------------------------------------------
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, step: int | None = None) -> None:
         self.in_charge = True
+        if step is not None:
+            layout.STEP.pack_into(self._map, self._step_at, step)
         self._beat()
 
     def auto_heartbeat(self) -> None:
@@ -165,6 +169,7 @@ class _Attached:
             self._longest_beat_gap = max(self._longest_beat_gap, now - last)
         else:
             self._first_beat = now - self._spawned
+            layout.FIRST_BEAT.pack_into(self._map, self._base + layout.OFF_FIRST_BEAT, now)
             if self._modules_file:  # the job is running: what it imported is what a warm pool should preload
                 report_modules(self._modules_file)
         self._last_beat = now
@@ -318,7 +323,7 @@ class _Unattached:
     def request(self, raw: bytes) -> None:
         raise RuntimeError(f"ftrun: nothing was done: {self.why}; workload control needs the ftrun launcher")
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, step: int | None = None) -> None:
         pass
 
     def auto_heartbeat(self) -> None:
@@ -379,9 +384,10 @@ def _attach() -> _Attached | _Unattached:
 # --- the worker API (re-exported by ``ftrun``) -------------------------------------------------
 
 
-def heartbeat() -> None:
-    """Tell ftrun this worker is making progress."""
-    _client.heartbeat()
+def heartbeat(step: int | None = None) -> None:
+    """Tell ftrun this worker is making progress; ``step``, the job's own step number, lets ftrun tell how
+    much work a failure cost (a restarted job resumes from its checkpoint's step)."""
+    _client.heartbeat(step)
 
 
 def section(name: str) -> _Section:

@@ -19,6 +19,8 @@ Layout (little endian)::
              t_len      u32  length of that JSON
              ended      f64  when the script itself ended (its interpreter tears down next); 0 before
              end_code   i32  the exit code the script ended with
+             first_beat f64  when the first heartbeat came (0 before it): the attempt's first step
+             step       i64  the step the job last named (heartbeat(step=N)); -1: it never named one
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
              r_seq      u64  bumped after the worker wrote a workload control request (below);
@@ -36,7 +38,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"FTRUNMON"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
 SLOT_SIZE = 4096
@@ -51,8 +53,11 @@ BEAT = struct.Struct("<dQ")  # last_beat, beats: offset 24
 IDLE = struct.Struct("<dII")  # idle_since, open, flags: offset 40
 TIMEOUTS_HEAD = struct.Struct("<QI")  # t_seq, t_len: offset 56
 ENDED = struct.Struct("<di")  # ended, end_code: offset 72
-ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 88
-OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENDED, OFF_ENTRIES = 8, 24, 40, 56, 72, 88
+FIRST_BEAT = struct.Struct("<d")  # offset 88
+STEP = struct.Struct("<q")  # offset 96
+ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 104
+OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENDED = 8, 24, 40, 56, 72
+OFF_FIRST_BEAT, OFF_STEP, OFF_ENTRIES = 88, 96, 104
 OFF_TIMEOUTS = OFF_ENTRIES + MAX_OPEN * ENTRY.size
 REQUEST_AREA = 512
 REQUEST_HEAD = struct.Struct("<QI4x")  # r_seq, r_len
@@ -60,7 +65,7 @@ OFF_REQUEST_HEAD = SLOT_SIZE - REQUEST_AREA
 OFF_REQUEST = OFF_REQUEST_HEAD + REQUEST_HEAD.size
 REQUEST_MAX = SLOT_SIZE - OFF_REQUEST
 TIMEOUTS_MAX = OFF_REQUEST_HEAD - OFF_TIMEOUTS
-_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di")  # seq .. end_code, offsets as above
+_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dq")  # seq .. end_code, offsets as above
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,8 @@ class SlotView:
     end_code: int = 0
     request_seq: int = 0  # how many workload control requests the worker wrote
     request_json: bytes = b""  # the last one
+    first_beat: float = 0.0  # monotonic: the first heartbeat; 0 before it
+    step: int = -1  # the step the job last named; -1: none
 
 
 class CorruptSlot(ValueError):
@@ -92,7 +99,7 @@ def slot_offset(index: int) -> int:
 
 def parse_slot(raw: bytes) -> SlotView:
     fixed = _FIXED.unpack_from(raw)
-    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len, ended, end_code = fixed
+    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len, ended, end_code, first, step = fixed
     if not 0 <= open_ <= MAX_OPEN or not 0 <= t_len <= TIMEOUTS_MAX or pid < 0:
         raise CorruptSlot(f"impossible values (open sections {open_}, timeouts length {t_len}, pid {pid})")
     sections = []
@@ -111,5 +118,5 @@ def parse_slot(raw: bytes) -> SlotView:
     request = bytes(raw[OFF_REQUEST : OFF_REQUEST + r_len])
     return SlotView(
         pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, end_code,
-        r_seq, request,
+        r_seq, request, first, step,
     )  # fmt: skip
