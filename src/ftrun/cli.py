@@ -124,6 +124,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         else None,
         warm=flags.parse_warm(a.no_warm, a.warm, a.preload, environ),
         hang=hang,
+        metrics=flags.parse_metrics(a.metrics_port),
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ftrun import numa
+from ftrun.addresses import parse_port
 from ftrun.agent.signals import CAUGHT
 from ftrun.config import Entrypoint, EntrypointKind, NodeRange, Std, WarmSpec
 from ftrun.devices import count_gpus, count_xpus
@@ -176,6 +177,14 @@ def omp_threads(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
     if "OMP_NUM_THREADS" in environ or nproc <= 1:
         return {}
     return {"OMP_NUM_THREADS": "1"}
+
+
+def parse_metrics(text: str | None) -> tuple[str, int] | None:
+    """``--metrics-port [HOST:]PORT``: where the agent serves /metrics (None: it does not)."""
+    if text is None:
+        return None
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), parse_port("--metrics-port", port)
 
 
 def parse_warm(no_warm: bool, warm: str, preload: str, environ: Mapping[str, str] | None = None) -> WarmSpec:

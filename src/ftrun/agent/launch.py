@@ -41,6 +41,7 @@ from ftrun.store.base import Store
 from ftrun.store.factory import open_store
 
 if TYPE_CHECKING:
+    from ftrun.metrics import Metrics
     from ftrun.store.tcp_server import TcpStoreServer
 
 
@@ -55,7 +56,11 @@ def launch(config: LaunchConfig) -> int:
         spawner = warm_pool(config)
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
+    metrics = serve_metrics(config)  # a port that cannot be served fails before anything starts
     group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname())
+    if metrics is not None:
+        metrics.watch(group)
+        group.say(f"Prometheus metrics at {metrics.url}")
     try:
         server = host_store(config, group)
         try:
@@ -67,6 +72,17 @@ def launch(config: LaunchConfig) -> int:
                 server.stop()
     finally:
         group.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def serve_metrics(config: LaunchConfig) -> Metrics | None:
+    if config.metrics is None:
+        return None
+    from ftrun.metrics import Metrics  # prometheus-client: only when asked for
+
+    host, port = config.metrics
+    return Metrics(host, port)
 
 
 def warm_pool(config: LaunchConfig) -> WarmPool:

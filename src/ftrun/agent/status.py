@@ -29,7 +29,7 @@ from ftrun.monitor.layout import SlotView
 
 STATUS_FILE = "status.json"
 STATUS_VERSION = 1
-REFRESH_S = 2.0  # while workers run: heartbeat stamps stay this fresh
+REFRESH_S = 1.0  # while workers run: heartbeat stamps stay this fresh
 MIN_GAP_S = 0.25  # between two writes for changes
 MAX_SECTIONS = 4  # per rank: the innermost open ones
 MAX_CAUSES = 3
