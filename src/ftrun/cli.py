@@ -166,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ftrun.store.serve import main as store_main
 
         return store_main(args[1:], os.environ)
+    if args[:1] == ["report"]:
+        from ftrun.report import main as report_main
+
+        return report_main(args[1:])
     if args[:1] == ["status"]:
         from ftrun.status import main as status_main
 

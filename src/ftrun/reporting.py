@@ -148,6 +148,24 @@ def outcome_from_json(record: Mapping[str, Any]) -> WorkerOutcome:
         raise ValueError(f"not a root cause: {e}") from None
 
 
+def report_from_json(record: Mapping[str, Any]) -> FailureReport:
+    """A report as written to ``failure_report.json`` (for ``ftrun report``); ValueError if it is not one."""
+    try:
+        return FailureReport(
+            run_id=str(record["run_id"]),
+            attempt=int(record["attempt"]),
+            will_restart=bool(record["will_restart"]),
+            master_port=int(record["master_port"]),
+            root_cause=outcome_from_json(record["root_cause"]),
+            other_failures=tuple(map(outcome_from_json, record.get("other_failures") or ())),
+            stopped_by_ftrun=tuple(map(outcome_from_json, record.get("stopped_by_ftrun") or ())),
+            hint=record.get("hint"),
+            elsewhere=record.get("elsewhere"),
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a failure report: {e}") from None
+
+
 def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
     # ftrun's error record is stamped when the exception was caught, before the
     # interpreter's teardown (which for a torch process can outlast a peer that

@@ -1,0 +1,143 @@
+"""``ftrun report RUN_DIR [RUN_DIR ...]``: the whole history of a run, and a timeline picture of it.
+
+For each node (one run directory each: the agent of each node writes its own),
+every attempt in order: when it started, reached its first step and ended, and
+how; each failure's report (root cause first, with its traceback or stacks, as
+printed when it happened); the time down after it; the goodput. The timeline
+(``timeline.html``, a self-contained page with an SVG drawing) shows the
+attempts of every node on one time axis: start-up, training, failures and the
+gaps between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftrun.errors import ConfigError
+from ftrun.events import Event, EventKind, failed_mono, read_events, summarize
+from ftrun.goodput import measure
+from ftrun.reporting import render, report_from_json
+
+
+@dataclass(slots=True)
+class Span:
+    """One attempt on one node, in wall-clock seconds."""
+
+    number: int
+    start: float
+    end: float | None = None
+    first_step: float | None = None
+    failed: float | None = None  # its root cause failed (on this node or another)
+    cause: str = ""
+    report: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHistory:
+    run_dir: Path
+    host: str
+    run_id: str
+    started: float
+    finished: float | None
+    outcome: str
+    spans: tuple[Span, ...]
+    events: tuple[Event, ...]
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="ftrun report", description="The history of a run, with a timeline picture.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's log directory; one per node")
+    p.add_argument("--timeline", default=None, help="where to write the timeline (default: RUN_DIR/timeline.html)")
+    a = p.parse_args(list(argv))
+    try:
+        from ftrun.status import find_run_dir
+
+        histories = [history(find_run_dir(Path(d))) for d in a.run_dirs]
+    except ConfigError as e:
+        print(f"ftrun report: error: {e}", file=sys.stderr)
+        return 2
+    for h in histories:
+        print(text(h))
+    from ftrun.timeline import write_timeline
+
+    out = Path(a.timeline) if a.timeline else histories[0].run_dir / "timeline.html"
+    write_timeline(histories, out)
+    print(f"timeline: {out}")
+    return 0
+
+
+def history(run_dir: Path) -> NodeHistory:
+    """A node's run, from its event log; raises ConfigError when ``run_dir`` has none."""
+    try:
+        events = read_events(run_dir / "events.jsonl")
+    except (OSError, ValueError) as problem:
+        where = run_dir / "events.jsonl"
+        raise ConfigError("RUN_DIR", f"cannot read {where}: {problem}", "pass a run directory") from None
+    started, finished, host, run_id, outcome = 0.0, None, "?", "?", "unfinished"
+    spans: list[Span] = []
+    for e in events:
+        span = spans[-1] if spans else None
+        if e.kind is EventKind.RUN_STARTED:
+            started, host, run_id = e.wall, str(e.data.get("host")), str(e.data.get("run_id"))
+        elif e.kind is EventKind.ATTEMPT_STARTED:
+            if span is not None and span.end is None:
+                span.end = e.wall
+            spans.append(Span(int(e.data.get("attempt", len(spans))), e.wall))
+        elif e.kind is EventKind.RUN_FINISHED:
+            finished, outcome = e.wall, f"{e.data.get('outcome')} (exit {e.data.get('exit_code')})"
+            if span is not None and span.end is None:
+                span.end = e.wall
+        elif span is None:
+            continue
+        elif e.kind is EventKind.FIRST_STEP and span.first_step is None:
+            span.first_step = e.wall - (e.mono - float(e.data["first_mono"]))
+        elif e.kind is EventKind.GROUP_STOPPING and span.end is None:
+            span.end = e.wall
+        elif e.kind is EventKind.FAILURE:
+            cause = e.data.get("root_cause") or {}
+            span.failed = e.wall - (e.mono - failed_mono(cause, e))
+            span.cause = str(cause.get("summary", ""))
+            found = run_dir / f"attempt_{span.number}" / "failure_report.json"
+            span.report = found if found.exists() else None
+    return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events))
+
+
+def text(h: NodeHistory) -> str:
+    """The history as a person reads it, oldest first."""
+    summary = summarize(h.events)
+    lines = [
+        f"run {h.run_id} on {h.host} ({h.run_dir}): {h.outcome}, {summary.attempts} attempt(s), "
+        f"{summary.restarts} restart(s)"
+    ]
+    for i, s in enumerate(h.spans):
+        end = s.end if s.end is not None else h.finished
+        took = f" ({end - s.start:.1f} s)" if end is not None else ""
+        how = "failed" if s.cause else ("ended" if end is not None else "running")
+        first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
+        lines.append(f"attempt {s.number}: {_clock(s.start)} to {_clock(end)}{took}{first}: {how}")
+        if s.report is not None:
+            report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
+            lines += ["  " + line for line in render(report).splitlines()]
+        elif s.cause:
+            lines.append(f"  root cause: {s.cause}")
+        nxt = h.spans[i + 1] if i + 1 < len(h.spans) else None
+        if s.failed is not None and nxt is not None:
+            back = nxt.first_step if nxt.first_step is not None else nxt.start
+            lines.append(
+                f"  down: {nxt.start - s.failed:.3f} s from the failure to attempt {nxt.number}'s start, "
+                f"{back - s.failed:.1f} s to its first step"
+            )
+    lines.append(measure(h.events).render())
+    return "\n".join(lines)
+
+
+def _clock(wall: float | None) -> str:
+    if wall is None:
+        return "now"
+    return time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"
