@@ -26,8 +26,11 @@ from ftrun.errors import ErrorFileError
 from ftrun.monitor.blame import waiting_in_collective
 
 STDERR_TAIL_LINES = 20
+STDOUT_TAIL_LINES = 10  # shown when a worker wrote nothing to stderr: its last words may be on stdout
 MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
+# The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
+_EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,9 @@ class WorkerOutcome:
     why: str | None = None  # why this rank was blamed for a hang rather than the others that went quiet
     waiting_stacks: str | None = None  # a rank that went quiet waiting for the hung one: its stacks
     request: str | None = None  # its workload control request ("stopped the job: loss is NaN")
+    stdout_tail: tuple[str, ...] = ()  # read only when stderr had nothing
+    last_error: str | None = None  # the last exception line in its stderr (a stopped rank's secondary error)
+    oom_killed: bool = False  # the kernel counted an out-of-memory kill while this attempt ran
 
     @property
     def how(self) -> str:
@@ -91,9 +97,10 @@ class FailureReport:
         return {"v": 1, **asdict(self)}
 
 
-def outcome(worker: Worker, host: str) -> WorkerOutcome:
+def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcome:
     error: ErrorRecord | None = None
     problem: str | None = None
+    stderr_tail = tuple(tail_lines(worker.paths.stderr, STDERR_TAIL_LINES))
     try:
         error = read_error_file(worker.paths.error_file)
     except ErrorFileError as e:
@@ -110,7 +117,7 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
         exit_mono=worker.exit_mono,
         error=error,
         error_file_problem=problem,
-        stderr_tail=tuple(tail_lines(worker.paths.stderr, STDERR_TAIL_LINES)),
+        stderr_tail=stderr_tail,
         stdout_log=str(worker.paths.stdout),
         stderr_log=str(worker.paths.stderr),
         error_file=str(worker.paths.error_file),
@@ -120,7 +127,18 @@ def outcome(worker: Worker, host: str) -> WorkerOutcome:
         why=worker.hang.why if worker.hang and worker.hang.why else None,
         waiting_stacks=worker.waiting_stacks or None,
         request=worker.request or None,
+        stdout_tail=() if stderr_tail else tuple(tail_lines(worker.paths.stdout, STDOUT_TAIL_LINES)),
+        last_error=_last_error(stderr_tail),
+        oom_killed=oom_killed,
     )
+
+
+def _last_error(tail: Sequence[str]) -> str | None:
+    for line in reversed(tail):
+        found = _EXCEPTION_LINE.match(line.strip())
+        if found:
+            return found.group(1)
+    return None
 
 
 def outcome_json(o: WorkerOutcome) -> dict[str, Any]:
@@ -141,6 +159,7 @@ def outcome_from_json(record: Mapping[str, Any]) -> WorkerOutcome:
         values.update(
             error=ErrorRecord(**error) if isinstance(error, dict) else None,
             stderr_tail=tuple(record.get("stderr_tail") or ()),
+            stdout_tail=tuple(record.get("stdout_tail") or ()),
             exit_mono=None,
         )
         return WorkerOutcome(**values)
@@ -190,10 +209,11 @@ def build_report(
     host: str,
     elsewhere: Mapping[str, Any] | None = None,
     root: WorkerOutcome | None = None,
+    oom_killed: bool = False,
 ) -> FailureReport:
     """The report of a failed attempt; raises ValueError if no worker failed. ``root``: the root cause when
     it is on another node (every worker here was stopped because of it)."""
-    outcomes = [outcome(w, host) for w in workers]
+    outcomes = [outcome(w, host, oom_killed) for w in workers]
     failed = sorted((o for o in outcomes if o.state == WorkerState.FAILED.value), key=_earliest_first)
     if root is None:
         if not failed:
@@ -205,6 +225,18 @@ def build_report(
     return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
 
 
+def oom_kills() -> int | None:
+    """The kernel's count of out-of-memory kills since boot (None where /proc/vmstat does not tell)."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _hint(root: WorkerOutcome, port: int) -> str | None:
     text = "\n".join([*root.stderr_tail, root.error.message if root.error else ""])
     if _PORT_IN_USE.search(text):
@@ -213,8 +245,8 @@ def _hint(root: WorkerOutcome, port: int) -> str | None:
             "(another job on this machine?); ftrun picks a fresh free port for the next attempt, "
             "or pass a free --master-port"
         )
-    if root.signal == "SIGKILL":
-        return "SIGKILL from outside ftrun is often the kernel's out-of-memory killer: check `dmesg`"
+    if root.signal == "SIGKILL" and root.oom_killed and not (root.hang or root.request):
+        return "the kernel's out-of-memory killer killed a process while this attempt ran (oom_kill in /proc/vmstat)"
     return None
 
 
@@ -247,8 +279,11 @@ def render(report: FailureReport) -> str:
         if r.stderr_tail:
             lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")
             lines += ["    " + line for line in r.stderr_tail]
+        elif r.stdout_tail:
+            lines.append(f"  nothing on stderr; last {len(r.stdout_tail)} lines of stdout:")
+            lines += ["    " + line for line in r.stdout_tail]
         else:
-            lines.append("  (the worker wrote nothing to stderr)")
+            lines.append("  (the worker wrote nothing, on stderr or stdout)")
     if r.error_file_problem:
         lines.append(f"  error file unreadable: {r.error_file_problem}")
     if report.hint:
@@ -262,6 +297,8 @@ def render(report: FailureReport) -> str:
         where = waiting_in_collective(o.waiting_stacks or "")
         if where:
             lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
+        elif o.last_error:
+            lines.append(f"  a secondary error, after the root cause: {o.last_error[:160]} (in {o.stderr_log})")
     lines.append("=" * 78)
     return "\n".join(lines)
 

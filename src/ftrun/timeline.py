@@ -10,10 +10,8 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ftrun.report import NodeHistory
+from ftrun.history import NodeHistory
 
 WIDTH, ROW, LEFT, TOP = 1000, 36, 160, 40
 COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728"}

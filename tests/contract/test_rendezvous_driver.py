@@ -211,9 +211,10 @@ def test_success_finishes_the_job_and_a_late_node_hears_it(job: Callable[..., Jo
     for n in "ab":
         j.local[n] = Local(running_round=1, job_done=True)
     steps = j.step_until(lambda s: all(x.decision.action is Action.FINISHED for x in s.values()))
-    assert "already finished" in steps["a"].decision.reason
+    assert steps["a"].decision.reason == "the job finished in round 1"  # a member is told plainly
     j.add("late")
     steps = j.step_until(lambda s: s["late"].decision.action is Action.FINISHED)
+    assert "already finished" in steps["late"].decision.reason  # a late node is told it came too late
 
 
 def test_a_join_that_cannot_complete_says_how_many_came(job: Callable[..., Job]) -> None:

@@ -82,12 +82,16 @@ class Executor(Generic[S]):
                 pending.extend(self._wait())
             transition = self._step(self.state, pending.popleft())
             self.state = transition.state
-            if transition.commands and transition.said:
+            # What comes next ("restart 1 of 3") is said after the report of the failure it answers.
+            reported = any(isinstance(c, ReportFailure) for c in transition.commands)
+            if transition.commands and transition.said and not reported:
                 self._group.note(transition.reason)
             for command in transition.commands:
                 if isinstance(command, Finish):
                     return self._group.finish(self._settle(command))
                 pending.extend(self._carry_out(command))
+                if isinstance(command, ReportFailure) and transition.said:
+                    self._group.note(transition.reason)
 
     def _carry_out(self, command: Command) -> list[Happening]:
         if isinstance(command, StartWorkers):

@@ -46,9 +46,7 @@ from ftrun.goodput import measure
 from ftrun.monitor.requests import Action, Request
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
-from ftrun.reporting import (
-    write_launcher_error_file,
-)
+from ftrun.reporting import oom_kills, write_launcher_error_file
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"
@@ -76,6 +74,7 @@ class LocalGroup:
         self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
+        self._oom_kills: int | None = None
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -147,6 +146,7 @@ class LocalGroup:
             self._processes.start_copying()
             if isinstance(self._spawner, WarmPool):
                 self._spawner.refill()
+        self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
         self._learn_modules(previous)  # what the last attempt's workers reported since the last look
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
@@ -198,6 +198,7 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
+            self._failing_scripts()
         happened += self._requests()
         for hung in self._watch.check(self._processes.running):
             self._reports.publish_hang(hung, self._round)
@@ -253,7 +254,7 @@ class LocalGroup:
 
     @property
     def _this_attempt(self) -> Attempt:
-        return Attempt(self._processes.workers, self._attempt, self._round, self._master_port)
+        return Attempt(self._processes.workers, self._attempt, self._round, self._master_port, self._oom_kills)
 
     def finish(self, finish: Finish) -> int:
         """End the run: the last event, the summary; returns ftrun's exit code."""
@@ -264,8 +265,10 @@ class LocalGroup:
         self.emit(EventKind.RUN_FINISHED, exit_code=finish.exit_code, outcome=finish.outcome.value)
         self._finished = True
         self._update_status(force=True)
-        self.say(summarize(self.events.events).render(), always=True)
-        self.say(measure(self.events.events).render(), always=True)
+        summary, goodput = summarize(self.events.events), measure(self.events.events)
+        self.say(summary.render(), always=True)
+        if goodput.stepped or summary.root_causes:  # a clean run of a script with no steps has nothing to add
+            self.say(goodput.render(), always=True)
         return finish.exit_code
 
     def close(self) -> None:
@@ -342,7 +345,22 @@ class LocalGroup:
 
     # --- inside -----------------------------------------------------------------------------------
 
+    def _failing_scripts(self) -> None:
+        """A script that ended with an error wakes the agent before its interpreter's teardown (and the exit
+        its peers notice): the other ranks' stderr leaves the console before they echo its failure."""
+        for w in self._processes.running:
+            slot = self._watch.hangs.slot(w.local_rank)
+            if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code:
+                self._mute_others(w)
+
+    def _mute_others(self, failed: Worker) -> None:
+        for w in self._processes.running:
+            if w is not failed and w.output is not None:
+                w.output.mute_errors()
+
     def _exited(self, w: Worker) -> WorkerExited:
+        if w.state is WorkerState.FAILED:
+            self._mute_others(w)
         self.emit(
             EventKind.WORKER_EXITED, **w.identity(), exit_code=w.exit_code, signal=w.signal_name, state=w.state.value
         )

@@ -96,7 +96,7 @@ class _Pump(threading.Thread):
     ) -> None:
         super().__init__(name=f"ftrun-pump-{label.decode(errors='replace')}{stream.name}", daemon=True)
         self._read_fd, self._file_fd = read_fd, file_fd
-        self._console, self._stream, self._prefix = console, stream, prefix
+        self.console, self.stream, self._prefix = console, stream, prefix
         self._duplicate, self._label = duplicate, label
 
     def run(self) -> None:
@@ -122,11 +122,12 @@ class _Pump(threading.Thread):
             ]
             if wanted:
                 self._duplicate.sink.write(b"".join(self._label + line for line in wanted))
-        if self._console is None:
+        console = self.console  # the agent may mute it meanwhile
+        if console is None:
             return
         if self._prefix:
             lines = b"".join(self._prefix + line for line in lines.splitlines(keepends=True))
-        self._console.write_lines(self._stream, lines)
+        console.write_lines(self.stream, lines)
 
 
 class RankOutput:
@@ -182,6 +183,13 @@ class RankOutput:
         for pump in self._pumps:
             if pump.ident is None:  # not started yet
                 pump.start()
+
+    def mute_errors(self) -> None:
+        """Stop copying stderr to the console (the log keeps it all): after another rank failed, what this one
+        writes there is the failure's echo ("Connection closed by peer"), summarised in the report instead."""
+        for pump in self._pumps:
+            if pump.stream is Std.ERR:
+                pump.console = None
 
     def wait_drained(self, timeout_s: float) -> bool:
         """Wait until every writer (the worker and its children) has closed the pipes."""

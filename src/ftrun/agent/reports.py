@@ -17,7 +17,15 @@ from ftrun.agent.logs import Console
 from ftrun.agent.workers import Worker, WorkerState
 from ftrun.config import Std
 from ftrun.events import EventKind
-from ftrun.reporting import FailureReport, build_report, outcome_from_json, outcome_json, render, write_json
+from ftrun.reporting import (
+    FailureReport,
+    build_report,
+    oom_kills,
+    outcome_from_json,
+    outcome_json,
+    render,
+    write_json,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +36,12 @@ class Attempt:
     number: int
     round: int | None  # the rendezvous round (elastic jobs)
     master_port: int
+    oom_kills_at_start: int | None = None  # the kernel's count when its workers started (/proc/vmstat)
+
+    @property
+    def oom_killed(self) -> bool:
+        now = oom_kills()
+        return self.oom_kills_at_start is not None and now is not None and now > self.oom_kills_at_start
 
 
 class Reports:
@@ -80,6 +94,7 @@ class Reports:
             will_restart=will_restart,
             master_port=a.master_port,
             host=self._host,
+            oom_killed=a.oom_killed,
             **more,  # type: ignore[arg-type]
         )
 

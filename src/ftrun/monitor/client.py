@@ -15,6 +15,7 @@ slot (the agent then simply reads it a moment later).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import mmap
@@ -120,6 +121,9 @@ class _Attached:
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
+        if code:  # a failure: the agent hears of it before the teardown, and before the peers notice the exit
+            with contextlib.suppress(OSError):
+                os.kill(self._agent, REQUEST_SIGNAL)
 
     def _exiting(self) -> None:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""

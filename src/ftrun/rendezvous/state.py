@@ -153,6 +153,8 @@ def decide(view: View, rules: Rules) -> Decision:
     """The next step for node ``view.me``, with a sentence saying why."""
     r = view.record
     if r is not None and r.status is Status.FINISHED:
+        if view.job_done or view.running_round == r.round:  # this node took part: nothing to warn about
+            return Decision(Action.FINISHED, f"the job finished in round {r.round}")
         return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
     if r is not None and r.status is Status.FAILED:
         return Decision(Action.FAIL, f"the job failed in round {r.round}: {r.reason}", record=r)
