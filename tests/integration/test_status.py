@@ -1,0 +1,210 @@
+"""``ftrun status``: the live view in a real terminal (tmux), and --once / --json on live and finished runs,
+one node through its run directory and several through the job's store (embedded and etcd)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.integration.conftest import WAIT_S, LiveFtrun
+
+T = TypeVar("T")
+
+# Steps until the test says "done"; rank 1 crashes on the first attempt when the test says "crash".
+JOB = """
+import os, sys, time, pathlib
+import ftrun
+rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+here = pathlib.Path(sys.argv[1])
+print(f"up rank={rank} restart={restart}", flush=True)
+with ftrun.section("train"):
+    step = 0
+    while not (here / "done").exists():
+        ftrun.heartbeat(step=step)
+        if rank == 1 and restart == 0 and (here / "crash").exists():
+            sys.exit(3)
+        time.sleep(0.05)
+        step += 1
+"""
+
+
+def status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ftrun", "status", *args], capture_output=True, text=True, timeout=WAIT_S
+    )
+
+
+def snapshot(*args: str) -> dict[str, Any]:
+    out = status(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
+
+
+def until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+    """Poll ``check`` (a file another process rewrites: nothing to wait on) until it returns something true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen in {timeout} s: {what}")
+        time.sleep(0.1)
+
+
+def showing(read: Callable[[], T], wanted: Callable[[T], Any]) -> Callable[[], T | None]:
+    """A check for :func:`until`: what ``read`` returns once ``wanted`` holds for it."""
+
+    def check() -> T | None:
+        found = read()
+        return found if wanted(found) else None
+
+    return check
+
+
+@pytest.fixture
+def job(tmp_path: Path, live: list[LiveFtrun]) -> LiveFtrun:
+    (tmp_path / "job.py").write_text(JOB)
+    agent = LiveFtrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "job.py", str(tmp_path))
+    live.append(agent)
+    agent.wait_for_lines(r"up rank=\d restart=0", 2)
+    return agent
+
+
+@pytest.fixture
+def tmux(tmp_path: Path) -> Iterator[Callable[..., Callable[[], str]]]:
+    """``tmux(*command)`` runs command in a fresh 150x40 terminal; returns a function that captures the screen."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed")
+    socket = f"ftrun-test-{os.getpid()}-{tmp_path.name}"
+
+    def start(*command: str) -> Callable[[], str]:
+        subprocess.run(
+            ["tmux", "-L", socket, "new-session", "-d", "-s", "view", "-x", "150", "-y", "40", *command],
+            check=True,
+            timeout=WAIT_S,
+            env={**os.environ, "TERM": "xterm-256color"},
+        )
+
+        def screen() -> str:
+            out = subprocess.run(
+                ["tmux", "-L", socket, "capture-pane", "-p", "-t", "view"], capture_output=True, text=True
+            )
+            return out.stdout
+
+        return screen
+
+    yield start
+    subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=WAIT_S)
+
+
+def test_the_live_view_in_a_terminal_follows_a_restart_to_the_end(
+    tmp_path: Path, job: LiveFtrun, tmux: Callable[..., Callable[[], str]]
+) -> None:
+    screen = tmux(sys.executable, "-m", "ftrun", "status", str(job.run_dir), "--interval", "0.2")
+    shown = until(showing(screen, lambda s: "running" in s and "train" in s), "two running ranks")
+    assert "restarts 0" in shown
+    assert "ftrun run t" in shown
+    (tmp_path / "crash").touch()
+    shown = until(showing(screen, lambda s: "restarts 1" in s and s.count(" running ") >= 2), "the restart")
+    assert "failure 1: rank 1 (local rank 1" in shown
+    assert "exit code 3" in shown
+    assert "s ago" in shown  # heartbeat ages of the running ranks
+    (tmp_path / "done").touch()
+    assert job.wait() == 0
+    shown = until(showing(screen, lambda s: "finished: succeeded (exit 0)" in s), "the end of the run")
+    assert "goodput" in shown
+
+
+def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job: LiveFtrun) -> None:
+    def beating(d: dict[str, Any]) -> bool:
+        ranks = d["nodes"][0]["ranks"]
+        return len(ranks) == 2 and all(r["heartbeat_age_s"] is not None for r in ranks)
+
+    running = until(showing(lambda: snapshot(str(job.run_dir)), beating), "two ranks beating")
+    assert running["phase"] == "running"
+    ranks = running["nodes"][0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["state"] == "running" and r["pid"] > 0 for r in ranks)
+    assert all(0 <= r["heartbeat_age_s"] < WAIT_S and r["step"] >= 0 for r in ranks)
+    assert all(r["sections"][0][0] == "train" for r in ranks)
+    once = status(str(tmp_path / "logs"), "--once")  # the --log-dir finds its newest run
+    assert once.returncode == 0, once.stderr
+    assert "running" in once.stdout
+    assert "train" in once.stdout
+    (tmp_path / "done").touch()
+    assert job.wait() == 0
+    ended = snapshot(str(job.run_dir))
+    assert ended["phase"] == "finished"
+    assert ended["nodes"][0]["outcome"] == "succeeded"
+    assert all(r["state"] == "succeeded" and r["heartbeat_age_s"] is None for r in ended["nodes"][0]["ranks"])
+    assert ended["nodes"][0]["goodput"]["stepped"]
+    once = status(str(job.run_dir), "--once")
+    assert "finished: succeeded (exit 0)" in once.stdout
+
+
+def test_status_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
+    out = status(str(tmp_path))
+    assert out.returncode == 2
+    assert "holds no ftrun run" in out.stderr
+    out = status("--rdzv-endpoint", "127.0.0.1:1")
+    assert out.returncode == 2
+    assert "--rdzv-id" in out.stderr
+
+
+MULTI = """
+import os, sys, time, pathlib
+import ftrun
+here = pathlib.Path(sys.argv[1])
+print(f"up rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']}", flush=True)
+step = 0
+while not (here / "done").exists():
+    ftrun.heartbeat(step=step)
+    time.sleep(0.05)
+    step += 1
+"""
+
+
+def test_a_multi_node_job_through_its_store_with_a_spare(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
+) -> None:
+    (tmp_path / "multi.py").write_text(MULTI)
+    run_id = f"{tmp_path.name}-st"
+    flags = [*rdzv, "--rdzv-id", run_id, "--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "1"]
+    agents = [LiveFtrun(tmp_path, *flags, "multi.py", str(tmp_path), name=n, run_id=run_id) for n in "abc"]
+    live.extend(agents)
+    roles = {a: a.wait_for_stderr(r"round 1: group rank|hot spare") for a in agents}
+    members = [a for a, line in roles.items() if "hot spare" not in line]
+    for a in members:
+        a.wait_for_lines(r"up rank=\d world=2", 1)
+    store = ["--rdzv-backend", rdzv[1], "--rdzv-endpoint", rdzv[3], "--rdzv-id", run_id]
+
+    def two_running() -> dict[str, Any] | None:
+        d = snapshot(*store)
+        ranks = [r for n in d["nodes"] for r in n["ranks"] if r["state"] == "running"]
+        return d if len(ranks) == 2 and all(r["heartbeat_age_s"] is not None for r in ranks) else None
+
+    job = until(two_running, "two nodes with a running rank each")
+    assert job["world_size"] == 2
+    assert job["round"] == 1
+    assert len(job["spares"]) == 1
+    assert sorted(r["rank"] for n in job["nodes"] for r in n["ranks"]) == [0, 1]
+    once = status(*store, "--once")
+    assert "spares:" in once.stdout
+    assert "round 1" in once.stdout
+    (tmp_path / "done").touch()
+    for a in agents:
+        a.wait()
+    ended = snapshot(*store)  # each agent wrote its last record before it exited
+    assert [n["phase"] for n in ended["nodes"]] == ["finished"] * 3
+    assert {n["outcome"] for n in ended["nodes"] if n["ranks"]} == {"succeeded"}
