@@ -110,3 +110,23 @@ def test_the_first_exception_wins_over_the_first_exit(tmp_path: Path) -> None:
     r = build_report([broken_peer, raised_first], run_id="r", attempt=0, will_restart=True, master_port=1, host="h")
     assert r.root_cause.rank == 1
     assert [o.rank for o in r.other_failures] == [0]
+
+
+def test_a_sigkill_gets_the_oom_hint_only_when_the_kernel_counted_an_oom_kill(tmp_path: Path) -> None:
+    killed = worker(tmp_path, 0, WorkerState.FAILED, -signal.SIGKILL, 1.0)
+    quiet = build_report([killed], run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
+    assert quiet.hint is None
+    oom = build_report([killed], run_id="r", attempt=0, will_restart=False, master_port=1, host="h", oom_killed=True)
+    assert oom.hint is not None
+    assert "out-of-memory killer" in oom.hint
+
+
+def test_a_stopped_ranks_secondary_error_is_one_line_of_the_report(tmp_path: Path) -> None:
+    root = worker(tmp_path, 1, WorkerState.FAILED, 1, 1.0, "ValueError: bad batch\n")
+    echo = (
+        "[rank0]: Traceback (most recent call last):\n[rank0]:   x\n[rank0]: RuntimeError: Connection closed by peer\n"
+    )
+    stopped = worker(tmp_path, 0, WorkerState.STOPPED, -signal.SIGTERM, 1.1, echo)
+    text = report_of([root, stopped])
+    assert "a secondary error, after the root cause: RuntimeError: Connection closed by peer" in text
+    assert "[rank0]: Traceback" not in text

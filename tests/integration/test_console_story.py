@@ -1,0 +1,83 @@
+"""What a person reads on the console: the root cause first, the echoes of a failure summarised, only what is
+true. Scripts that never import ftrun, a real DDP job among them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.integration.conftest import WriteScript, run_ftrun
+
+DDP_CRASH = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(6):
+    if step == 3 and rank == 1 and restart == 0:
+        raise ValueError("bad batch at step 3")
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def test_a_ddp_crash_reads_root_cause_first_with_its_echoes_summarised(tmp_path: Path, script: WriteScript) -> None:
+    script("ddp.py", DDP_CRASH)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "ddp.py", timeout=300)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr
+    banner = err.index("ROOT CAUSE  rank 1")
+    assert "ValueError: bad batch at step 3" in err[banner:]
+    # Rank 0's "Connection closed by peer" is in its log, not on the console ahead of the report.
+    assert "[rank0]: Traceback" not in err
+    assert err.index("restart 1 of 1") > err.index("=" * 78, banner)  # the decision after the report it answers
+    assert re.search(r"STOPPED BY FTRUN rank 0 \(local rank 0, pid \d+\)", err)
+    echo = re.search(r"RuntimeError: .*Connection closed by peer", r.log(0, 0, "stderr"))
+    if echo:  # rank 0 noticed before it was stopped: the report says so, in one line
+        assert "a secondary error, after the root cause: RuntimeError: " in err
+
+
+def test_last_words_on_stdout_are_shown_when_stderr_is_empty(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import sys\nprint('checkpoint dir not found: /data/ckpt', flush=True)\nsys.exit(4)\n")
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    assert "nothing on stderr; last 1 lines of stdout:\n    checkpoint dir not found: /data/ckpt" in r.stderr
+    assert "wrote nothing" not in r.stderr
+
+
+def test_a_sigkill_is_not_blamed_on_the_oom_killer_when_the_kernel_counted_none(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    before = _oom_kills()
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 1
+    assert "killed by SIGKILL" in r.stderr
+    if _oom_kills() == before:  # nothing on this machine was OOM-killed meanwhile
+        assert "out-of-memory" not in r.stderr
+
+
+def test_a_clean_run_and_a_failure_with_no_restart_say_only_what_is_true(tmp_path: Path, script: WriteScript) -> None:
+    script("ok.py", "print('fine')\n")
+    clean = run_ftrun(tmp_path, "ok.py")
+    assert clean.returncode == 0
+    assert "run succeeded (exit 0) after 1 attempt(s), 0 restarts\n" in clean.stderr
+    assert "down" not in clean.stderr
+    assert "goodput" not in clean.stderr  # no step and no failure: nothing to say
+    script("bad.py", "raise SystemExit(5)\n")
+    failed = run_ftrun(tmp_path, "--log-dir", str(tmp_path / "bad"), "bad.py")
+    assert failed.returncode == 1
+    assert "from the failure to the end" in failed.stderr
+    assert "between failure and restart" not in failed.stderr
+
+
+def _oom_kills() -> int | None:
+    from ftrun.reporting import oom_kills
+
+    return oom_kills()
