@@ -2,11 +2,11 @@
 
 A small record (bounded: a few fields per local rank, at most MAX_SECTIONS open
 sections each, the last MAX_CAUSES root causes) written to ``status.json`` in the
-run directory and, in an elastic job, to the store under the node's name. It is
-rewritten when something a person would see changed (a rank's state, a section,
-the attempt), at most every MIN_GAP_S, and every REFRESH_S while workers run;
-never per heartbeat: heartbeat times travel as wall-clock stamps, and the
-reader computes their age.
+run directory when something a person would see changed (a rank's state, a
+section, the attempt; at most every MIN_GAP_S) and every REFRESH_S while workers
+run; in an elastic job also to the store under the node's name, on change at
+most every STORE_MIN_GAP_S and else every STORE_REFRESH_S. Never per heartbeat:
+heartbeat times travel as wall-clock stamps, and the reader computes their age.
 
 The sampler also notes each attempt's first step (the first heartbeat of any of
 its ranks) as an event: goodput counts training from it.
@@ -31,6 +31,8 @@ STATUS_FILE = "status.json"
 STATUS_VERSION = 1
 REFRESH_S = 1.0  # while workers run: heartbeat stamps stay this fresh
 MIN_GAP_S = 0.25  # between two writes for changes
+STORE_REFRESH_S = 5.0  # the store's copy: a job of a thousand nodes writes a few hundred records a second
+STORE_MIN_GAP_S = 1.0
 MAX_SECTIONS = 4  # per rank: the innermost open ones
 MAX_CAUSES = 3
 MAX_CAUSE_CHARS = 300
@@ -51,6 +53,8 @@ class NodeStatus:
         self.board: JobBoard | None = None
         self.node = host
         self._written_mono = -REFRESH_S
+        self._published_mono = -STORE_REFRESH_S
+        self._published_signature: object = None
         self._signature: object = None
         self._first_step_seen: set[int] = set()  # attempts whose first step is an event
         self.record: dict[str, Any] = {}  # the last one built (the metrics read it)
@@ -102,7 +106,10 @@ class NodeStatus:
         tmp = self.path.with_name(f".{STATUS_FILE}.{os.getpid()}")
         tmp.write_text(raw, encoding="utf-8")
         tmp.replace(self.path)
-        if self.board is not None:
+        since_published = now - self._published_mono
+        moved = signature != self._published_signature and since_published >= STORE_MIN_GAP_S
+        if self.board is not None and (force or moved or since_published >= STORE_REFRESH_S):
+            self._published_mono, self._published_signature = now, signature
             self.board.publish_status(raw.encode())
 
     def _rank(self, w: Worker, slot: SlotView | None) -> dict[str, Any]:
