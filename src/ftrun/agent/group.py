@@ -50,9 +50,6 @@ from ftrun.reporting import oom_kills, write_launcher_error_file
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"
-# The standbys taken by an attempt are forked again this long after it started: not while its workers start
-# (forking a zygote of several hundred MiB takes a core for milliseconds), and before a next failure is likely.
-REFILL_AFTER_S = 0.2
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -78,7 +75,6 @@ class LocalGroup:
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
         self._oom_kills: int | None = None
-        self._refill_at: float | None = None  # when the pool forks standbys for the workers just started
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -148,7 +144,8 @@ class LocalGroup:
                 self._spawn(command, attempt_dir, local_rank, master_port)
         finally:
             self._processes.start_copying()
-            self._refill_at = self._clock.monotonic() + REFILL_AFTER_S
+            if isinstance(self._spawner, WarmPool):
+                self._spawner.refill()
         self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
         self._learn_modules(previous)  # what the last attempt's workers reported since the last look
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
@@ -194,11 +191,7 @@ class LocalGroup:
         """
         running = bool(self._processes.running)
         self._update_status()
-        for check in (
-            self._watch.seconds_to_next_check(running),
-            self.status.seconds_to_next(running),
-            self._refill_due(),
-        ):
+        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running)):
             if check is not None:
                 timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
@@ -351,17 +344,6 @@ class LocalGroup:
         self._duplicates = {}
 
     # --- inside -----------------------------------------------------------------------------------
-
-    def _refill_due(self) -> float | None:
-        """Seconds until the pool's standbys are forked again (None: not owed), forking them when due."""
-        if self._refill_at is None or not isinstance(self._spawner, WarmPool):
-            return None
-        left = self._refill_at - self._clock.monotonic()
-        if left > 0:
-            return left
-        self._refill_at = None
-        self._spawner.refill()
-        return None
 
     def _failing_scripts(self) -> None:
         """A script that ended with an error wakes the agent before its interpreter's teardown (and the exit
