@@ -51,6 +51,8 @@ def build_parser(environ: Mapping[str, str] | None = None, version: str = "") ->
     p = _Parser(
         prog="ftrun",
         description="Fault-tolerant launcher for distributed training; a drop-in for torchrun.",
+        epilog="also: ftrun status RUN_DIR (a job's view), ftrun report RUN_DIR... (a run's history), "
+        "ftrun store (the embedded store on its own); each with --help",
         allow_abbrev=False,
     )
     p.add_argument("--version", action="version", version=f"ftrun {version}")

@@ -148,18 +148,22 @@ def test_a_preloaded_module_that_starts_a_thread_turns_the_pool_off(tmp_path: Pa
 
 
 KILLS_THE_POOL = """
-import os, signal, sys
+import os, signal, sys, time
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     agent = os.getppid()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if b"ftrun.agent.zygote" in cmdline and ppid == agent and int(pid) != os.getpid():  # zygotes, standbys
-            os.kill(int(pid), signal.SIGKILL)
-            print("killed the pool", flush=True)
+    # For a second: a zygote still starting has not its own command line yet, and would escape one look.
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+                ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if b"ftrun.agent.zygote" in cmdline and ppid == agent and int(pid) != os.getpid():  # zygotes, standbys
+                os.kill(int(pid), signal.SIGKILL)
+                print("killed the pool", flush=True)
+        time.sleep(0.02)
     sys.exit(3)
 print("attempt 1 ran", flush=True)
 """
