@@ -243,7 +243,9 @@ class _Zygote:
         answer: dict[str, Any] = json.loads(data)
         return answer
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """``wait=False``: do not wait for the process to be gone (a zygote of hundreds of MiB takes tens of
+        milliseconds to tear down); the pool reaps it later."""
         for standby in self._standbys:
             standby.discard()
         for sock in self._asked:
@@ -253,7 +255,8 @@ class _Zygote:
         self._sock.close()  # the zygote sees EOF and exits
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        self.proc.wait()
+        if wait:
+            self.proc.wait()
 
 
 class WarmPool:
@@ -282,6 +285,7 @@ class WarmPool:
         self._on_ready: Callable[[dict[str, Any]], None] = lambda info: None
         self._fresh = ProcessSpawner()
         self._zygotes: list[_Zygote] = []
+        self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
 
     def start(self, log: Path, say: Callable[[str], None], on_ready: Callable[[dict[str, Any]], None]) -> None:
@@ -331,10 +335,10 @@ class WarmPool:
             return handle
         return self._fresh.spawn(argv, env, cwd, stdout, stderr)
 
-    def _best(self) -> _Zygote | None:
-        """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
-        biggest still preloading (it started before a fresh worker would, and preloads only what the workers
-        import anyway: waiting for it beats a fresh start); else the base zygote (a bare Python start)."""
+    def tend(self) -> None:
+        """Take the zygotes' news (ready, refused, gone) and retire each ready zygote that a bigger ready one
+        replaces. Called when the agent is idle too, so that a restart finds this done."""
+        self._retired = [proc for proc in self._retired if proc.poll() is None]
         for z in list(self._zygotes):
             was_ready = z.ready is not None
             if z.poll() and not was_ready:
@@ -342,16 +346,27 @@ class WarmPool:
             elif z.failed:
                 self._drop(z, z.failed)
                 if self._off:
-                    return None
-        preloaded = [z for z in self._zygotes if z.preload]
-        ready = [z for z in preloaded if z.ready is not None]
+                    return
+        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
         if ready:
             best = max(ready, key=lambda z: len(z.preload))
             for z in list(self._zygotes):
                 if z is not best and z.ready is not None:  # a bigger one serves from now on
-                    z.close()
+                    z.close(wait=False)
+                    self._retired.append(z.proc)
                     self._zygotes.remove(z)
-            return best
+
+    def _best(self) -> _Zygote | None:
+        """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
+        biggest still preloading (it started before a fresh worker would, and preloads only what the workers
+        import anyway: waiting for it beats a fresh start); else the base zygote (a bare Python start)."""
+        self.tend()
+        if self._off:
+            return None
+        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
+        if ready:
+            return max(ready, key=lambda z: len(z.preload))
+        preloaded = [z for z in self._zygotes if z.preload]
         for z in sorted(preloaded, key=lambda z: len(z.preload), reverse=True) + [
             z for z in self._zygotes if not z.preload
         ]:
@@ -407,3 +422,6 @@ class WarmPool:
         for z in self._zygotes:
             z.close()
         self._zygotes.clear()
+        for proc in self._retired:
+            proc.wait()
+        self._retired.clear()
