@@ -127,6 +127,7 @@ class RunSummary:
     failed_work_s: float
     root_causes: tuple[Mapping[str, Any], ...]
     warm_restarts: int = 0  # restarts whose workers all came from the warm pool
+    hangs: int = 0  # hangs found in this node's workers
 
     def render(self) -> str:
         restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
@@ -145,7 +146,7 @@ class RunSummary:
 
 def summarize(events: Iterable[Event]) -> RunSummary:
     outcome, exit_code = "unfinished", None
-    attempts = restarts = 0
+    attempts = restarts = hangs = 0
     downtime = failed_work = 0.0
     attempt_start: float | None = None
     failed_at: float | None = None  # mono of the pending failure's root-cause exit
@@ -172,13 +173,17 @@ def summarize(events: Iterable[Event]) -> RunSummary:
                 failed_work += max(0.0, failed_at - attempt_start)
         elif e.kind is EventKind.RESTART:
             restarts += 1
+        elif e.kind is EventKind.HANG:
+            hangs += 1
         elif e.kind is EventKind.RUN_FINISHED:
             outcome, exit_code = str(e.data.get("outcome")), int(e.data.get("exit_code", 1))
             if failed_at is not None:
                 downtime += e.mono - failed_at
                 failed_at = None
     warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
-    return RunSummary(outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts)
+    return RunSummary(
+        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts, hangs
+    )
 
 
 def failed_mono(cause: Mapping[str, Any], e: Event) -> float:

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ftrun.errors import FtrunError
-from ftrun.events import EventKind, summarize
+from ftrun.events import summarize
 from ftrun.goodput import measure
 
 if TYPE_CHECKING:
@@ -64,8 +64,7 @@ class Metrics(Collector):
         labels = [group.config.run_id, group.status.node]
         summary = summarize(events)
         yield _counter("ftrun_restarts", "Restarts of this node's workers", labels, summary.restarts)
-        hangs = sum(1 for e in events if e.kind is EventKind.HANG)
-        yield _counter("ftrun_hangs", "Hangs found in this node's workers", labels, hangs)
+        yield _counter("ftrun_hangs", "Hangs found in this node's workers", labels, summary.hangs)
         yield _counter(
             "ftrun_downtime_seconds", "From each failure to the workers restarted", labels, summary.downtime_s
         )
@@ -75,7 +74,8 @@ class Metrics(Collector):
         yield _gauge("ftrun_attempt", "The current attempt (0 before the first restart)", labels, summary.attempts - 1)
         yield _gauge("ftrun_round", "The rendezvous round of the current attempt", labels, record.get("round") or 0)
         yield _gauge("ftrun_world_size", "Workers in the whole job (WORLD_SIZE)", labels, record.get("world_size") or 0)
-        yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, _goodput(group))
+        goodput = measure(events, now=time.monotonic()).fraction
+        yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, goodput)
         ages = GaugeMetricFamily(
             "ftrun_heartbeat_age_seconds",
             "Seconds since each running rank's last heartbeat (as of the status record, rewritten every second)",
@@ -86,10 +86,6 @@ class Metrics(Collector):
             if r.get("state") == "running" and r.get("last_beat") and record.get("phase") == "running":
                 ages.add_metric([*labels, str(r["rank"])], max(0.0, now - float(r["last_beat"])))
         yield ages
-
-
-def _goodput(group: LocalGroup) -> float:
-    return measure(list(group.events.events), now=time.monotonic()).fraction
 
 
 def _counter(name: str, text: str, labels: list[str], value: float) -> CounterMetricFamily:

@@ -156,7 +156,7 @@ class NodeStatus:
             "world_size": world_size,
             "attempts": summary.attempts,
             "restarts": summary.restarts,
-            "hangs": sum(1 for e in events if e.kind is EventKind.HANG),
+            "hangs": summary.hangs,
             "downtime_s": round(summary.downtime_s, 3),
             "outcome": summary.outcome,
             "exit_code": summary.exit_code,
