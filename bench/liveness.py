@@ -35,6 +35,7 @@ from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
 
 FTRUN = [sys.executable, "-m", "ftrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+LAUNCHERS = {"ftrun": FTRUN, "torchrun": TORCHRUN}
 
 JOB = """
 import json, os, signal, sys, time
@@ -97,7 +98,16 @@ def wait_for(path: Path, predicate, bound: float) -> dict[str, object] | None:  
     return None
 
 
-def launch(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def write_job(workdir: Path) -> tuple[Path, Path]:
+    """The job script and the timeline its ranks append to."""
+    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
+    job.write_text(JOB)
+    return job, timeline
+
+
+def launch(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """One agent, in its own session (stop_all kills its group), one thread per worker."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=out, env=env, start_new_session=True)
 
@@ -111,17 +121,15 @@ def stop_all(procs: list[subprocess.Popen[bytes]], workdir: Path) -> None:
 
 
 def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
-    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(JOB)
-    base = FTRUN if launcher == "ftrun" else TORCHRUN
+    job, timeline = write_job(workdir)
+    base = LAUNCHERS[launcher]
     flags = agent_flags("1:2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    host = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "host.log", env)
+    host = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "host.log")
     procs = [host]
     try:
         if wait_for(timeline, lambda r: True, bound) is None:
             return None
-        other = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "other.log", env)
+        other = launch([*base, *flags, str(job), str(timeline), "run"], workdir / "other.log")
         procs.append(other)
         if wait_for(timeline, lambda r: r["world"] == 2, bound) is None:
             return None
@@ -135,18 +143,16 @@ def dead_agent(launcher: str, workdir: Path, bound: float) -> float | None:
 
 
 def exclusion(workdir: Path, bound: float) -> float | None:
-    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(JOB)
+    job, timeline = write_job(workdir)
     flags = agent_flags("2:2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     gate = workdir / "gate"
     os.mkfifo(gate)
     args = [str(job), str(timeline), "exclude", str(gate)]
-    procs = [launch([*FTRUN, *flags, *args], workdir / f"{n}.log", env) for n in "ab"]
+    procs = [launch([*FTRUN, *flags, *args], workdir / f"{n}.log") for n in "ab"]
     try:
         if wait_for(timeline, lambda r: r["world"] == 2, bound) is None:
             return None
-        procs.append(launch([*FTRUN, *flags, *args], workdir / "spare.log", env))
+        procs.append(launch([*FTRUN, *flags, *args], workdir / "spare.log"))
         deadline = time.monotonic() + bound
         while b"hot spare" not in (workdir / "spare.log").read_bytes() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -162,12 +168,10 @@ def exclusion(workdir: Path, bound: float) -> float | None:
 
 
 def frozen_peer(launcher: str, workdir: Path, bound: float) -> float | None:
-    job, timeline = workdir / "w.py", workdir / "timeline.jsonl"
-    job.write_text(JOB)
-    base = FTRUN if launcher == "ftrun" else TORCHRUN
+    job, timeline = write_job(workdir)
+    base = LAUNCHERS[launcher]
     flags = agent_flags("2:2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [launch([*base, *flags, str(job), str(timeline), "freeze"], workdir / f"{n}.log", env) for n in "ab"]
+    procs = [launch([*base, *flags, str(job), str(timeline), "freeze"], workdir / f"{n}.log") for n in "ab"]
     try:
         frozen = wait_for(timeline, lambda r: r["event"] == "frozen", bound * 2)
         if frozen is None:
