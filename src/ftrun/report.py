@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from ftrun.errors import ConfigError
 from ftrun.events import summarize
 from ftrun.goodput import measure
 from ftrun.history import NodeHistory, history
-from ftrun.reporting import render, report_from_json
+from ftrun.reporting import render, report_from_json, when
 
 
 def main(argv: Sequence[str]) -> int:
@@ -59,7 +58,8 @@ def text(h: NodeHistory) -> str:
         took = f" ({end - s.start:.1f} s)" if end is not None else ""
         how = "failed" if s.cause else ("ended" if end is not None else "running")
         first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
-        lines.append(f"attempt {s.number}: {_clock(s.start)} to {_clock(end)}{took}{first}: {how}")
+        span = f"{when(s.start, date=False)} to {when(end, date=False, unknown='now')}"
+        lines.append(f"attempt {s.number}: {span}{took}{first}: {how}")
         if s.report is not None:
             report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
             lines += ["  " + line for line in render(report).splitlines()]
@@ -74,9 +74,3 @@ def text(h: NodeHistory) -> str:
             )
     lines.append(measure(h.events).render())
     return "\n".join(lines)
-
-
-def _clock(wall: float | None) -> str:
-    if wall is None:
-        return "now"
-    return time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"

@@ -250,10 +250,12 @@ def _hint(root: WorkerOutcome, port: int) -> str | None:
     return None
 
 
-def _when(wall: float | None) -> str:
+def when(wall: float | None, *, date: bool = True, unknown: str = "?") -> str:
+    """A wall-clock time as a person reads it, to the millisecond (``date``: with the day)."""
     if wall is None:
-        return "?"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"
+        return unknown
+    shape = "%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S"
+    return time.strftime(shape, time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"
 
 
 def _who(o: WorkerOutcome) -> str:
@@ -290,7 +292,7 @@ def render(report: FailureReport) -> str:
         lines.append(f"  hint: {report.hint}")
     lines.append(f"  logs: {r.stdout_log}, {r.stderr_log}")
     for o in report.other_failures:
-        lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {_when(o.exit_wall)}")
+        lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
         lines.append(f"  logs: {o.stderr_log}")
     for o in report.stopped_by_ftrun:
         lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
@@ -310,7 +312,7 @@ def _root_lines(report: FailureReport) -> list[str]:
         lines = [*_elsewhere(report.elsewhere), f"WAITED FOR IT {_who(r)} on {r.host}: {r.how}"]
         found = "quiet"
     else:
-        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {_when(r.hang_wall or r.exit_wall)}"]
+        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
         lines += [f"  why this rank: {r.why}"] if r.why else []
         found = "hung"
     if r.stacks:
