@@ -75,7 +75,6 @@ class LocalGroup:
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
         self._oom_kills: int | None = None
-        self._unlearned: list[Worker] = []  # the last attempt's workers, whose module reports are still to read
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -148,7 +147,7 @@ class LocalGroup:
             if isinstance(self._spawner, WarmPool):
                 self._spawner.refill()
         self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
-        self._unlearned = previous  # what they reported is learned when the agent is next idle, not now
+        self._learn_modules(previous)  # what the last attempt's workers reported since the last look
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
     def _spawn(self, command: StartWorkers, attempt_dir: Path, local_rank: int, master_port: int) -> None:
@@ -205,8 +204,7 @@ class LocalGroup:
             self._reports.publish_hang(hung, self._round)
             happened.append(WorkerHung(hung.local_rank))
         if not happened:  # a failure is answered first (learning may start a zygote: tens of ms)
-            self._learn_modules([*self._unlearned, *self._processes.workers])
-            self._unlearned = []
+            self._learn_modules(self._processes.workers)
             if isinstance(self._spawner, WarmPool):
                 self._spawner.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
         return happened, also_ready
