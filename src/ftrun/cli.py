@@ -16,6 +16,7 @@ from pathlib import Path
 from ftrun import addresses, flags, nvidia_ft, rdzv_flags
 from ftrun import config as cfg
 from ftrun.argparser import build_parser
+from ftrun.devices import accelerators_visible
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.hang_flags import HANG_KEYS, parse_hang
 
@@ -125,6 +126,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         warm=flags.parse_warm(a.no_warm, a.warm, a.preload, environ),
         hang=hang,
         metrics=flags.parse_metrics(a.metrics_port),
+        accelerators=accelerators_visible(environ),
     )
 
 

@@ -204,6 +204,7 @@ class LaunchConfig:
     launcher_error_file: Path | None = None  # ftrun's own TORCHELASTIC_ERROR_FILE: the root cause goes there
     hang: HangSpec = field(default_factory=HangSpec)
     warm: WarmSpec = field(default_factory=WarmSpec)
+    accelerators: bool = False  # visible to the workers: a stopped worker must be gone before the next start
     metrics: tuple[str, int] | None = None  # --metrics-port: (host, port) of /metrics; "" host: all addresses
 
     @property

@@ -29,3 +29,13 @@ def count_xpus(environ: Mapping[str, str], drm: Path = Path("/sys/class/drm")) -
         except OSError:
             continue
     return found
+
+
+OTHER_ACCELERATORS = ("kfd", "accel", "neuron0", "hl0")  # AMD (ROCm), the kernel's accel class, AWS Neuron, Gaudi
+
+
+def accelerators_visible(environ: Mapping[str, str], dev: Path = Path("/dev")) -> bool:
+    """Whether the workers may hold an accelerator's memory: it is freed only once a process is fully gone."""
+    if count_gpus(environ, dev) or count_xpus(environ):
+        return True
+    return any((dev / name).exists() for name in OTHER_ACCELERATORS)

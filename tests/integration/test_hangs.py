@@ -164,6 +164,7 @@ print("still running", flush=True)
 
 STUCK = """
 def stuck_here():
+    print('up', flush=True)  # from inside: the dump that follows finds this frame
     time.sleep(60)
 stuck_here()
 """
@@ -176,7 +177,7 @@ def test_faulthandler_dumps_stacks_without_py_spy(tmp_path: Path, script: WriteS
 
     table = MonitorTable(1, tag="test")
     out = tmp_path / "stacks.txt"
-    script("w.py", "import ftrun, time\nftrun.heartbeat()\nprint('up', flush=True)\n" + STUCK)
+    script("w.py", "import ftrun, time\nftrun.heartbeat()\n" + STUCK)
     env = {"FTRUN_MONITOR": str(table.path), "FTRUN_MONITOR_SLOT": "0", "FTRUN_STACKS_FILE": str(out)}
     proc = subprocess.Popen([sys.executable, "w.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     try:

@@ -38,7 +38,7 @@ from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.status import NodeStatus, progress
 from ftrun.agent.watch import WorkerWatch
-from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState
+from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState, frees_its_ports
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
@@ -121,9 +121,9 @@ class LocalGroup:
                 f"ranks {placement.rank_offset}..{last} of {placement.world_size}, "
                 f"master {command.master_addr}:{master_port}"
             )
-        previous = self._processes.workers
+        previous, released = self._processes.workers, self._processes.released
         self._processes.close()
-        self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds)
+        self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds, released)
         self._attempt, self._master_port, self._round = command.attempt, master_port, command.round
         self._world_size = placement.world_size or c.nproc_per_node
         if command.attempt:
@@ -232,11 +232,15 @@ class LocalGroup:
             late.extend(self._signals())
             return self._signals_seen > 1  # a second signal: the user does not want to wait
 
+        # Stopped workers ending of the signal count as gone at once on nodes without accelerators (the kernel
+        # then frees their memory beside the next attempt's start); on the others their memory must be free.
+        free_early = not self.config.accelerators and not self._duplicates  # duplicate files close per attempt
         self._processes.stop(
             self.config.term_timeout_s,
             on_exit=lambda w: exits.append(self._exited(w)),
             on_wake=on_wake,
             first_signal=first,
+            release=frees_its_ports(self.config.master_port) if free_early else None,
         )
         self._settle()
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
@@ -261,6 +265,7 @@ class LocalGroup:
     def finish(self, finish: Finish) -> int:
         """End the run: the last event, the summary; returns ftrun's exit code."""
         self._settle()
+        self._reap_released()
         own = self.config.launcher_error_file
         if finish.outcome is Outcome.FAILED and own is not None and self._reports.last is not None:
             write_launcher_error_file(self._reports.last, own)
@@ -285,6 +290,7 @@ class LocalGroup:
                 for w in self._processes.workers:  # the pumps may still write into the duplicate files
                     if w.output is not None:
                         w.output.wait_drained(DRAIN_TIMEOUT_S)
+            self._reap_released()
             self._close_duplicates()
             self._processes.close()
             if not self._finished:  # an error ended the run: the log still says how it ended
@@ -364,7 +370,12 @@ class LocalGroup:
         if w.state is WorkerState.FAILED:
             self._mute_others(w)
         self.emit(
-            EventKind.WORKER_EXITED, **w.identity(), exit_code=w.exit_code, signal=w.signal_name, state=w.state.value
+            EventKind.WORKER_EXITED,
+            **w.identity(),
+            exit_code=w.exit_code,
+            signal=w.signal_name,
+            state=w.state.value,
+            released=w.released,  # stopped and certain to end: not waited for
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
 
@@ -446,11 +457,21 @@ class LocalGroup:
         )
 
     def _settle(self) -> None:
-        """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush."""
+        """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush (a released
+        worker's pipes close only when it is gone: what it wrote is copied, the rest is its EOF)."""
         self._processes.sweep()
         for w in self._processes.workers:
-            if w.output is not None and not w.output.wait_drained(DRAIN_TIMEOUT_S):
+            if w.output is None:
+                continue
+            flushed = w.output.wait_caught_up if w.released else w.output.wait_drained
+            if not flushed(DRAIN_TIMEOUT_S):
                 self.say(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut", always=True)
+
+    def _reap_released(self) -> None:
+        """Nothing outlives the agent: wait for the workers still exiting, and for the end of their output."""
+        for w in self._processes.reap_released():
+            if w.output is not None:
+                w.output.wait_drained(DRAIN_TIMEOUT_S)
 
 
 def _fresh_dir(path: Path) -> Path:

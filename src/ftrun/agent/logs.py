@@ -10,7 +10,10 @@ every writer is gone, so lines written just before a crash are kept.
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
+import termios
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,11 +101,13 @@ class _Pump(threading.Thread):
         self._read_fd, self._file_fd = read_fd, file_fd
         self.console, self.stream, self._prefix = console, stream, prefix
         self._duplicate, self._label = duplicate, label
+        self._progress = threading.Condition()  # notified each time it goes back to reading, and at the end
+        self._reading = self._done = False
 
     def run(self) -> None:
         pending = b""
         try:
-            while chunk := os.read(self._read_fd, _CHUNK):
+            while chunk := self._read():
                 os.write(self._file_fd, chunk)
                 pending += chunk
                 cut = pending.rfind(b"\n") + 1
@@ -114,6 +119,28 @@ class _Pump(threading.Thread):
         finally:
             os.close(self._read_fd)
             os.close(self._file_fd)
+            with self._progress:
+                self._done = True
+                self._progress.notify_all()
+
+    def _read(self) -> bytes:
+        with self._progress:
+            self._reading = True
+            self._progress.notify_all()
+        chunk = os.read(self._read_fd, _CHUNK)
+        with self._progress:
+            self._reading = False
+        return chunk
+
+    def caught_up(self, timeout_s: float) -> bool:
+        """Wait until all that is in the pipe now has been copied: for writers that can write no more, but
+        have not closed it yet (processes still exiting)."""
+
+        def idle() -> bool:  # under the lock: while the pump is reading, its end of the pipe is open
+            return self._done or (self._reading and _unread(self._read_fd) == 0)
+
+        with self._progress:
+            return self._progress.wait_for(idle, timeout_s)
 
     def _show(self, lines: bytes) -> None:
         if self._duplicate is not None:
@@ -191,11 +218,22 @@ class RankOutput:
             if pump.stream is Std.ERR:
                 pump.console = None
 
+    def wait_caught_up(self, timeout_s: float) -> bool:
+        """Wait until what the worker wrote is copied (it is ending: no more comes, but its pipes are open)."""
+        return all(pump.caught_up(timeout_s) for pump in self._pumps)
+
     def wait_drained(self, timeout_s: float) -> bool:
         """Wait until every writer (the worker and its children) has closed the pipes."""
         for pump in self._pumps:
             pump.join(timeout_s)
         return not any(p.is_alive() for p in self._pumps)
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return buf[0]
 
 
 def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:

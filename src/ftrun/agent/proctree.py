@@ -78,6 +78,81 @@ def is_stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
 
 
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def ending(pid: int, sent: int) -> int | None:
+    """The status (code, or -signal) the process is certain to end with, after it was sent ``sent``; None while
+    it may still run code of its own (it handles the signal, or is not seen dying).
+
+    Certain from the moment kill() returns when the signal is fatal: the kernel then marks the whole process
+    as exiting, with its status, before any of its threads runs again (/proc/PID/stat shows that status;
+    kernels before 4.x only the SIGKILL it queues to each thread). An exit with status 0 is not told from a
+    thread leaving alone, which the others outlive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return None  # gone already (its exit is seen as usual) or not readable: not known to be ending
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    exit_status = int(fields[49]) if len(fields) > 49 else 0  # a stopped process shows its stop signal there
+    if exit_status and fields[0] not in (b"T", b"t"):
+        return -(exit_status & 0x7F) if exit_status & 0x7F else exit_status >> 8
+    masks = {line.split(b":")[0]: int(line.split()[1], 16) for line in status.splitlines() if b"Pnd:" in line}
+    if not masks.get(b"SigPnd", 0) & SIGKILL_BIT:
+        return None
+    shared = masks.get(b"ShdPnd", 0)  # the signal sent to the process, pending until a thread takes it
+    return -sent if shared & (1 << (sent - 1)) and not shared & SIGKILL_BIT else -signal.SIGKILL
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports the process listens on (its sockets, from its network namespace's tables). Read through
+    each of its threads: an exiting process's main thread may be gone while another still holds its files."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return set()
+    for tid in tasks:
+        task = f"/proc/{pid}/task/{tid}"
+        sockets = set()
+        try:
+            fds = os.listdir(f"{task}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile (one was listdir's own)
+                link = os.readlink(f"{task}/fd/{fd}")
+                if link.startswith("socket:["):
+                    sockets.add(link[len("socket:[") : -1])
+        if fds:
+            return _listening(task, sockets)
+    return set()
+
+
+def _listening(task: str, sockets: set[str]) -> set[int]:
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"{task}/net/{table}") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        ports |= {int(r[1].rsplit(":", 1)[1], 16) for r in rows if r[3] == "0A" and r[9] in sockets}  # 0A: LISTEN
+    return ports
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to ``bind(port 0)`` (net.ipv4.ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(p) for p in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def signal_quietly(pid: int, sig: int, *, group: bool = False) -> None:
     """Send ``sig``; a process that is already gone is not an error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -139,6 +140,15 @@ def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def frees_its_ports(fixed_port: int | None) -> Callable[[Worker], bool]:
+    """For :meth:`AttemptProcesses.stop`: a stopped worker may count as gone before the kernel has freed it
+    unless it listens on a port a new worker may ask for again (its sockets close last): one outside the
+    kernel's ephemeral range, or ``fixed_port`` (--master-port). Gloo's ports and fresh MASTER_PORTs are
+    ephemeral, and ftrun hands out no port twice within minutes."""
+    ephemeral = proctree.ephemeral_ports()
+    return lambda w: all(p in ephemeral and p != fixed_port for p in proctree.listening_ports(w.pid))
+
+
 @dataclass(slots=True)
 class Hang:
     """Why ftrun declared a worker hung (the watchdog's verdict) and where it was stuck."""
@@ -173,6 +183,7 @@ class Worker:
     ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
     waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: where it waited
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
+    released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
 
     @property
     def pid(self) -> int:
@@ -212,8 +223,11 @@ class AttemptProcesses:
     :func:`ftrun.agent.proctree.die_with_parent_hook`).
     """
 
-    def __init__(self, spawner: Spawner, clock: Clock, wake_fds: Sequence[int]) -> None:
-        """``wake_fds``: what else wakes a wait (signals to ftrun, torch's timer pipe)."""
+    def __init__(
+        self, spawner: Spawner, clock: Clock, wake_fds: Sequence[int], released: Sequence[Worker] = ()
+    ) -> None:
+        """``wake_fds``: what else wakes a wait (signals to ftrun, torch's timer pipe); ``released``: workers of
+        the last attempt still exiting, reaped here when their exit comes."""
         self._spawner = spawner
         self._clock = clock
         self._selector = selectors.DefaultSelector()
@@ -221,6 +235,11 @@ class AttemptProcesses:
         for fd in self._wake_fds:
             self._selector.register(fd, selectors.EVENT_READ)
         self.workers: list[Worker] = []
+        self.released: list[Worker] = []  # not reaped yet
+        for w in released:
+            assert w.handle is not None
+            self._selector.register(w.handle.fileno(), selectors.EVENT_READ, w)
+            self.released.append(w)
 
     def close(self) -> None:
         self._selector.close()
@@ -267,6 +286,8 @@ class AttemptProcesses:
                 woken = True
             elif key.fd == also:
                 also_ready = True
+            elif key.data.released:
+                self._reap_released(key.data)
             else:
                 worker: Worker = key.data
                 self._reap(worker)
@@ -289,13 +310,17 @@ class AttemptProcesses:
         on_exit: Callable[[Worker], object],
         on_wake: Callable[[], bool],
         first_signal: int = signal.SIGTERM,
+        release: Callable[[Worker], bool] | None = None,
     ) -> None:
         """Send ``first_signal`` to every worker's process group, wait ``grace_s``, then SIGKILL what is left.
 
         Descendants that left their worker's group are signalled too (SIGKILL for them
         comes with :meth:`sweep`, which must follow). Returns once every worker is
-        reaped. ``on_wake`` is called when the wake fd fires (a
-        signal to ftrun) and returns True to skip the rest of the grace period.
+        reaped, or released: a worker the signal kills (it does not handle it) can run
+        no more of its own code, but the kernel takes tens of ms to free its memory;
+        where ``release`` allows, it counts as exited at once, with the status it is
+        ending with, and is reaped when its exit comes. ``on_wake`` is called when the
+        wake fd fires (a signal to ftrun) and returns True to skip the rest of the grace period.
         """
         for w in self.running:
             if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
@@ -304,6 +329,8 @@ class AttemptProcesses:
         for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
             if w.handle is not None and proctree.is_stopped(w.pid):
                 w.handle.signal_group(signal.SIGKILL)
+        if release is not None:
+            self._release_ending(first_signal, release, on_exit)
         deadline = self._clock.monotonic() + grace_s
         while self.running:
             left = deadline - self._clock.monotonic()
@@ -325,7 +352,34 @@ class AttemptProcesses:
     def sweep(self) -> None:
         """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
         self._signal_all(signal.SIGKILL)
-        self._spawner.reap_orphans(keep={w.pid for w in self.running})
+        self._spawner.reap_orphans(keep={w.pid for w in (*self.running, *self.released)})
+
+    def reap_released(self) -> list[Worker]:
+        """Wait until the released workers are gone (at the run's end: nothing outlives the agent); returns them."""
+        waited = list(self.released)
+        deadline = self._clock.monotonic() + KILL_WAIT_S
+        for w in waited:
+            assert w.handle is not None
+            if select.select([w.handle.fileno()], [], [], max(0.0, deadline - self._clock.monotonic()))[0]:
+                self._reap_released(w)
+        return waited
+
+    def _release_ending(
+        self, sent: int, release: Callable[[Worker], bool], on_exit: Callable[[Worker], object]
+    ) -> None:
+        for w in self.running:
+            code = proctree.ending(w.pid, sent)
+            if code is not None and release(w):
+                w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
+                w.released = True  # its pidfd stays registered: wait() reaps it quietly
+                self.released.append(w)
+                on_exit(w)
+
+    def _reap_released(self, w: Worker) -> None:
+        assert w.handle is not None
+        self._selector.unregister(w.handle.fileno())
+        w.handle.reap()  # the status it ended with was known when it was released
+        self.released.remove(w)
 
     def _signal_all(self, sig: int) -> None:
         # Strays are found before the workers are signalled (a dying worker's children are re-parented).

@@ -1,0 +1,182 @@
+"""A stopped worker that is certain to end is not waited for (the kernel takes tens of ms to free a big one).
+
+After a failure ftrun stops the other workers with SIGTERM; one that does not handle it can run no more of its
+own code from that moment, and the next attempt starts beside its teardown. Not where the next workers may
+need what it still holds (an accelerator's memory, a port of its own) and never for a worker that handles
+SIGTERM (its grace period is the job's). Real processes throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent import proctree
+from ftrun.agent.logs import RankPaths
+from ftrun.agent.workers import Worker, frees_its_ports
+from ftrun.devices import accelerators_visible
+from tests.integration.conftest import WriteScript, run_ftrun
+
+# Rank 1 fails once rank 0 has written its line (a FIFO: no timing); rank 0 then waits to be stopped.
+JOB = """
+import os, socket, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+mode, fifo, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if rank == 0 and mode == "port":  # a port of its own, outside the ephemeral range, in every attempt
+    memory = b"x" * (400 << 20)  # the kernel takes tens of ms to free it: the port stays bound meanwhile
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+if attempt == 1:
+    print(f"started {time.time()}", flush=True)
+    sys.exit(0)
+if rank == 1:
+    open(fifo).read()
+    sys.exit(3)
+if mode == "handler":
+    def save(*_):
+        time.sleep(0.3)  # a checkpoint being written
+        print(f"saved {time.time()}", flush=True)
+        sys.exit(0)
+    import signal
+    signal.signal(signal.SIGTERM, save)
+print("RuntimeError: peer gone", file=sys.stderr, flush=True)
+with open(fifo, "w") as f:
+    f.write("go")
+time.sleep(60)
+"""
+
+
+def run(tmp_path: Path, script: WriteScript, mode: str, *flags: str, port: int = 0) -> tuple[dict[str, object], object]:
+    script("w.py", JOB)
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", *flags, "w.py", mode, str(fifo), str(port))
+    assert r.returncode == 0, r.stderr
+    exits = [e for e in r.events() if e["kind"] == "worker_exited" and e["attempt"] == 0 and e["rank"] == 0]
+    assert len(exits) == 1, exits
+    return exits[0], r
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_worker_ended_by_the_signal_is_released_with_what_it_wrote(
+    tmp_path: Path, script: WriteScript, warm: bool
+) -> None:
+    stopped, r = run(tmp_path, script, "plain", *([] if warm else ["--no-warm"]))
+    assert stopped["released"] is True
+    assert (stopped["state"], stopped["signal"]) == ("stopped", "SIGTERM")
+    report = r.report(0)  # type: ignore[attr-defined]
+    [rank0] = report["stopped_by_ftrun"]
+    assert rank0["signal"] == "SIGTERM"
+    assert rank0["last_error"] == "RuntimeError: peer gone"  # copied from its pipe before the report
+    assert "RuntimeError: peer gone" in r.log(0, 0, "stderr")  # type: ignore[attr-defined]
+
+
+def test_a_worker_that_handles_sigterm_gets_its_grace_period_before_the_next_start(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    stopped, r = run(tmp_path, script, "handler")
+    assert stopped["released"] is False
+    assert stopped["exit_code"] == 0
+    saved = float(r.log(0, 0).split("saved ")[1])  # type: ignore[attr-defined]
+    started = float(r.log(1, 0).split("started ")[1])  # type: ignore[attr-defined]
+    assert saved < started
+
+
+def own_port() -> int:
+    """A free port outside the kernel's ephemeral range (as a job's own fixed port would be)."""
+    ephemeral = proctree.ephemeral_ports()
+    for port in range(20000, 21000):
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000..20999")
+
+
+def test_a_worker_listening_on_its_own_port_is_gone_before_the_next_one_binds_it(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    stopped, r = run(tmp_path, script, "port", port=own_port())
+    assert stopped["released"] is False
+    assert "started" in r.log(1, 0)  # type: ignore[attr-defined]
+
+
+def test_a_worker_holding_a_port_a_new_worker_may_ask_for_is_not_released() -> None:
+    mine = own_port()
+    with socket.socket() as fixed, socket.socket() as ephemeral:
+        fixed.bind(("127.0.0.1", mine))
+        ephemeral.bind(("127.0.0.1", 0))
+        me = Worker(0, 0, 0, RankPaths.under(Path("/nonexistent"), 0), [], {}, handle=Handle(os.getpid()))
+        ephemeral.listen()
+        assert frees_its_ports(None)(me)  # gloo's ports, a fresh MASTER_PORT
+        assert not frees_its_ports(ephemeral.getsockname()[1])(me)  # --master-port
+        fixed.listen()
+        assert not frees_its_ports(None)(me)
+
+
+def test_with_an_accelerator_visible_every_stopped_worker_is_gone_before_the_next_start(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the agent counts it; the job never touches a GPU
+    stopped, _ = run(tmp_path, script, "plain")
+    assert stopped["released"] is False
+
+
+def test_accelerators_are_seen_from_the_environment_and_device_files(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    assert not accelerators_visible({}, dev)
+    assert accelerators_visible({"CUDA_VISIBLE_DEVICES": "0,1"}, dev)
+    assert not accelerators_visible({"CUDA_VISIBLE_DEVICES": ""}, dev)
+    (dev / "kfd").touch()  # ROCm
+    assert accelerators_visible({}, dev)
+
+
+class Handle:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+SLEEPER = """
+import signal, socket, sys, time
+if sys.argv[1] == "handler":
+    signal.signal(signal.SIGTERM, lambda *_: None)
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("handles", [False, True], ids=["default", "handler"])
+def test_ending_tells_a_process_the_signal_kills_from_one_that_handles_it(handles: bool) -> None:
+    mode = "handler" if handles else "default"
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert proctree.listening_ports(proc.pid) == {port}
+        assert port in proctree.ephemeral_ports()
+        assert proctree.ending(proc.pid, signal.SIGTERM) is None  # running
+        os.kill(proc.pid, signal.SIGTERM)  # not Popen's: it may reap the process first
+        # Known the moment kill() returns: the kernel marks the whole process as exiting before any thread runs.
+        assert proctree.ending(proc.pid, signal.SIGTERM) == (None if handles else -signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proctree.ending(proc.pid, signal.SIGTERM) == (-signal.SIGKILL if handles else -signal.SIGTERM)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == (-signal.SIGKILL if handles else -signal.SIGTERM)
