@@ -180,3 +180,16 @@ def test_ending_tells_a_process_the_signal_kills_from_one_that_handles_it(handle
         proc.kill()
         proc.communicate()
     assert proc.returncode == (-signal.SIGKILL if handles else -signal.SIGTERM)
+
+
+def test_socket_diagnostics_and_the_proc_tables_agree_on_what_listens() -> None:
+    with socket.socket() as v4, socket.socket(socket.AF_INET6) as v6:
+        v4.bind(("127.0.0.1", 0))
+        v6.bind(("::1", 0))
+        v4.listen()
+        v6.listen()
+        ports = {v4.getsockname()[1], v6.getsockname()[1]}
+        fast = proctree._listening_tcp()
+        slow = proctree._listening_from_proc(f"/proc/{os.getpid()}/task/{os.getpid()}")
+        assert ports <= set(fast.values())
+        assert {i: p for i, p in fast.items() if p in ports} == {i: p for i, p in slow.items() if p in ports}

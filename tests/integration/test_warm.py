@@ -218,3 +218,21 @@ def test_a_teardown_stuck_after_the_script_ended_keeps_the_scripts_result(
     assert exits[1] == ("succeeded" if code == 0 else "failed")  # the script's result, not the kill's
     assert "stuck in interpreter teardown" in r.log(0, 1, "stderr")
     assert not [e for e in r.events() if e["kind"] == "hang"]  # not a training hang
+
+
+FAILS_AT_ONCE = """
+import os, sys
+sys.exit(0 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "3" else 3)
+"""
+
+
+def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_path: Path, script: WriteScript) -> None:
+    """The standbys taken by a restart are forked again only once its workers had time to start; a failure
+    before then forks them on the spot, from the same zygote."""
+    script("w.py", FAILS_AT_ONCE)
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    assert r.returncode == 0, r.stderr
+    restarts = [e for e in spawned(r) if e["attempt"] > 0]
+    assert len(restarts) == 6
+    assert all(e["warm"] for e in restarts), restarts
+    assert "3 restarts (warm)" in r.stderr

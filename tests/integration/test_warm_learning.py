@@ -29,6 +29,7 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     time.sleep(1)  # the crash comes a second after the imports (the job's story, not a synchronisation)
     os.kill(os.getpid(), signal.SIGKILL)
 print("restarted", flush=True)
+os._exit(0)  # no report at exit, and none when its imports settle: all that is learned comes from attempt 0
 """
 
 
@@ -40,10 +41,10 @@ def test_imports_are_known_before_a_worker_is_killed_and_kept_for_the_next_run(
     assert r.returncode == 0, r.stderr
     # Before any worker ran, the entry script's top-level imports were being preloaded.
     assert "statistics" in cached(tmp_path)
-    assert "warm pool: preloading" in r.stderr  # the worker's report, written before SIGKILL, was learned
     learned = cached(tmp_path)
     assert {"decimal", "fractions", "statistics"} <= set(learned)
-    assert len(learned) > 3  # everything the worker imported, not only the script's own lines
+    # Everything the worker imported, not only the script's own lines: its report, written before SIGKILL.
+    assert "numbers" in learned  # fractions imports it
     # A rerun of the same job starts its preloading zygote with what the last run learned.
     again = run_ftrun(tmp_path, "--log-dir", str(tmp_path / "again"), "--max-restarts", "1", "w.py")
     again.run_dir = tmp_path / "again" / "t"

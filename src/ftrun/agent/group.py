@@ -75,6 +75,7 @@ class LocalGroup:
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
         self._oom_kills: int | None = None
+        self._unlearned: list[Worker] = []  # past attempts' workers whose module reports are still to read
         self._attempt = 0
         self._master_port = 0
         self._signals_seen = 0
@@ -145,9 +146,9 @@ class LocalGroup:
         finally:
             self._processes.start_copying()
             if isinstance(self._spawner, WarmPool):
-                self._spawner.refill()
+                self._spawner.workers_started()
         self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
-        self._learn_modules(previous)  # what the last attempt's workers reported since the last look
+        self._unlearned += previous  # read when the agent is next idle (or at the end), not beside the new workers
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
     def _spawn(self, command: StartWorkers, attempt_dir: Path, local_rank: int, master_port: int) -> None:
@@ -191,7 +192,8 @@ class LocalGroup:
         """
         running = bool(self._processes.running)
         self._update_status()
-        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running)):
+        refill = self._spawner.seconds_to_refill() if isinstance(self._spawner, WarmPool) else None
+        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running), refill):
             if check is not None:
                 timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
@@ -204,7 +206,8 @@ class LocalGroup:
             self._reports.publish_hang(hung, self._round)
             happened.append(WorkerHung(hung.local_rank))
         if not happened:  # a failure is answered first (learning may start a zygote: tens of ms)
-            self._learn_modules(self._processes.workers)
+            self._learn_modules([*self._unlearned, *self._processes.workers])
+            self._unlearned = []
             if isinstance(self._spawner, WarmPool):
                 self._spawner.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
         return happened, also_ready
@@ -266,6 +269,7 @@ class LocalGroup:
         """End the run: the last event, the summary; returns ftrun's exit code."""
         self._settle()
         self._reap_released()
+        self._learn_modules([*self._unlearned, *self._processes.workers], run_ends=True)  # kept for the next run
         own = self.config.launcher_error_file
         if finish.outcome is Outcome.FAILED and own is not None and self._reports.last is not None:
             write_launcher_error_file(self._reports.last, own)
@@ -430,7 +434,7 @@ class LocalGroup:
             self.say(f"{reporter.who} {reporter.request}", always=True)
         return [Requested(reporter.local_rank, request, f"rank {reporter.rank} on {self.host}")]
 
-    def _learn_modules(self, workers: list[Worker]) -> None:
+    def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
         """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write
         one when their imports settle, and at exit)."""
         if not isinstance(self._spawner, WarmPool):
@@ -446,7 +450,7 @@ class LocalGroup:
             self._module_reports[path] = stamp
             modules = read_modules_report(path)
             if modules is not None:
-                self._spawner.learn(modules)
+                self._spawner.learn(modules, run_ends=run_ends)
 
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)

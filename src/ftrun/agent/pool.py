@@ -27,6 +27,7 @@ import json
 import os
 import select
 import selectors
+import signal
 import socket
 import subprocess
 import time
@@ -39,6 +40,7 @@ from ftrun.agent import proctree
 from ftrun.agent.preload import Cache
 from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
 
+REFILL_DELAY_S = 0.5  # after an attempt's spawns: see WarmPool.workers_started
 BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
 PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
 FORK_TIMEOUT_S = 10.0
@@ -197,7 +199,11 @@ class _Zygote:
             theirs.close()
 
     def standby(self) -> _Standby:
-        """A live standby worker of this (ready) zygote; another one is asked for in its place."""
+        """A live standby worker of this (ready) zygote; another one is asked for in its place at the next
+        refill, or now when none is left (a failure came before the refill)."""
+        if not self._asked and not self._standbys and self.owed:
+            self.ask_standby()
+            self.owed -= 1
         while self._asked:  # collect the answers that came, waiting only when no standby is left
             waited = FORK_TIMEOUT_S if not self._standbys else 0.0
             try:
@@ -223,8 +229,8 @@ class _Zygote:
         raise PoolError("the zygote has no standby worker")
 
     def refill(self) -> None:
-        """Ask for the standbys taken since the last refill (after a spawn, not during: the fork would take a
-        core from the workers being started)."""
+        """Ask for the standbys taken since the last refill (when the agent is idle: forking a zygote of
+        hundreds of MiB takes ~10 ms of a core, which the workers being started need)."""
         for _ in range(self.owed):
             self.ask_standby()
         self.owed = 0
@@ -286,6 +292,7 @@ class WarmPool:
         self._fresh = ProcessSpawner()
         self._zygotes: list[_Zygote] = []
         self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
+        self._refill_at: float | None = None  # monotonic: when the standbys taken are forked again
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
 
     def start(self, log: Path, say: Callable[[str], None], on_ready: Callable[[dict[str, Any]], None]) -> None:
@@ -316,8 +323,9 @@ class WarmPool:
         """The zygotes and their standby workers (in the zygotes' process groups) are the pool's own."""
         signal_strays(sig, workers, helper_groups={z.proc.pid for z in self._zygotes})
 
-    def reap_orphans(self, keep: set[int]) -> None:
-        proctree.reap_orphans(keep | {z.proc.pid for z in self._zygotes})
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        zygotes = {z.proc.pid for z in self._zygotes}
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=zygotes, keep=keep | zygotes)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         request = worker_request(argv, self._python)
@@ -339,6 +347,10 @@ class WarmPool:
         """Take the zygotes' news (ready, refused, gone) and retire each ready zygote that a bigger ready one
         replaces. Called when the agent is idle too, so that a restart finds this done."""
         self._retired = [proc for proc in self._retired if proc.poll() is None]
+        if self._refill_at is not None and time.monotonic() >= self._refill_at:
+            self._refill_at = None
+            for z in self._zygotes:
+                z.refill()
         for z in list(self._zygotes):
             was_ready = z.ready is not None
             if z.poll() and not was_ready:
@@ -398,8 +410,9 @@ class WarmPool:
             self._say(f"warm pool: {why}; a new zygote is on its way")
             self._launch(z.preload, idle=True)
 
-    def learn(self, modules: Sequence[str]) -> None:
-        """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it."""
+    def learn(self, modules: Sequence[str], *, run_ends: bool = False) -> None:
+        """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it (kept
+        for the next run only when ``run_ends``: no restart can come)."""
         if not self._auto or self._off:
             return
         current = self.preloading
@@ -408,15 +421,21 @@ class WarmPool:
         if len(wanted) <= len(current) // GROWTH:
             return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
         bigger = list(dict.fromkeys([*current, *wanted]))
-        self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
         if self._cache is not None:
             self._cache.save(bigger, self._import_s)
-        self._launch(bigger, idle=True)
+        if not run_ends:
+            self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
+            self._launch(bigger, idle=True)
 
-    def refill(self) -> None:
-        """Once the workers of an attempt are started: fork standbys in place of those they took."""
-        for z in self._zygotes:
-            z.refill()
+    def workers_started(self) -> None:
+        """An attempt's workers were just started: the standbys they took are forked again once they had time
+        to start (forking a zygote of hundreds of MiB costs ~10 ms of a core, which they need now; a failure
+        before then forks its standbys on the spot: still warm)."""
+        self._refill_at = time.monotonic() + REFILL_DELAY_S
+
+    def seconds_to_refill(self) -> float | None:
+        """How long the agent may sleep before :meth:`tend` is due to refill (None: nothing to refill)."""
+        return None if self._refill_at is None else max(0.0, self._refill_at - time.monotonic())
 
     def close(self) -> None:
         for z in self._zygotes:

@@ -73,8 +73,9 @@ class Spawner(Protocol):
         own: descendants that left their worker's process group, and orphans the agent adopted."""
         ...
 
-    def reap_orphans(self, keep: set[int]) -> None:
-        """Reap the agent's exited children that are not in ``keep`` (adopted orphans)."""
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        """SIGKILL the strays (as :meth:`signal_strays` finds them) and reap the agent's exited children that are
+        neither in ``keep`` nor the spawner's own (adopted orphans)."""
         ...
 
 
@@ -108,8 +109,8 @@ class ProcessSpawner:
     def signal_strays(self, sig: int, workers: set[int]) -> None:
         signal_strays(sig, workers, helper_groups=set())
 
-    def reap_orphans(self, keep: set[int]) -> None:
-        proctree.reap_orphans(keep)
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=set(), keep=keep)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         try:
@@ -325,12 +326,7 @@ class AttemptProcesses:
         for w in self.running:
             if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
                 w.state = WorkerState.STOPPED
-        self._signal_all(first_signal)
-        for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
-            if w.handle is not None and proctree.is_stopped(w.pid):
-                w.handle.signal_group(signal.SIGKILL)
-        if release is not None:
-            self._release_ending(first_signal, release, on_exit)
+        self._send_first(first_signal, release, on_exit)
         deadline = self._clock.monotonic() + grace_s
         while self.running:
             left = deadline - self._clock.monotonic()
@@ -351,8 +347,8 @@ class AttemptProcesses:
 
     def sweep(self) -> None:
         """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
-        self._signal_all(signal.SIGKILL)
-        self._spawner.reap_orphans(keep={w.pid for w in (*self.running, *self.released)})
+        self._signal_groups(signal.SIGKILL)
+        self._spawner.sweep(self._pids, keep={w.pid for w in (*self.running, *self.released)})
 
     def reap_released(self) -> list[Worker]:
         """Wait until the released workers are gone (at the run's end: nothing outlives the agent); returns them."""
@@ -363,6 +359,18 @@ class AttemptProcesses:
             if select.select([w.handle.fileno()], [], [], max(0.0, deadline - self._clock.monotonic()))[0]:
                 self._reap_released(w)
         return waited
+
+    def _send_first(
+        self, sent: int, release: Callable[[Worker], bool] | None, on_exit: Callable[[Worker], object]
+    ) -> None:
+        self._signal_groups(sent)
+        for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
+            if w.handle is not None and proctree.is_stopped(w.pid):
+                w.handle.signal_group(signal.SIGKILL)
+        if release is not None:
+            self._release_ending(sent, release, on_exit)
+        if self.running:  # the strays get the grace period too (those of released workers: the sweep's SIGKILL)
+            self._spawner.signal_strays(sent, self._pids)
 
     def _release_ending(
         self, sent: int, release: Callable[[Worker], bool], on_exit: Callable[[Worker], object]
@@ -381,9 +389,15 @@ class AttemptProcesses:
         w.handle.reap()  # the status it ended with was known when it was released
         self.released.remove(w)
 
+    @property
+    def _pids(self) -> set[int]:
+        return {w.pid for w in self.workers if w.handle}
+
     def _signal_all(self, sig: int) -> None:
-        # Strays are found before the workers are signalled (a dying worker's children are re-parented).
-        self._spawner.signal_strays(sig, {w.pid for w in self.workers if w.handle})
+        self._signal_groups(sig)
+        self._spawner.signal_strays(sig, self._pids)  # a dying worker's children are re-parented: still below
+
+    def _signal_groups(self, sig: int) -> None:
         for w in self.workers:
             if w.handle is not None:
                 w.handle.signal_group(sig)

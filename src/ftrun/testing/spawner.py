@@ -93,5 +93,5 @@ class FakeSpawner:
     def signal_strays(self, sig: int, workers: set[int]) -> None:
         """Pretend workers leave no strays."""
 
-    def reap_orphans(self, keep: set[int]) -> None:
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
         """...and no orphans."""
