@@ -196,6 +196,20 @@ def test_success_finishes_the_job_and_late_nodes_exit() -> None:
     assert "already finished" in late.reason
 
 
+def test_a_member_that_had_not_started_when_the_others_finished_still_runs_its_ranks() -> None:
+    """Under load a member may see the round only once the others' workers are done: its ranks are part of the
+    job (a member that never ran them would exit 0 as if it had)."""
+    done = decide(view(closed("a", "b"), nodes("a", "b"), running_round=1, job_done=True), RULES).record
+    assert done is not None
+    slow = decide(view(done, nodes("a", "b"), me="b"), RULES)
+    assert slow.action is Action.RUN
+    assert slow.assignment is not None
+    assert slow.assignment.round == 1
+    after = decide(view(done, nodes("a", "b"), me="b", running_round=1), RULES)
+    assert after.action is Action.FINISHED
+    assert "already finished" not in after.reason
+
+
 def test_previous_members_keep_their_order() -> None:
     reopened = RoundRecord(2, Status.OPEN, previous=("c", "a"), failures=0)
     live = nodes("a", "new", "c", round_=2)

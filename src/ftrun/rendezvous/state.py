@@ -153,9 +153,7 @@ def decide(view: View, rules: Rules) -> Decision:
     """The next step for node ``view.me``, with a sentence saying why."""
     r = view.record
     if r is not None and r.status is Status.FINISHED:
-        if view.job_done or view.running_round == r.round:  # this node took part: nothing to warn about
-            return Decision(Action.FINISHED, f"the job finished in round {r.round}")
-        return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
+        return _finished(view, r)
     if r is not None and r.status is Status.FAILED:
         return Decision(Action.FAIL, f"the job failed in round {r.round}: {r.reason}", record=r)
     if view.running_round is not None:
@@ -231,6 +229,15 @@ def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) 
         reason=reason,
     )
     return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record)
+
+
+def _finished(view: View, r: RoundRecord) -> Decision:
+    if view.job_done or view.running_round == r.round:  # this node took part: nothing to warn about
+        return Decision(Action.FINISHED, f"the job finished in round {r.round}")
+    if view.me in r.members:  # under load a member may see the round only once the others are done: its ranks
+        assignment = node_assignment(r, view.me)  # are part of the job all the same
+        return Decision(Action.RUN, f"member of round {r.round}, which the others finished", assignment=assignment)
+    return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
 
 
 def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0911 - one return per rule
