@@ -53,7 +53,8 @@ class Trial:
     recovery_s: float | None  # crash -> every rank stepped again; None: never trained again
     first_restart: bool
     own_s: float | None  # ftrun only: failed exit seen -> every new worker running its own code
-    teardown_s: float | None  # ftrun only: of which the other workers' exit after SIGTERM (the job's, the kernel's)
+    stop_s: float | None  # ftrun only: of which stopping the other worker (SIGTERM -> released while exiting, or gone)
+    released: bool | None  # ftrun only: the stopped worker was released while the kernel freed it
     warm: bool | None  # ftrun only: the restart's workers came from the pool
     start_s: float | None  # launcher started -> every rank finished its first step (the first attempt)
 
@@ -93,20 +94,21 @@ def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: 
             started.setdefault(r["attempt"], {})[r["rank"]] = r["wall"]
     complete = sorted(a for a, ranks in resumed.items() if len(ranks) == 2)
     recovery = max(resumed[complete[0]].values()) - crash if complete else None
-    own = warm = teardown = None
+    own = warm = stop = released = None
     if launcher.startswith("ftrun") and events.exists():
         ev = [json.loads(line) for line in events.read_text().splitlines()]
         failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
         if len(started.get(1, {})) == 2:
             own = max(started[1].values()) - failed["wall"]
-        exits = [e["wall"] for e in ev if e["kind"] == "worker_exited" and e["attempt"] == failed["attempt"]]
-        teardown = max(exits) - failed["wall"]
+        exits = [e for e in ev if e["kind"] == "worker_exited" and e["attempt"] == failed["attempt"]]
+        stop = max(e["wall"] for e in exits) - failed["wall"]
+        released = all(e.get("released") for e in exits if e["state"] == "stopped")
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
         warm = bool(respawned) and all(e["warm"] for e in respawned)
     firsts = [min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k),
                   default=None) for k in (0, 1)]  # fmt: skip
     start = max(firsts) - launched if None not in firsts else None  # type: ignore[type-var, operator]
-    return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, teardown, warm, start)
+    return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, stop, released, warm, start)
 
 
 def kill_leftovers(workdir: Path) -> None:
@@ -182,10 +184,12 @@ def main() -> None:
         own = [t.own_s for t in trials if t.launcher == ours and t.own_s is not None]
         print(f"{ours}: its own part, failed exit seen -> every new worker running its own code: "
               f"{describe(own, 1000, 'ms')}")  # fmt: skip
-        pairs = [(t.own_s, t.teardown_s) for t in trials if t.launcher == ours and t.own_s and t.teardown_s]
-        print(f"  of which the other workers' exit after SIGTERM: {describe([d for _, d in pairs], 1000, 'ms')}"
-              f"\n  and ftrun's restart (last old worker gone -> every new one running its code): "
-              f"{describe([o - d for o, d in pairs], 1000, 'ms')}")  # fmt: skip
+        mine = [t for t in trials if t.launcher == ours and t.own_s and t.stop_s]
+        released = sum(bool(t.released) for t in mine)
+        print(f"  of which stopping the other worker (SIGTERM -> released while exiting, or gone): "
+              f"{describe([t.stop_s for t in mine], 1000, 'ms')}, released {released}/{len(mine)}"
+              f"\n  and ftrun's restart (the others stopped -> every new one running its code): "
+              f"{describe([t.own_s - t.stop_s for t in mine], 1000, 'ms')}")  # fmt: skip
 
 
 if __name__ == "__main__":
