@@ -16,7 +16,9 @@ COLD = ["--no-warm"]
 
 FACTS = """
 import json, os, sys, warnings
+def typed(x: int) -> None: ...
 facts = {
+    "annotations": repr(typed.__annotations__),  # no __future__ flag leaks in from ftrun's own code
     "name": __name__,
     "file": __file__,
     "argv": sys.argv,
@@ -60,6 +62,7 @@ def test_a_warm_script_sees_what_a_fresh_one_sees(tmp_path: Path, script: WriteS
     assert runs["warm"]["path0"] == str((tmp_path / "sub").resolve())
     assert runs["warm"]["own_session"] is True
     assert runs["warm"]["parent"] is True  # the agent's own child, not the zygote's
+    assert runs["warm"]["annotations"] == "{'x': <class 'int'>, 'return': None}"
 
 
 def test_a_warm_module_with_relative_imports(tmp_path: Path, script: WriteScript) -> None:
@@ -236,3 +239,36 @@ def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_pa
     assert len(restarts) == 6
     assert all(e["warm"] for e in restarts), restarts
     assert "3 restarts (warm)" in r.stderr
+
+
+REWRITES_ITSELF = """
+import os, sys
+print("version 1", flush=True)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    with open(__file__, "a") as f:
+        f.write("print('version 2, longer', flush=True)\\n")
+    sys.exit(3)
+"""
+
+
+def test_the_script_precompiled_by_the_zygote_is_the_one_on_disk(tmp_path: Path, script: WriteScript) -> None:
+    """The zygote compiles the entry script once for all its workers; a script changed since runs as changed."""
+    script("w.py", REWRITES_ITSELF)
+    r = run_ftrun(tmp_path, *WARM, "w.py")
+    assert r.returncode == 0, r.stderr
+    assert all(e["warm"] for e in spawned(r))
+    assert r.log(0, 0) == "version 1\n"
+    assert r.log(1, 0) == "version 1\nversion 2, longer\n"
+
+
+def test_a_script_that_does_not_compile_fails_warm_as_it_does_cold(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "print('never')\ndef broken(:\n")
+    tails = {}
+    for name, flags in (("warm", WARM), ("cold", COLD)):
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "--max-restarts", "1", "w.py")
+        r.run_dir = tmp_path / name / "t"
+        assert r.returncode == 1
+        assert [e["warm"] for e in spawned(r)] == [name == "warm"] * 2
+        tails[name] = [ln for ln in r.log(1, 0, "stderr").splitlines() if "line" not in ln]
+    assert tails["warm"] == tails["cold"]
+    assert tails["warm"][-1].startswith("SyntaxError")

@@ -31,7 +31,7 @@ from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import Cache, entry_imports
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
-from ftrun.config import LaunchConfig
+from ftrun.config import EntrypointKind, LaunchConfig
 from ftrun.errors import FtrunError
 from ftrun.events import EventKind
 from ftrun.ports import is_local_address, reserve_port
@@ -90,8 +90,16 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
     entry script's imports."""
     w = config.warm
     cache = Cache(w.cache_dir, config.python, config.entrypoint, config.cwd) if w.auto else None
+    entry = config.entrypoint
+    script = os.path.abspath(config.cwd / entry.target) if entry.kind is EntrypointKind.SCRIPT else None
     pool = WarmPool(
-        config.python, w.preload, config.worker_base_env, auto=w.auto, standbys=config.nproc_per_node, cache=cache
+        config.python,
+        w.preload,
+        config.worker_base_env,
+        auto=w.auto,
+        standbys=config.nproc_per_node,
+        cache=cache,
+        script=script,
     )
     if w.auto:
         pool.add(entry_imports(config.entrypoint, config.cwd, config.python))

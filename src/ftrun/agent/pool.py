@@ -130,9 +130,19 @@ class _Standby:
 
 class _Zygote:
     def __init__(
-        self, python: str, preload: list[str], env: Mapping[str, str], log: Path, *, idle: bool, standbys: int
+        self,
+        python: str,
+        preload: list[str],
+        env: Mapping[str, str],
+        log: Path,
+        *,
+        idle: bool,
+        standbys: int,
+        script: str | None = None,
     ) -> None:
+        """``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
         self.preload = preload
+        self._script = script
         self.started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
@@ -187,7 +197,7 @@ class _Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._sock.sendmsg(
-                [json.dumps({"agent_pid": os.getpid()}).encode()],
+                [json.dumps({"agent_pid": os.getpid(), "script": self._script}).encode()],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
             )
         except OSError as e:
@@ -277,9 +287,12 @@ class WarmPool:
         auto: bool,
         standbys: int,
         cache: Cache | None = None,
+        script: str | None = None,
     ) -> None:
-        """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers)."""
+        """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers);
+        ``script``: the entry script's absolute path, compiled once in each zygote."""
         self._python = python
+        self._script = script
         self._standbys = standbys
         self._env = env
         self._auto = auto
@@ -311,7 +324,9 @@ class WarmPool:
         """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
         if not self._off:
             self._zygotes.append(
-                _Zygote(self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys)
+                _Zygote(
+                    self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
+                )
             )
 
     @property
