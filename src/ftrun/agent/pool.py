@@ -374,14 +374,17 @@ class WarmPool:
                 self._drop(z, z.failed)
                 if self._off:
                     return
-        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
-        if ready:
-            best = max(ready, key=lambda z: len(z.preload))
+        best = self._biggest_ready()
+        if best is not None:
             for z in list(self._zygotes):
                 if z is not best and z.ready is not None:  # a bigger one serves from now on
                     z.close(wait=False)
                     self._retired.append(z.proc)
                     self._zygotes.remove(z)
+
+    def _biggest_ready(self) -> _Zygote | None:
+        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
+        return max(ready, key=lambda z: len(z.preload)) if ready else None
 
     def _best(self) -> _Zygote | None:
         """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
@@ -390,9 +393,9 @@ class WarmPool:
         self.tend()
         if self._off:
             return None
-        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
-        if ready:
-            return max(ready, key=lambda z: len(z.preload))
+        best = self._biggest_ready()
+        if best is not None:
+            return best
         preloaded = [z for z in self._zygotes if z.preload]
         for z in sorted(preloaded, key=lambda z: len(z.preload), reverse=True) + [
             z for z in self._zygotes if not z.preload

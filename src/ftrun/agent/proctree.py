@@ -79,14 +79,20 @@ def sweep(sig: int, workers: set[int], helper_groups: set[int], keep: set[int]) 
     reap_orphans(keep, table)
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether the process cannot run (SIGSTOP, a frozen container: state T or t): signals wait for it."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first), None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"T", b"t")
+        return None
+    return stat[stat.rfind(b")") + 2 :].split()  # the name is in parentheses and may hold anything
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether the process cannot run (SIGSTOP, a frozen container: state T or t): signals wait for it."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
@@ -100,17 +106,17 @@ def ending(pid: int, sent: int) -> int | None:
     as exiting, with its status, before any of its threads runs again (/proc/PID/stat shows that status;
     kernels before 4.x only the SIGKILL it queues to each thread). An exit with status 0 is not told from a
     thread leaving alone, which the others outlive."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/status", "rb") as f:
-            status = f.read()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         return None  # gone already (its exit is seen as usual) or not readable: not known to be ending
-    fields = stat[stat.rfind(b")") + 2 :].split()
     exit_status = int(fields[49]) if len(fields) > 49 else 0  # a stopped process shows its stop signal there
     if exit_status and fields[0] not in (b"T", b"t"):
         return -(exit_status & 0x7F) if exit_status & 0x7F else exit_status >> 8
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return None
     masks = {line.split(b":")[0]: int(line.split()[1], 16) for line in status.splitlines() if b"Pnd:" in line}
     if not masks.get(b"SigPnd", 0) & SIGKILL_BIT:
         return None

@@ -23,6 +23,7 @@ worker start-up (which every watched worker imports anyway).
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -326,33 +327,19 @@ def precompile(path: str) -> None:
     """Compile the entry script here, once (again when it changed): every standby forked after has its code,
     and a restart does not pay for it (~5 ms per 1,000 lines). One that does not compile is left to the worker,
     which reports the error as Python would."""
-    try:
-        stamp = _stamp(path)
-        if path not in COMPILED or COMPILED[path][0] != stamp:
-            COMPILED[path] = (stamp, _compile(path))
-    except (OSError, SyntaxError, ValueError):
-        COMPILED.pop(path, None)
+    with contextlib.suppress(OSError, SyntaxError, ValueError):
+        script_code(path)
 
 
 def script_code(path: str) -> types.CodeType:
     """The entry script's code: the zygote's when the file has not changed since, else compiled now."""
-    found = COMPILED.get(path)
-    try:
-        if found is not None and found[0] == _stamp(path):
-            return found[1]
-    except OSError:
-        pass
-    return _compile(path)
-
-
-def _stamp(path: str) -> tuple[int, int]:
     stat = os.stat(path)
-    return stat.st_mtime_ns, stat.st_size
-
-
-def _compile(path: str) -> types.CodeType:
-    with io.open_code(path) as f:  # dont_inherit: this module's own __future__ flags are not the script's
-        return compile(f.read(), path, "exec", dont_inherit=True)
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    found = COMPILED.get(path)
+    if found is None or found[0] != stamp:
+        with io.open_code(path) as f:  # dont_inherit: this module's own __future__ flags are not the script's
+            found = COMPILED[path] = (stamp, compile(f.read(), path, "exec", dont_inherit=True))
+    return found[1]
 
 
 def restore_threads() -> None:
