@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from ftrun.monitor import client
-from ftrun.monitor.layout import IDLE, OFF_IDLE, CorruptSlot, slot_offset
+from ftrun.monitor.layout import IDLE, OFF_IDLE, OFF_STEP, STEP, CorruptSlot, slot_offset
 from ftrun.monitor.table import MonitorTable
 from ftrun.monitor.watchdog import Timeouts, published
 
@@ -54,6 +54,28 @@ def test_heartbeats_and_sections_land_in_the_workers_own_slot(table: MonitorTabl
     after = table.read(1)
     assert after.sections == ()
     assert after.idle_since >= view.last_beat
+
+
+def test_the_step_an_attempt_resumed_at_is_what_its_first_heartbeat_named(table: MonitorTable) -> None:
+    c = attach(table)
+    assert table.read(1).first_step == -1
+    c.heartbeat(step=4)
+    # The agent can read the slot between a heartbeat's two stores: the new step, the old beat count. Only
+    # the step written with the first beat tells where the attempt resumed.
+    STEP.pack_into(table._map, slot_offset(1) + OFF_STEP, 5)
+    halfway = table.read(1)
+    assert (halfway.step, halfway.beats, halfway.first_step) == (5, 1, 4)
+    c.heartbeat(step=5)
+    c.heartbeat()
+    view = table.read(1)
+    assert (view.step, view.beats, view.first_step) == (5, 3, 4)
+
+
+def test_a_first_heartbeat_without_a_step_names_none(table: MonitorTable) -> None:
+    c = attach(table)
+    c.heartbeat()
+    c.heartbeat(step=7)
+    assert (table.read(1).step, table.read(1).first_step) == (7, -1)
 
 
 def test_section_misuse_is_a_clear_error(table: MonitorTable) -> None:

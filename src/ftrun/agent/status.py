@@ -75,8 +75,7 @@ class NodeStatus:
             return
         first, w, s = min(firsts, key=lambda f: f[0])
         self._first_step_seen.add(attempt)
-        # The step it resumed at: the step named now, less the beats since the first (one beat per step).
-        resumed = s.step - (s.beats - 1) if s.step >= 0 else None
+        resumed = s.first_step if s.first_step >= 0 else None  # the step it resumed at
         self._emit(EventKind.FIRST_STEP, attempt=attempt, rank=w.rank, first_mono=first, step=resumed)
 
     def update(

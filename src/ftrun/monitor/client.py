@@ -104,6 +104,7 @@ class _Attached:
             self._flags |= layout.FLAG_STACKS
         layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
         layout.STEP.pack_into(self._map, self._step_at, -1)
+        layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1)
         layout.IDENTITY.pack_into(self._map, self._base + layout.OFF_IDENTITY, os.getpid(), self._attached)
         atexit.register(self._exiting)
 
@@ -144,7 +145,7 @@ class _Attached:
         self.in_charge = True
         if step is not None:
             layout.STEP.pack_into(self._map, self._step_at, step)
-        self._beat()
+        self._beat(step)
 
     def auto_heartbeat(self) -> None:
         """An optimizer step (ftrun's automatic heartbeat): counts only while the job does not beat on its own."""
@@ -166,13 +167,15 @@ class _Attached:
         if self._calculated.heartbeat is None or learned > self._calculated.heartbeat:
             self.set_timeouts(self._calculated.widest(Timeouts(heartbeat=learned)))
 
-    def _beat(self) -> None:
+    def _beat(self, step: int | None = None) -> None:
         now = time.monotonic()
         last = self._last_beat
         if last:
             self._longest_beat_gap = max(self._longest_beat_gap, now - last)
         else:
             self._first_beat = now - self._spawned
+            # Before first_beat, which tells the agent it is there: the step the attempt resumed at.
+            layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1 if step is None else step)
             layout.FIRST_BEAT.pack_into(self._map, self._base + layout.OFF_FIRST_BEAT, now)
             if self._modules_file:  # the job is running: what it imported is what a warm pool should preload
                 report_modules(self._modules_file)

@@ -21,6 +21,8 @@ Layout (little endian)::
              end_code   i32  the exit code the script ended with
              first_beat f64  when the first heartbeat came (0 before it): the attempt's first step
              step       i64  the step the job last named (heartbeat(step=N)); -1: it never named one
+             first_step i64  the step the first heartbeat named (-1: none), written before first_beat
+                             (step and beats are two stores a reader can see apart: no resumed step from them)
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
              r_seq      u64  bumped after the worker wrote a workload control request (below);
@@ -38,7 +40,7 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"FTRUNMON"
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
 SLOT_SIZE = 4096
@@ -55,9 +57,10 @@ TIMEOUTS_HEAD = struct.Struct("<QI")  # t_seq, t_len: offset 56
 ENDED = struct.Struct("<di")  # ended, end_code: offset 72
 FIRST_BEAT = struct.Struct("<d")  # offset 88
 STEP = struct.Struct("<q")  # offset 96
-ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 104
+FIRST_STEP = struct.Struct("<q")  # offset 104
+ENTRY = struct.Struct(f"<dB{NAME_MAX}s")  # 64 bytes each, from offset 112
 OFF_IDENTITY, OFF_BEAT, OFF_IDLE, OFF_TIMEOUTS_HEAD, OFF_ENDED = 8, 24, 40, 56, 72
-OFF_FIRST_BEAT, OFF_STEP, OFF_ENTRIES = 88, 96, 104
+OFF_FIRST_BEAT, OFF_STEP, OFF_FIRST_STEP, OFF_ENTRIES = 88, 96, 104, 112
 OFF_TIMEOUTS = OFF_ENTRIES + MAX_OPEN * ENTRY.size
 REQUEST_AREA = 512
 REQUEST_HEAD = struct.Struct("<QI4x")  # r_seq, r_len
@@ -65,7 +68,7 @@ OFF_REQUEST_HEAD = SLOT_SIZE - REQUEST_AREA
 OFF_REQUEST = OFF_REQUEST_HEAD + REQUEST_HEAD.size
 REQUEST_MAX = SLOT_SIZE - OFF_REQUEST
 TIMEOUTS_MAX = OFF_REQUEST_HEAD - OFF_TIMEOUTS
-_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dq")  # seq .. end_code, offsets as above
+_FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dqq")  # seq .. first_step, offsets as above
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class SlotView:
     request_json: bytes = b""  # the last one
     first_beat: float = 0.0  # monotonic: the first heartbeat; 0 before it
     step: int = -1  # the step the job last named; -1: none
+    first_step: int = -1  # the step its first heartbeat named; -1: none
 
 
 class CorruptSlot(ValueError):
@@ -99,7 +103,8 @@ def slot_offset(index: int) -> int:
 
 def parse_slot(raw: bytes) -> SlotView:
     fixed = _FIXED.unpack_from(raw)
-    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len, ended, end_code, first, step = fixed
+    _seq, pid, attached, last_beat, beats, idle_since, open_, flags, t_seq, t_len, ended, code, *steps = fixed
+    first, step, step0 = steps
     if not 0 <= open_ <= MAX_OPEN or not 0 <= t_len <= TIMEOUTS_MAX or pid < 0:
         raise CorruptSlot(f"impossible values (open sections {open_}, timeouts length {t_len}, pid {pid})")
     sections = []
@@ -117,6 +122,6 @@ def parse_slot(raw: bytes) -> SlotView:
         raise CorruptSlot(f"a request of {r_len} bytes")
     request = bytes(raw[OFF_REQUEST : OFF_REQUEST + r_len])
     return SlotView(
-        pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, end_code,
-        r_seq, request, first, step,
+        pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, code,
+        r_seq, request, first, step, step0,
     )  # fmt: skip
