@@ -136,6 +136,8 @@ def main() -> int:
             for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
                 os.close(fd)
         return 1
+    physical_cores()  # counted here once, for every worker
+    ENVIRONMENT.update(os.environ)
     # What preloading left as garbage goes; the rest is frozen: the workers' garbage collections never write
     # to the preloaded objects, so their pages stay shared with the zygote instead of being copied, worker by
     # worker, at each full collection.
@@ -310,13 +312,17 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
 
 
+ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
+
+
 def become_environment(env: dict[str, str]) -> None:
     """Make os.environ exactly ``env``, setting only what differs from the zygote's (most of it is the same,
-    and each variable set or unset is a call to libc)."""
-    for name in [name for name in os.environ if name not in env]:
+    and each variable set or unset is a call to libc; comparing with os.environ itself costs 0.3 ms)."""
+    inherited = ENVIRONMENT or dict(os.environ)
+    for name in inherited.keys() - env.keys():
         del os.environ[name]
     for name, value in env.items():
-        if os.environ.get(name) != value:
+        if inherited.get(name) != value:
             os.environ[name] = value
 
 
@@ -352,18 +358,25 @@ def restore_threads() -> None:
     torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0 else physical_cores())
 
 
+CORES: dict[frozenset[int], int] = {}  # CPUs allowed -> physical cores among them (sysfs reads: ~0.7 ms a worker)
+
+
 def physical_cores() -> int:
-    """Cores (not hyperthreads) this process may run on, as torch counts its default threads."""
-    cores = set()
-    for cpu in os.sched_getaffinity(0):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
-                core = f.read().strip()
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
-                cores.add((f.read().strip(), core))
-        except OSError:
-            cores.add(("", str(cpu)))
-    return max(1, len(cores))
+    """Cores (not hyperthreads) this process may run on, as torch counts its default threads; counted once in
+    the zygote for the CPUs its workers inherit."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    if cpus not in CORES:
+        cores = set()
+        for cpu in cpus:
+            try:
+                with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                    core = f.read().strip()
+                with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                    cores.add((f.read().strip(), core))
+            except OSError:
+                cores.add(("", str(cpu)))
+        CORES[cpus] = max(1, len(cores))
+    return CORES[cpus]
 
 
 def run(kind: str, target: str, args: list[str]) -> int:

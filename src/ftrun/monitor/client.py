@@ -99,8 +99,9 @@ class _Attached:
         if stacks:
             # The agent's fallback when py-spy is missing: all threads' stacks, written from the
             # C signal handler, so it works while the main thread holds the GIL in C code.
-            self._stacks_file = open(stacks, "a")  # noqa: SIM115 - lives as long as the process
-            faulthandler.register(STACK_SIGNAL, file=self._stacks_file, all_threads=True)
+            # A bare descriptor: faulthandler writes to the fd, a text file object would only cost start-up time.
+            self._stacks_fd = os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            faulthandler.register(STACK_SIGNAL, file=self._stacks_fd, all_threads=True)
             self._flags |= layout.FLAG_STACKS
         layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)
         layout.STEP.pack_into(self._map, self._step_at, -1)
@@ -114,7 +115,7 @@ class _Attached:
         atexit.unregister(self._exiting)
         if self._flags & layout.FLAG_STACKS:
             faulthandler.unregister(STACK_SIGNAL)
-            self._stacks_file.close()
+            os.close(self._stacks_fd)
         self._map.close()
 
     def script_ended(self, code: int) -> None:
