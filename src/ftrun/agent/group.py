@@ -148,7 +148,8 @@ class LocalGroup:
             if isinstance(self._spawner, WarmPool):
                 self._spawner.workers_started()
         self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
-        self._unlearned += previous  # read when the agent is next idle (or at the end), not beside the new workers
+        if isinstance(self._spawner, WarmPool):  # read when the agent is next idle (or at the end), not now
+            self._unlearned += previous
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
     def _spawn(self, command: StartWorkers, attempt_dir: Path, local_rank: int, master_port: int) -> None:
@@ -205,11 +206,12 @@ class LocalGroup:
         for hung in self._watch.check(self._processes.running):
             self._reports.publish_hang(hung, self._round)
             happened.append(WorkerHung(hung.local_rank))
-        if not happened:  # a failure is answered first (learning may start a zygote: tens of ms)
-            self._learn_modules([*self._unlearned, *self._processes.workers])
-            self._unlearned = []
-            if isinstance(self._spawner, WarmPool):
-                self._spawner.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
+        pool = self._spawner if isinstance(self._spawner, WarmPool) else None
+        if not happened and pool is not None:  # a failure is answered first (learning may start a zygote)
+            pool.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
+            if not pool.holding:
+                self._learn_modules([*self._unlearned, *self._processes.workers])
+                self._unlearned = []
         return happened, also_ready
 
     def stop(self, first_signal: int | None = None) -> list[Happening]:
@@ -218,6 +220,8 @@ class LocalGroup:
         if not self._processes.running:
             return [WorkersStopped()]
         first = signal.SIGTERM if first_signal is None else first_signal
+        if isinstance(self._spawner, WarmPool):
+            self._spawner.hold()  # until the next workers are started
         running = [w.rank for w in self._processes.running]
         slot_of, workers = self._watch.hangs.slot, self._processes.workers
         self.status.notice_first_step(workers, slot_of)

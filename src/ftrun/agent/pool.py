@@ -171,11 +171,14 @@ class _Zygote:
         self._asked: deque[socket.socket] = deque()  # standbys asked for, in order; the zygote answers in order
         self._standbys: deque[_Standby] = deque()
         self.owed = 0  # standbys taken and not yet asked for again
+        self.paused = False
         for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
             self.ask_standby()
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
+        if timeout_s > 0:
+            self.pause(False)  # waited for: it must go on
         if self.ready is None and not self.failed:
             try:
                 answer = self._receive(timeout_s, "to finish preloading")
@@ -191,6 +194,12 @@ class _Zygote:
                 return False
             self.ready = answer
         return self.ready is not None
+
+    def pause(self, paused: bool) -> None:
+        """Stand still (SIGSTOP) or go on (SIGCONT)."""
+        if paused != self.paused and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+            self.paused = paused
 
     def ask_standby(self) -> None:
         """Ask for one more standby worker (answered later: nobody waits for the fork now)."""
@@ -306,6 +315,7 @@ class WarmPool:
         self._zygotes: list[_Zygote] = []
         self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
         self._refill_at: float | None = None  # monotonic: when the standbys taken are forked again
+        self.holding = False  # a restart is under way: see hold()
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
 
     def start(self, log: Path, say: Callable[[str], None], on_ready: Callable[[dict[str, Any]], None]) -> None:
@@ -363,8 +373,9 @@ class WarmPool:
         replaces. Called when the agent is idle too, so that a restart finds this done."""
         self._retired = [proc for proc in self._retired if proc.poll() is None]
         if self._refill_at is not None and time.monotonic() >= self._refill_at:
-            self._refill_at = None
+            self._refill_at, self.holding = None, False
             for z in self._zygotes:
+                z.pause(False)
                 z.refill()
         for z in list(self._zygotes):
             was_ready = z.ready is not None
@@ -444,6 +455,16 @@ class WarmPool:
         if not run_ends:
             self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
             self._launch(bigger, idle=True)
+
+    def hold(self) -> None:
+        """A failure: the zygotes still preloading stand still (SIGSTOP) until the refill after the restart's
+        spawns, and the agent learns nothing new meanwhile. At idle CPU priority they should yield at once,
+        but a kernel that defers wakeup preemption to its tick (PREEMPT_NONE, lazy) lets them run on for up
+        to 4 ms at a time (seen with perf sched), taken from the agent and the new workers."""
+        self.holding = True
+        for z in self._zygotes:
+            if z.ready is None:
+                z.pause(True)
 
     def workers_started(self) -> None:
         """An attempt's workers were just started: the standbys they took are forked again once they had time

@@ -1,0 +1,79 @@
+"""A zygote still preloading stands still while a restart is under way, with real zygote processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent import pool as pool_module
+from ftrun.agent.pool import WarmPool
+from tests.integration.conftest import WAIT_S
+
+# Preloading this takes as long as the test needs: it says it started, then sleeps in its import.
+SLOW_MODULE = """
+import os, pathlib, time
+pathlib.Path(os.environ["SLOW_STARTED"]).write_text("started")
+time.sleep(600)
+"""
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
+
+
+def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WarmPool]:
+    (tmp_path / "slowmod.py").write_text(SLOW_MODULE)
+    monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SLOW_STARTED": str(tmp_path / "started")}
+    p = WarmPool(sys.executable, ["slowmod"], env, auto=False, standbys=1)
+    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_a_zygote_still_preloading_stands_still_from_a_failure_to_the_refill(pool: WarmPool, tmp_path: Path) -> None:
+    until((tmp_path / "started").exists, "the zygote started preloading")
+    base, preloading = sorted(pool._zygotes, key=lambda z: len(z.preload))
+    until(base.poll, "the base zygote is ready")
+
+    pool.hold()
+    assert pool.holding
+    until(lambda: state(preloading.proc.pid) == "T", "the preloading zygote stopped")
+    assert state(base.proc.pid) != "T"  # a ready zygote forks the restart's workers: never held
+
+    pool.workers_started()
+    pool.tend()
+    assert state(preloading.proc.pid) == "T"  # not before the refill
+    assert pool.holding
+    refill = pool.seconds_to_refill()
+    assert refill is not None
+    time.sleep(refill)  # a timer, not an event: the refill is due when it runs out
+    pool.tend()
+    assert not pool.holding
+    until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
+
+
+def test_waiting_for_a_held_zygote_lets_it_go_on(pool: WarmPool, tmp_path: Path) -> None:
+    until((tmp_path / "started").exists, "the zygote started preloading")
+    preloading = max(pool._zygotes, key=lambda z: len(z.preload))
+    pool.hold()
+    until(lambda: state(preloading.proc.pid) == "T", "the preloading zygote stopped")
+    assert not preloading.poll(0.05)  # waited for in vain (its import sleeps), but no longer stopped
+    assert state(preloading.proc.pid) != "T"
