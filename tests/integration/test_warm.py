@@ -241,6 +241,32 @@ def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_pa
     assert "3 restarts (warm)" in r.stderr
 
 
+# Each worker notes when its process began (the fork, by the kernel's count) and, on attempt 0, when it failed.
+NOTES_ITS_FORK = """
+import json, os, sys, time
+with open("/proc/self/stat") as f:
+    forked = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # since boot
+note = {"forked": forked}
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(0.2)
+    note["failed"] = time.clock_gettime(time.CLOCK_BOOTTIME)
+print(json.dumps(note), flush=True)
+sys.exit(3 if "failed" in note else 0)
+"""
+
+
+def test_a_failure_before_the_refill_finds_standbys_forked_ahead(tmp_path: Path, script: WriteScript) -> None:
+    """Each zygote keeps twice the node's workers forked ahead: a restart takes half, and a failure that comes
+    before the refill (its workers' first step, say) still forks none on the spot."""
+    script("w.py", NOTES_ITS_FORK)
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert all(e["warm"] for e in spawned(r))
+    failed = min(json.loads(r.log(0, rank))["failed"] for rank in (0, 1))
+    for rank in (0, 1):
+        assert json.loads(r.log(1, rank))["forked"] < failed - 0.1  # ten ticks of margin: forked before it
+
+
 REWRITES_ITSELF = """
 import os, sys
 print("version 1", flush=True)

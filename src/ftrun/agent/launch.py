@@ -97,7 +97,7 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
         w.preload,
         config.worker_base_env,
         auto=w.auto,
-        standbys=config.nproc_per_node,
+        standbys=2 * config.nproc_per_node,  # a restart takes half; a failure right after finds the rest
         cache=cache,
         script=script,
     )

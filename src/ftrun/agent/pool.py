@@ -7,11 +7,13 @@ imports), a second one that preloads it. Each spawn forks from the biggest
 *ready* zygote: a restart never waits for one still preloading when another is
 ready. With none ready, it waits for the one preloading (it started before a
 fresh worker would, and imports only what a worker imports anyway), else uses
-the base. Each zygote keeps as many standby workers forked ahead of time as the
-node runs workers: a spawn hands a standby its work in one message, and a new
-standby is asked for at once, for the next restart. When the workers report more imports, a bigger zygote is started
-beside the others, at idle CPU priority so that it never slows the training;
-smaller ones are closed only once a bigger one is ready. Workers come out as the
+the base. Each zygote keeps twice as many standby workers forked ahead of time as
+the node runs workers: a spawn hands a standby its work in one message, and a
+failure that comes before the standbys taken are forked again (half a second
+later, when the new workers have started) still finds enough. When the workers
+report more imports, a bigger zygote is started beside the others, at idle CPU
+priority so that it never slows the training (and stopped while a restart is
+under way); smaller ones are closed only once a bigger one is ready. Workers come out as the
 agent's own children (a pidfd and the real exit status, as for a fresh process).
 
 Whatever goes wrong with a zygote (it refused a module that starts threads,
