@@ -182,8 +182,11 @@ def main() -> None:
         print(f"  {launcher:16s} {describe(starts)}")
     for ours in [n for n in launchers if n.startswith("ftrun")]:
         own = [t.own_s for t in trials if t.launcher == ours and t.own_s is not None]
+        by = {c: [t.own_s for t in trials if t.launcher == ours and t.crash_at == c and t.own_s] for c in crash_points}
         print(f"{ours}: its own part, failed exit seen -> every new worker running its own code: "
               f"{describe(own, 1000, 'ms')}")  # fmt: skip
+        print("  median by crash point: " + ", ".join(
+            f"step {c} {statistics.median(o) * 1000:.1f} ms" for c, o in by.items() if o))  # fmt: skip
         mine = [t for t in trials if t.launcher == ours and t.own_s and t.stop_s]
         released = sum(bool(t.released) for t in mine)
         print(f"  of which stopping the other worker (SIGTERM -> released while exiting, or gone): "

@@ -77,3 +77,23 @@ def test_waiting_for_a_held_zygote_lets_it_go_on(pool: WarmPool, tmp_path: Path)
     until(lambda: state(preloading.proc.pid) == "T", "the preloading zygote stopped")
     assert not preloading.poll(0.05)  # waited for in vain (its import sleeps), but no longer stopped
     assert state(preloading.proc.pid) != "T"
+
+
+def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bigger zygote that is ready replaces the smaller ones, but not before the refill: the teardown of a
+    zygote takes a core for milliseconds."""
+    monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
+    p = WarmPool(sys.executable, ["json"], dict(os.environ), auto=False, standbys=1)
+    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None)
+    try:
+        base, bigger = sorted(p._zygotes, key=lambda z: len(z.preload))
+        until(lambda: base.poll() and bigger.poll(), "both zygotes are ready")
+        p.hold()
+        p.workers_started()
+        p.tend()
+        assert p._zygotes == [base, bigger]
+        time.sleep(p.seconds_to_refill() or 0.0)  # a timer: the refill is due when it runs out
+        p.tend()
+        assert p._zygotes == [bigger]
+    finally:
+        p.close()

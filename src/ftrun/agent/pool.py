@@ -388,7 +388,7 @@ class WarmPool:
                 if self._off:
                     return
         best = self._biggest_ready()
-        if best is not None:
+        if best is not None and not self.holding:  # the teardown of a retired zygote: ~15 ms of a core
             for z in list(self._zygotes):
                 if z is not best and z.ready is not None:  # a bigger one serves from now on
                     z.close(wait=False)
@@ -460,9 +460,9 @@ class WarmPool:
 
     def hold(self) -> None:
         """A failure: the zygotes still preloading stand still (SIGSTOP) until the refill after the restart's
-        spawns, and the agent learns nothing new meanwhile. At idle CPU priority they should yield at once,
-        but a kernel that defers wakeup preemption to its tick (PREEMPT_NONE, lazy) lets them run on for up
-        to 4 ms at a time (seen with perf sched), taken from the agent and the new workers."""
+        spawns; meanwhile the agent learns nothing new and retires no zygote. At idle CPU priority they should
+        yield at once, but a kernel that defers wakeup preemption to its tick (PREEMPT_NONE, lazy) lets them run
+        on for up to 4 ms at a time (seen with perf sched), taken from the agent and the new workers."""
         self.holding = True
         for z in self._zygotes:
             if z.ready is None:
