@@ -13,8 +13,9 @@ failure that comes before the standbys taken are forked again (half a second
 later, when the new workers have started) still finds enough. When the workers
 report more imports, a bigger zygote is started beside the others, at idle CPU
 priority so that it never slows the training (and stopped while a restart is
-under way); smaller ones are closed only once a bigger one is ready. Workers come out as the
-agent's own children (a pidfd and the real exit status, as for a fresh process).
+under way); smaller ones are closed only once a bigger one is ready. Workers come
+out as the agent's own children (a pidfd and the real exit status, as for a fresh
+process).
 
 Whatever goes wrong with a zygote (it refused a module that starts threads,
 died, or does not answer), the worker is started fresh and the pool goes on
