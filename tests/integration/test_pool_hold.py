@@ -79,6 +79,17 @@ def test_waiting_for_a_held_zygote_lets_it_go_on(pool: WarmPool, tmp_path: Path)
     assert state(preloading.proc.pid) != "T"
 
 
+def test_a_hold_ends_when_the_agent_waits_with_nothing_to_start(pool: WarmPool, tmp_path: Path) -> None:
+    """An elastic job waits for its rendezvous between the stop and the start: preloading goes on meanwhile."""
+    until((tmp_path / "started").exists, "the zygote started preloading")
+    preloading = max(pool._zygotes, key=lambda z: len(z.preload))
+    pool.hold()
+    until(lambda: state(preloading.proc.pid) == "T", "the preloading zygote stopped")
+    pool.go_on()
+    assert not pool.holding
+    until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
+
+
 def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bigger zygote that is ready replaces the smaller ones, but not before the refill: the teardown of a
     zygote takes a core for milliseconds."""

@@ -138,6 +138,8 @@ class LocalGroup:
             group_rank=placement.group_rank,
         )
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
+        if isinstance(self._spawner, WarmPool):
+            self._spawner.hold()  # until the refill after these spawns
         self._open_duplicates(attempt_dir)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
         try:
@@ -208,6 +210,8 @@ class LocalGroup:
             happened.append(WorkerHung(hung.local_rank))
         pool = self._spawner if isinstance(self._spawner, WarmPool) else None
         if not happened and pool is not None:  # a failure is answered first (learning may start a zygote)
+            if pool.holding and not running:  # waiting (for a rendezvous), not starting: preloading goes on
+                pool.go_on()
             pool.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
             if not pool.holding:
                 self._learn_modules([*self._unlearned, *self._processes.workers])

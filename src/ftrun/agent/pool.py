@@ -376,9 +376,9 @@ class WarmPool:
         replaces. Called when the agent is idle too, so that a restart finds this done."""
         self._retired = [proc for proc in self._retired if proc.poll() is None]
         if self._refill_at is not None and time.monotonic() >= self._refill_at:
-            self._refill_at, self.holding = None, False
+            self._refill_at = None
+            self.go_on()
             for z in self._zygotes:
-                z.pause(False)
                 z.refill()
         for z in list(self._zygotes):
             was_ready = z.ready is not None
@@ -460,14 +460,21 @@ class WarmPool:
             self._launch(bigger, idle=True)
 
     def hold(self) -> None:
-        """A failure: the zygotes still preloading stand still (SIGSTOP) until the refill after the restart's
-        spawns; meanwhile the agent learns nothing new and retires no zygote. At idle CPU priority they should
-        yield at once, but a kernel that defers wakeup preemption to its tick (PREEMPT_NONE, lazy) lets them run
-        on for up to 4 ms at a time (seen with perf sched), taken from the agent and the new workers."""
+        """A failure, or workers about to start: the zygotes still preloading stand still (SIGSTOP) until the
+        refill after the spawns (see go_on); meanwhile the agent learns nothing new and retires no zygote. At
+        idle CPU priority they should yield at once, but a kernel that defers wakeup preemption to its tick
+        (PREEMPT_NONE, lazy) lets them run on for up to 4 ms at a time (seen with perf sched), taken from the
+        agent and the new workers."""
         self.holding = True
         for z in self._zygotes:
             if z.ready is None:
                 z.pause(True)
+
+    def go_on(self) -> None:
+        """The hold ends: at the refill, or when the agent waits with no workers to start (a rendezvous)."""
+        self.holding = False
+        for z in self._zygotes:
+            z.pause(False)
 
     def workers_started(self) -> None:
         """An attempt's workers were just started: the standbys they took are forked again once they had time
