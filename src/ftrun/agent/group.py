@@ -61,6 +61,7 @@ class LocalGroup:
         self.config = config
         self.host = host
         self._spawner = spawner
+        self._pool = spawner if isinstance(spawner, WarmPool) else None  # the warm pool, when there is one
         self._clock = clock
         self._console = console
         self.run_dir = _fresh_dir(config.logs.base_dir / config.run_id)
@@ -97,8 +98,8 @@ class LocalGroup:
             max_restarts=config.max_restarts,
             log_dir=str(self.run_dir),
         )
-        if isinstance(spawner, WarmPool):
-            spawner.start(self.run_dir / "pool.log", self.say, self._pool_ready)
+        if self._pool is not None:
+            self._pool.start(self.run_dir / "pool.log", self.say, self._pool_ready)
 
     # --- effects ----------------------------------------------------------------------------
 
@@ -138,8 +139,8 @@ class LocalGroup:
             group_rank=placement.group_rank,
         )
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
-        if isinstance(self._spawner, WarmPool):
-            self._spawner.hold()  # until the refill after these spawns
+        if self._pool is not None:
+            self._pool.hold()  # until the refill after these spawns
         self._open_duplicates(attempt_dir)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
         try:
@@ -147,10 +148,10 @@ class LocalGroup:
                 self._spawn(command, attempt_dir, local_rank, master_port)
         finally:
             self._processes.start_copying()
-            if isinstance(self._spawner, WarmPool):
-                self._spawner.workers_started()
+            if self._pool is not None:
+                self._pool.workers_started()
         self._oom_kills = oom_kills()  # a SIGKILL is blamed on the OOM killer only if this count rises
-        if isinstance(self._spawner, WarmPool):  # read when the agent is next idle (or at the end), not now
+        if self._pool is not None:  # read when the agent is next idle (or at the end), not now
             self._unlearned += previous
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
@@ -195,7 +196,7 @@ class LocalGroup:
         """
         running = bool(self._processes.running)
         self._update_status()
-        refill = self._spawner.seconds_to_refill() if isinstance(self._spawner, WarmPool) else None
+        refill = self._pool.seconds_to_refill() if self._pool is not None else None
         for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running), refill):
             if check is not None:
                 timeout_s = check if timeout_s is None else min(timeout_s, check)
@@ -208,12 +209,11 @@ class LocalGroup:
         for hung in self._watch.check(self._processes.running):
             self._reports.publish_hang(hung, self._round)
             happened.append(WorkerHung(hung.local_rank))
-        pool = self._spawner if isinstance(self._spawner, WarmPool) else None
-        if not happened and pool is not None:  # a failure is answered first (learning may start a zygote)
-            if pool.holding and not running:  # waiting (for a rendezvous), not starting: preloading goes on
-                pool.go_on()
-            pool.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
-            if not pool.holding:
+        if not happened and self._pool is not None:  # a failure is answered first (learning may start a zygote)
+            if self._pool.holding and not running:  # waiting (for a rendezvous), not starting: preloading goes on
+                self._pool.go_on()
+            self._pool.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
+            if not self._pool.holding:
                 self._learn_modules([*self._unlearned, *self._processes.workers])
                 self._unlearned = []
         return happened, also_ready
@@ -224,8 +224,8 @@ class LocalGroup:
         if not self._processes.running:
             return [WorkersStopped()]
         first = signal.SIGTERM if first_signal is None else first_signal
-        if isinstance(self._spawner, WarmPool):
-            self._spawner.hold()  # until the next workers are started
+        if self._pool is not None:
+            self._pool.hold()  # until the next workers are started
         running = [w.rank for w in self._processes.running]
         slot_of, workers = self._watch.hangs.slot, self._processes.workers
         self.status.notice_first_step(workers, slot_of)
@@ -294,8 +294,8 @@ class LocalGroup:
         """On any way out of the run: no worker outlives the agent, even after an ftrun bug."""
         try:
             self._watch.close()
-            if isinstance(self._spawner, WarmPool):
-                self._spawner.close()
+            if self._pool is not None:
+                self._pool.close()
             if not self._finished:
                 self._processes.stop(self.config.term_timeout_s, on_exit=lambda w: None, on_wake=lambda: True)
                 self._processes.sweep()
@@ -445,7 +445,7 @@ class LocalGroup:
     def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
         """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write
         one when their imports settle, and at exit)."""
-        if not isinstance(self._spawner, WarmPool):
+        if self._pool is None:
             return
         for w in workers:
             path = w.paths.dir / MODULES_FILE
@@ -458,7 +458,7 @@ class LocalGroup:
             self._module_reports[path] = stamp
             modules = read_modules_report(path)
             if modules is not None:
-                self._spawner.learn(modules, run_ends=run_ends)
+                self._pool.learn(modules, run_ends=run_ends)
 
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)

@@ -479,7 +479,7 @@ class WarmPool:
     def workers_started(self) -> None:
         """An attempt's workers were just started: the standbys they took are forked again once they had time
         to start (forking a zygote of hundreds of MiB costs ~10 ms of a core, which they need now; a failure
-        before then forks its standbys on the spot: still warm)."""
+        before then takes the spare standbys, and one more forks them on the spot: still warm)."""
         self._refill_at = time.monotonic() + REFILL_DELAY_S
 
     def seconds_to_refill(self) -> float | None:
