@@ -226,6 +226,18 @@ def script(tmp_path: Path) -> WriteScript:
     return write
 
 
+def until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
+    """Poll ``check`` (state another process changes, with nothing to wait on) until it returns something true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not seen in {timeout} s: {what}")
+        time.sleep(0.1)
+
+
 def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Wait (on pidfds, not by polling) until the processes exit; returns those still alive."""
     alive = []

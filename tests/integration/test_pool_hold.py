@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftrun.agent import pool as pool_module
 from ftrun.agent.pool import WarmPool
-from tests.integration.conftest import WAIT_S
+from tests.integration.conftest import until
 
 # Preloading this takes as long as the test needs: it says it started, then sleeps in its import.
 SLOW_MODULE = """
@@ -26,13 +26,6 @@ def state(pid: int) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     return stat[stat.rfind(b")") + 2 :].split()[0].decode()
-
-
-def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture

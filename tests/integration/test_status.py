@@ -8,14 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun
+from tests.integration.conftest import WAIT_S, LiveFtrun, until
 
 T = TypeVar("T")
 
@@ -48,18 +47,6 @@ def snapshot(*args: str) -> dict[str, Any]:
     assert out.returncode == 0, out.stderr
     doc: dict[str, Any] = json.loads(out.stdout)
     return doc
-
-
-def until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
-    """Poll ``check`` (a file another process rewrites: nothing to wait on) until it returns something true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not seen in {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 def showing(read: Callable[[], T], wanted: Callable[[T], Any]) -> Callable[[], T | None]:
