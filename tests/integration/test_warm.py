@@ -15,7 +15,7 @@ WARM = ["--preload", "json,decimal", "--max-restarts", "1"]  # a pool (restarts 
 COLD = ["--no-warm"]
 
 FACTS = """
-import json, os, sys, warnings
+import json, os, signal, sys, warnings
 def typed(x: int) -> None: ...
 facts = {
     "annotations": repr(typed.__annotations__),  # no __future__ flag leaks in from ftrun's own code
@@ -31,6 +31,9 @@ facts = {
     "main_is_me": sys.modules["__main__"].__dict__ is globals(),
     "warnings_filters": len(warnings.filters),
     "stdin": sys.stdin.read(),
+    # No thread of ftrun's: one that takes the GIL can make the main thread miss a signal before a blocking call.
+    "threads": len(os.listdir("/proc/self/task")),
+    "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
 }
 print(json.dumps(facts), flush=True)
 print("to stderr", file=sys.stderr, flush=True)

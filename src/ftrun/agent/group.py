@@ -444,7 +444,7 @@ class LocalGroup:
 
     def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
         """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write
-        one when their imports settle, and at exit)."""
+        one as they meet their peers, at their first step, and at exit)."""
         if self._pool is None:
             return
         for w in workers:

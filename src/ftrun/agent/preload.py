@@ -4,7 +4,8 @@ Three sources, merged in this order: ``--preload``; what the same job imported o
 this machine before (a small cache keyed by the interpreter and the script or
 module); what the entry script imports at its top level (read with ``ast``,
 never run). While the job runs, the workers' own reports (every module they
-imported, written as soon as their imports settle) add the rest.
+imported, written as they meet their peers, at their first step and at exit) add
+the rest.
 
 Only modules of the standard library and of installed packages are preloaded,
 never the job's own code: it may read the rank at import, or change between runs.

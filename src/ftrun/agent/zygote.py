@@ -296,14 +296,6 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
         client.attach()
         autobeat.install()
     warnings.filters[:] = filters  # type: ignore[index]
-    modules_file = request["env"].get("FTRUN_MODULES_FILE")
-    if modules_file:  # for --warm auto, also from scripts that never call ftrun
-        import atexit
-
-        from ftrun.monitor.imports import report_modules, report_when_imports_settle
-
-        report_when_imports_settle(modules_file)
-        atexit.register(report_modules, modules_file)
     warnings._filters_mutated()  # type: ignore[attr-defined]
     # `python -u`: unbuffered binary layer, text written through at once.
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))

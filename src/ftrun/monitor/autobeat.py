@@ -34,6 +34,12 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     client.auto_heartbeat()
 
 
+def _hook_rendezvous(module: ModuleType) -> None:
+    """A warm start's race for rank 0's TCPStore (master_wait); and as the job meets its peers its imports have
+    settled: told now, a worker that dies before its first step has still taught the warm pool."""
+    hook_rendezvous(module, client.report_imports)
+
+
 def _hook_data_loader(module: ModuleType) -> None:
     """Every batch a DataLoader yields is progress: an evaluation loop makes no optimizer step, but it does
     fetch batches. torch has no public hook here, so the iterator's ``__next__`` is wrapped, once."""
@@ -54,7 +60,7 @@ def _hook_data_loader(module: ModuleType) -> None:
 HOOKS = {
     "torch.optim.optimizer": _hook_optimizer,
     "torch.utils.data.dataloader": _hook_data_loader,
-    "torch.distributed.rendezvous": hook_rendezvous,  # a warm start's race for rank 0's TCPStore (master_wait)
+    "torch.distributed.rendezvous": _hook_rendezvous,
 }
 
 

@@ -131,6 +131,13 @@ class _Attached:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
+        self.report_imports()
+
+    def report_imports(self) -> None:
+        """--warm auto: write what the job imported, for the agent's warm pool (from the job's own thread: a
+        thread of ftrun's that takes the GIL could make the job's main thread miss a signal)."""
+        if self._modules_file:
+            report_modules(self._modules_file)
 
     def _write_flags(self) -> None:
         m, base = self._map, self._base
@@ -178,8 +185,7 @@ class _Attached:
             # Before first_beat, which tells the agent it is there: the step the attempt resumed at.
             layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1 if step is None else step)
             layout.FIRST_BEAT.pack_into(self._map, self._base + layout.OFF_FIRST_BEAT, now)
-            if self._modules_file:  # the job is running: what it imported is what a warm pool should preload
-                report_modules(self._modules_file)
+            self.report_imports()  # the job is running: what it imported is what a warm pool should preload
         self._last_beat = now
         self._beats += 1
         layout.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
@@ -313,6 +319,11 @@ def auto_progress() -> None:
     _client.auto_progress()
 
 
+def report_imports() -> None:
+    """What the job imported, written now for the agent's warm pool (--warm auto): as it meets its peers."""
+    _client.report_imports()
+
+
 def script_ended(code: int) -> None:
     """Tell the agent the script is over (with ``code``), so that a hang in the interpreter's teardown after it
     is known for what it is. Called by ftrun's own worker start-up, not by jobs."""
@@ -359,6 +370,9 @@ class _Unattached:
         self.calculated = timeouts
 
     def script_ended(self, code: int) -> None:
+        pass
+
+    def report_imports(self) -> None:
         pass
 
 

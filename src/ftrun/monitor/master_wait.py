@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -21,13 +22,15 @@ POLL_S = 0.002
 MAX_WAIT_S = 1.0  # beyond this, torch's own retries take over
 
 
-def hook_rendezvous(module: ModuleType) -> None:
-    """Wrap ``torch.distributed.rendezvous._create_c10d_store`` (what env:// calls); absent: nothing to do."""
+def hook_rendezvous(module: ModuleType, on_join: Callable[[], None] = lambda: None) -> None:
+    """Wrap ``torch.distributed.rendezvous._create_c10d_store`` (what env:// calls); absent: nothing to do.
+    ``on_join`` is called first, in the job's own thread, as every rank meets the others."""
     original = getattr(module, "_create_c10d_store", None)
     if original is None or getattr(original, "_ftrun", False):
         return
 
     def create_store(hostname: str, port: int, rank: int, *args: Any, **kwargs: Any) -> Any:
+        on_join()
         if rank != 0:
             await_listening(hostname, port, MAX_WAIT_S)
         return original(hostname, port, rank, *args, **kwargs)
