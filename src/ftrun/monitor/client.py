@@ -134,8 +134,7 @@ class _Attached:
         self.report_imports()
 
     def report_imports(self) -> None:
-        """--warm auto: write what the job imported, for the agent's warm pool (from the job's own thread: a
-        thread of ftrun's that takes the GIL could make the job's main thread miss a signal)."""
+        """--warm auto: what the job imported, for the warm pool; from the job's thread (see monitor.imports)."""
         if self._modules_file:
             report_modules(self._modules_file)
 
@@ -342,23 +341,17 @@ class _Unattached:
     def request(self, raw: bytes) -> None:
         raise RuntimeError(f"ftrun: nothing was done: {self.why}; workload control needs the ftrun launcher")
 
-    def heartbeat(self, step: int | None = None) -> None:
-        pass
+    def heartbeat(self, step: int | None = None) -> None: ...
 
-    def auto_heartbeat(self) -> None:
-        pass
+    def auto_heartbeat(self) -> None: ...
 
-    def auto_progress(self) -> None:
-        pass
+    def auto_progress(self) -> None: ...
 
-    def start_section(self, name: str) -> None:
-        pass
+    def start_section(self, name: str) -> None: ...
 
-    def end_section(self, name: str) -> None:
-        pass
+    def end_section(self, name: str) -> None: ...
 
-    def end_all_sections(self) -> None:
-        pass
+    def end_all_sections(self) -> None: ...
 
     def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
         return self.calculated
@@ -369,11 +362,9 @@ class _Unattached:
     def set_timeouts(self, timeouts: Timeouts) -> None:
         self.calculated = timeouts
 
-    def script_ended(self, code: int) -> None:
-        pass
+    def script_ended(self, code: int) -> None: ...
 
-    def report_imports(self) -> None:
-        pass
+    def report_imports(self) -> None: ...
 
 
 class _NotYet:
