@@ -157,7 +157,9 @@ def main() -> None:
         optim.load_state_dict(state["optim"])
         start = state["step"]
         if rank == 0:
-            print(f"attempt {attempt}: resumed from step {start}", flush=True)
+            over = " (the whole run: nothing left to train; a new --checkpoint-dir starts afresh)"
+            resumed = f"attempt {attempt}: resumed from step {start} of {ckpt}"
+            print(resumed + (over if start >= args.steps else ""), flush=True)
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(None, exact_mean)
     loss_fn = nn.MSELoss()
@@ -180,7 +182,7 @@ def main() -> None:
         if rank == 0 and done % args.log_every == 0:
             print(f"step {done} loss {loss.item():.6f}", flush=True)
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and start < args.steps:
         print(f"final loss {loss.item():.6f} checksum {checksum(model)} world {world}", flush=True)
     dist.destroy_process_group()
     # Everything is saved and printed. torch 2.13's gloo teardown is racy: freeing DDP's reducer
