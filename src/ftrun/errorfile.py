@@ -38,6 +38,11 @@ class ErrorRecord:
     pid: int | None
     source: str  # "ftrun" or "torch"
 
+    @property
+    def headline(self) -> str:
+        """``Type: message``, as Python's last traceback line reads."""
+        return ": ".join(part for part in (self.exc_type, self.message) if part)
+
 
 def exception_record(exc: BaseException, rank: int | None) -> dict[str, Any]:
     """The JSON document written for ``exc`` (torch's keys plus an ``ftrun`` section)."""
@@ -189,10 +194,18 @@ def _torch_record(path: Path, doc: dict[str, Any]) -> ErrorRecord:
     extra = message.get("extraInfo", {})
     if not isinstance(extra, dict):
         raise ErrorFileError(f"{path}: 'extraInfo' is not an object")
-    text = _text(path, message, "message")
-    exc_type, _, _ = text.partition(":")
+    exc_type, text = _split_type(_text(path, message, "message"))
     try:
         stamp = float(extra.get("timestamp", 0))
     except (TypeError, ValueError):
         raise ErrorFileError(f"{path}: 'timestamp' is not a number") from None
-    return ErrorRecord(exc_type.strip(), text, _text(path, extra, "py_callstack"), stamp, None, None, "torch")
+    return ErrorRecord(exc_type, text, _text(path, extra, "py_callstack"), stamp, None, None, "torch")
+
+
+def _split_type(text: str) -> tuple[str, str]:
+    """torch writes ``"Type: message"``; as ftrun's record, the type and the message apart (a summary that joins
+    them again must not read ``DistNetworkError: DistNetworkError: ...``)."""
+    name, colon, rest = text.partition(":")
+    if colon and name.replace(".", "").replace("_", "").isalnum():
+        return name, rest.strip()
+    return "", text

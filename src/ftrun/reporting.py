@@ -76,7 +76,7 @@ class WorkerOutcome:
     def summary(self) -> str:
         what = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid} on {self.host}) {self.how}"
         if self.error:
-            what += f": {self.error.exc_type}: {self.error.message}".rstrip(": ")
+            what += f": {self.error.headline}"
         return what
 
 
@@ -276,7 +276,7 @@ def render(report: FailureReport) -> str:
         lines.append(f"  traceback (from {r.error.source} error file {r.error_file}):")
         lines += ["    " + line for line in r.error.traceback.rstrip().splitlines()]
     elif r.error:
-        lines.append(f"  error: {r.error.message}")
+        lines.append(f"  error: {r.error.headline}")
     if not (r.error and r.error.traceback) and not r.stacks:
         if r.stderr_tail:
             lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")

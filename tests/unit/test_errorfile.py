@@ -65,11 +65,28 @@ def test_reads_torch_layout(tmp_path: Path) -> None:
     assert rec is not None
     assert (rec.exc_type, rec.message, rec.traceback, rec.timestamp, rec.source) == (
         "ValueError",
-        "ValueError: bad",
+        "bad",  # apart, as in ftrun's own record: a summary joins them once
         "Traceback...",
         17.0,
         "torch",
     )
+
+
+@pytest.mark.parametrize(
+    ("written", "headline"),
+    [
+        ("torch.distributed.DistNetworkError: port in use", "torch.distributed.DistNetworkError: port in use"),
+        ("DistNetworkError: a: b", "DistNetworkError: a: b"),
+        ("no type here: only words", "no type here: only words"),
+        ("plain", "plain"),
+    ],
+)
+def test_a_torch_record_reads_type_and_message_once(tmp_path: Path, written: str, headline: str) -> None:
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps({"message": {"message": written, "extraInfo": {"py_callstack": "", "timestamp": 1}}}))
+    rec = read_error_file(path)
+    assert rec is not None
+    assert rec.headline == headline
 
 
 def test_missing_file_is_none(tmp_path: Path) -> None:
