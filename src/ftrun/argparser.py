@@ -111,6 +111,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--rdzv-token-file", default=None, help="file holding the shared secret (kept out of `ps`)")
     _flag(p, "--event-log", default=None, help="JSON-lines event log (default: <run log dir>/events.jsonl)")
     _flag(p, "--metrics-port", default=None, help="serve Prometheus metrics at [HOST:]PORT/metrics (all addresses)")
+    _flag(
+        p,
+        "--verbose",
+        action="store_true",
+        help="also say how ftrun works as it goes: the warm pool's zygotes, the rendezvous' steps (or LOGLEVEL=DEBUG)",
+    )
     hang = p.add_argument_group("hang detection (flags override the --config file)")
     _flag(hang, "--initial-heartbeat-timeout", default=None, help="seconds from start to the first heartbeat")
     _flag(hang, "--heartbeat-timeout", default=None, help="seconds allowed between heartbeats")

@@ -50,6 +50,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"use one of {', '.join(flags.START_METHODS)}",
         )
     run_id = rdzv_flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
+    if a.standalone and a.rdzv_id not in (None, "none"):
+        notices.append(f"--rdzv-id {a.rdzv_id} has no effect with --standalone (as in torchrun): the run is {run_id}")
+    level = flags.parse_loglevel(environ)
     host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
     token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
     rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store_url)
@@ -115,7 +118,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         cwd=cwd,
         worker_base_env={**environ, **flags.omp_threads(environ, nproc)},
         virtual_local_rank=a.virtual_local_rank,
-        quiet=flags.parse_loglevel(environ),
+        quiet=flags.is_quiet(level),
+        verbose=a.verbose or level == "DEBUG",
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
         file_timer=flags.file_timer(environ),
@@ -178,13 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status_main(args[1:], os.environ)
     try:
         config = parse(args, os.environ, Path.cwd())
-    except ConfigError as e:
+        from ftrun.agent.launch import launch  # after validation: bad input starts nothing
+
+        return launch(config)
+    except ConfigError as e:  # bad input, or found before anything started (a --master-port taken)
         print(f"ftrun: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from ftrun.agent.launch import launch  # after validation: bad input starts nothing
-
-    try:
-        return launch(config)
     except FtrunError as e:
         print(f"ftrun: error: {e}", file=sys.stderr)
         return 1

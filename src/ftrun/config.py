@@ -197,6 +197,7 @@ class LaunchConfig:
     signals_to_handle: frozenset[int] = frozenset({1, 2, 3, 15})  # SIGHUP, SIGINT, SIGQUIT, SIGTERM
     virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the worker's one GPU
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
+    verbose: bool = False  # --verbose or LOGLEVEL=DEBUG: also how ftrun works as it goes (warm pool, rendezvous)
     echo_events: bool = False  # --event-log-handler console: every event also on stderr
     notices: tuple[str, ...] = ()  # said once at start: flags accepted that cannot apply here
     cpu_affinity: tuple[str, ...] = ()  # --numa-binding: each local rank's CPUs (cpulist), () for unbound

@@ -263,12 +263,17 @@ def python_exec(environ: Mapping[str, str], current: str) -> str:
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def parse_loglevel(environ: Mapping[str, str]) -> bool:
-    """$LOGLEVEL as torchrun reads it; True (quiet) at WARNING and above: ftrun then says only what went
-    wrong (failure reports, hangs, signals, notices) and the run's summary."""
+def parse_loglevel(environ: Mapping[str, str]) -> str:
+    """$LOGLEVEL as torchrun reads it (INFO when unset). At WARNING and above ftrun says only what went wrong
+    (failure reports, hangs, signals, notices) and the run's summary; at DEBUG, as with --verbose, also how it
+    works as it goes."""
     level = environ.get("LOGLEVEL", "INFO").strip().upper()
     if level not in _LEVELS:
         raise ConfigError("LOGLEVEL", f"unknown level {level!r}", f"use one of {', '.join(_LEVELS)}")
+    return level
+
+
+def is_quiet(level: str) -> bool:
     return _LEVELS.index(level) >= _LEVELS.index("WARNING")
 
 

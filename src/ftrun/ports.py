@@ -10,6 +10,7 @@ exclusive lock) and skips ports another ftrun took recently.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import socket
@@ -64,6 +65,18 @@ def _recent(text: str, now_wall: float) -> dict[str, float]:
     if not isinstance(loaded, dict):
         return {}
     return {k: v for k, v in loaded.items() if isinstance(v, int | float) and 0 <= now_wall - v < LEDGER_TTL_S}
+
+
+def in_use(port: int) -> bool:
+    """Whether a listener cannot bind ``port`` on every address here, as torch's TCPStore binds MASTER_PORT
+    (with SO_REUSEADDR: a port the last attempt left in TIME_WAIT is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 def is_local_address(host: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, script: WriteScript, a
     assert len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "logs").exists()
+    assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize("nodes", [[], ["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "0"]])
+def test_a_master_port_in_use_is_named_before_anything_starts(
+    tmp_path: Path, script: WriteScript, nodes: list[str]
+) -> None:
+    """Else every attempt's rank 0 fails on EADDRINUSE, and the restarts are spent in vain."""
+    script("w.py", "open('started', 'w').close()\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run_ftrun(tmp_path, *nodes, "--max-restarts", "2", "--master-port", str(port), "w.py")
+    assert r.returncode == 2
+    assert r.stderr.startswith(f"ftrun: error: --master-port: {port} is already in use on this machine")
+    assert "Traceback" not in r.stderr
     assert not (tmp_path / "started").exists()
 
 

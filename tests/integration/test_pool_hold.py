@@ -34,7 +34,7 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WarmPool]:
     monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "SLOW_STARTED": str(tmp_path / "started")}
     p = WarmPool(sys.executable, ["slowmod"], env, auto=False, standbys=1)
-    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None)
+    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None, lambda text: None)
     try:
         yield p
     finally:
@@ -88,7 +88,7 @@ def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, monke
     zygote takes a core for milliseconds."""
     monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
     p = WarmPool(sys.executable, ["json"], dict(os.environ), auto=False, standbys=1)
-    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None)
+    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None, lambda text: None)
     try:
         base, bigger = sorted(p._zygotes, key=lambda z: len(z.preload))
         until(lambda: base.poll() and bigger.poll(), "both zygotes are ready")

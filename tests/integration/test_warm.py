@@ -177,7 +177,7 @@ print("attempt 1 ran", flush=True)
 
 def test_a_dead_zygote_is_replaced_and_the_job_goes_on(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", KILLS_THE_POOL)
-    r = run_ftrun(tmp_path, *WARM, "--max-restarts", "2", "w.py")
+    r = run_ftrun(tmp_path, *WARM, "--max-restarts", "2", "--verbose", "w.py")  # the pool's own story
     assert r.returncode == 0, r.stderr
     assert set(r.log(0, 0).splitlines()) == {"killed the pool"}  # the base zygote, and the one preloading
     assert r.log(1, 0) == "attempt 1 ran\n"

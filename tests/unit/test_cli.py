@@ -378,6 +378,9 @@ def test_flags_that_cannot_apply_say_so(tmp_path: Path, script: Path, gpu_free: 
 def test_environment_of_the_launcher(tmp_path: Path, script: Path) -> None:
     assert parse(tmp_path, "train.py", environ={"LOGLEVEL": "WARNING"}).quiet
     assert not parse(tmp_path, "train.py", environ={"LOGLEVEL": "info"}).quiet
+    assert not parse(tmp_path, "train.py").verbose
+    assert parse(tmp_path, "--verbose", "train.py").verbose
+    assert parse(tmp_path, "train.py", environ={"LOGLEVEL": "DEBUG"}).verbose
     with pytest.raises(ConfigError, match="LOGLEVEL"):
         parse(tmp_path, "train.py", environ={"LOGLEVEL": "LOUD"})
     (tmp_path / "py").write_text("#!/bin/sh\n")
@@ -385,6 +388,13 @@ def test_environment_of_the_launcher(tmp_path: Path, script: Path) -> None:
     assert parse(tmp_path, "train.py", environ={"PYTHON_EXEC": str(tmp_path / "py")}).python == str(tmp_path / "py")
     with pytest.raises(ConfigError, match="PYTHON_EXEC"):
         parse(tmp_path, "train.py", environ={"PYTHON_EXEC": "no-such-python-xyz"})
+
+
+def test_standalone_says_once_that_it_draws_its_own_run_id(tmp_path: Path, script: Path) -> None:
+    c = parse(tmp_path, "--standalone", "--rdzv-id", "mine", "train.py")
+    assert c.run_id != "mine"
+    assert c.notices == (f"--rdzv-id mine has no effect with --standalone (as in torchrun): the run is {c.run_id}",)
+    assert parse(tmp_path, "--standalone", "train.py").notices == ()
 
 
 def test_a_typo_gets_a_did_you_mean(tmp_path: Path, script: Path) -> None:

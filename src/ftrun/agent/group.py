@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 from ftrun.agent import env as worker_env
@@ -99,7 +100,7 @@ class LocalGroup:
             log_dir=str(self.run_dir),
         )
         if self._pool is not None:
-            self._pool.start(self.run_dir / "pool.log", self.say, self._pool_ready)
+            self._pool.start(self.run_dir / "pool.log", self.say, self._pool_ready, partial(self.say, detail=True))
 
     # --- effects ----------------------------------------------------------------------------
 
@@ -332,10 +333,11 @@ class LocalGroup:
             self._last_reason = reason
             self.say(reason)
 
-    def say(self, text: str, *, always: bool = False) -> None:
+    def say(self, text: str, *, always: bool = False, detail: bool = False) -> None:
         """ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers. With LOGLEVEL at
-        WARNING or above only those said ``always`` (what went wrong, notices, the summary) are shown."""
-        if always or not self.config.quiet:
+        WARNING or above only those said ``always`` (what went wrong, notices, the summary) are shown; a
+        ``detail`` (how ftrun works as it goes: warm pool, rendezvous steps) only with --verbose."""
+        if (always or not self.config.quiet) and (self.config.verbose or not detail):
             self._console.write_lines(Std.ERR, f"ftrun: {text}\n".encode())
 
     def _update_status(self, *, force: bool = False) -> None:
@@ -462,11 +464,9 @@ class LocalGroup:
 
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)
-        rss = int(info.get("rss_kb", 0)) / 1024  # type: ignore[call-overload]
-        self.say(
-            f"warm pool ready (pid {info.get('pid')}): {info.get('loaded')} of {info.get('preload')} modules "
-            f"preloaded in {float(info.get('import_s', 0.0)):.2f} s, {rss:.0f} MiB resident"  # type: ignore[arg-type]
-        )
+        rss, took = int(info.get("rss_kb", 0)) / 1024, float(info.get("import_s", 0.0))  # type: ignore[call-overload, arg-type]
+        loaded = f"{info.get('loaded')} of {info.get('preload')} modules preloaded in {took:.2f} s"
+        self.say(f"warm pool ready (pid {info.get('pid')}): {loaded}, {rss:.0f} MiB resident", detail=True)
 
     def _settle(self) -> None:
         """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush (a released

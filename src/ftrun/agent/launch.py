@@ -14,6 +14,7 @@ import secrets
 import socket
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ftrun.addresses import DEFAULT_STORE_PORT
@@ -32,9 +33,9 @@ from ftrun.agent.preload import Cache, entry_imports
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
-from ftrun.errors import FtrunError
+from ftrun.errors import ConfigError, FtrunError
 from ftrun.events import EventKind
-from ftrun.ports import is_local_address, reserve_port
+from ftrun.ports import in_use, is_local_address, reserve_port
 from ftrun.rendezvous.driver import Me, Rendezvous, Timing
 from ftrun.rendezvous.state import Rules
 from ftrun.store.base import Store
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 
 def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
+    check_master_port(config)
     proctree.become_subreaper()
     spawner: Spawner = ProcessSpawner()
     # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed);
@@ -106,6 +108,24 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
     return pool
 
 
+def check_master_port(config: LaunchConfig) -> None:
+    """A --master-port already taken where rank 0 runs fails every attempt (EADDRINUSE), each restart spent in
+    vain: said before anything starts. Where rank 0 runs is known from the flags for one node and for a static
+    job's node 0; in an elastic job of several nodes it is the rendezvous' choice, and not checked here."""
+    port = config.master_port
+    hosts_rank_0 = config.nnodes.max == 1 or (not config.elastic and config.node_rank == 0)
+    if port is None or not hosts_rank_0 or not in_use(port):
+        return
+    raise ConfigError(
+        "--master-port",
+        f"{port} is already in use on this machine, where rank 0 must listen on it "
+        f"(`ss -ltnp 'sport = :{port}'` shows by what)",
+        "pass a free port (the same on every node)"
+        if config.nnodes.max > 1
+        else "pass a free port, or leave --master-port out: ftrun then picks a free one for every attempt",
+    )
+
+
 def fresh_port_on(clock: Clock) -> int:
     """A free port no other ftrun on this machine took recently (MASTER_PORT)."""
     return reserve_port("", clock.wall())
@@ -144,7 +164,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
     store = open_store(url, token=config.rdzv.token, retry_deadline_s=deadline)
     try:
-        rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=group.say)
+        rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=partial(group.say, detail=True))
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         exclusions = Exclusions(store, config.run_id)

@@ -54,6 +54,9 @@ GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH 
 ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
+Say = Callable[[str], None]
+
+
 class PoolError(Exception):
     """A zygote cannot serve this spawn (the caller falls back to another, or to a fresh process)."""
 
@@ -312,7 +315,8 @@ class WarmPool:
         cached, self._import_s = cache.load() if cache is not None and auto else ([], None)
         self._known = list(dict.fromkeys([*preload, *cached]))  # the most we know to preload
         self._log = Path(os.devnull)
-        self._say: Callable[[str], None] = lambda text: None
+        self._say: Say = lambda text: None
+        self._detail: Say = lambda text: None
         self._on_ready: Callable[[dict[str, Any]], None] = lambda info: None
         self._fresh = ProcessSpawner()
         self._zygotes: list[_Zygote] = []
@@ -321,10 +325,10 @@ class WarmPool:
         self.holding = False  # a restart is under way: see hold()
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
 
-    def start(self, log: Path, say: Callable[[str], None], on_ready: Callable[[dict[str, Any]], None]) -> None:
-        """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells
-        the user what the pool does, ``on_ready`` gets each zygote's ready report."""
-        self._log, self._say, self._on_ready = log, say, on_ready
+    def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
+        """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
+        user what to know (the pool is off), ``detail`` how it works (--verbose); ``on_ready`` gets ready reports."""
+        self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
         self._launch([])
         if self._known:
             self._launch(self._known)
@@ -439,7 +443,7 @@ class WarmPool:
             self._zygotes.clear()
             self._say(f"warm pool off: {why}; workers start as fresh processes")
         else:
-            self._say(f"warm pool: {why}; a new zygote is on its way")
+            self._detail(f"warm pool: {why}; a new zygote is on its way")
             self._launch(z.preload, idle=True)
 
     def learn(self, modules: Sequence[str], *, run_ends: bool = False) -> None:
@@ -456,7 +460,7 @@ class WarmPool:
         if self._cache is not None:
             self._cache.save(bigger, self._import_s)
         if not run_ends:
-            self._say(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
+            self._detail(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
             self._launch(bigger, idle=True)
 
     def hold(self) -> None:
