@@ -138,7 +138,8 @@ class RunSummary:
         line = f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}"
         if self.root_causes:
             gap = "between failure and restart" if self.restarts else "from the failure to the end"
-            line += f"; {self.downtime_s:.3f} s down {gap}, {self.failed_work_s:.3f} s of work in failed attempts"
+            # How long the failed attempts ran, not what was lost: the goodput line tells that (from checkpoints).
+            line += f"; {self.downtime_s:.3f} s down {gap}; the failed attempts had run {self.failed_work_s:.1f} s"
         for cause in self.root_causes:
             line += f"\n  root cause: {cause.get('summary', cause)}"
         return line

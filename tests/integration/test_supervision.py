@@ -115,6 +115,21 @@ def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
     assert [(e["signal"], e["state"]) for e in exits] == [("SIGKILL", "stopped")]
 
 
+def test_a_second_signal_cuts_the_grace_short_and_says_so(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """`timeout` sends SIGINT twice: the second one skips the workers' grace period, and the user is told."""
+    script("w.py", STUBBORN)
+    f = LiveFtrun(tmp_path, "--shutdown-timeout", "600", "w.py")
+    live.append(f)
+    f.wait_for_lines(r"ready (\d+)", 1)
+    f.proc.terminate()
+    f.wait_for_stderr("SIGTERM; stopping the workers")
+    f.proc.send_signal(signal.SIGINT)
+    assert f.wait() == 143  # well within the grace of 600 s: the second signal ended it
+    assert "a second signal (SIGINT): SIGKILL now, no more --shutdown-timeout" in f.stderr()
+
+
 def test_grandchildren_do_not_survive_a_failure(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
     script("w.py", WITH_GRANDCHILDREN)
     os.mkfifo(tmp_path / "both-ready")

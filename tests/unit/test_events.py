@@ -63,6 +63,7 @@ def test_summary_of_a_run_with_one_restart() -> None:
     assert s.failed_work_s == pytest.approx(10.0)
     assert "rank 1 killed by SIGKILL" in s.render()
     assert "after 2 attempt(s), 1 restart (warm); 0.700 s down between failure and restart" in s.render()
+    assert "; the failed attempts had run 10.0 s\n" in s.render()  # how long they ran, not what was lost
 
 
 def test_a_clean_run_says_nothing_of_downtime_and_a_cold_restart_says_so() -> None:

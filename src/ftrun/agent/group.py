@@ -240,9 +240,11 @@ class LocalGroup:
         exits: list[Happening] = []
         late: list[Happening] = []
 
-        def on_wake() -> bool:
-            late.extend(self._signals())
-            return self._signals_seen > 1  # a second signal: the user does not want to wait
+        def on_wake() -> bool:  # a second signal: the user does not want to wait (`timeout` sends SIGINT twice)
+            late.extend(found := self._signals())
+            if cut := bool(found) and self._signals_seen > 1:
+                self.say(f"a second signal ({found[-1].name}): SIGKILL now, no more --shutdown-timeout", always=True)
+            return cut
 
         # Stopped workers ending of the signal count as gone at once on nodes without accelerators (the kernel
         # then frees their memory beside the next attempt's start); on the others their memory must be free.
@@ -397,7 +399,7 @@ class LocalGroup:
     def _wake_fds(self) -> tuple[int, ...]:
         return (self._wakeup.fd, *self._watch.fds)
 
-    def _signals(self) -> list[Happening]:
+    def _signals(self) -> list[Interrupted]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
         self._watch.drain()
         found = self._wakeup.drain()
