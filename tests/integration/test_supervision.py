@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,30 @@ def test_workers_have_their_own_process_group(tmp_path: Path, script: WriteScrip
         pid, pgid, sid, _ = map(int, line.split())
         assert pid == pgid == sid
     assert os.getpgid(0) not in {int(line.split()[1]) for line in r.stdout.splitlines()}
+
+
+MEETS_ITS_PEERS = """
+import torch.distributed as dist
+dist.init_process_group("gloo")  # never imports ftrun
+print("met", flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_static_job_whose_other_node_never_comes_says_what_it_waits_for(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """torch waits 30 minutes in init_process_group without a word; ftrun says what the ranks wait for."""
+    script("w.py", MEETS_ITS_PEERS)
+    with socket.socket() as probe:  # a free port for the static job's rank 0 (the default may be taken here)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = ["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "0", "--master-port", str(port)]
+    f = LiveFtrun(tmp_path, *flags, "--nproc-per-node", "2", "--shutdown-timeout", "1", "w.py")
+    live.append(f)  # (a rank in torch's C++ wait handles SIGINT only after it: SIGKILL comes after the grace)
+    said = f.wait_for_stderr(r"rank\(s\) [0-9, ]+ waiting \d+ s in init_process_group for the other ranks")
+    assert "a static job of 2 nodes starts training once every node runs ftrun with --nnodes 2" in said
+    assert f"this is node 0), --master-addr 127.0.0.1 and --master-port {port}" in said
+    f.proc.send_signal(signal.SIGINT)
+    assert f.wait() == 130
+    assert "met" not in f.lines

@@ -1,5 +1,5 @@
 """What the agent watches in its running workers besides their exits: hang deadlines (the monitor table),
-scripts stuck in the interpreter's teardown, and torch's FileTimer.
+scripts stuck in the interpreter's teardown, torch's FileTimer, and ranks long in ``init_process_group``.
 
 The local group asks it when to look next and calls :meth:`WorkerWatch.check`
 when it wakes; the watch acts on what it finds (stacks dumped into the rank's
@@ -23,7 +23,7 @@ from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.events import EventKind
 from ftrun.monitor.blame import suspect, waiting_in_collective
-from ftrun.monitor.layout import SlotView
+from ftrun.monitor.layout import FLAG_MEETING, SlotView
 from ftrun.monitor.requests import Request
 from ftrun.monitor.stacks import dump_stacks
 from ftrun.monitor.table import STACK_SIGNAL
@@ -43,6 +43,7 @@ class WorkerWatch:
         self._say = say
         self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
         self.timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
+        self.meeting = MeetingNotice(awaited(config))
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -82,6 +83,11 @@ class WorkerWatch:
             else:
                 hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
         self._expire_timers(running)
+        slots = [(w, self.hangs.slot(w.local_rank)) for w in judged]
+        meeting = [w.rank for w, s in slots if s is not None and s.flags & FLAG_MEETING]
+        notice = self.meeting.check(self._clock.monotonic(), meeting)
+        if notice:
+            self._say(notice, always=True)
         return hung
 
     def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
@@ -177,3 +183,47 @@ class WorkerWatch:
 def _append(w: Worker, text: str) -> None:
     with w.paths.stderr.open("a", encoding="utf-8") as log:  # the pump appends too (O_APPEND)
         log.write(f"\n[ftrun] {text}\n")
+
+
+NOTICE_AFTER_S = 10.0  # a rank meeting its peers longer than this is told to wait (torch waits up to 30 min)
+NOTICE_EVERY_S = 30.0  # and again, as long as it waits
+
+
+def awaited(config: LaunchConfig) -> str:
+    """What ranks that wait in init_process_group wait for, and what the user can do, as far as the flags tell."""
+    n = config.nnodes.max
+    if n > 1 and not config.elastic:
+        return (
+            f"a static job of {n} nodes starts training once every node runs ftrun with --nnodes {n}, its own "
+            f"--node-rank (0 to {n - 1}; this is node {config.node_rank}), --master-addr {config.master_addr} "
+            f"and --master-port {config.master_port}"
+        )
+    if n > 1:
+        return "ranks on other nodes of this round have not come (their agents' logs tell why)"
+    return "every rank is on this node: torch's own store does not answer (a MASTER_ADDR that is not this machine?)"
+
+
+class MeetingNotice:
+    """PURE: says (after NOTICE_AFTER_S, then every NOTICE_EVERY_S) that ranks still wait in init_process_group
+    for the rest of the world, and what for; torch itself says nothing until its timeout, 30 minutes later."""
+
+    def __init__(self, awaited: str) -> None:
+        self._awaited = awaited
+        self._since: float | None = None
+        self._said: float | None = None
+
+    def check(self, now: float, meeting: list[int]) -> str | None:
+        """``meeting``: the ranks here in init_process_group now. Returns what to say, if it is time."""
+        if not meeting:
+            self._since = self._said = None
+            return None
+        if self._since is None:
+            self._since = now
+        waited = now - self._since
+        first = self._said is None
+        if waited < (NOTICE_AFTER_S if self._said is None else self._said - self._since + NOTICE_EVERY_S):
+            return None
+        self._said = now
+        ranks = ", ".join(map(str, sorted(meeting)))
+        wait = "waiting" if first else "still waiting"
+        return f"rank(s) {ranks} {wait} {waited:.0f} s in init_process_group for the other ranks: {self._awaited}"

@@ -35,9 +35,9 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _hook_rendezvous(module: ModuleType) -> None:
-    """A warm start's race for rank 0's TCPStore (master_wait); and as the job meets its peers its imports have
-    settled: told now, a worker that dies before its first step has still taught the warm pool."""
-    hook_rendezvous(module, client.report_imports)
+    """A warm start's race for rank 0's TCPStore (master_wait); and the agent is told while the job meets its
+    peers (a long wait there is said, with what it waits for)."""
+    hook_rendezvous(module, client.meeting_peers)
 
 
 def _hook_data_loader(module: ModuleType) -> None:

@@ -31,7 +31,7 @@ from ftrun.monitor import layout
 from ftrun.monitor.imports import report_modules
 from ftrun.monitor.requests import encode as encode_request
 from ftrun.monitor.table import REQUEST_SIGNAL, STACK_SIGNAL, check_header
-from ftrun.monitor.watchdog import LEARNED_FLOOR_S, Timeouts, scaled
+from ftrun.monitor.watchdog import LEARNED_FLOOR_S, NVIDIA_STATE_KEY, Timeouts, from_nvidia_state, scaled
 
 STATE_VERSION = 1
 DEFAULT_SAFETY_FACTOR = 5.0
@@ -137,6 +137,14 @@ class _Attached:
         """--warm auto: what the job imported, for the warm pool; from the job's thread (see monitor.imports)."""
         if self._modules_file:
             report_modules(self._modules_file)
+
+    def meeting(self, on: bool) -> None:
+        """In init_process_group (``on``) or out of it: the agent tells a long wait for the other ranks. Its
+        imports have settled by then: told now, a worker that dies before its first step has taught the pool."""
+        self._flags = self._flags | layout.FLAG_MEETING if on else self._flags & ~layout.FLAG_MEETING
+        self._write_flags()
+        if on:
+            self.report_imports()
 
     def _write_flags(self) -> None:
         m, base = self._map, self._base
@@ -318,9 +326,9 @@ def auto_progress() -> None:
     _client.auto_progress()
 
 
-def report_imports() -> None:
-    """What the job imported, written now for the agent's warm pool (--warm auto): as it meets its peers."""
-    _client.report_imports()
+def meeting_peers(on: bool) -> None:
+    """The job is in init_process_group, meeting the other ranks (``on``), or done with it (ftrun's hook)."""
+    _client.meeting(on)
 
 
 def script_ended(code: int) -> None:
@@ -364,7 +372,7 @@ class _Unattached:
 
     def script_ended(self, code: int) -> None: ...
 
-    def report_imports(self) -> None: ...
+    def meeting(self, on: bool) -> None: ...
 
 
 class _NotYet:
@@ -474,24 +482,9 @@ def load_monitor_state(state: dict[str, Any]) -> None:
     """Restore what :func:`monitor_state` returned, or what NVIDIA's ``RankMonitorClient.state_dict()`` saved
     (its calculated heartbeat timeouts); raises ValueError if it is neither."""
     if isinstance(state, dict) and (not state or NVIDIA_STATE_KEY in state):
-        timeouts = _from_nvidia_state(state)
+        timeouts = from_nvidia_state(state, _client.calculated)
     elif isinstance(state, dict) and state.get("v") == STATE_VERSION and "timeouts" in state:
         timeouts = Timeouts.from_json(state["timeouts"])
     else:
         raise ValueError(f"not an ftrun monitor state of version {STATE_VERSION}: {state!r:.200}")
     _client.set_timeouts(timeouts)
-
-
-NVIDIA_STATE_KEY = "current_timeouts"
-
-
-def _from_nvidia_state(state: dict[str, Any]) -> Timeouts:
-    """``{"current_timeouts": {"initial": s, "subsequent": s, "were_calculated": True}}``, or ``{}`` when it had
-    calculated nothing."""
-    found = state.get(NVIDIA_STATE_KEY)
-    if found is None:
-        calculated: Timeouts = _client.calculated
-        return calculated
-    if not isinstance(found, dict):
-        raise ValueError(f"NVIDIA monitor state: {NVIDIA_STATE_KEY!r} must be a mapping, got {found!r:.100}")
-    return Timeouts.from_json({"initial_heartbeat": found.get("initial"), "heartbeat": found.get("subsequent")})

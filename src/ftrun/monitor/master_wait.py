@@ -22,18 +22,22 @@ POLL_S = 0.002
 MAX_WAIT_S = 1.0  # beyond this, torch's own retries take over
 
 
-def hook_rendezvous(module: ModuleType, on_join: Callable[[], None] = lambda: None) -> None:
+def hook_rendezvous(module: ModuleType, meeting: Callable[[bool], None] = lambda on: None) -> None:
     """Wrap ``torch.distributed.rendezvous._create_c10d_store`` (what env:// calls); absent: nothing to do.
-    ``on_join`` is called first, in the job's own thread, as every rank meets the others."""
+    ``meeting(True)`` is called as a rank starts meeting the others (in the job's own thread), ``meeting(False)``
+    once torch's store is made (rank 0's waits for every rank, the others' for rank 0)."""
     original = getattr(module, "_create_c10d_store", None)
     if original is None or getattr(original, "_ftrun", False):
         return
 
     def create_store(hostname: str, port: int, rank: int, *args: Any, **kwargs: Any) -> Any:
-        on_join()
-        if rank != 0:
-            await_listening(hostname, port, MAX_WAIT_S)
-        return original(hostname, port, rank, *args, **kwargs)
+        meeting(True)
+        try:
+            if rank != 0:
+                await_listening(hostname, port, MAX_WAIT_S)
+            return original(hostname, port, rank, *args, **kwargs)
+        finally:
+            meeting(False)
 
     create_store._ftrun = True  # type: ignore[attr-defined]
     module._create_c10d_store = create_store  # type: ignore[attr-defined]

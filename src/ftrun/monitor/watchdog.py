@@ -226,3 +226,17 @@ def scaled(observed: Timeouts, factor: float) -> Timeouts:
         out_of_section=times(observed.out_of_section),
         sections={k: max(v * factor, MIN_CALCULATED_S) for k, v in observed.sections.items()},
     )
+
+
+NVIDIA_STATE_KEY = "current_timeouts"  # what NVIDIA's RankMonitorClient.state_dict() saves
+
+
+def from_nvidia_state(state: dict[str, Any], current: Timeouts) -> Timeouts:
+    """``{"current_timeouts": {"initial": s, "subsequent": s, "were_calculated": True}}``; ``current`` for ``{}``
+    (it had calculated nothing)."""
+    found = state.get(NVIDIA_STATE_KEY)
+    if found is None:
+        return current
+    if not isinstance(found, dict):
+        raise ValueError(f"NVIDIA monitor state: {NVIDIA_STATE_KEY!r} must be a mapping, got {found!r:.100}")
+    return Timeouts.from_json({"initial_heartbeat": found.get("initial"), "heartbeat": found.get("subsequent")})
