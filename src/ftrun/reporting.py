@@ -242,8 +242,7 @@ def _hint(root: WorkerOutcome, port: int) -> str | None:
     if _PORT_IN_USE.search(text):
         return (
             f"MASTER_PORT {port} was already in use when the workers bound it "
-            "(another job on this machine?); ftrun picks a fresh free port for the next attempt, "
-            "or pass a free --master-port"
+            "(another job on this machine?); without --master-port ftrun picks a fresh free port for every attempt"
         )
     if root.signal == "SIGKILL" and root.oom_killed and not (root.hang or root.request):
         return "the kernel's out-of-memory killer killed a process while this attempt ran (oom_kill in /proc/vmstat)"

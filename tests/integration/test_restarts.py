@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 from tests.integration.conftest import WriteScript, run_ftrun
@@ -86,18 +85,20 @@ def test_death_by_signal_is_named(tmp_path: Path, script: WriteScript) -> None:
 
 
 def test_port_taken_when_workers_bind_it_is_reported(tmp_path: Path, script: WriteScript) -> None:
+    """Taken after ftrun chose it (a --master-port taken before is refused at start: test_cli)."""
     script(
         "w.py",
         """
         import os, socket
+        port = int(os.environ["MASTER_PORT"])
+        squatter = socket.socket()
+        squatter.bind(("127.0.0.1", port))  # someone else, between ftrun's choice and the bind
+        squatter.listen()
         s = socket.socket()
-        s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))  # what TCPStore does on rank 0
+        s.bind(("127.0.0.1", port))  # what TCPStore does on rank 0
         """,
     )
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        port = squatter.getsockname()[1]
-        r = run_ftrun(tmp_path, "--master-port", str(port), "w.py")
+    r = run_ftrun(tmp_path, "w.py")
     assert r.returncode == 1
-    assert f"MASTER_PORT {port} was already in use" in r.stderr
+    [started] = [e for e in r.events() if e["kind"] == "attempt_started"]
+    assert f"MASTER_PORT {started['master_port']} was already in use" in r.stderr

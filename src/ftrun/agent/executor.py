@@ -31,8 +31,12 @@ from ftrun.agent.driver import (
     Transition,
 )
 from ftrun.agent.group import LocalGroup
+from ftrun.agent.reminder import Reminder
 from ftrun.clock import Clock
 from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.state import Action
+
+REMIND_EVERY_S = 30.0  # a wait for a round is said again this often, as long as it lasts
 
 S = TypeVar("S")
 Step = Callable[[S, Happening], Transition[S]]
@@ -73,6 +77,8 @@ class Executor(Generic[S]):
         self._agreement = agreement
         self._settle = settle
         self._wake_at: float | None = None  # monotonic: when the rendezvous wants to be asked again
+        self._waiting = ""  # why this node waits for a round ("": it does not)
+        self._still = Reminder(REMIND_EVERY_S, REMIND_EVERY_S)  # that wait, said again while it lasts
 
     def run(self) -> int:
         """Drive the run to its end; returns ftrun's exit code."""
@@ -106,7 +112,12 @@ class Executor(Generic[S]):
         assert self._rendezvous is not None, "a static job has no rendezvous to ask"
         advice = self._rendezvous.next(command.local)
         self._wake_at = advice.wake_at
-        self._group.note(advice.decision.reason)
+        reason = advice.decision.reason
+        waiting = reason if advice.decision.action is Action.WAIT else ""
+        if waiting != self._waiting:
+            self._waiting = waiting
+            self._still.restart(self._clock.monotonic())
+        self._group.note(reason)
         if self._agreement is not None:
             self._agreement.sync()
         return [RendezvousAdvised(advice.decision)]
@@ -115,8 +126,12 @@ class Executor(Generic[S]):
         if self._rendezvous is None:
             happened, _ = self._group.wait(None)
             return happened
-        timeout = None if self._wake_at is None else max(0.0, self._wake_at - self._clock.monotonic())
+        wakes = [at for at in (self._wake_at, self._still.next_at() if self._waiting else None) if at is not None]
+        timeout = max(0.0, min(wakes) - self._clock.monotonic()) if wakes else None
         happened, news = self._group.wait(timeout, also=self._rendezvous.fileno())
+        waited = self._still.due(self._clock.monotonic(), bool(self._waiting))
+        if waited is not None:  # the same wait: said again
+            self._group.say(f"{self._waiting} (still, after {waited:.0f} s)")
         if self._agreement is not None:
             self._agreement.sync()  # a local rank may have published timeouts
         if news or (self._wake_at is not None and self._clock.monotonic() >= self._wake_at):

@@ -17,6 +17,7 @@ from pathlib import Path
 from ftrun.agent import proctree
 from ftrun.agent.filetimer import FileTimerServer
 from ftrun.agent.hangs import Found, HangWatch
+from ftrun.agent.reminder import Reminder
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.workers import Hang, Worker, WorkerState
 from ftrun.clock import Clock
@@ -209,21 +210,13 @@ class MeetingNotice:
 
     def __init__(self, awaited: str) -> None:
         self._awaited = awaited
-        self._since: float | None = None
-        self._said: float | None = None
+        self._reminder = Reminder(NOTICE_AFTER_S, NOTICE_EVERY_S)
 
     def check(self, now: float, meeting: list[int]) -> str | None:
         """``meeting``: the ranks here in init_process_group now. Returns what to say, if it is time."""
-        if not meeting:
-            self._since = self._said = None
+        waited = self._reminder.due(now, bool(meeting))
+        if waited is None:
             return None
-        if self._since is None:
-            self._since = now
-        waited = now - self._since
-        first = self._said is None
-        if waited < (NOTICE_AFTER_S if self._said is None else self._said - self._since + NOTICE_EVERY_S):
-            return None
-        self._said = now
+        wait = "waiting" if waited < NOTICE_AFTER_S + NOTICE_EVERY_S else "still waiting"
         ranks = ", ".join(map(str, sorted(meeting)))
-        wait = "waiting" if first else "still waiting"
         return f"rank(s) {ranks} {wait} {waited:.0f} s in init_process_group for the other ranks: {self._awaited}"
