@@ -102,14 +102,20 @@ def test_sigkill_of_ftrun_leaves_no_worker(tmp_path: Path, script: WriteScript, 
     assert wait_gone(pids) == []  # the parent-death signal is immediate; the bound is only a bound
 
 
-def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
-    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
-) -> None:
+def terminate_a_stubborn_worker(tmp_path: Path, script: WriteScript, live: list[LiveFtrun], *flags: str) -> LiveFtrun:
+    """ftrun with ``flags`` and one worker that ignores SIGTERM, sent SIGTERM once the worker is ready."""
     script("w.py", STUBBORN)
-    f = LiveFtrun(tmp_path, "--term-timeout", "0.5", "w.py")
+    f = LiveFtrun(tmp_path, *flags, "w.py")
     live.append(f)
     f.wait_for_lines(r"ready (\d+)", 1)
     f.proc.terminate()
+    return f
+
+
+def test_worker_ignoring_sigterm_is_killed_after_term_timeout(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    f = terminate_a_stubborn_worker(tmp_path, script, live, "--term-timeout", "0.5")
     assert f.wait() == 143
     events = [json.loads(line) for line in (f.run_dir / "events.jsonl").read_text().splitlines()]
     exits = [e for e in events if e["kind"] == "worker_exited"]
@@ -120,11 +126,7 @@ def test_a_second_signal_cuts_the_grace_short_and_says_so(
     tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
 ) -> None:
     """`timeout` sends SIGINT twice: the second one skips the workers' grace period, and the user is told."""
-    script("w.py", STUBBORN)
-    f = LiveFtrun(tmp_path, "--shutdown-timeout", "600", "w.py")
-    live.append(f)
-    f.wait_for_lines(r"ready (\d+)", 1)
-    f.proc.terminate()
+    f = terminate_a_stubborn_worker(tmp_path, script, live, "--shutdown-timeout", "600")
     f.wait_for_stderr("SIGTERM; stopping the workers")
     f.proc.send_signal(signal.SIGINT)
     assert f.wait() == 143  # well within the grace of 600 s: the second signal ended it
