@@ -45,6 +45,7 @@ class WorkerWatch:
         self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
         self.timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
         self.meeting = MeetingNotice(awaited(config))
+        self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -84,11 +85,12 @@ class WorkerWatch:
             else:
                 hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
         self._expire_timers(running)
-        slots = [(w, self.hangs.slot(w.local_rank)) for w in judged]
-        meeting = [w.rank for w, s in slots if s is not None and s.flags & FLAG_MEETING]
-        notice = self.meeting.check(self._clock.monotonic(), meeting)
-        if notice:
-            self._say(notice, always=True)
+        if (now := self._clock.monotonic()) >= self._meeting_look_at:  # a wait of seconds: no need to look often
+            self._meeting_look_at = now + MEETING_LOOK_S
+            slots = [(w, self.hangs.slot(w.local_rank)) for w in judged]
+            notice = self.meeting.check(now, [w.rank for w, s in slots if s is not None and s.flags & FLAG_MEETING])
+            if notice:
+                self._say(notice, always=True)
         return hung
 
     def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
@@ -188,6 +190,7 @@ def _append(w: Worker, text: str) -> None:
 
 NOTICE_AFTER_S = 10.0  # a rank meeting its peers longer than this is told to wait (torch waits up to 30 min)
 NOTICE_EVERY_S = 30.0  # and again, as long as it waits
+MEETING_LOOK_S = 1.0  # how often the slots are read for it
 
 
 def awaited(config: LaunchConfig) -> str:
