@@ -108,7 +108,14 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_ra
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
         "FTRUN_ERROR_FILE": a.error_file,
-        # A crash in C (SIGSEGV) leaves the Python stack on stderr, hence in the report (unless the user chose).
-        "PYTHONFAULTHANDLER": base.get("PYTHONFAULTHANDLER", "1"),
+        **startup_env(base),
         **devices,
     }
+
+
+def startup_env(base: Mapping[str, str]) -> dict[str, str]:
+    """What ftrun adds to ``base`` that the workers' interpreter reads as it starts. A zygote starts with it
+    too: what it sets up then is what a fresh worker has (faulthandler's handlers, as the signal module
+    records them at start-up: ``signal.getsignal(SIGSEGV)`` is None in both)."""
+    # A crash in C (SIGSEGV) leaves the Python stack on stderr, hence in the report (unless the user chose).
+    return {"PYTHONFAULTHANDLER": base.get("PYTHONFAULTHANDLER", "1")}

@@ -22,7 +22,7 @@ from ftrun.agent import elastic, proctree, static
 from ftrun.agent.agreement import TimeoutAgreement
 from ftrun.agent.board import JobBoard
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
-from ftrun.agent.env import Placement
+from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.exclusions import Exclusions
 from ftrun.agent.executor import Executor
 from ftrun.agent.exit_barrier import ExitBarrier
@@ -97,7 +97,7 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
     pool = WarmPool(
         config.python,
         w.preload,
-        config.worker_base_env,
+        {**config.worker_base_env, **startup_env(config.worker_base_env)},
         auto=w.auto,
         standbys=2 * config.nproc_per_node,  # a restart takes half; a failure right after finds the rest
         cache=cache,

@@ -39,6 +39,8 @@ import types
 import warnings
 from typing import Any
 
+from ftrun.agent.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
+
 MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
@@ -118,13 +120,17 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
     names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
-    filters = list(warnings.filters)  # as a fresh interpreter has them, before any preloaded module
     started = time.monotonic()
     idle = "--idle" in sys.argv[2:]
     if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     preload(list(STARTUP_MODULES))  # a worker's start-up attaches them: paid once here, not at each restart
+    started_with = dict(os.environ)
     loaded, failed, refusal = preload(names)
+    # What the preloaded modules set in the environment at import, a fresh worker's imports set too.
+    IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v})
+    # As a fresh worker has them once it imported the same modules (torch and numpy add theirs at import).
+    filters = list(warnings.filters)
     if idle:
         try:  # its forks must run at normal priority
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
@@ -137,6 +143,7 @@ def main() -> int:
                 os.close(fd)
         return 1
     physical_cores()  # counted here once, for every worker
+    find_pools()  # the BLAS/OpenMP pools preloading loaded, which each worker sizes as a fresh process would
     ENVIRONMENT.update(os.environ)
     # What preloading left as garbage goes; the rest is frozen: the workers' garbage collections never write
     # to the preloaded objects, so their pages stay shared with the zygote instead of being copied, worker by
@@ -275,7 +282,7 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
     for fd in (devnull, *fds):
         os.close(fd)
     os.chdir(request["cwd"])
-    become_environment(request["env"])
+    become_environment({**IMPORTS_SET, **request["env"]})  # the rank's own values win (setdefault, mostly)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -287,6 +294,7 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
         import faulthandler
 
         faulthandler.enable(all_threads=True)
+    redraw_randomness()
     restore_threads()
     if os.environ.get("FTRUN_MONITOR"):
         # Before the job's code: its stacks can be dumped even if it hangs in an import (no py-spy needed),
@@ -305,6 +313,7 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
 
 
 ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
+IMPORTS_SET: dict[str, str] = {}  # variables the preloaded modules set at import
 
 
 def become_environment(env: dict[str, str]) -> None:
@@ -340,42 +349,12 @@ def script_code(path: str) -> types.CodeType:
     return found[1]
 
 
-def restore_threads() -> None:
-    """The zygote pinned its thread pools to 1 (safe to fork); the worker gets what a fresh process would:
-    its own OMP_NUM_THREADS / MKL_NUM_THREADS, else torch's default of one thread per physical core."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    wanted = os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS") or ""
-    torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0 else physical_cores())
-
-
-CORES: dict[frozenset[int], int] = {}  # CPUs allowed -> physical cores among them (sysfs reads: ~0.7 ms a worker)
-
-
-def physical_cores() -> int:
-    """Cores (not hyperthreads) this process may run on, as torch counts its default threads; counted once in
-    the zygote for the CPUs its workers inherit."""
-    cpus = frozenset(os.sched_getaffinity(0))
-    if cpus not in CORES:
-        cores = set()
-        for cpu in cpus:
-            try:
-                with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
-                    core = f.read().strip()
-                with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
-                    cores.add((f.read().strip(), core))
-            except OSError:
-                cores.add(("", str(cpu)))
-        CORES[cpus] = max(1, len(cores))
-    return CORES[cpus]
-
-
 def run(kind: str, target: str, args: list[str]) -> int:
     """Run a script or module as __main__; an uncaught exception prints as Python would and returns 1."""
     try:
         main = types.ModuleType("__main__")  # a clean namespace, not the zygote's own __main__
         main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+        main.__annotations__ = {}  # as the interpreter makes __main__ at start-up
         sys.modules["__main__"] = main
         if kind == "module":
             import runpy

@@ -1,0 +1,99 @@
+"""A warm worker is a fresh worker: everything a job can observe of how it was started, field by field, with
+torch and numpy preloaded, in the first attempt and after a restart, against workers started fresh.
+
+The allow-list below is the whole of the difference, each entry with its reason (the README repeats it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import WriteScript, run_ftrun
+
+PROBE = """
+import gc, json, logging, os, random, resource, signal, sys, warnings
+import numpy as np
+import torch
+from threadpoolctl import threadpool_info
+um = os.umask(0)
+os.umask(um)
+facts = {
+    "numpy_random": float(np.random.rand()),
+    "python_random": random.random(),
+    "torch_seed": torch.initial_seed(),
+    "str_hash": hash("ftrun"),
+    "pools": sorted((i["internal_api"], i["num_threads"]) for i in threadpool_info()),
+    "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
+    "environment": sorted(k for k in os.environ if not k.startswith("FTRUN_")),
+    "ftrun_environment": sorted(k for k in os.environ if k.startswith("FTRUN_")),
+    "flags": repr(sys.flags),
+    "path": sys.path,
+    "argv": sys.argv,
+    "main": sorted(k for k in vars(sys.modules["__main__"]) if k.startswith("__")),
+    "warnings": [repr(f) for f in warnings.filters],
+    "logging": [logging.getLogger().level, len(logging.getLogger().handlers)],
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "rlimits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")},
+    "umask": um,
+    "cwd": os.getcwd(),
+    "descriptors": sorted(os.listdir("/proc/self/fd")),
+    "threads": len(os.listdir("/proc/self/task")),
+    "gc": [gc.isenabled(), gc.get_threshold()],
+    "gc_frozen": gc.get_freeze_count() > 0,
+    "switch_interval": sys.getswitchinterval(),
+    "recursion_limit": sys.getrecursionlimit(),
+    "affinity": sorted(os.sched_getaffinity(0)),
+    "scheduling": [os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)],
+}
+print(json.dumps(facts), flush=True)
+sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+"""
+
+# Drawn from the OS per process: they must differ between every two workers, warm or fresh.
+RANDOM = ("numpy_random", "python_random", "torch_seed")
+ALLOWED = {
+    # Python fixes a process's hash seed as it starts: every worker forked from one zygote shares it (set
+    # PYTHONHASHSEED and fresh workers share one too).
+    "str_hash": "shared by the warm workers of a zygote",
+    # The zygote freezes what it preloaded out of the collector's reach, so that pages stay shared.
+    "gc_frozen": "the preloaded objects are frozen",
+    # --no-warm leaves out the warm pool's own variable (FTRUN_MODULES_FILE): ftrun's variables, not the job's.
+    "ftrun_environment": "the warm pool's own variable",
+}
+
+
+def facts_of(tmp_path: Path, how: str, flags: list[str]) -> dict[tuple[int, int], dict[str, Any]]:
+    r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--nproc-per-node", "2", "--max-restarts", "1", *flags,
+                  "probe.py", timeout=300)  # fmt: skip
+    r.run_dir = tmp_path / how / "t"
+    assert r.returncode == 0, r.stderr
+    spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"]
+    assert spawned == [how == "warm"] * 4, spawned
+    return {(a, rank): json.loads(r.log(a, rank).splitlines()[0]) for a in (0, 1) for rank in (0, 1)}
+
+
+@pytest.mark.torch
+def test_a_warm_worker_observes_what_a_fresh_one_does(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # thread pools the zygote pinned to 1 must come back at 2
+    script("probe.py", PROBE)
+    warm = facts_of(tmp_path, "warm", ["--preload", "numpy,torch"])
+    fresh = facts_of(tmp_path, "fresh", ["--no-warm"])
+    for name in RANDOM:
+        assert len({f[name] for f in warm.values()}) == 4, (name, warm)  # every rank, every attempt its own
+        assert len({f[name] for f in fresh.values()}) == 4, (name, fresh)
+    differences = {
+        (name, worker): (warm[worker][name], fresh[worker][name])
+        for worker in warm
+        for name in warm[worker]
+        if name not in RANDOM and name not in ALLOWED and warm[worker][name] != fresh[worker][name]
+    }
+    assert differences == {}
+    assert warm[0, 0]["pools"] == fresh[0, 0]["pools"]
+    assert ["openblas", 2] in warm[0, 0]["pools"]  # (JSON makes the pairs lists)
