@@ -15,7 +15,7 @@ import pytest
 from tests.integration.conftest import WriteScript, run_ftrun
 
 PROBE = """
-import gc, json, logging, os, random, resource, signal, sys, warnings
+import gc, json, logging, os, random, resource, signal, sys, threading, time, warnings
 import numpy as np
 import torch
 from threadpoolctl import threadpool_info
@@ -49,6 +49,8 @@ facts = {
     "recursion_limit": sys.getrecursionlimit(),
     "affinity": sorted(os.sched_getaffinity(0)),
     "scheduling": [os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)],
+    # glibc's record of the thread's id (a raw clone left the zygote's: this raised EINVAL)
+    "thread_cpu_clock": time.clock_gettime(time.pthread_getcpuclockid(threading.get_ident())) >= 0,
 }
 print(json.dumps(facts), flush=True)
 sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
@@ -97,3 +99,35 @@ def test_a_warm_worker_observes_what_a_fresh_one_does(
     assert differences == {}
     assert warm[0, 0]["pools"] == fresh[0, 0]["pools"]
     assert ["openblas", 2] in warm[0, 0]["pools"]  # (JSON makes the pairs lists)
+
+
+AT_FORK = """
+import ctypes, os
+ran = {"c": 0, "python": 0}
+_child = ctypes.CFUNCTYPE(None)(lambda: ran.__setitem__("c", ran["c"] + 1))
+ctypes.CDLL("libc.so.6").__register_atfork(None, None, _child, None)  # pthread_atfork, as C libraries call it
+os.register_at_fork(after_in_child=lambda: ran.__setitem__("python", ran["python"] + 1))
+"""
+
+USES_AT_FORK = """
+import json, os, sys
+import at_fork
+print(json.dumps(at_fork.ran), flush=True)
+sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+"""
+
+
+def test_the_at_fork_handlers_of_preloaded_libraries_run_in_a_warm_worker(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library that fixes its state after a fork (C or Python handlers) finds it fixed in every warm worker."""
+    script("lib/at_fork.py", AT_FORK)
+    script("w.py", USES_AT_FORK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "--preload", "at_fork", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"] == [True, True]
+    for attempt in (0, 1):
+        ran = json.loads(r.log(attempt, 0))
+        assert ran["c"] >= 1, ran
+        assert ran["python"] >= 1, ran

@@ -9,9 +9,8 @@ A standby is a worker forked ahead of time, before anyone knows its rank: each
 request passes one end of a socket pair, the standby keeps it and sleeps on it
 until the agent sends what it must run (environment, directory, arguments) with
 its stdout and stderr as passed descriptors. A restart then costs one message per
-worker, not a fork. Each standby is born the agent's own child: forked with
-clone(CLONE_PARENT) in one step (or, where that is refused, forked twice and
-re-parented to the agent, a child subreaper), and stays in the zygote's process
+worker, not a fork. Each standby becomes the agent's own child: forked twice (glibc's
+fork, at-fork handlers and all) and re-parented to the agent, a child subreaper, and stays in the zygote's process
 group until it becomes a worker (the agent tells the pool's processes from a
 worker's strays by that group). The agent watches it with a pidfd and reaps its
 real exit status, exactly as for a fresh process. The worker then becomes what
@@ -167,41 +166,14 @@ def main() -> int:
         send(sock, reply)
 
 
-# clone(2) with CLONE_PARENT: the worker is born the agent's child, in one fork (no intermediate to wait
-# for, no adoption). The syscall's number by machine; elsewhere (or refused: the zygote is a namespace's
-# init) the double fork below does the same in two.
-CLONE_PARENT = 0x00008000
-SYS_CLONE = {"x86_64": 56, "aarch64": 220}
-
-
-def clone_as_sibling() -> int | None:
-    """Fork a child whose parent is the agent: 0 in the child, its pid in the zygote, None if unavailable.
-
-    As ``os.fork`` does, CPython's own before/after-fork steps run around the system call."""
-    number = SYS_CLONE.get(os.uname().machine)
-    if number is None:
-        return None
-    libc = ctypes.PyDLL(None, use_errno=True)  # the GIL stays held through the call, as in os.fork
-    libc.syscall.restype = ctypes.c_long
-    api = ctypes.pythonapi
-    api.PyOS_BeforeFork()
-    pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(CLONE_PARENT | signal.SIGCHLD), 0, 0, 0, 0)
-    if pid == 0:
-        api.PyOS_AfterFork_Child()
-        return 0
-    api.PyOS_AfterFork_Parent()
-    return int(pid) if pid > 0 else None
-
-
 def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
     """Fork a standby worker that waits on ``fds[0]`` for what to run; returns its pid for the agent."""
     if len(fds) != 1:
         return {"error": f"expected the standby's socket, got {len(fds)} descriptors"}
-    pid = clone_as_sibling()
-    if pid == 0:
-        stand_by(sock, request["agent_pid"], fds[0], filters, None)  # never returns
-    if pid is not None:
-        return {"pid": pid}
+    # Two forks, the first one gone at once: the standby is re-parented to the agent (a child subreaper), which
+    # watches it and reaps its real status as for a fresh process. glibc's fork, not a raw clone(CLONE_PARENT)
+    # in one step: it runs the C libraries' at-fork handlers and gives the child its own thread id in glibc's
+    # records (with the zygote's, time.pthread_getcpuclockid() and pthread_setaffinity_np() missed their mark).
     read_end, write_end = os.pipe()
     first = os.fork()
     if first == 0:  # the intermediate: fork the standby, tell the zygote its pid, vanish
