@@ -134,9 +134,43 @@ dist.destroy_process_group()
 """
 
 
-def test_the_hung_rank_is_blamed_not_the_one_waiting_for_it(tmp_path: Path, script: WriteScript) -> None:
+# As most torchrun scripts are: main() under torch's @record, whose frame sits in torch/distributed/elastic in
+# every rank's stack. The hung rank steps once more before it hangs: the rank waiting for it misses its deadline
+# first, so only the stacks can name the right one.
+DDP_HANG_RECORDED = """
+import os, time
+import torch, torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+def stuck_here():
+    time.sleep(120)
+
+@record
+def main():
+    rank, attempt = int(os.environ["RANK"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(30):
+        if attempt == "0" and rank == 1 and step == 10:
+            opt.step()  # a heartbeat after rank 0's last one
+            stuck_here()
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        time.sleep(0.05)
+    print("done", rank, flush=True)
+    dist.destroy_process_group()
+
+main()
+"""
+
+
+@pytest.mark.parametrize("job", [DDP_HANG, DDP_HANG_RECORDED], ids=["plain", "recorded"])
+def test_the_hung_rank_is_blamed_not_the_one_waiting_for_it(tmp_path: Path, script: WriteScript, job: str) -> None:
     """A DDP job that never imports ftrun: both ranks stop stepping; the stacks say which one hangs."""
-    script("w.py", DDP_HANG)
+    script("w.py", job)
     flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "3"]
     r = run_ftrun(tmp_path, *flags, "w.py")
     assert r.returncode == 0, r.stderr
