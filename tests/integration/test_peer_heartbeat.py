@@ -18,7 +18,9 @@ import torch, torch.distributed as dist
 import ftrun
 from torch.nn.parallel import DistributedDataParallel
 
-frozen = int(sys.argv[1])
+frozen, before = int(sys.argv[1]), sys.argv[2] == "before"
+if before:  # returns at once: the ring starts once the job's store exists
+    ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)
 dist.init_process_group("gloo")
 ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)
 ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)  # idempotent
@@ -33,12 +35,14 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("frozen", [0, 1])
+@pytest.mark.parametrize(("frozen", "when"), [(0, "after"), (1, "after"), (1, "before")])
 def test_a_frozen_rank_is_found_by_its_peer_and_the_job_restarts_naming_it(
-    tmp_path: Path, script: WriteScript, frozen: int
+    tmp_path: Path, script: WriteScript, frozen: int, when: str
 ) -> None:
+    """Started after init_process_group, or before it (where it once blocked its caller for a minute)."""
     script("w.py", DDP)
-    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", str(frozen), timeout=180)
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1"]
+    r = run_ftrun(tmp_path, *flags, "w.py", str(frozen), f"{when}", timeout=180)
     assert r.returncode == 0, r.stderr
     [request] = [e for e in r.events() if e["kind"] == "request"]
     assert request["action"] == "peer_failed"
@@ -72,7 +76,7 @@ def test_on_two_nodes_a_frozen_rank_is_found_across_them(
     (tmp_path / "w.py").write_text(DDP)
     flags = [*rdzv, "--rdzv-id", f"{tmp_path.name}-peers", "--local-addr", "127.0.0.1", "--nnodes", "2:2"]
     flags += ["--nproc-per-node", "1", "--max-restarts", "1"]
-    agents = [LiveFtrun(tmp_path, *flags, "--log-dir", str(tmp_path / n), str(tmp_path / "w.py"), "1", name=n)
+    agents = [LiveFtrun(tmp_path, *flags, "--log-dir", str(tmp_path / n), str(tmp_path / "w.py"), "1", "after", name=n)
               for n in ("a", "b")]  # fmt: skip
     live.extend(agents)
     for agent in agents:

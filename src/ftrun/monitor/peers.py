@@ -8,8 +8,10 @@ No token for ``timeout_s``, or a token from another restart of the job (a peer
 restarted out of step), is reported to this rank's agent as a peer failure, which
 restarts the job as a crash would, naming that peer. The side channel is never
 the job's process group, so it cannot deadlock with the job's collectives; the
-addresses are exchanged once, through the job's own rendezvous store (torch's
-TCPStore at MASTER_ADDR:MASTER_PORT, as ``init_process_group("env://")`` uses).
+addresses are exchanged once, from the heartbeat's own thread (its caller never
+waits), through the job's own rendezvous store (torch's TCPStore at
+MASTER_ADDR:MASTER_PORT, as ``init_process_group("env://")`` makes it: before it
+exists, the exchange waits for it).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class PeerHeartbeat:
         self._report = report
         self._sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((bind_host, 0))
-        book = addresses(f"{bind_host}:{self._sock.getsockname()[1]}")
-        self._next = book[(rank + 1) % world]
+        self._mine = f"{bind_host}:{self._sock.getsockname()[1]}"
+        self._addresses = addresses  # called from the thread: the exchange may wait for init_process_group
         self.previous = (rank - 1) % world
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-peer-heartbeat", daemon=True)
@@ -66,6 +68,11 @@ class PeerHeartbeat:
         self._sock.close()
 
     def _run(self) -> None:
+        try:
+            successor = self._addresses(self._mine)[(self.rank + 1) % self.world]
+        except Exception as e:  # no ring, and the job goes on as it would without one: said, never raised
+            os.write(2, f"ftrun: the peer heartbeat could not start: {type(e).__name__}: {e}\n".encode())
+            return
         token = json.dumps({"rank": self.rank, "restart": self.restart}).encode()
         heard = time.monotonic()  # the previous rank gets one timeout from our start to be heard
         next_send = 0.0
@@ -74,7 +81,7 @@ class PeerHeartbeat:
             now = time.monotonic()
             if now >= next_send:
                 with contextlib.suppress(OSError):  # a host unreachable: that peer's successor notices
-                    self._sock.sendto(token, self._next)
+                    self._sock.sendto(token, successor)
                 next_send = now + self.period_s
             try:
                 data, _ = self._sock.recvfrom(512)
@@ -110,8 +117,10 @@ class PeerHeartbeat:
 
 def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None:
     """Check this rank's peers every ``period_s`` (a ring over UDP, never the job's process group); a peer
-    silent for ``timeout_s`` or out of step restarts the job, naming it. Call it in every rank, after
-    ``init_process_group``; a second call does nothing. Raises RuntimeError outside ftrun."""
+    silent for ``timeout_s`` or out of step restarts the job, naming it. Call it in every rank, before or after
+    ``init_process_group``: it returns at once, and the ring starts once every rank's address is known
+    (exchanged through the job's store, as soon as rank 0 hosts it). A second call does nothing. Raises
+    RuntimeError outside ftrun."""
     global _started  # noqa: PLW0603 - one heartbeat per process
     if not isinstance(period_s, (int, float)) or not isinstance(timeout_s, (int, float)):
         raise ValueError("period_s and timeout_s are seconds (numbers)")
