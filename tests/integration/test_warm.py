@@ -4,6 +4,7 @@ the job's fate (a refused module, a dead zygote: fresh processes take over)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -138,19 +139,50 @@ def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, 
     assert roots["warm"] == roots["cold"]
 
 
-def test_a_preloaded_module_that_starts_a_thread_turns_the_pool_off(tmp_path: Path, script: WriteScript) -> None:
+def test_a_preloaded_module_that_starts_a_thread_is_left_out_and_the_rest_stays_warm(
+    tmp_path: Path, script: WriteScript
+) -> None:
     script(
         "threaded.py", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
     script(
         "w.py", "import os, sys\nprint('ran', flush=True)\nsys.exit(os.environ['TORCHELASTIC_RESTART_COUNT'] == '0')\n"
     )
-    r = run_ftrun(tmp_path, "--preload", "threaded", "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    r = run_ftrun(
+        tmp_path, "--preload", "json,threaded,decimal", "--nproc-per-node", "2", "--max-restarts", "1", "w.py"
+    )
     assert r.returncode == 0, r.stderr
-    assert "warm pool off: preloading 'threaded' started a thread" in r.stderr
-    # The first attempt may come from the pool's base zygote (it preloads nothing); the restart, refused, cannot.
-    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [False, False]
+    assert "warm pool: preloading 'threaded' started a thread" in r.stderr
+    assert "preloading the rest without it" in r.stderr
+    assert "warm pool off" not in r.stderr
+    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True, True]
     assert r.log(1, 1) == "ran\n"
+
+
+GPU_DRIVER_STUB = "int cuInit(unsigned int flags) { return 0; }\n"
+LOADS_THE_DRIVER = """
+import ctypes, os
+ctypes.CDLL(os.path.join(os.environ["STUB_DIR"], "libcuda.so.1"))  # as cudaGetDeviceCount would
+"""
+
+
+def test_a_preloaded_module_that_loads_the_gpu_driver_is_left_out(
+    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU node, with a stub driver: a library that initialises the CUDA driver at import would make every
+    warm worker fail its first CUDA call; the zygote finds the driver mapped and leaves that module out."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "cuda.c").write_text(GPU_DRIVER_STUB)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), str(stub / "cuda.c")], check=True)
+    monkeypatch.setenv("STUB_DIR", str(stub))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    script("lib/gpulib.py", LOADS_THE_DRIVER)
+    script("w.py", "import os, sys\nimport gpulib\nsys.exit(os.environ['TORCHELASTIC_RESTART_COUNT'] == '0')\n")
+    r = run_ftrun(tmp_path, "--preload", "json,gpulib", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "warm pool: preloading 'gpulib' loaded the GPU driver (libcuda.so.1)" in r.stderr
+    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True]  # from a zygote without it
 
 
 KILLS_THE_POOL = """

@@ -84,8 +84,8 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     return message, list(fds)
 
 
-def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
-    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None)."""
+def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, str]:
+    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None, the module refused)."""
     loaded, failed = [], {}
     for name in names:
         try:
@@ -94,26 +94,37 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None]:
             failed[name] = f"{type(e).__name__}: {e}"[:200]
             continue
         loaded.append(name)
-        if cuda_initialised():
-            return (
-                loaded,
-                failed,
-                (
-                    f"preloading {name!r} initialised CUDA, which does not survive fork; initialise CUDA in "
-                    f"the workers only (leave {name!r} out of --preload)"
-                ),
-            )
-        if threads() > 1:
-            return (
-                loaded,
-                failed,
-                (
-                    f"preloading {name!r} started a thread; forking a process with threads is unsafe "
-                    "(OpenMP/BLAS pools: set OMP_NUM_THREADS=1 and OPENBLAS_NUM_THREADS=1, or leave "
-                    f"{name!r} out of --preload)"
-                ),
-            )
-    return loaded, failed, None
+        refusal = unforkable()
+        if refusal:
+            return loaded, failed, f"preloading {name!r} {refusal}", name
+    return loaded, failed, None, ""
+
+
+def unforkable() -> str:
+    """Why this process can no longer be forked into workers ("": it can)."""
+    if cuda_initialised():
+        return "initialised CUDA, which does not survive fork (CUDA belongs in the workers)"
+    driver = gpu_driver()
+    if driver:
+        return f"loaded the GPU driver ({driver}), which does not survive fork"
+    if threads() > 1:
+        return "started a thread (forking a process with threads is unsafe: OpenMP/BLAS pools are pinned to 1)"
+    return ""
+
+
+GPU_DRIVERS = ("libcuda.so",)  # the CUDA driver; NVML (libnvidia-ml) and the runtime (libcudart) are fine
+
+
+def gpu_driver() -> str:
+    """The GPU driver library this process has mapped, if any: a library that calls cudaGetDeviceCount (as
+    torch.cuda.is_available() does without PYTORCH_NVML_BASED_CUDA_CHECK) loads and initialises it, without
+    torch.cuda.is_initialized() saying so, and a process forked after that fails its first CUDA call."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rpartition("/")[2].strip()
+            if name.startswith(GPU_DRIVERS):
+                return name
+    return ""
 
 
 def main() -> int:
@@ -124,8 +135,11 @@ def main() -> int:
     if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     preload(list(STARTUP_MODULES))  # a worker's start-up attaches them: paid once here, not at each restart
+    # torch.cuda.is_available() (which libraries call at import) asks NVML, not the CUDA driver: a driver
+    # initialised here would not survive the fork. The workers get the variable as the job set it, or not.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     started_with = dict(os.environ)
-    loaded, failed, refusal = preload(names)
+    loaded, failed, refusal, culprit = preload(names)
     # What the preloaded modules set in the environment at import, a fresh worker's imports set too.
     IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v})
     # As a fresh worker has them once it imported the same modules (torch and numpy add theirs at import).
@@ -136,7 +150,7 @@ def main() -> int:
         except PermissionError:
             refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
     if refusal:
-        send(sock, {"refused": refusal})
+        send(sock, {"refused": refusal, "module": culprit})
         while (leftover := receive(sock))[0] is not None:  # exiting with requests unread would reset the
             for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
                 os.close(fd)
