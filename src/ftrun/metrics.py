@@ -78,13 +78,13 @@ class Metrics(Collector):
         yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, goodput)
         ages = GaugeMetricFamily(
             "ftrun_heartbeat_age_seconds",
-            "Seconds since each running rank's last heartbeat (as of the status record, rewritten every second)",
+            "Seconds since each running rank's last heartbeat, read from the monitor table at the scrape",
             labels=[*LABELS, "rank"],
         )
-        now = time.time()
+        live, now = group.status.live_beats(), time.monotonic()  # the slots' clock is CLOCK_MONOTONIC
         for r in ranks:
-            if r.get("state") == "running" and r.get("last_beat") and record.get("phase") == "running":
-                ages.add_metric([*labels, str(r["rank"])], max(0.0, now - float(r["last_beat"])))
+            if r.get("state") == "running" and r["rank"] in live and record.get("phase") == "running":
+                ages.add_metric([*labels, str(r["rank"])], max(0.0, now - live[r["rank"]]))
         yield ages
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,8 @@ from ftrun.addresses import DEFAULT_STORE_PORT
 from ftrun.agent.board import read_statuses
 from ftrun.agent.status import STATUS_FILE, read_status
 from ftrun.errors import ConfigError, FtrunError
+from ftrun.monitor.layout import SlotView
+from ftrun.monitor.table import read_live
 from ftrun.rdzv_flags import rdzv_store_url, store_token
 
 REFRESH_S = 1.0
@@ -138,6 +141,15 @@ def _check_agent(record: dict[str, Any]) -> None:
         pass
 
 
+def _live_slots(record: dict[str, Any]) -> dict[int, SlotView]:
+    """The running ranks' slots, read now from the agent's monitor table when it is on this machine (the
+    record's heartbeat stamps are up to a second old); nothing otherwise."""
+    path = record.get("monitor")
+    if not isinstance(path, str) or record.get("phase") != "running" or record.get("host") != socket.gethostname():
+        return {}
+    return read_live(path, [int(r["local_rank"]) for r in record.get("ranks", []) if r.get("state") == "running"])
+
+
 def _job(records: list[dict[str, Any]], *, source: str) -> dict[str, Any]:
     """The view's model: the nodes' records, with the ages a person reads computed now."""
     now = time.time()
@@ -145,10 +157,15 @@ def _job(records: list[dict[str, Any]], *, source: str) -> dict[str, Any]:
         r["age_s"] = max(0.0, now - float(r.get("updated") or now))
         if r.get("phase") == "running" and r["age_s"] > STALE_S:
             r["phase"] = f"no news for {r['age_s']:.0f} s"
+        slots = _live_slots(r)
         for rank in r.get("ranks", []):
             beat = rank.get("last_beat")
             live = r.get("phase") == "running" and rank.get("state") == "running"
-            rank["heartbeat_age_s"] = max(0.0, now - float(beat)) if beat and live else None
+            slot = slots.get(rank.get("local_rank"))
+            if live and slot is not None and slot.pid == rank.get("pid") and slot.last_beat:
+                rank["heartbeat_age_s"], rank["heartbeat_live"] = max(0.0, time.monotonic() - slot.last_beat), True
+            else:
+                rank["heartbeat_age_s"] = max(0.0, now - float(beat)) if beat and live else None
     first = records[0]
     phases = {str(r.get("phase")) for r in records}
     return {

@@ -125,6 +125,7 @@ def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["state"] == "running" and r["pid"] > 0 for r in ranks)
     assert all(0 <= r["heartbeat_age_s"] < WAIT_S and r["step"] >= 0 for r in ranks)
+    assert all(r.get("heartbeat_live") for r in ranks)  # read from the monitor table now, not the record's stamp
     assert all(r["sections"][0][0] == "train" for r in ranks)
     once = status(str(tmp_path / "logs"), "--once")  # the --log-dir finds its newest run
     assert once.returncode == 0, once.stderr

@@ -58,6 +58,7 @@ class NodeStatus:
         self._signature: object = None
         self._first_step_seen: set[int] = set()  # attempts whose first step is an event
         self.record: dict[str, Any] = {}  # the last one built (the metrics read it)
+        self._sampled: tuple[list[Worker], SlotOf] = ([], lambda index: None)  # the workers and their slots
 
     def seconds_to_next(self, running: bool) -> float | None:
         """How long the agent may sleep before the record is due again (None: not while nothing runs)."""
@@ -91,6 +92,7 @@ class NodeStatus:
     ) -> None:
         """Rebuild the record and write it when it is due (``force``: now, e.g. at the end of the run)."""
         self.notice_first_step(workers, slot_of)
+        self._sampled = (list(workers), slot_of)
         now = self._clock.monotonic()
         ranks = [self._rank(w, slot_of(w.local_rank)) for w in workers]
         signature = (phase, round_, [(r["rank"], r["state"], r["pid"], [s[0] for s in r["sections"]]) for r in ranks])
@@ -162,7 +164,24 @@ class NodeStatus:
             "root_causes": [str(c.get("summary", ""))[:MAX_CAUSE_CHARS] for c in summary.root_causes[-MAX_CAUSES:]],
             "goodput": measure(events, now=self._clock.monotonic()).to_json(),
             "ranks": ranks,
+            # The workers' monitor table (ranks by local rank): a reader on this machine takes heartbeats from
+            # it at the moment it reads, not as of this record.
+            "monitor": next((w.env.get("FTRUN_MONITOR") for w in self._sampled[0]), None),
         }
+
+    def live_beats(self) -> dict[int, float]:
+        """Each sampled worker's last heartbeat (monotonic), read from the monitor table now: for a reader in
+        another thread (/metrics). A table replaced meanwhile (a new attempt) gives what could be read."""
+        workers, slot_of = self._sampled
+        beats = {}
+        for w in workers:
+            try:
+                slot = slot_of(w.local_rank)
+            except (OSError, ValueError):
+                continue
+            if slot is not None and slot.pid == w.pid and slot.last_beat:
+                beats[w.rank] = slot.last_beat
+        return beats
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:

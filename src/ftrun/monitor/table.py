@@ -10,6 +10,7 @@ for hangs.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import signal
@@ -53,14 +54,7 @@ class MonitorTable:
 
     def read(self, index: int, attempts: int = 100) -> SlotView:
         """A consistent copy of slot ``index``; raises CorruptSlot if it does not parse."""
-        base = slot_offset(index)
-        for _ in range(attempts):
-            (before,) = SEQ.unpack_from(self._map, base)
-            raw = self._map[base : base + SLOT_SIZE]
-            (after,) = SEQ.unpack_from(self._map, base)
-            if before == after and not before & 1:
-                return parse_slot(raw)
-        raise CorruptSlot(f"slot {index} kept changing (seq {before} -> {after}) or is stuck mid-write")
+        return read_slot(self._map, index, attempts)
 
     def clear(self, index: int) -> None:
         """Zero a slot (a worker of a new attempt starts from nothing)."""
@@ -83,3 +77,33 @@ def check_header(mapping: mmap.mmap, slot: int) -> None:
         raise ValueError(f"not an ftrun monitor table of version {VERSION}")
     if not 0 <= slot < slots:
         raise ValueError(f"slot {slot} is outside the table ({slots} slots)")
+
+
+def read_slot(mapping: mmap.mmap, index: int, attempts: int = 100) -> SlotView:
+    """A consistent copy of slot ``index`` of a mapped table (a seqlock read); raises CorruptSlot."""
+    base = slot_offset(index)
+    for _ in range(attempts):
+        (before,) = SEQ.unpack_from(mapping, base)
+        raw = mapping[base : base + SLOT_SIZE]
+        (after,) = SEQ.unpack_from(mapping, base)
+        if before == after and not before & 1:
+            return parse_slot(raw)
+    raise CorruptSlot(f"slot {index} kept changing (seq {before} -> {after}) or is stuck mid-write")
+
+
+def read_live(path: str, indexes: list[int]) -> dict[int, SlotView]:
+    """The slots ``indexes`` of the table at ``path`` (another process's: ``ftrun status``), read now; those
+    that cannot be read are left out, and an unreadable table gives nothing (the agent may be gone)."""
+    found: dict[int, SlotView] = {}
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapping:
+            magic, version, slots, slot_size = HEADER.unpack_from(mapping, 0)
+            if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE:
+                return found
+            for index in indexes:
+                if 0 <= index < slots:
+                    with contextlib.suppress(CorruptSlot):
+                        found[index] = read_slot(mapping, index)
+    except (OSError, ValueError):
+        pass
+    return found
