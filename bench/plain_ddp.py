@@ -3,7 +3,8 @@
 Imports torch and torch._dynamo (as many real jobs do, through torch.compile or a framework), trains a
 small model with gloo on CPU, checkpoints every 10 steps from rank 0 and resumes from the last checkpoint,
 and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills itself with
-SIGKILL at --crash-at, or stops making progress at --hang-at (it sleeps). Every rank appends JSON lines to
+SIGKILL at --crash-at, raises an exception at --raise-at (torch's teardown follows), or stops making progress
+at --hang-at (it sleeps). Every rank appends JSON lines to
 --timeline: when its process started (before any import), each step, the crash or the hang.
 """
 
@@ -29,6 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--crash-at", type=int, default=None)
+    p.add_argument("--raise-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--timeline", required=True)
@@ -55,6 +57,9 @@ def main() -> None:
         if attempt == 0 and rank == 1 and step == a.crash_at:
             record("crash")
             os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 0 and rank == 1 and step == a.raise_at:
+            record("crash")
+            raise RuntimeError(f"injected failure at step {step}")
         if attempt == 0 and rank == 1 and step == a.hang_at:
             record("hang")
             time.sleep(3600)

@@ -15,7 +15,7 @@ Figures, from the job's own timeline (wall-clock lines written by every rank): r
 every rank having finished its first step after the restart; how many recovered on the first restart;
 and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
 
-    python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300]
+    python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise]
 
 Prints figures; asserts nothing about time.
 """
@@ -59,7 +59,7 @@ class Trial:
     start_s: float | None  # launcher started -> every rank finished its first step (the first attempt)
 
 
-def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float) -> Trial:
+def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float, fault: str) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
     env = {**os.environ, "FTRUN_CACHE_DIR": str(cache)}
@@ -68,7 +68,7 @@ def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: 
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     steps = crash_at + 5
-    job = [str(JOB), "--steps", str(steps), "--crash-at", str(crash_at), "--timeline", str(timeline)]
+    job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
     job += ["--checkpoint", str(workdir / "ckpt.pt")]
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
@@ -138,6 +138,7 @@ def main() -> None:
     p.add_argument("--crash-at", default="0,10,40,300", help="steps (50 ms each) at which rank 1 dies")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run that hangs is killed")
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument("--fault", choices=["crash", "raise"], default="crash", help="SIGKILL, or an uncaught exception")
     args = p.parse_args()
     launchers = args.launchers.split(",")
     crash_points = [int(c) for c in args.crash_at.split(",")]
@@ -153,13 +154,14 @@ def main() -> None:
                 for launcher in order:
                     workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
                     workdir.mkdir()
-                    t = run_once(launcher, crash_at, workdir, cache, args.timeout)
+                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault)
                     trials.append(t)
                     rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
                     how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")
                     print(f"rep {rep} step {crash_at:3d} {launcher:16s} recovery {rec}{how}", flush=True)
     print()
-    print(f"crash of rank 1 -> every rank stepping again ({args.reps} reps, alternating; medians over recovered runs)")
+    what = "crash (SIGKILL)" if args.fault == "crash" else "exception"
+    print(f"{what} of rank 1 -> every rank stepping again ({args.reps} reps, alternating; medians over recovered runs)")
     for crash_at in crash_points:
         print(f"crash at step {crash_at} ({crash_at * 0.05:.1f} s of steps after the first):")
         medians = {}

@@ -9,17 +9,15 @@ from ftrun.monitor.client import (
     calculate_timeouts,
     end_all_sections,
     end_section,
-    exclude_this_node,
     heartbeat,
     load_monitor_state,
     monitor_state,
-    request_restart,
     section,
     start_section,
-    stop_job,
 )
 from ftrun.monitor.nvidia import RankMonitorClient
 from ftrun.monitor.peers import start_peer_heartbeat
+from ftrun.monitor.workload import exclude_this_node, request_restart, stop_job
 
 __version__ = "0.1.0"
 

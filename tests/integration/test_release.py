@@ -193,3 +193,53 @@ def test_socket_diagnostics_and_the_proc_tables_agree_on_what_listens() -> None:
         slow = proctree._listening_from_proc(f"/proc/{os.getpid()}/task/{os.getpid()}")
         assert ports <= set(fast.values())
         assert {i: p for i, p in fast.items() if p in ports} == {i: p for i, p in slow.items() if p in ports}
+
+
+# Rank 1 raises on the first attempt. Its interpreter's finalization then flushes a file it never closed (what a
+# kill would lose) and, with "slow", takes long (a __del__ that sleeps, as a torch teardown can); with "stuck",
+# forever (a teardown that hangs).
+RAISES = """
+import os, sys, time
+rank, attempt, teardown = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), sys.argv[1]
+if attempt == 0 and rank == 1:
+    log = open("unclosed.log", "w")
+    log.write("flushed by the finalization")  # buffered: only the interpreter's teardown writes it
+
+    class Teardown:  # its defaults keep what it needs: the finalization clears the module's names
+        def __del__(self, sleep=time.sleep, touch=open, seconds=3600 if teardown == "stuck" else 1.0):
+            sleep(seconds)
+            touch("teardown-done", "w").close()
+
+    keep = Teardown()
+    raise RuntimeError("failed at step 10")
+print(f"rank {rank} attempt {attempt} done", flush=True)
+if attempt == 0:
+    time.sleep(600)  # rank 0 waits to be stopped
+"""
+
+
+def test_a_raise_restarts_beside_the_failed_workers_teardown_and_loses_nothing(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Once every atexit handler ran, the failed warm worker counts as exited (released) and the next attempt
+    starts; its interpreter finishes its teardown meanwhile, unkilled: what it flushes is kept."""
+    script("w.py", RAISES)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "w.py", "slow")
+    assert r.returncode == 0, r.stderr
+    [failed] = [e for e in r.events() if e["kind"] == "worker_exited" and e["state"] == "failed"]
+    assert (failed["rank"], failed["exit_code"], failed["released"]) == (1, 1, True)
+    assert "RuntimeError: failed at step 10" in r.stderr  # the report's root cause
+    assert (tmp_path / "unclosed.log").read_text() == "flushed by the finalization"
+    assert (tmp_path / "teardown-done").exists()  # waited for at the run's end, never killed
+    assert {"rank 0 attempt 1 done", "rank 1 attempt 1 done"} <= set(r.stdout.splitlines())
+
+
+def test_a_teardown_that_hangs_after_a_raise_is_ended_after_the_teardown_timeout(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", RAISES)
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "--teardown-timeout", "1"]
+    r = run_ftrun(tmp_path, *flags, "w.py", "stuck")
+    assert r.returncode == 0, r.stderr
+    assert "teardown still going --teardown-timeout after its script failed; ended" in r.stderr
+    assert not (tmp_path / "teardown-done").exists()

@@ -13,7 +13,7 @@ from the thread that forked them, and signal handlers live in the main thread.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
@@ -33,17 +33,17 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
 from ftrun.agent.pool import WarmPool
-from ftrun.agent.preload import read_modules_report
 from ftrun.agent.reports import Attempt, Reports
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.status import NodeStatus, progress
 from ftrun.agent.watch import WorkerWatch
-from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState, frees_its_ports
+from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState, may_release
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.goodput import measure
+from ftrun.monitor.layout import FLAG_FINALIZING
 from ftrun.monitor.requests import Action, Request
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
@@ -83,7 +83,6 @@ class LocalGroup:
         self._signals_seen = 0
         self._last_reason = ""
         self._finished = False
-        self._module_reports: dict[Path, int] = {}  # --warm auto: each worker's modules report, by its mtime
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._round: int | None = None
         self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
@@ -205,7 +204,8 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
-            self._failing_scripts()
+            happened += self._failing_scripts()
+        self._processes.end_stuck(self.config.hang.teardown_s, partial(self.say, always=True))
         happened += self._requests()
         for hung in self._watch.check(self._processes.running):
             self._reports.publish_hang(hung, self._round)
@@ -246,15 +246,14 @@ class LocalGroup:
                 self.say(f"a second signal ({found[-1].name}): SIGKILL now, no more --shutdown-timeout", always=True)
             return cut
 
-        # Stopped workers ending of the signal count as gone at once on nodes without accelerators (the kernel
-        # then frees their memory beside the next attempt's start); on the others their memory must be free.
-        free_early = not self.config.accelerators and not self._duplicates  # duplicate files close per attempt
+        # Stopped workers ending of the signal count as gone at once where the node allows (the kernel then
+        # frees their memory beside the next attempt's start).
         self._processes.stop(
             self.config.term_timeout_s,
             on_exit=lambda w: exits.append(self._exited(w)),
             on_wake=on_wake,
             first_signal=first,
-            release=frees_its_ports(self.config.master_port) if free_early else None,
+            release=self._may_release(),
         )
         self._settle()
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
@@ -369,13 +368,23 @@ class LocalGroup:
 
     # --- inside -----------------------------------------------------------------------------------
 
-    def _failing_scripts(self) -> None:
+    def _failing_scripts(self) -> list[Happening]:
         """A script that ended with an error wakes the agent before its interpreter's teardown (and the exit
-        its peers notice): the other ranks' stderr leaves the console before they echo its failure."""
+        its peers notice): the other ranks' stderr leaves the console before they echo its failure. Once every
+        atexit handler ran, it counts as exited where the node allows (a raise restarts as fast as a crash)."""
+        exited: list[Happening] = []
+        release = self._may_release()
         for w in self._processes.running:
             slot = self._watch.hangs.slot(w.local_rank)
             if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code:
                 self._mute_others(w)
+                if slot.flags & FLAG_FINALIZING and release is not None and release(w):
+                    self._processes.release_finishing(w, slot.end_code)
+                    exited.append(self._exited(w))
+        return exited
+
+    def _may_release(self) -> Callable[[Worker], bool] | None:
+        return may_release(self.config.accelerators, bool(self._duplicates), self.config.master_port)
 
     def _mute_others(self, failed: Worker) -> None:
         for w in self._processes.running:
@@ -447,22 +456,9 @@ class LocalGroup:
         return [Requested(reporter.local_rank, request, f"rank {reporter.rank} on {self.host}")]
 
     def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
-        """--warm auto: tell the pool what ``workers`` imported, each time a report changed (the workers write
-        one as they meet their peers, at their first step, and at exit)."""
-        if self._pool is None:
-            return
-        for w in workers:
-            path = w.paths.dir / MODULES_FILE
-            try:
-                stamp = path.stat().st_mtime_ns
-            except OSError:
-                continue
-            if self._module_reports.get(path) == stamp:
-                continue
-            self._module_reports[path] = stamp
-            modules = read_modules_report(path)
-            if modules is not None:
-                self._pool.learn(modules, run_ends=run_ends)
+        """--warm auto: the pool reads what ``workers`` imported (``run_ends``: kept for the next run only)."""
+        if self._pool is not None:
+            self._pool.learn_reports([w.paths.dir / MODULES_FILE for w in workers], run_ends=run_ends)
 
     def _pool_ready(self, info: dict[str, object]) -> None:
         self.emit(EventKind.POOL_READY, **info)
@@ -483,7 +479,7 @@ class LocalGroup:
 
     def _reap_released(self) -> None:
         """Nothing outlives the agent: wait for the workers still exiting, and for the end of their output."""
-        for w in self._processes.reap_released():
+        for w in self._processes.reap_released(self.config.hang.teardown_s, partial(self.say, always=True)):
             if w.output is not None:
                 w.output.wait_drained(DRAIN_TIMEOUT_S)
 

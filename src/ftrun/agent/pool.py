@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.agent import proctree
-from ftrun.agent.preload import Cache
+from ftrun.agent.preload import Cache, read_modules_report
 from ftrun.agent.workers import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.agent.zygotes import PoolError, Zygote
 
@@ -93,6 +93,7 @@ class WarmPool:
         self.holding = False  # a restart is under way: see hold()
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
         self._never: set[str] = set()  # modules a zygote refused: never preloaded again
+        self._reports: dict[Path, int] = {}  # each worker's report of its imports, by its mtime
 
     def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
         """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
@@ -222,6 +223,20 @@ class WarmPool:
         else:
             self._detail(f"warm pool: {why}; a new zygote is on its way")
             self._launch(z.preload, idle=True)
+
+    def learn_reports(self, paths: Sequence[Path], *, run_ends: bool = False) -> None:
+        """--warm auto: learn from the workers' reports of what they imported, each time one changed (the workers
+        write one as they meet their peers, at their first step, and at exit)."""
+        for path in paths:
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                continue
+            if self._reports.get(path) != stamp:
+                self._reports[path] = stamp
+                modules = read_modules_report(path)
+                if modules is not None:
+                    self.learn(modules, run_ends=run_ends)
 
     def learn(self, modules: Sequence[str], *, run_ends: bool = False) -> None:
         """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it (kept

@@ -141,6 +141,13 @@ def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def may_release(accelerators: bool, duplicates: bool, fixed_port: int | None) -> Callable[[Worker], bool] | None:
+    """Whether a worker may count as gone before it is (None: never on this node): not with accelerators (their
+    memory must be free first), nor duplicate output files (closed per attempt), nor a port a new worker may
+    bind (see :func:`frees_its_ports`)."""
+    return None if accelerators or duplicates else frees_its_ports(fixed_port)
+
+
 def frees_its_ports(fixed_port: int | None) -> Callable[[Worker], bool]:
     """For :meth:`AttemptProcesses.stop`: a stopped worker may count as gone before the kernel has freed it
     unless it listens on a port a new worker may ask for again (its sockets close last): one outside the
@@ -185,6 +192,7 @@ class Worker:
     waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: where it waited
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
     released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
+    finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
 
     @property
     def pid(self) -> int:
@@ -350,9 +358,36 @@ class AttemptProcesses:
         self._signal_groups(signal.SIGKILL)
         self._spawner.sweep(self._pids, keep={w.pid for w in (*self.running, *self.released)})
 
-    def reap_released(self) -> list[Worker]:
-        """Wait until the released workers are gone (at the run's end: nothing outlives the agent); returns them."""
+    def release_finishing(self, w: Worker, code: int) -> None:
+        """``w``'s script failed with ``code`` and every atexit handler has run: only its interpreter's own
+        finalization is left (0.2-1 s for a torch process). It counts as exited now, as a released worker, and
+        is left to finish beside the next attempt, never killed for it (what the finalization flushes is
+        kept), unless it takes longer than the teardown grace (see :meth:`end_stuck`)."""
+        w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
+        if w.state is WorkerState.RUNNING:
+            w.state = WorkerState.FAILED
+        w.released = w.finishing = True
+        self.released.append(w)
+
+    def end_stuck(self, grace_s: float, say: Callable[[str], None]) -> None:
+        """SIGKILL the finishing workers still there ``grace_s`` after their script ended (a teardown that hangs,
+        as torch's gloo teardown can), and say so."""
+        now = self._clock.monotonic()
+        for w in [w for w in self.released if w.finishing and now - (w.exit_mono or now) >= grace_s]:
+            assert w.handle is not None
+            w.handle.signal_group(signal.SIGKILL)
+            w.finishing = False  # killed: nothing of it is kept any more
+            say(f"{w.who}: teardown still going --teardown-timeout after its script failed; ended")
+
+    def reap_released(self, grace_s: float, say: Callable[[str], None]) -> list[Worker]:
+        """Wait until the released workers are gone (at the run's end: nothing outlives the agent), a finishing
+        one at most until ``grace_s`` after its script ended; returns them."""
         waited = list(self.released)
+        for w in waited:
+            assert w.handle is not None
+            left = (w.exit_mono or 0.0) + grace_s - self._clock.monotonic()
+            if w.finishing and not select.select([w.handle.fileno()], [], [], max(0.0, left))[0]:
+                self.end_stuck(grace_s, say)
         deadline = self._clock.monotonic() + KILL_WAIT_S
         for w in waited:
             assert w.handle is not None
@@ -391,7 +426,8 @@ class AttemptProcesses:
 
     @property
     def _pids(self) -> set[int]:
-        return {w.pid for w in self.workers if w.handle}
+        """The workers' pids, with the last attempt's released ones still exiting: not strays to kill."""
+        return {w.pid for w in (*self.workers, *self.released) if w.handle}
 
     def _signal_all(self, sig: int) -> None:
         self._signal_groups(sig)
@@ -399,5 +435,5 @@ class AttemptProcesses:
 
     def _signal_groups(self, sig: int) -> None:
         for w in self.workers:
-            if w.handle is not None:
+            if w.handle is not None and not w.finishing:  # a finishing worker ends on its own
                 w.handle.signal_group(sig)

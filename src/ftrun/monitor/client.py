@@ -29,7 +29,6 @@ from typing import Any
 
 from ftrun.monitor import layout
 from ftrun.monitor.imports import report_modules
-from ftrun.monitor.requests import encode as encode_request
 from ftrun.monitor.table import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.monitor.watchdog import LEARNED_FLOOR_S, NVIDIA_STATE_KEY, Timeouts, from_nvidia_state, scaled
 
@@ -75,6 +74,7 @@ class _Attached:
         self._free = list(range(layout.MAX_OPEN - 1, -1, -1))
         self._names: dict[str, bytes] = {}
         self._flags = 0
+        self._end_code = 0  # the code the script ended with (script_ended)
         self._agent = int(environ.get("FTRUN_AGENT_PID") or os.getppid())
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
@@ -123,9 +123,21 @@ class _Attached:
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
+        self._end_code = code
         if code:  # a failure: the agent hears of it before the teardown, and before the peers notice the exit
-            with contextlib.suppress(OSError):
-                os.kill(self._agent, REQUEST_SIGNAL)
+            self._wake_agent()
+
+    def finalizing(self) -> None:
+        """Every atexit handler has run (ftrun's runs last): after a failure the agent may restart now, beside
+        the interpreter's own finalization (a torch process takes 0.2-1 s to tear down), without cutting it."""
+        self._flags |= layout.FLAG_FINALIZING
+        self._write_flags()
+        if self._end_code:
+            self._wake_agent()
+
+    def _wake_agent(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self._agent, REQUEST_SIGNAL)
 
     def _exiting(self) -> None:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
@@ -326,6 +338,12 @@ def auto_progress() -> None:
     _client.auto_progress()
 
 
+def finalizing() -> None:
+    """Called by ftrun's last atexit handler: the job's code is over. Nothing when the client never attached."""
+    if isinstance(_client, _Attached):
+        _client.finalizing()
+
+
 def meeting_peers(on: bool) -> None:
     """The job is in init_process_group, meeting the other ranks (``on``), or done with it (ftrun's hook)."""
     _client.meeting(on)
@@ -450,27 +468,9 @@ def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool 
     return _client.calculate_timeouts(safety_factor).to_json()  # type: ignore[no-any-return]
 
 
-def exclude_this_node(reason: str) -> None:
-    """This node leaves the job for good, now: its agent stops its workers and exits (code 3, never readmitted
-    under this run id); the other nodes go on in a new round. Raises ValueError for a bad reason, RuntimeError
-    outside ftrun."""
-    _client.request(encode_request("exclude_node", reason))
-
-
-def stop_job(reason: str) -> None:
-    """Stop the whole job, now: every node stops its workers, nothing restarts, every agent exits non-zero and
-    prints ``reason``."""
-    _client.request(encode_request("stop_job", reason))
-
-
-def request_restart(reason: str) -> None:
-    """A job-wide restart, now, counted against --max-restarts (as a failure would be)."""
-    _client.request(encode_request("restart", reason))
-
-
-def report_peer_failure(peer: int, why: str) -> None:
-    """ftrun's peer heartbeat: the peer of global rank ``peer`` is silent or out of step (a failure)."""
-    _client.request(encode_request("peer_failed", why[:300], peer))
+def request(raw: bytes) -> None:
+    """Write an encoded workload control request for the agent (see :mod:`ftrun.monitor.workload`)."""
+    _client.request(raw)
 
 
 def monitor_state() -> dict[str, Any]:

@@ -126,7 +126,7 @@ def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None
         raise ValueError("period_s and timeout_s are seconds (numbers)")
     if not 0 < period_s < timeout_s:
         raise ValueError(f"need 0 < period_s < timeout_s, got period_s={period_s}, timeout_s={timeout_s}")
-    from ftrun.monitor import client
+    from ftrun.monitor import workload
 
     with _lock:
         if _started is not None:
@@ -141,7 +141,7 @@ def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None
         master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
 
         def report(peer: int, why: str) -> None:
-            client.report_peer_failure(peer, why)
+            workload.report_peer_failure(peer, why)
 
         _started = PeerHeartbeat(
             rank, world, restart, float(period_s), float(timeout_s),
