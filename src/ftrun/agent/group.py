@@ -222,7 +222,8 @@ class LocalGroup:
     def stop(self, first_signal: int | None = None) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
         sweep strays. Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
-        if not self._processes.running:
+        if not self._processes.running:  # all exited (or released): their output is still copied before a report
+            self._settle()
             return [WorkersStopped()]
         first = signal.SIGTERM if first_signal is None else first_signal
         if self._pool is not None:
