@@ -8,6 +8,7 @@ signal wake-up fd. No polling loop.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import select
@@ -368,6 +369,8 @@ class AttemptProcesses:
             w.state = WorkerState.FAILED
         w.released = w.finishing = True
         self.released.append(w)
+        with contextlib.suppress(OSError):  # its teardown takes CPU the next attempt's start needs: idle time only
+            os.sched_setscheduler(w.pid, os.SCHED_IDLE, os.sched_param(0))
 
     def end_stuck(self, grace_s: float, say: Callable[[str], None]) -> None:
         """SIGKILL the finishing workers still there ``grace_s`` after their script ended (a teardown that hangs,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
+import io
 import json
 import mmap
 import os
@@ -129,10 +131,16 @@ class _Attached:
 
     def finalizing(self) -> None:
         """Every atexit handler has run (ftrun's runs last): after a failure the agent may restart now, beside
-        the interpreter's own finalization (a torch process takes 0.2-1 s to tear down), without cutting it."""
+        the interpreter's own finalization (a torch process takes 0.2-1 s to tear down), without cutting it.
+        What the job left unwritten in open files, the finalization would flush: flushed now, before the next
+        attempt may open the same files."""
         self._flags |= layout.FLAG_FINALIZING
         self._write_flags()
         if self._end_code:
+            for obj in gc.get_objects():  # the job's own objects: the zygote's are frozen out of this list
+                if isinstance(obj, io.BufferedWriter | io.BufferedRandom | io.TextIOWrapper):
+                    with contextlib.suppress(Exception):
+                        obj.flush()
             self._wake_agent()
 
     def _wake_agent(self) -> None:
