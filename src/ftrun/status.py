@@ -21,7 +21,7 @@ from typing import Any
 
 from ftrun.addresses import DEFAULT_STORE_PORT
 from ftrun.agent.board import read_statuses
-from ftrun.agent.status import STATUS_FILE, read_status
+from ftrun.agent.status import STATUS_FILE, read_status, slot_progress
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.monitor.layout import SlotView
 from ftrun.monitor.table import read_live
@@ -163,7 +163,8 @@ def _job(records: list[dict[str, Any]], *, source: str) -> dict[str, Any]:
             live = r.get("phase") == "running" and rank.get("state") == "running"
             slot = slots.get(rank.get("local_rank"))
             if live and slot is not None and slot.pid == rank.get("pid") and slot.last_beat:
-                rank["heartbeat_age_s"], rank["heartbeat_live"] = max(0.0, time.monotonic() - slot.last_beat), True
+                rank.update(slot_progress(slot, now - time.monotonic()), heartbeat_live=True)
+                rank["heartbeat_age_s"] = max(0.0, time.monotonic() - slot.last_beat)
             else:
                 rank["heartbeat_age_s"] = max(0.0, now - float(beat)) if beat and live else None
     first = records[0]

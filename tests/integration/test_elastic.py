@@ -35,7 +35,11 @@ print(f"up rank={e['RANK']} world={e['WORLD_SIZE']} group={e['GROUP_RANK']} "
       f"restart={e['TORCHELASTIC_RESTART_COUNT']} pid={os.getpid()}", flush=True)
 mode = sys.argv[1] if len(sys.argv) > 1 else "forever"
 restarted = e["TORCHELASTIC_RESTART_COUNT"] != "0"
+open(f"up-{e['RANK']}-{e['TORCHELASTIC_RESTART_COUNT']}", "w").close()
 if mode == "crash-once" and e["RANK"] == "3" and not restarted:
+    deadline = time.monotonic() + 60  # once every rank of both nodes runs: the crash is the job's, not a start's
+    while not all(os.path.exists(f"up-{r}-0") for r in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     sys.exit(3)
 if mode == "crash" and e["RANK"] == "3":
     sys.exit(3)

@@ -53,7 +53,12 @@ facts = {
     "thread_cpu_clock": time.clock_gettime(time.pthread_getcpuclockid(threading.get_ident())) >= 0,
 }
 print(json.dumps(facts), flush=True)
-sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(f"printed-{attempt}-{os.environ['RANK']}", "w").close()
+deadline = time.monotonic() + 60  # both ranks have printed before the first one fails (and the other is stopped)
+while not all(os.path.exists(f"printed-{attempt}-{r}") for r in (0, 1)) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(3 if attempt == "0" else 0)
 """
 
 # Drawn from the OS per process: they must differ between every two workers, warm or fresh.

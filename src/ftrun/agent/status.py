@@ -115,14 +115,7 @@ class NodeStatus:
 
     def _rank(self, w: Worker, slot: SlotView | None) -> dict[str, Any]:
         to_wall = self._clock.wall() - self._clock.monotonic()  # slot times are CLOCK_MONOTONIC, as the agent's
-        sections: list[list[Any]] = []
-        beats, step, last_beat, first = 0, None, None, None
-        if slot is not None and slot.pid == w.pid:
-            beats = slot.beats
-            step = slot.step if slot.step >= 0 else None
-            last_beat = slot.last_beat + to_wall if slot.last_beat else None
-            first = slot.first_beat + to_wall if slot.first_beat else None
-            sections = [[name[:64], start + to_wall] for name, start in slot.sections[-MAX_SECTIONS:]]
+        progress = slot_progress(slot if slot is not None and slot.pid == w.pid else None, to_wall)
         state = w.state.value
         if w.state is WorkerState.FAILED and w.exit_mono is None:
             state = "hung" if w.hang else "failing"
@@ -132,11 +125,7 @@ class NodeStatus:
             "pid": w.pid,
             "state": state,
             "started": w.spawn_wall,
-            "beats": beats,
-            "step": step,
-            "first_beat": first,
-            "last_beat": last_beat,
-            "sections": sections,
+            **progress,
             "exit_code": w.exit_code,
             "signal": w.signal_name,
         }
@@ -199,3 +188,17 @@ def progress(workers: Sequence[Worker], slot_of: SlotOf) -> dict[str, Any]:
     steps = [s.step for s in slots if s.step >= 0]
     beats = [s.last_beat for s in slots if s.last_beat]
     return {"last_step": max(steps) if steps else None, "last_beat_mono": max(beats) if beats else None}
+
+
+def slot_progress(slot: SlotView | None, to_wall: float) -> dict[str, Any]:
+    """A rank's progress in its status record, from its slot (None: nothing yet); ``to_wall`` turns the slot's
+    CLOCK_MONOTONIC times into wall-clock stamps."""
+    if slot is None:
+        return {"beats": 0, "step": None, "first_beat": None, "last_beat": None, "sections": []}
+    return {
+        "beats": slot.beats,
+        "step": slot.step if slot.step >= 0 else None,
+        "first_beat": slot.first_beat + to_wall if slot.first_beat else None,
+        "last_beat": slot.last_beat + to_wall if slot.last_beat else None,
+        "sections": [[name[:64], start + to_wall] for name, start in slot.sections[-MAX_SECTIONS:]],
+    }
