@@ -9,10 +9,10 @@ A standby is a worker forked ahead of time, before anyone knows its rank: each
 request passes one end of a socket pair, the standby keeps it and sleeps on it
 until the agent sends what it must run (environment, directory, arguments) with
 its stdout and stderr as passed descriptors. A restart then costs one message per
-worker, not a fork. Each standby becomes the agent's own child: forked twice (glibc's
-fork, at-fork handlers and all) and re-parented to the agent, a child subreaper, and stays in the zygote's process
-group until it becomes a worker (the agent tells the pool's processes from a
-worker's strays by that group). The agent watches it with a pidfd and reaps its
+worker, not a fork. Each standby becomes the agent's own child: forked twice
+(glibc's fork, at-fork handlers and all) and re-parented to the agent, a child
+subreaper; it stays in the zygote's process group until it becomes a worker (the
+agent tells the pool's processes from a worker's strays by that group). The agent watches it with a pidfd and reaps its
 real exit status, exactly as for a fresh process. The worker then becomes what
 ``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
 Single-threaded, and imports nothing but what it is asked to and ftrun's own
