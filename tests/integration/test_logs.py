@@ -114,3 +114,33 @@ def test_no_line_lost_when_a_worker_is_killed(tmp_path: Path, script: WriteScrip
     assert len(r.log(0, 0, "stderr").splitlines()) == 20000
     if flags != ["--redirects", "3"]:
         assert len([ln for ln in r.stdout.splitlines() if "line " in ln]) == 20000
+
+
+LONG_LINES = """
+import sys
+sys.stdout.write("x" * 1_000_000)  # one line of a MiB, no end yet
+sys.stdout.write("\\n")
+for i in range(3):
+    sys.stdout.write(f"progress {i}\\r")  # a progress bar: its lines end in \\r only
+sys.stdout.write("done\\n")
+"""
+
+
+def test_a_huge_line_is_shown_cut_and_kept_whole_and_carriage_returns_end_lines(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """The agent never keeps more than MAX_LINE of a line unended (it once kept and re-scanned it all)."""
+    from ftrun.agent.logs import MAX_LINE
+
+    script("w.py", LONG_LINES)
+    r = run_ftrun(tmp_path, "--tee", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    raw = (r.run_dir / "attempt_0" / "0" / "stdout.log").read_bytes()
+    assert raw == b"x" * 1_000_000 + b"\n" + b"".join(b"progress %d\r" % i for i in range(3)) + b"done\n"
+    shown = r.stdout.split("\n")
+    xs = [line for line in shown if line.startswith("[default0]:x")]
+    assert sum(len(line) - len("[default0]:") for line in xs) == 1_000_000  # all of it, in pieces
+    assert all(len(line) - len("[default0]:") <= MAX_LINE + 65536 for line in xs)
+    assert len(xs) > 1
+    # Each \r-ended line with its own prefix (read here in text mode, where \r becomes \n).
+    assert "[default0]:progress 0\n[default0]:progress 1\n[default0]:progress 2\n[default0]:done" in r.stdout

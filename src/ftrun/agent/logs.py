@@ -22,6 +22,7 @@ from typing import BinaryIO
 from ftrun.config import LogSpec, Std
 
 _CHUNK = 65536
+MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's file keeps it whole)
 
 
 class Console:
@@ -105,15 +106,19 @@ class _Pump(threading.Thread):
         self._reading = self._done = False
 
     def run(self) -> None:
-        pending = b""
+        pending = b""  # the start of a line not ended yet: at most MAX_LINE, looked through once
         try:
             while chunk := self._read():
                 os.write(self._file_fd, chunk)
-                pending += chunk
-                cut = pending.rfind(b"\n") + 1
-                if cut:
-                    self._show(pending[:cut])
-                    pending = pending[cut:]
+                end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1  # \r ends a progress bar's line
+                if end:
+                    self._show(pending + chunk[:end])
+                    pending = chunk[end:]
+                else:
+                    pending += chunk
+                if len(pending) > MAX_LINE:  # a line with no end in sight: shown cut, not kept in memory
+                    self._show(pending + b"\n")
+                    pending = b""
             if pending:
                 self._show(pending + b"\n")
         finally:
