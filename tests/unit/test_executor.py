@@ -262,3 +262,16 @@ def test_elastic_a_failure_on_one_node_restarts_both(nodes: list[Node], tmp_path
         assert [e["round"] for e in n.events() if e["kind"] == "rendezvous"] == [1, 2]
     assert b.report(0)["will_restart"] is True
     assert [p.restart_count for p in a.spawner.spawned] == [0, 1]
+
+
+def test_a_reaped_worker_is_never_signalled_again(nodes: list[Node], tmp_path: Path) -> None:
+    """Its pid, and so its process group id, may be another process's once its exit was collected."""
+
+    def script(env: Mapping[str, str]) -> Behaviour:
+        return EXIT_0 if env["RANK"] == "0" else Behaviour(1)
+
+    n = start(nodes, tmp_path, script, "--nproc-per-node", "2")
+    assert n.run_static() == 1
+    first = {p.rank: p for p in n.spawner.spawned}
+    assert first[0].signals == []  # exited 0 and reaped before rank 1's failure stopped the group
+    assert first[1].signals == []

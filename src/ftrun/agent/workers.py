@@ -194,6 +194,7 @@ class Worker:
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
     released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
     finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
+    reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now
 
     @property
     def pid(self) -> int:
@@ -309,6 +310,7 @@ class AttemptProcesses:
         self._selector.unregister(worker.handle.fileno())
         worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
         worker.returncode = worker.handle.reap()
+        worker.reaped = True
         if worker.state is WorkerState.RUNNING:
             # A script that ended before its teardown got stuck has the result it ended with.
             result = worker.returncode if worker.ended_code is None else worker.ended_code
@@ -425,6 +427,7 @@ class AttemptProcesses:
         assert w.handle is not None
         self._selector.unregister(w.handle.fileno())
         w.handle.reap()  # the status it ended with was known when it was released
+        w.reaped = True
         self.released.remove(w)
 
     @property
@@ -438,5 +441,7 @@ class AttemptProcesses:
 
     def _signal_groups(self, sig: int) -> None:
         for w in self.workers:
-            if w.handle is not None and not w.finishing:  # a finishing worker ends on its own
+            # A finishing worker ends on its own; a reaped one's group id may be another process's now (its
+            # children left behind are found below the agent, as strays).
+            if w.handle is not None and not w.finishing and not w.reaped:
                 w.handle.signal_group(sig)
