@@ -108,8 +108,8 @@ main()
 
 
 def _a_thread(line: str) -> bool:
-    """The fault handler's lines about other threads (a warm worker has ftrun's import watcher; one that has not
-    run Python code yet has no frame)."""
+    """The fault handler's lines about other threads than the crashing one (the interpreter's own, which may not
+    have run Python code yet: no frame), which say nothing of how the worker was started."""
     return "hread 0x" in line or "<no Python frame>" in line
 
 
@@ -127,7 +127,7 @@ def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, 
             root["exit_code"],
             root["signal"],
             error and (error["exc_type"], error["message"]),
-            # file paths, lines and the fault handler's threads aside (a warm worker has ftrun's import watcher)
+            # file paths, lines and the fault handler's other threads aside
             [ln for ln in root["stderr_tail"] if ln.strip() and "line" not in ln and not _a_thread(ln)],
         )
         stderr = r.log(0, 0, "stderr")
