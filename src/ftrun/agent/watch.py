@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ftrun.agent import proctree
@@ -109,14 +110,13 @@ class WorkerWatch:
         v = found.verdict
         now_mono, now_wall = self._clock.monotonic(), self._clock.wall()  # the verdict's time, before any dump
         quiet = {found.worker.local_rank: found.worker}
-        stacks = {found.worker.local_rank: self._stacks(found.worker, found.slot)}
         # Heartbeats stop together on every rank waiting for the hung one: their stacks tell them apart.
         # A section timeout names its rank on purpose; others are read only when they went quiet too.
         if not v.timeout.startswith("section"):
             for other in others:
                 if self.hangs.quiet_for(other) >= v.limit_s / 2:
                     quiet[other.local_rank] = other
-                    stacks[other.local_rank] = self._stacks(other, None)
+        stacks = self._stacks(quiet, {found.worker.local_rank: found.slot})
         chosen, why = suspect(found.worker.local_rank, stacks)
         w = quiet[chosen]
         for rank, victim in quiet.items():
@@ -141,13 +141,19 @@ class WorkerWatch:
             w.handle.signal_group(self._config.hang.hang_signal)
         return w
 
-    def _stacks(self, w: Worker, slot: SlotView | None) -> str:
-        return dump_stacks(
-            w.pid,
-            client_listens=self.hangs.client_listens(slot if slot is not None else self.hangs.slot(w.local_rank)),
-            stacks_file=w.paths.dir / STACKS_FILE,
-            signal_number=STACK_SIGNAL,
-        )
+    def _stacks(self, workers: dict[int, Worker], slots: dict[int, SlotView | None]) -> dict[int, str]:
+        """The stacks of ``workers`` by local rank, dumped all at once (py-spy may take seconds per rank: the
+        wait is the slowest one's, not the sum)."""
+        listens = {rank: self.hangs.client_listens(slots.get(rank) or self.hangs.slot(rank)) for rank in workers}
+        with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+            dumps = {
+                rank: pool.submit(
+                    dump_stacks, w.pid, client_listens=listens[rank], stacks_file=w.paths.dir / STACKS_FILE,
+                    signal_number=STACK_SIGNAL,
+                )
+                for rank, w in workers.items()
+            }  # fmt: skip
+        return {rank: dump.result() for rank, dump in dumps.items()}
 
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
         """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""
