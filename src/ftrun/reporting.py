@@ -71,6 +71,8 @@ class WorkerOutcome:
     def _end(self) -> str:
         if self.signal:
             return f"killed by {self.signal}"
+        if self.exit_code is None:
+            return "exit status unknown (it was not this agent's child when it ended)"
         return f"exit code {self.exit_code}"
 
     def summary(self) -> str:

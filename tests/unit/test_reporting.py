@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -130,3 +131,29 @@ def test_a_stopped_ranks_secondary_error_is_one_line_of_the_report(tmp_path: Pat
     text = report_of([root, stopped])
     assert "a secondary error, after the root cause: RuntimeError: Connection closed by peer" in text
     assert "[rank0]: Traceback" not in text
+
+
+def test_a_lost_exit_status_is_reported_as_unknown_never_invented(tmp_path: Path) -> None:
+    w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0)
+    w.status_lost = True
+    assert w.exit_code is None
+    assert w.signal is None
+    text = report_of([w])
+    assert "exit status unknown" in text
+    assert "exit code" not in text.split("ROOT CAUSE")[1].splitlines()[0]
+
+
+def test_a_process_that_is_not_the_agents_child_has_no_status_to_reap() -> None:
+    """AdoptedHandle.reap on a process this one did not parent: None (unknown), not a made-up code."""
+    import subprocess
+
+    from ftrun.agent.zygotes import AdoptedHandle
+
+    # A grandchild: its parent (sh) exits at once, so it is re-parented to init, never this process's child.
+    out = subprocess.run(["sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+    pid = int(out.stdout)
+    try:
+        handle = AdoptedHandle(pid)
+        assert handle.reap() is None
+    finally:
+        os.kill(pid, signal.SIGKILL)

@@ -53,8 +53,9 @@ class ProcessHandle(Protocol):
         """An fd that becomes readable when the process exits."""
         ...
 
-    def reap(self) -> int:
-        """Collect the exit status (after ``fileno`` is readable): code, or -signal."""
+    def reap(self) -> int | None:
+        """Collect the exit status (after ``fileno`` is readable): code, or -signal; None when it cannot be known
+        (the process was not this agent's child after all)."""
         ...
 
     def signal_group(self, sig: int) -> None:
@@ -195,6 +196,7 @@ class Worker:
     released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
     finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
     reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now
+    status_lost: bool = False  # reaped, but its exit status could not be collected: shown as unknown
 
     @property
     def pid(self) -> int:
@@ -210,10 +212,14 @@ class Worker:
 
     @property
     def exit_code(self) -> int | None:
+        if self.status_lost:
+            return self.ended_code
         return self.returncode if self.returncode is not None and self.returncode >= 0 else None
 
     @property
     def signal(self) -> int | None:
+        if self.status_lost:
+            return None
         return -self.returncode if self.returncode is not None and self.returncode < 0 else None
 
     @property
@@ -309,7 +315,10 @@ class AttemptProcesses:
         assert worker.handle is not None
         self._selector.unregister(worker.handle.fileno())
         worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
-        worker.returncode = worker.handle.reap()
+        code = worker.handle.reap()
+        worker.status_lost = code is None
+        # Lost: the script's own end code when it reported one, else a failure (its real status is never shown).
+        worker.returncode = code if code is not None else (1 if worker.ended_code is None else worker.ended_code)
         worker.reaped = True
         if worker.state is WorkerState.RUNNING:
             # A script that ended before its teardown got stuck has the result it ended with.

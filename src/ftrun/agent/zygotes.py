@@ -49,12 +49,11 @@ class AdoptedHandle:
     def fileno(self) -> int:
         return self._pidfd
 
-    def reap(self) -> int:
-        try:
+    def reap(self) -> int | None:
+        code: int | None = None  # not adopted after all (its status went to someone else): unknown, not invented
+        with contextlib.suppress(ChildProcessError):
             _, status = os.waitpid(self.pid, 0)
             code = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:  # not adopted after all: its status went to someone else
-            code = 255
         self.close()
         return code
 
