@@ -5,16 +5,8 @@ launcher itself is the ``ftrun`` command (:mod:`ftrun.cli`).
 """
 
 from ftrun.errorfile import record
-from ftrun.monitor.client import (
-    calculate_timeouts,
-    end_all_sections,
-    end_section,
-    heartbeat,
-    load_monitor_state,
-    monitor_state,
-    section,
-    start_section,
-)
+from ftrun.monitor.calculated import calculate_timeouts, load_monitor_state, monitor_state
+from ftrun.monitor.client import end_all_sections, end_section, heartbeat, section, start_section
 from ftrun.monitor.nvidia import RankMonitorClient
 from ftrun.monitor.peers import start_peer_heartbeat
 from ftrun.monitor.workload import exclude_this_node, request_restart, stop_job

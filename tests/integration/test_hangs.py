@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import pytest
 from ftrun.agent.hangs import HangWatch
 from ftrun.monitor import stacks
 from ftrun.monitor.table import STACK_SIGNAL, MonitorTable
-from tests.integration.conftest import LiveFtrun, Result, WriteScript, run_ftrun
+from tests.integration.conftest import Result, WriteScript, run_ftrun
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
 # finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).
@@ -137,32 +136,6 @@ def test_calculated_timeouts_survive_a_restart(tmp_path: Path, script: WriteScri
     assert hang["timeout"] in ("heartbeat", "out of section")
     assert hang["limit_s"] == handed[hang["timeout"].replace(" ", "_")]  # the value the agent handed over
     assert "calculated timeouts; in force now" in r.stderr
-
-
-def test_a_corrupted_slot_does_not_crash_the_agent(tmp_path: Path, script: WriteScript, live: list[LiveFtrun]) -> None:
-    script(
-        "w.py",
-        """
-import mmap, os, ftrun
-from ftrun.monitor.layout import IDLE, OFF_IDENTITY, OFF_IDLE, SLOT_SIZE, slot_offset
-ftrun.heartbeat()
-with open(os.environ["FTRUN_MONITOR"], "r+b") as f:
-    m = mmap.mmap(f.fileno(), 0)
-base = slot_offset(int(os.environ["FTRUN_MONITOR_SLOT"]))
-m[base + OFF_IDENTITY : base + SLOT_SIZE] = os.urandom(SLOT_SIZE - OFF_IDENTITY)  # garbage but the seq
-IDLE.pack_into(m, base + OFF_IDLE, 0.0, 0xFFFFFFFF, 0)  # open-section count: impossible
-open("corrupted", "rb").close()  # blocks until the test saw the agent's warning
-print("still running", flush=True)
-""",
-    )
-    os.mkfifo(tmp_path / "corrupted")
-    f = LiveFtrun(tmp_path, "--heartbeat-timeout", "1", "w.py")
-    live.append(f)
-    f.wait_for_stderr("monitor slot unreadable")
-    with open(tmp_path / "corrupted", "wb"):  # let the worker finish
-        pass
-    assert f.wait() == 0, f.stderr()
-    assert "still running" in (f.run_dir / "attempt_0" / "0" / "stdout.log").read_text()
 
 
 STUCK = """
@@ -311,3 +284,47 @@ def test_a_hang_in_an_import_has_stacks_without_py_spy(
     assert root["stacks"].startswith("(faulthandler)")
     assert "importing_forever" in root["stacks"]
     assert r.log(1, 0) == "imported\n"
+
+
+CORRUPTIONS = {
+    "stuck-mid-write": ("struct.pack_into('<Q', m, base, 12345)", "stuck mid-write"),  # an odd sequence number
+    "garbage": (
+        "m[base + 8 : base + SLOT_SIZE] = os.urandom(SLOT_SIZE - 8); "
+        "IDLE.pack_into(m, base + OFF_IDLE, 0.0, 2**32 - 1, 0)",
+        "impossible values",
+    ),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_corrupt_monitor_slot_is_a_failure_with_a_report_not_an_unwatched_rank(
+    tmp_path: Path, script: WriteScript, corruption: str
+) -> None:
+    """A job that writes over its slot can no longer be watched for hangs: ftrun fails that rank with a
+    report and restarts (no timeout set: nothing else would ever catch it), and the agent goes on."""
+    write, why = CORRUPTIONS[corruption]
+    script(
+        "w.py",
+        f"""
+import mmap, os, struct, time
+import ftrun
+from ftrun.monitor.layout import IDLE, OFF_IDLE, SLOT_SIZE, slot_offset
+
+ftrun.heartbeat()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
+    with open(os.environ["FTRUN_MONITOR"], "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        base = slot_offset(1)
+        {write}
+    print("slot overwritten", flush=True)
+    time.sleep(120)
+print("done", flush=True)
+""",
+    )
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 1
+    assert "monitor slot in shared memory is corrupt" in root["hang"]
+    assert why in root["hang"]
+    assert "ROOT CAUSE  rank 1" in r.stderr
+    assert "done" in r.log(1, 1)

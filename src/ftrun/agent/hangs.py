@@ -33,6 +33,9 @@ from ftrun.monitor.watchdog import (
 )
 
 IDLE_SCAN_S = 1.0  # no timeout in force yet: look for calculated ones this often
+# A slot still unreadable this long after it first was is corrupt for good (a worker's write takes microseconds):
+# the rank could no longer be watched, so it is a failure rather than a rank silently left unjudged.
+CORRUPT_AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class HangWatch:
         self._seen: dict[int, int] = {}  # local rank -> timeouts_seq already merged
         self._requests_seen: dict[int, int] = {}  # local rank -> request_seq already read
         self._warned: set[tuple[int, str]] = set()
+        self._unreadable: dict[int, tuple[float, str]] = {}  # local rank -> since when its slot is, and why
 
     @property
     def timeouts(self) -> Timeouts:
@@ -74,6 +78,7 @@ class HangWatch:
         self._seen = {}
         self._requests_seen = {}
         self._warned = set()
+        self._unreadable = {}
 
     def env(self, local_rank: int, stacks_file: str, spawned: float) -> dict[str, str]:
         """What a worker's client needs (FTRUN_*). ``spawned`` (monotonic, the same clock in every process)
@@ -98,7 +103,7 @@ class HangWatch:
         """How long the agent may sleep before it must call :meth:`find` (None: no attempt is watched)."""
         if self._table is None:
             return None
-        interval = SCAN_INTERVAL_S if self.timeouts.any else IDLE_SCAN_S
+        interval = SCAN_INTERVAL_S if self.timeouts.any or self._unreadable else IDLE_SCAN_S
         if self._next_deadline is None:
             return interval
         return max(0.0, min(interval, self._next_deadline - self._clock.monotonic()))
@@ -115,9 +120,10 @@ class HangWatch:
         for w in running:
             try:
                 slot = self._read(w.local_rank)
-            except CorruptSlot as e:  # not judged on garbage; said once
-                self._warn(w.local_rank, "corrupt", f"local rank {w.local_rank}: monitor slot unreadable ({e})")
+            except CorruptSlot as e:  # not judged on garbage: a failure if it lasts (corrupt_slots)
+                self._unreadable.setdefault(w.local_rank, (self._clock.monotonic(), str(e)))
                 continue
+            self._unreadable.pop(w.local_rank, None)
             slots[w.local_rank] = slot
             watched.append(Watched(w.local_rank, w.spawn_mono, slot))
         now = self._clock.monotonic()
@@ -129,6 +135,17 @@ class HangWatch:
             return [], min(v.deadline for v in result.verdicts) + BLAME_WINDOW_S
         worker = next(w for w in running if w.local_rank == culprit.local_rank)
         return [Found(worker, culprit, slots.get(culprit.local_rank))], result.next_deadline
+
+    def corrupt_slots(self, running: Sequence[Worker]) -> list[tuple[Worker, str]]:
+        """The workers whose slot has been unreadable for CORRUPT_AFTER_S (read by :meth:`find`), with why."""
+        now = self._clock.monotonic()
+        found = []
+        for w in running:
+            since, why = self._unreadable.get(w.local_rank, (now, ""))
+            if now - since >= CORRUPT_AFTER_S:
+                del self._unreadable[w.local_rank]
+                found.append((w, why))
+        return found
 
     def requests(self, running: Sequence[Worker]) -> list[tuple[Worker, Request | str]]:
         """Workload control requests written since the last look: (worker, request, or why it is unreadable)."""

@@ -85,6 +85,7 @@ class WorkerWatch:
                 self._stuck_in_teardown(f.worker, f.slot.end_code)
             else:
                 hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
+        hung += [self._unwatchable(w, why) for w, why in self.hangs.corrupt_slots(judged)]
         self._expire_timers(running)
         if (now := self._clock.monotonic()) >= self._meeting_look_at:  # a wait of seconds: no need to look often
             self._meeting_look_at = now + MEETING_LOOK_S
@@ -154,6 +155,19 @@ class WorkerWatch:
                 for rank, w in workers.items()
             }  # fmt: skip
         return {rank: dump.result() for rank, dump in dumps.items()}
+
+    def _unwatchable(self, w: Worker, why: str) -> Worker:
+        """Its monitor slot stayed unreadable (something in the job wrote over ftrun's shared memory): it could
+        hang unseen from now on, so it fails here, with its stacks, rather than go on unwatched."""
+        what = f"its monitor slot in shared memory is corrupt ({why}): ftrun could no longer watch it for hangs"
+        w.state = WorkerState.FAILED
+        stacks = self._stacks({w.local_rank: w}, {})[w.local_rank]
+        w.hang = Hang(what, "monitor slot", self._clock.wall(), stacks)
+        self._say(f"{w.who} {what}", always=True)
+        _append(w, f"{what}; stacks of all threads:\n{stacks}")
+        if w.handle is not None:
+            w.handle.signal_group(self._config.hang.hang_signal)
+        return w
 
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
         """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""

@@ -9,7 +9,10 @@ Outside ftrun (no ``FTRUN_MONITOR`` in the environment) every call does
 nothing, after one warning, so the same script runs under plain ``python``.
 
 Per process, not per thread: sections opened from several threads share one
-slot (the agent then simply reads it a moment later).
+slot. Every write the agent must see whole (sections, flags, published JSON) is
+made under one re-entrant lock, and only the outermost write bumps the slot's
+sequence number: two threads (or a signal handler inside a write) can never
+leave it odd, which would leave the rank unwatchable.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -32,9 +36,8 @@ from typing import Any
 from ftrun.monitor import layout
 from ftrun.monitor.imports import report_modules
 from ftrun.monitor.table import REQUEST_SIGNAL, STACK_SIGNAL, check_header
-from ftrun.monitor.watchdog import LEARNED_FLOOR_S, NVIDIA_STATE_KEY, Timeouts, from_nvidia_state, scaled
+from ftrun.monitor.watchdog import LEARNED_FLOOR_S, Timeouts, scaled
 
-STATE_VERSION = 1
 DEFAULT_SAFETY_FACTOR = 5.0
 
 
@@ -68,6 +71,8 @@ class _Attached:
         self._idle_at = self._base + layout.OFF_IDLE
         self._step_at = self._base + layout.OFF_STEP
         self._seq = 0
+        self._writing = threading.RLock()  # sections from several threads; a signal handler inside a write
+        self._depth = 0  # nested writes on one thread: only the outermost bumps the sequence number
         self._beats = 0
         self.in_charge = False  # the job called heartbeat() or opened a section itself: no automatic beats
         self._last_beat = 0.0
@@ -167,12 +172,32 @@ class _Attached:
             self.report_imports()
 
     def _write_flags(self) -> None:
-        m, base = self._map, self._base
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
-        layout.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
+        with self._seqlock():
+            layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, len(self._open), self._flags)
+
+    def _seqlock(self) -> _Attached:
+        """``with self._seqlock():`` a write the agent must see whole: the sequence number is odd during it (the
+        agent retries its copy). The client is its own context manager: nothing is allocated per write."""
+        return self
+
+    def __enter__(self) -> None:
+        self._writing.acquire()
+        self._depth += 1
+        if self._depth == 1:
+            self._seq += 1
+            try:
+                layout.SEQ.pack_into(self._map, self._base, self._seq)
+            except BaseException:  # no __exit__ after a failed __enter__: never leave the lock held
+                self._depth -= 1
+                self._writing.release()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._seq += 1
+            layout.SEQ.pack_into(self._map, self._base, self._seq)
+        self._writing.release()
 
     # --- the hot path --------------------------------------------------------------------------
 
@@ -219,40 +244,39 @@ class _Attached:
 
     def start_section(self, name: str) -> None:
         self.in_charge = True
-        if name in self._open:
-            raise ValueError(f"section {name!r} is already open: end it before opening it again")
         encoded = self._names.get(name) or self._encode(name)
-        if not self._free:
-            raise ValueError(f"more than {layout.MAX_OPEN} sections open at once (opening {name!r})")
-        entry = self._free.pop()
-        now = time.monotonic()
-        if not self._open and self._idle_since and now - self._idle_since > self._longest_idle:
-            self._longest_idle = now - self._idle_since
-        self._open[name] = entry
-        self._started[name] = now
-        self._write_entry(entry, now, encoded)
+        with self._seqlock():
+            if name in self._open:
+                raise ValueError(f"section {name!r} is already open: end it before opening it again")
+            if not self._free:
+                raise ValueError(f"more than {layout.MAX_OPEN} sections open at once (opening {name!r})")
+            entry = self._free.pop()
+            now = time.monotonic()
+            if not self._open and self._idle_since and now - self._idle_since > self._longest_idle:
+                self._longest_idle = now - self._idle_since
+            self._open[name] = entry
+            self._started[name] = now
+            self._write_entry(entry, now, encoded)
 
     def end_section(self, name: str) -> None:
-        entry = self._open.pop(name, None)
-        if entry is None:
-            raise ValueError(f"section {name!r} is not open")
-        now = time.monotonic()
-        took = now - self._started.pop(name)
-        if took > self._longest_section.get(name, 0.0):
-            self._longest_section[name] = took
-        self._free.append(entry)
-        if not self._open:
-            self._idle_since = now
-        self._write_entry(entry, 0.0, b"")
+        with self._seqlock():
+            entry = self._open.pop(name, None)
+            if entry is None:
+                raise ValueError(f"section {name!r} is not open")
+            now = time.monotonic()
+            took = now - self._started.pop(name)
+            if took > self._longest_section.get(name, 0.0):
+                self._longest_section[name] = took
+            self._free.append(entry)
+            if not self._open:
+                self._idle_since = now
+            self._write_entry(entry, 0.0, b"")
 
     def _write_entry(self, entry: int, start: float, encoded: bytes) -> None:
+        """(Under the seqlock.)"""
         m, base = self._map, self._base
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)  # odd: the agent retries its copy
         layout.ENTRY.pack_into(m, base + layout.OFF_ENTRIES + entry * layout.ENTRY.size, start, len(encoded), encoded)
         layout.IDLE.pack_into(m, self._idle_at, self._idle_since, len(self._open), self._flags)
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
 
     def _encode(self, name: str) -> bytes:
         if not isinstance(name, str) or not name:
@@ -304,13 +328,10 @@ class _Attached:
     def _publish(self, head: struct.Struct, head_at: int, data_at: int, raw: bytes) -> None:
         """Write ``raw`` in one of the slot's JSON areas and bump its sequence number, under the seqlock."""
         m, base = self._map, self._base
-        (seq, *_) = head.unpack_from(m, base + head_at)
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
-        m[base + data_at : base + data_at + len(raw)] = raw
-        head.pack_into(m, base + head_at, seq + 1, len(raw))
-        self._seq += 1
-        layout.SEQ.pack_into(m, base, self._seq)
+        with self._seqlock():
+            (seq, *_) = head.unpack_from(m, base + head_at)
+            m[base + data_at : base + data_at + len(raw)] = raw
+            head.pack_into(m, base + head_at, seq + 1, len(raw))
 
     def request(self, raw: bytes) -> None:
         """Write a workload control request in the slot, then wake the agent (rare: never in the hot path)."""
@@ -459,40 +480,6 @@ def end_all_sections() -> None:
     _client.end_all_sections()
 
 
-def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool = True) -> dict[str, Any]:
-    """Set the timeouts from what was observed so far: the largest heartbeat gap, time from the worker's
-    start to its first heartbeat, out-of-section span and duration of each section, times
-    ``safety_factor`` (default: ``--safety-factor``). Timeouts only grow. Returns what this worker
-    calculated (JSON-able).
-
-    The agents make every rank of the job agree: each agent applies the largest value any of its local
-    ranks published, and in a multi-node job with a store the largest of every node. That needs nothing
-    from the job's own process group (NCCL, ``cuda:gloo`` and CPU groups alike); ``synchronize`` is
-    accepted for compatibility and has no effect.
-    """
-    del synchronize  # the agents agree across ranks and nodes (see above)
-    if safety_factor is not None and not safety_factor > 0:
-        raise ValueError(f"safety_factor must be > 0, got {safety_factor}")
-    return _client.calculate_timeouts(safety_factor).to_json()  # type: ignore[no-any-return]
-
-
 def request(raw: bytes) -> None:
     """Write an encoded workload control request for the agent (see :mod:`ftrun.monitor.workload`)."""
     _client.request(raw)
-
-
-def monitor_state() -> dict[str, Any]:
-    """The calculated timeouts as JSON-able data, to keep in a checkpoint."""
-    return {"v": STATE_VERSION, "timeouts": _client.calculated.to_json()}
-
-
-def load_monitor_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`monitor_state` returned, or what NVIDIA's ``RankMonitorClient.state_dict()`` saved
-    (its calculated heartbeat timeouts); raises ValueError if it is neither."""
-    if isinstance(state, dict) and (not state or NVIDIA_STATE_KEY in state):
-        timeouts = from_nvidia_state(state, _client.calculated)
-    elif isinstance(state, dict) and state.get("v") == STATE_VERSION and "timeouts" in state:
-        timeouts = Timeouts.from_json(state["timeouts"])
-    else:
-        raise ValueError(f"not an ftrun monitor state of version {STATE_VERSION}: {state!r:.200}")
-    _client.set_timeouts(timeouts)

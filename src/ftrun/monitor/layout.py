@@ -33,8 +33,9 @@ Layout (little endian)::
              request    JSON (ftrun.monitor.requests)
 
 A reader copies a slot and keeps the copy only if ``seq`` was even and equal
-before and after; x86 and ARM keep these stores in program order for another
-process as long as each is one aligned word (the seq) written last.
+before and after (on CPUs that may reorder stores, ARM, only once a second copy
+is the same: :mod:`ftrun.monitor.table`). The heartbeat (last_beat, beats) is
+written outside the seqlock: two aligned words, each read whole.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ftrun.monitor import client
+from ftrun.monitor import calculated, client
 from ftrun.monitor.watchdog import Timeouts
 
 
@@ -62,10 +62,10 @@ class RankMonitorClient:
         return True
 
     def state_dict(self) -> Mapping[str, Any]:
-        return client.monitor_state()
+        return calculated.monitor_state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        client.load_monitor_state(dict(state))
+        calculated.load_monitor_state(dict(state))
 
     @staticmethod
     def _fresh() -> Timeouts:

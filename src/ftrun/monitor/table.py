@@ -4,8 +4,8 @@ The agent creates it for each attempt as an anonymous memory file (memfd) and
 gives the workers its path under ``/proc/<agent pid>/fd``: it vanishes with
 the agent, however the agent ends, so nothing is ever left in ``/dev/shm``.
 Each worker maps it and writes only its own slot, with plain stores into the
-mapping (no system call, no lock). The agent reads every slot when it checks
-for hangs.
+mapping (no system call; a lock only between the worker's own threads). The
+agent reads every slot when it checks for hangs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import platform
 import signal
 from pathlib import Path
 
@@ -31,6 +32,13 @@ from ftrun.monitor.layout import (
 
 STACK_SIGNAL = signal.SIGRTMIN + 7  # rarely used by anything else; harmless unless the client registered it
 REQUEST_SIGNAL = signal.SIGRTMIN + 6  # a worker wakes its agent with it after writing a workload request
+
+# x86 keeps one process's stores in program order for every other (total store order): a copy taken between two
+# equal even sequence numbers is whole. ARM (e.g. Grace nodes) and POWER may show another core the stores out of
+# order, and Python has no memory barrier to stop it; there a copy is kept only once a second copy, taken after
+# it (a 4 KiB copy in Python takes a microsecond or more, longer than a store buffer takes to drain), is byte for
+# byte the same: a write in flight changes the bytes (its sequence number at least).
+TOTAL_STORE_ORDER = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 
 
 class MonitorTable:
@@ -52,9 +60,9 @@ class MonitorTable:
         self.path = Path(f"/proc/{os.getpid()}/fd/{self._fd}")
         HEADER.pack_into(self._map, 0, MAGIC, VERSION, slots, SLOT_SIZE)
 
-    def read(self, index: int, attempts: int = 100) -> SlotView:
+    def read(self, index: int, attempts: int = 100, *, confirm: bool = not TOTAL_STORE_ORDER) -> SlotView:
         """A consistent copy of slot ``index``; raises CorruptSlot if it does not parse."""
-        return read_slot(self._map, index, attempts)
+        return read_slot(self._map, index, attempts, confirm=confirm)
 
     def clear(self, index: int) -> None:
         """Zero a slot (a worker of a new attempt starts from nothing)."""
@@ -79,15 +87,21 @@ def check_header(mapping: mmap.mmap, slot: int) -> None:
         raise ValueError(f"slot {slot} is outside the table ({slots} slots)")
 
 
-def read_slot(mapping: mmap.mmap, index: int, attempts: int = 100) -> SlotView:
-    """A consistent copy of slot ``index`` of a mapped table (a seqlock read); raises CorruptSlot."""
+def read_slot(
+    mapping: mmap.mmap, index: int, attempts: int = 100, *, confirm: bool = not TOTAL_STORE_ORDER
+) -> SlotView:
+    """A consistent copy of slot ``index`` of a mapped table (a seqlock read; ``confirm``: by a second copy, as
+    weakly ordered CPUs need); raises CorruptSlot."""
     base = slot_offset(index)
-    for _ in range(attempts):
+    for _ in range(attempts * 10 if confirm else attempts):  # two copies must fall between writes: more tries
         (before,) = SEQ.unpack_from(mapping, base)
         raw = mapping[base : base + SLOT_SIZE]
         (after,) = SEQ.unpack_from(mapping, base)
         if before == after and not before & 1:
-            return parse_slot(raw)
+            if not confirm:
+                return parse_slot(raw)
+            if mapping[base : base + SLOT_SIZE] == raw:
+                return parse_slot(raw)
     raise CorruptSlot(f"slot {index} kept changing (seq {before} -> {after}) or is stuck mid-write")
 
 
