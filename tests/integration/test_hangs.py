@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 from ftrun.agent.hangs import HangWatch
 from ftrun.monitor import stacks
 from ftrun.monitor.table import STACK_SIGNAL, MonitorTable
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import LiveFtrun, Result, WriteScript, run_ftrun, until
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
 # finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).
@@ -328,3 +330,65 @@ print("done", flush=True)
     assert why in root["hang"]
     assert "ROOT CAUSE  rank 1" in r.stderr
     assert "done" in r.log(1, 1)
+
+
+SLOW_PY_SPY = """#!/bin/sh
+touch "{marker}.dumping"
+exec sleep 60
+"""
+
+
+@pytest.fixture
+def slow_py_spy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A py-spy that takes a minute (as the real one can on a busy node: it allows 10 s per rank); returns the
+    marker path: ``<marker>.dumping`` appears when a dump starts. A hang is declared (event, blame) only once
+    the stacks are in: what ftrun did before that, it did without waiting for the dump."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    marker = tmp_path / "py-spy"
+    (bin_dir / "py-spy").write_text(SLOW_PY_SPY.format(marker=marker))
+    (bin_dir / "py-spy").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return marker
+
+
+def test_a_signal_to_ftrun_is_acted_on_while_stacks_are_being_dumped(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun], slow_py_spy: Path
+) -> None:
+    script("w.py", "import time, ftrun\nftrun.heartbeat()\ntime.sleep(120)\n")
+    f = LiveFtrun(tmp_path, "--heartbeat-timeout", "1", "w.py")
+    live.append(f)
+    until(lambda: slow_py_spy.with_suffix(".dumping").exists(), "a stack dump started")
+    f.proc.send_signal(signal.SIGTERM)
+    assert f.wait(30) != 0
+    assert "SIGTERM" in f.stderr()
+    assert not [e for e in f.events() if e["kind"] == "hang"]  # it left before the dump was done
+
+
+def test_a_worker_failing_while_stacks_are_being_dumped_is_acted_on_at_once(
+    tmp_path: Path, script: WriteScript, slow_py_spy: Path
+) -> None:
+    """Rank 1 hangs; while its stacks are read, rank 0 fails: the restart comes at once, and the second attempt
+    ends the run long before the dump would have."""
+    script(
+        "w.py",
+        f"""
+import os, sys, time, ftrun
+ftrun.heartbeat()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if os.environ["RANK"] == "1":
+        time.sleep(120)
+    while not os.path.exists({str(slow_py_spy.with_suffix(".dumping"))!r}):
+        ftrun.heartbeat()
+        time.sleep(0.05)
+    sys.exit("rank 0 fails during the dump")
+print("done", flush=True)
+""",
+    )
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert not hang_events(r)  # acted on before the dump was done: rank 0's failure is the root cause
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 0
+    assert "rank 0 fails during the dump" in r.stderr
+    assert "done" in r.log(1, 0)

@@ -3,19 +3,21 @@ scripts stuck in the interpreter's teardown, torch's FileTimer, and ranks long i
 
 The local group asks it when to look next and calls :meth:`WorkerWatch.check`
 when it wakes; the watch acts on what it finds (stacks dumped into the rank's
-log, the hang or timer signal sent, a stuck teardown ended) and tells through
-the group's ``emit`` and ``say``. It returns the workers found hung: for the
-driver, a hang is a failure like any other.
+log, off the loop; the hang or timer signal sent, a stuck teardown ended) and
+tells through the group's ``emit`` and ``say``. It returns the workers found
+hung, once their stacks are in: for the driver, a hang is a failure like any
+other.
 """
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from ftrun.agent import proctree
+from ftrun.agent.dumps import StackDumps
 from ftrun.agent.filetimer import FileTimerServer
 from ftrun.agent.hangs import Found, HangWatch
 from ftrun.agent.reminder import Reminder
@@ -27,8 +29,6 @@ from ftrun.events import EventKind
 from ftrun.monitor.blame import suspect, waiting_in_collective
 from ftrun.monitor.layout import FLAG_MEETING, SlotView
 from ftrun.monitor.requests import Request
-from ftrun.monitor.stacks import dump_stacks
-from ftrun.monitor.table import STACK_SIGNAL
 from ftrun.monitor.watchdog import TEARDOWN, Timeouts
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
@@ -47,15 +47,18 @@ class WorkerWatch:
         self.timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
         self.meeting = MeetingNotice(awaited(config))
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
+        # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
+        self._dumps: StackDumps[Worker | None] = StackDumps(lambda w: w.paths.dir / STACKS_FILE)
 
     @property
     def fds(self) -> tuple[int, ...]:
-        """Extra fds that wake the agent: torch's timer pipe, when served."""
-        return () if self.timer is None else (self.timer.fileno(),)
+        """Extra fds that wake the agent: a stack dump done, torch's timer pipe when served."""
+        return (self._dumps.fileno(),) if self.timer is None else (self._dumps.fileno(), self.timer.fileno())
 
     def new_attempt(self, previous: list[Worker], nproc: int, tag: str) -> None:
         if self.timer is not None:
             self.timer.forget({w.pid for w in previous})
+        self._dumps.forget()
         self.hangs.new_attempt(nproc, tag)
 
     def env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
@@ -72,20 +75,26 @@ class WorkerWatch:
         return min((c for c in checks if c is not None), default=None)
 
     def drain(self) -> None:
-        """Read the timer requests waiting (their pipe woke the agent)."""
+        """Read the timer requests waiting and the dumps' wake-ups (their pipes woke the agent)."""
+        self._dumps.drain()
         if self.timer is not None:
             self.timer.drain()
 
     def check(self, running: list[Worker]) -> list[Worker]:
-        """Act on every deadline passed; returns the workers found hung."""
-        judged = [w for w in running if w.state is WorkerState.RUNNING and w.ended_code is None]
-        hung = []
+        """Act on every deadline passed (dumps started); returns the workers found hung whose stacks are in."""
+        self._dumps.drain()
+        hung = [w for w in self._dumps.finished() if w is not None]
+        busy = self._dumps.busy()
+        judged = [
+            w for w in running if w.state is WorkerState.RUNNING and w.ended_code is None and w.local_rank not in busy
+        ]
         for f in self.hangs.find(judged):
             if f.verdict.timeout == TEARDOWN and f.slot is not None:
                 self._stuck_in_teardown(f.worker, f.slot.end_code)
             else:
-                hung.append(self._hung(f, [w for w in judged if w is not f.worker]))
-        hung += [self._unwatchable(w, why) for w, why in self.hangs.corrupt_slots(judged)]
+                self._hung(f, [w for w in judged if w is not f.worker])
+        for w, why in self.hangs.corrupt_slots(judged):
+            self._dumps.start({w.local_rank: w}, self._listens([w]), partial(self._unwatchable, w, why))
         self._expire_timers(running)
         if (now := self._clock.monotonic()) >= self._meeting_look_at:  # a wait of seconds: no need to look often
             self._meeting_look_at = now + MEETING_LOOK_S
@@ -100,16 +109,18 @@ class WorkerWatch:
         return self.hangs.requests(running)
 
     def close(self) -> None:
+        self._dumps.close()
         self.hangs.close()
         if self.timer is not None:
             self.timer.close()
 
     # --- what is done about it --------------------------------------------------------------------
 
-    def _hung(self, found: Found, others: list[Worker]) -> Worker:
-        """Blame the hung rank (read from the quiet ranks' stacks), dump its stacks, send --hang-signal."""
+    def _hung(self, found: Found, others: list[Worker]) -> None:
+        """A rank missed a deadline: dump the stacks of every rank that went quiet with it (off the loop), then
+        blame one (:meth:`_blame`)."""
         v = found.verdict
-        now_mono, now_wall = self._clock.monotonic(), self._clock.wall()  # the verdict's time, before any dump
+        when = (self._clock.monotonic(), self._clock.wall())  # the verdict's time, before any dump
         quiet = {found.worker.local_rank: found.worker}
         # Heartbeats stop together on every rank waiting for the hung one: their stacks tell them apart.
         # A section timeout names its rank on purpose; others are read only when they went quiet too.
@@ -117,8 +128,21 @@ class WorkerWatch:
             for other in others:
                 if self.hangs.quiet_for(other) >= v.limit_s / 2:
                     quiet[other.local_rank] = other
-        stacks = self._stacks(quiet, {found.worker.local_rank: found.slot})
-        chosen, why = suspect(found.worker.local_rank, stacks)
+        listens = self._listens(list(quiet.values()), {found.worker.local_rank: found.slot})
+        self._dumps.start(quiet, listens, partial(self._blame, found, quiet, when))
+
+    def _blame(
+        self, found: Found, quiet: dict[int, Worker], when: tuple[float, float], stacks: dict[int, str]
+    ) -> Worker | None:
+        """The hung rank, read from the quiet ranks' stacks: marked failed, its stacks logged, --hang-signal
+        sent. None when it is no longer running (it exited while its stacks were read: its exit tells)."""
+        if any(w.reaped or w.released or w.state is not WorkerState.RUNNING for w in quiet.values()):
+            quiet = {r: w for r, w in quiet.items() if not w.reaped and w.state is WorkerState.RUNNING}
+            if found.worker.local_rank not in quiet:
+                return None
+        v = found.verdict
+        now_mono, now_wall = when
+        chosen, why = suspect(found.worker.local_rank, {r: stacks[r] for r in quiet})
         w = quiet[chosen]
         for rank, victim in quiet.items():
             if victim is not w:
@@ -142,35 +166,29 @@ class WorkerWatch:
             w.handle.signal_group(self._config.hang.hang_signal)
         return w
 
-    def _stacks(self, workers: dict[int, Worker], slots: dict[int, SlotView | None]) -> dict[int, str]:
-        """The stacks of ``workers`` by local rank, dumped all at once (py-spy may take seconds per rank: the
-        wait is the slowest one's, not the sum)."""
-        listens = {rank: self.hangs.client_listens(slots.get(rank) or self.hangs.slot(rank)) for rank in workers}
-        with ThreadPoolExecutor(max_workers=len(workers)) as pool:
-            dumps = {
-                rank: pool.submit(
-                    dump_stacks, w.pid, client_listens=listens[rank], stacks_file=w.paths.dir / STACKS_FILE,
-                    signal_number=STACK_SIGNAL,
-                )
-                for rank, w in workers.items()
-            }  # fmt: skip
-        return {rank: dump.result() for rank, dump in dumps.items()}
+    def _listens(self, workers: list[Worker], slots: dict[int, SlotView | None] | None = None) -> dict[int, bool]:
+        """Whose client dumps its own stacks on STACK_SIGNAL (the fallback when py-spy is missing)."""
+        known = slots or {}
+        return {w.local_rank: self.hangs.client_listens(known.get(w.local_rank) or self.hangs.slot(w.local_rank))
+                for w in workers}  # fmt: skip
 
-    def _unwatchable(self, w: Worker, why: str) -> Worker:
+    def _unwatchable(self, w: Worker, why: str, stacks: dict[int, str]) -> Worker | None:
         """Its monitor slot stayed unreadable (something in the job wrote over ftrun's shared memory): it could
         hang unseen from now on, so it fails here, with its stacks, rather than go on unwatched."""
+        if w.reaped or w.state is not WorkerState.RUNNING:
+            return None
         what = f"its monitor slot in shared memory is corrupt ({why}): ftrun could no longer watch it for hangs"
         w.state = WorkerState.FAILED
-        stacks = self._stacks({w.local_rank: w}, {})[w.local_rank]
-        w.hang = Hang(what, "monitor slot", self._clock.wall(), stacks)
+        w.hang = Hang(what, "monitor slot", self._clock.wall(), stacks[w.local_rank])
         self._say(f"{w.who} {what}", always=True)
-        _append(w, f"{what}; stacks of all threads:\n{stacks}")
+        _append(w, f"{what}; stacks of all threads:\n{stacks[w.local_rank]}")
         if w.handle is not None:
             w.handle.signal_group(self._config.hang.hang_signal)
         return w
 
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
-        """Its script ended with ``code`` and the interpreter's teardown never did: end it, keep the result."""
+        """Its script ended with ``code`` and the interpreter's teardown never did: end it (once its stacks are
+        read, off the loop), keep the result."""
         w.ended_code = code
         grace = self._config.hang.teardown_s
         self._emit(EventKind.TEARDOWN_STUCK, **w.identity(), end_code=code, grace_s=grace)
@@ -179,9 +197,11 @@ class WorkerWatch:
             f"{grace:g} s (e.g. torch's gloo teardown race); ending it, with the script's result",
             always=True,
         )
-        stacks = dump_stacks(w.pid, client_listens=False, stacks_file=w.paths.dir / STACKS_FILE, signal_number=0)
-        _append(w, f"stuck in interpreter teardown after the script ended; stacks:\n{stacks}")
-        if w.handle is not None:
+        self._dumps.start({w.local_rank: w}, {}, partial(self._end_teardown, w))
+
+    def _end_teardown(self, w: Worker, stacks: dict[int, str]) -> None:
+        _append(w, f"stuck in interpreter teardown after the script ended; stacks:\n{stacks[w.local_rank]}")
+        if w.handle is not None and not w.reaped:
             w.handle.signal_group(signal.SIGKILL)
 
     def _expire_timers(self, running: list[Worker]) -> None:
