@@ -285,3 +285,21 @@ def test_etcd_over_tls_with_client_certificates() -> None:
         with pytest.raises(StoreError):
             no_client_cert.get("/tls")
         no_client_cert.close()
+
+
+def test_a_wait_for_another_nodes_record_ends_when_a_signal_to_ftrun_comes(client: TcpStoreClient) -> None:
+    """The board's cross-check waits up to 5 s for another node's verdict; a signal to ftrun ends it (the
+    agent then acts on the signal) instead of being left until the wait is over."""
+    from ftrun.agent.board import JobBoard
+    from ftrun.clock import SystemClock
+
+    board = JobBoard(client, "run", "node-a", SystemClock())
+    looks = []
+
+    def interrupted() -> bool:
+        looks.append(True)
+        return len(looks) >= 3  # a signal came during the third look
+
+    board.interrupted = interrupted
+    assert board.suspect_elsewhere(1, timeout_s=600) is None  # nobody ever publishes: only the signal ends it
+    assert len(looks) == 3

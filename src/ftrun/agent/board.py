@@ -28,6 +28,7 @@ from ftrun.store.base import Store
 
 MAX_STACKS_CHARS = 16_000  # a verdict is read by every node: stacks beyond this are in the hung node's logs
 SUSPECT_WAIT_S = 5.0  # how long a node whose ranks only waited looks for another node's suspect
+LOOK_UP_S = 0.1  # while waiting for another node's record: how often a signal to ftrun is looked for
 
 
 class JobBoard:
@@ -38,6 +39,9 @@ class JobBoard:
         self._root = f"/ftrun/{run_id}/"
         self._node = node
         self._clock = clock
+        # Set by the agent: a signal to ftrun came. A wait for another node's record ends then (within LOOK_UP_S):
+        # the report goes without it, and the signal is acted on.
+        self.interrupted: Callable[[], bool] = lambda: False
 
     @property
     def node(self) -> str:
@@ -87,10 +91,10 @@ class JobBoard:
             if found:
                 return found
             with self._store.watch(prefix, revision + 1) as watch:
-                while (left := deadline - self._clock.monotonic()) > 0:
-                    event = watch.get(left)
+                while (left := deadline - self._clock.monotonic()) > 0 and not self.interrupted():
+                    event = watch.get(min(left, LOOK_UP_S))
                     if event is None:
-                        break
+                        continue
                     v = _object(event.value)
                     if v is not None and accept(v):
                         return [v]

@@ -264,6 +264,7 @@ class LocalGroup:
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
         elsewhere, or a hang whose quiet ranks here only waited."""
+        board.interrupted = self._wakeup.arrived
         self._reports.board = board
         self.status.board, self.status.node = board, board.node
 

@@ -30,8 +30,14 @@ def name(number: int) -> str:
         return f"signal {number}"
 
 
+_caught = 0  # signals to ftrun received so far (REQUEST_SIGNAL, a worker's wake-up, is not one)
+
+
 def _note(signum: int, frame: FrameType | None) -> None:
-    """The wake-up fd carries the signal number; nothing to do in Python."""
+    """The wake-up fd carries the signal number; counted here too, for :meth:`SignalWakeup.arrived`."""
+    global _caught  # noqa: PLW0603 - a signal handler's one way out
+    if signum in CAUGHT:
+        _caught += 1
 
 
 class SignalWakeup:
@@ -42,6 +48,7 @@ class SignalWakeup:
         self._saved: dict[int, object] = {}
         self._saved_fd = -1
         self._active = False
+        self._drained = _caught
         # Signal handlers can only be set from the main thread; elsewhere (tests) the caller handles signals.
         if threading.current_thread() is threading.main_thread():
             self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
@@ -70,8 +77,14 @@ class SignalWakeup:
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
+    def arrived(self) -> bool:
+        """A signal to ftrun came since the last :meth:`drain` (the pipe is left as it is): for a wait that is
+        not the agent's select (a store watch) to end early."""
+        return _caught != self._drained
+
     def drain(self) -> list[int]:
         """The signals to ftrun received since the last drain, in order (a worker's wake-up is not one)."""
+        self._drained = _caught
         try:
             data = os.read(self._read_fd, 512)
         except BlockingIOError:
