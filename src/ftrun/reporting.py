@@ -310,7 +310,8 @@ def _root_lines(report: FailureReport) -> list[str]:
     """Who is to blame and why, with the stacks it was found with; another node's rank when ours waited for it."""
     r = report.root_cause
     if report.elsewhere is not None:
-        lines = [*_elsewhere(report.elsewhere), f"WAITED FOR IT {_who(r)} on {r.host}: {r.how}"]
+        label = "NOTICED IT" if report.elsewhere.get("noticed") else "WAITED FOR IT"
+        lines = [*_elsewhere(report.elsewhere), f"{label} {_who(r)} on {r.host}: {r.how}"]
         found = "quiet"
     else:
         lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
@@ -324,8 +325,11 @@ def _root_lines(report: FailureReport) -> list[str]:
 
 def _elsewhere(v: Mapping[str, Any]) -> list[str]:
     """Another node's hung rank, as that node's agent found it."""
-    lines = [f"ROOT CAUSE  rank {v.get('rank')} (pid {v.get('pid')}) on {v.get('host')}, another node: {v.get('what')}"]
-    if v.get("why"):
+    pid = f" (pid {v.get('pid')})" if v.get("pid") is not None else ""
+    lines = [f"ROOT CAUSE  rank {v.get('rank')}{pid} on {v.get('host')}, another node: {v.get('what')}"]
+    if v.get("noticed"):
+        lines.append(f"  why this rank: {v.get('why')}")
+    elif v.get("why"):
         lines.append(
             f"  why this rank: {v['why']} (found by node {v.get('node')}; every quiet rank here waited for it)"
         )

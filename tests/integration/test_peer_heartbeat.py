@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,32 @@ def test_a_frozen_rank_is_found_by_its_peer_and_the_job_restarts_naming_it(
     assert sorted(r.stdout.splitlines()) == ["rank 0 attempt 1 done", "rank 1 attempt 1 done"]
 
 
+NO_TORCH = """
+import os, signal, sys, time
+import ftrun
+
+frozen = int(sys.argv[1])
+ftrun.start_peer_heartbeat(period_s=0.2, timeout_s=2.0)  # no torch.distributed, no init_process_group at all
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(200 if attempt == 0 else 5):
+    if step == 10 and rank == frozen and attempt == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive to its agent, silent to its peers
+    time.sleep(0.05)
+print(f"rank {rank} attempt {attempt} done", flush=True)
+"""
+
+
+def test_a_job_without_init_process_group_gets_its_peers_checked(tmp_path: Path, script: WriteScript) -> None:
+    """The addresses go through ftrun, not the job's store: a job that never makes a process group is covered."""
+    script("w.py", NO_TORCH)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "3", "--max-restarts", "1", "w.py", "2", timeout=180)
+    assert r.returncode == 0, r.stderr
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 2
+    assert "unresponsive to its peers (noticed by rank 0" in root["hang"]  # rank 0 follows rank 2 in the ring
+    assert sorted(r.stdout.splitlines()) == [f"rank {n} attempt 1 done" for n in range(3)]
+
+
 OUTSIDE = """
 import ftrun
 try:
@@ -70,10 +97,13 @@ def test_bad_periods_are_a_value_error(tmp_path: Path, script: WriteScript) -> N
     assert r.stdout.strip() == "ValueError: need 0 < period_s < timeout_s, got period_s=1, timeout_s=0.5"
 
 
+@pytest.mark.parametrize("job", ["ddp", "no-torch"])
 def test_on_two_nodes_a_frozen_rank_is_found_across_them(
-    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str], job: str
 ) -> None:
-    (tmp_path / "w.py").write_text(DDP)
+    """Rank 1 (node b) freezes; rank 0 (node a) notices. Both nodes name rank 1 as the root cause, noticed by
+    rank 0; with a job that never calls init_process_group too (the addresses cross nodes through ftrun)."""
+    (tmp_path / "w.py").write_text(DDP if job == "ddp" else NO_TORCH)
     flags = [*rdzv, "--rdzv-id", f"{tmp_path.name}-peers", "--local-addr", "127.0.0.1", "--nnodes", "2:2"]
     flags += ["--nproc-per-node", "1", "--max-restarts", "1"]
     agents = [LiveFtrun(tmp_path, *flags, "--log-dir", str(tmp_path / n), str(tmp_path / "w.py"), "1", "after", name=n)
@@ -81,8 +111,16 @@ def test_on_two_nodes_a_frozen_rank_is_found_across_them(
     live.extend(agents)
     for agent in agents:
         assert agent.wait(WAIT_S * 2) == 0, agent.stderr()
+    for name in ("a", "b"):
+        [report_file] = (tmp_path / name).glob("*/attempt_0/failure_report.json")
+        report = json.loads(report_file.read_text())
+        # Rank 0's node names rank 1 on the other node (rank 0 only noticed); rank 1's node names its own rank.
+        named = report["elsewhere"] if report["root_cause"]["rank"] == 0 else report["root_cause"]
+        assert named["rank"] == 1, report
+        assert "unresponsive to its peers (noticed by rank 0" in (named.get("what") or named.get("hang")), report
     said = "\n".join(a.stderr() for a in agents)
-    assert "lost its peer rank 1" in said
+    assert "ROOT CAUSE  rank 1" in said
+    assert "NOTICED IT rank 0" in said
     assert sorted(line for a in agents for line in a.lines if "done" in line) == [
         "rank 0 attempt 1 done",
         "rank 1 attempt 1 done",

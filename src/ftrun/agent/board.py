@@ -78,6 +78,30 @@ class JobBoard:
         found = self._await("failure", round_, lambda v: True, timeout_s)
         return min(found, key=lambda v: float(v.get("exit_wall") or v.get("hang_wall") or 0.0), default=None)
 
+    def publish_peer(self, round_: int, rank: int, address: str) -> None:
+        """A rank's peer heartbeat address, for its neighbours of the ring on other nodes (:mod:`.peer_relay`)."""
+        with contextlib.suppress(StoreError):
+            self._store.put(f"{self._prefix('peers', round_)}{rank}", address.encode())
+
+    def peer_address(self, round_: int, rank: int, timeout_s: float, stopped: Callable[[], bool]) -> str | None:
+        """Rank ``rank``'s peer heartbeat address once its node published it (None after ``timeout_s``, when
+        ``stopped`` says so, or when the store cannot be read)."""
+        key = f"{self._prefix('peers', round_)}{rank}"
+        deadline = self._clock.monotonic() + timeout_s
+        try:
+            kvs, revision = self._store.list_prefix(key)  # the key and the revision to watch from, in one read
+            found = next((kv for kv in kvs if kv.key == key), None)
+            if found is not None:
+                return found.value.decode(errors="replace")
+            with self._store.watch(key, revision + 1) as watch:
+                while (left := deadline - self._clock.monotonic()) > 0 and not stopped():
+                    event = watch.get(min(left, LOOK_UP_S))
+                    if event is not None and event.key == key:
+                        return event.value.decode(errors="replace")
+        except StoreError:
+            pass
+        return None
+
     def _await(
         self, kind: str, round_: int, accept: Callable[[dict[str, Any]], bool], timeout_s: float
     ) -> list[dict[str, Any]]:

@@ -13,38 +13,39 @@ from the thread that forked them, and signal handlers live in the main thread.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from ftrun.agent import env as worker_env
+from ftrun.agent.asked import Asked
 from ftrun.agent.board import JobBoard
 from ftrun.agent.driver import (
     Finish,
     Happening,
     Interrupted,
     Outcome,
-    Requested,
     StartWorkers,
     WorkerExited,
     WorkerHung,
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths
+from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths, fresh_dir
+from ftrun.agent.peer_relay import PeerRelay
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.reports import Attempt, Reports
 from ftrun.agent.signals import SignalWakeup
 from ftrun.agent.signals import name as signal_name
 from ftrun.agent.status import NodeStatus, progress
 from ftrun.agent.watch import WorkerWatch
-from ftrun.agent.workers import AttemptProcesses, Hang, Spawner, Worker, WorkerState, may_release
+from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState, may_release
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.goodput import measure
 from ftrun.monitor.layout import FLAG_FINALIZING
-from ftrun.monitor.requests import Action, Request
+from ftrun.monitor.peers import PEER_DIR_ENV
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.reporting import oom_kills, write_launcher_error_file
@@ -65,7 +66,7 @@ class LocalGroup:
         self._pool = spawner if isinstance(spawner, WarmPool) else None  # the warm pool, when there is one
         self._clock = clock
         self._console = console
-        self.run_dir = _fresh_dir(config.logs.base_dir / config.run_id)
+        self.run_dir = fresh_dir(config.logs.base_dir / config.run_id)
         echo = self._echo_event if config.echo_events else None
         self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
         self._wakeup = SignalWakeup()
@@ -76,6 +77,7 @@ class LocalGroup:
         self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
+        self._peers: PeerRelay | None = None  # the attempt's peer heartbeat addresses (ftrun.start_peer_heartbeat)
         self._oom_kills: int | None = None
         self._unlearned: list[Worker] = []  # past attempts' workers whose module reports are still to read
         self._attempt = 0
@@ -85,7 +87,7 @@ class LocalGroup:
         self._finished = False
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._round: int | None = None
-        self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
+        self._asked = Asked(host, clock, self.emit, partial(self.say, always=True))
         workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
         self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
         for notice in (*config.rdzv.conf.notices, *config.notices):
@@ -143,6 +145,7 @@ class LocalGroup:
             self._pool.hold()  # until the refill after these spawns
         self._open_duplicates(attempt_dir)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
+        self._relay_peers(attempt_dir / "peers", placement.rank_offset)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)
@@ -177,6 +180,8 @@ class LocalGroup:
         }
         if c.warm.enabled and c.warm.auto:
             env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
+        if self._peers is not None and self._peers.usable:
+            env[PEER_DIR_ENV] = str(self._peers.dir)
         if c.cpu_affinity:
             env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
         # torchrun's ${local_rank} macro in the script's arguments
@@ -205,6 +210,8 @@ class LocalGroup:
         if woken:
             happened += self._signals()
             happened += self._failing_scripts()
+            if self._peers is not None:
+                self._peers.poke()
         self._processes.end_stuck(self.config.hang.teardown_s, partial(self.say, always=True))
         happened += self._requests()
         for hung in self._watch.check(self._processes.running):
@@ -260,6 +267,11 @@ class LocalGroup:
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         self._reports.publish_root_cause(self._this_attempt)
         return [*exits, *late, WorkersStopped()]
+
+    @property
+    def excluded_because(self) -> str:
+        """A worker excluded this node (ftrun.exclude_this_node): its reason; "" if none did."""
+        return self._asked.excluded_because
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
@@ -425,37 +437,15 @@ class LocalGroup:
 
     def _requests(self) -> list[Happening]:
         """Workload control requests from the workers (they wake the agent after writing one)."""
-        happened: list[Happening] = []
-        for w, request in self._watch.requests(self._processes.running):
-            if isinstance(request, str):
-                self.say(f"{w.who}: ignoring an unreadable workload control request ({request})", always=True)
-                continue
-            self.emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
-            if request.action is Action.PEER_FAILED:
-                happened += self._peer_failed(w, request)
-                continue
-            w.request = request.describe()
-            w.state = WorkerState.FAILED  # the cause of what follows, as a hung worker is
-            if request.action is Action.EXCLUDE_NODE:
-                self.excluded_because = f"rank {w.rank}: {request.reason}"
-            self.say(f"{w.who} {w.request}", always=True)
-            happened.append(Requested(w.local_rank, request, f"rank {w.rank} on {self.host}"))
-        return happened
+        found = self._watch.requests(self._processes.running)
+        return self._asked.take(found, self._processes.running, self._peers.dir if self._peers else None)
 
-    def _peer_failed(self, reporter: Worker, request: Request) -> list[Happening]:
-        """A rank's peer heartbeat found its peer silent or out of step: that peer is the root cause (marked
-        here when it is one of this node's; else the reporter's report names it)."""
-        peer = next((w for w in self._processes.running if w.rank == request.peer), None)
-        what = f"unresponsive to its peers (rank {reporter.rank}: {request.reason})"
-        if peer is not None:
-            peer.state = WorkerState.FAILED
-            peer.hang = Hang(what, "peer heartbeat", self._clock.wall())
-            self.say(f"{peer.who} {what}", always=True)
-        else:
-            reporter.state = WorkerState.FAILED
-            reporter.request = f"{request.describe()} (on another node)"
-            self.say(f"{reporter.who} {reporter.request}", always=True)
-        return [Requested(reporter.local_rank, request, f"rank {reporter.rank} on {self.host}")]
+    def _relay_peers(self, peer_dir: Path, first: int) -> None:
+        if self._peers is not None:
+            self._peers.stop()
+        peer_dir.mkdir(parents=True, exist_ok=True)
+        last, board = first + self.config.nproc_per_node - 1, self._reports.board
+        self._peers = PeerRelay(board, self._round, peer_dir, first, last, self._world_size)
 
     def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
         """--warm auto: the pool reads what ``workers`` imported (``run_ends``: kept for the next run only)."""
@@ -484,15 +474,3 @@ class LocalGroup:
         for w in self._processes.reap_released(self.config.hang.teardown_s, partial(self.say, always=True)):
             if w.output is not None:
                 w.output.wait_drained(DRAIN_TIMEOUT_S)
-
-
-def _fresh_dir(path: Path) -> Path:
-    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
-    candidates: Iterable[Path] = (path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000))
-    for candidate in candidates:
-        try:
-            candidate.mkdir(parents=True)
-        except FileExistsError:
-            continue
-        return candidate
-    raise FileExistsError(f"{path}: too many runs with this id; pass another --rdzv-id")

@@ -15,6 +15,7 @@ import fcntl
 import os
 import termios
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -255,3 +256,15 @@ def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
     if size > max_bytes and lines:
         lines = lines[1:]  # the first line is probably cut
     return lines[-count:]
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
+    candidates: Iterable[Path] = (path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000))
+    for candidate in candidates:
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise FileExistsError(f"{path}: too many runs with this id; pass another --rdzv-id")

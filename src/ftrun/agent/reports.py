@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ftrun.agent.board import JobBoard
 from ftrun.agent.logs import Console
-from ftrun.agent.workers import Worker, WorkerState
+from ftrun.agent.workers import Hang, Worker, WorkerState
 from ftrun.config import Std
 from ftrun.events import EventKind
 from ftrun.reporting import (
@@ -66,7 +66,7 @@ class Reports:
         if not any(w.state is WorkerState.FAILED for w in a.workers):
             self._report_elsewhere(a, will_restart)
             return
-        report = self._build(a, will_restart, elsewhere=self._suspect_elsewhere(a))
+        report = self._build(a, will_restart, elsewhere=_peer_lost(a) or self._suspect_elsewhere(a))
         self.publish_root_cause(a)
         self._tell(a, report, will_restart)
 
@@ -76,7 +76,11 @@ class Reports:
         if self.board is None or a.round is None or self._published == (a.round, a.number):
             return
         if any(w.state is WorkerState.FAILED for w in a.workers):
-            self.board.publish_failure(a.round, outcome_json(self._build(a, will_restart=False).root_cause))
+            root = outcome_json(self._build(a, will_restart=False).root_cause)
+            lost = _peer_lost(a)
+            if lost is not None:  # the silent rank is the root cause: its node reports it as its own (below)
+                root = {**root, "peer_lost": lost}
+            self.board.publish_failure(a.round, root)
             self._published = (a.round, a.number)
 
     def publish_hang(self, w: Worker, round_: int | None) -> None:
@@ -102,6 +106,13 @@ class Reports:
         """The round failed on another node: its root cause, read from the store, with this node's workers
         listed as stopped (their own errors are the failure's echo, e.g. "Connection closed by peer")."""
         found = self.board.failure_elsewhere(a.round) if self.board is not None and a.round is not None else None
+        lost = found.get("peer_lost") if found is not None else None
+        silent = next((w for w in a.workers if isinstance(lost, dict) and w.rank == lost.get("rank")), None)
+        if found is not None and silent is not None and isinstance(lost, dict):  # ours went silent to its peer
+            silent.state = WorkerState.FAILED
+            silent.hang = Hang(str(lost.get("what")), "peer heartbeat", float(found.get("exit_wall") or 0.0))
+            self._tell(a, self._build(a, will_restart), will_restart)
+            return
         try:
             root = outcome_from_json(found) if found is not None else None
         except ValueError:
@@ -146,3 +157,8 @@ class Reports:
             elsewhere=report.elsewhere
             and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why")},
         )
+
+
+def _peer_lost(a: Attempt) -> dict[str, object] | None:
+    """The rank on another node that a rank here found silent (its peer heartbeat): the job's root cause."""
+    return next((w.peer_lost for w in a.workers if w.peer_lost is not None), None)

@@ -193,6 +193,7 @@ class Worker:
     ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
     waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: where it waited
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
+    peer_lost: dict[str, object] | None = None  # it noticed its peer on another node go silent: that peer
     released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
     finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
     reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now

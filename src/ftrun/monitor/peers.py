@@ -9,9 +9,11 @@ restarted out of step), is reported to this rank's agent as a peer failure, whic
 restarts the job as a crash would, naming that peer. The side channel is never
 the job's process group, so it cannot deadlock with the job's collectives; the
 addresses are exchanged once, from the heartbeat's own thread (its caller never
-waits), through the job's own rendezvous store (torch's TCPStore at
-MASTER_ADDR:MASTER_PORT, as ``init_process_group("env://")`` makes it: before it
-exists, the exchange waits for it).
+waits), through ftrun itself (:mod:`ftrun.agent.peer_relay`: a file per rank on
+the node, the job's rendezvous store between nodes), so before or without
+``init_process_group``. Only a static multi-node job, which has no store of
+ftrun's, exchanges through the job's own (torch's TCPStore at MASTER_ADDR:MASTER_PORT,
+as ``init_process_group("env://")`` makes it: before it exists, the exchange waits).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 EXCHANGE_TIMEOUT_S = 60.0  # for every rank to publish its address
+POLL_S = 0.05  # for a neighbour's address file
+PEER_DIR_ENV = "FTRUN_PEER_DIR"  # set by the agent when it relays the addresses
 
 _started: PeerHeartbeat | None = None
 _lock = threading.Lock()
@@ -139,13 +144,19 @@ def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None
         if world < 2:
             return  # nobody to check
         master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        here = env.get(PEER_DIR_ENV)
+
+        def exchange(mine: str) -> dict[int, tuple[str, int]]:
+            if here:
+                return _exchange_through_ftrun(Path(here), rank, world, mine, int(env["FTRUN_AGENT_PID"]))
+            return _exchange(master, rank, world, restart, mine)
 
         def report(peer: int, why: str) -> None:
             workload.report_peer_failure(peer, why)
 
         _started = PeerHeartbeat(
             rank, world, restart, float(period_s), float(timeout_s),
-            lambda mine: _exchange(master, rank, world, restart, mine), report, bind_host=_route_to(master),
+            exchange, report, bind_host=_route_to(master),
         ).start()  # fmt: skip
         atexit.register(_started.stop)
 
@@ -169,6 +180,40 @@ def _exchange(master: tuple[str, int], rank: int, world: int, restart: int, mine
     keys = [f"{prefix}{r}" for r in range(world)]
     store.wait(keys, timedelta(seconds=EXCHANGE_TIMEOUT_S))
     return {r: _address(store.get(key).decode()) for r, key in enumerate(keys)}
+
+
+def write_address(peer_dir: Path, rank: int, address: str) -> None:
+    """A rank's address file, whole or not at all (readers never see half of one)."""
+    tmp = peer_dir / f".{rank}.{os.getpid()}"
+    tmp.write_text(address)
+    tmp.rename(peer_dir / str(rank))
+
+
+def _exchange_through_ftrun(peer_dir: Path, rank: int, world: int, mine: str, agent: int) -> dict[int, tuple[str, int]]:
+    """The next rank's address, through the agent's peer directory (its file; the agent writes the files of
+    ranks on other nodes)."""
+    from ftrun.monitor.table import REQUEST_SIGNAL
+
+    write_address(peer_dir, rank, mine)
+    with contextlib.suppress(OSError):
+        os.kill(agent, REQUEST_SIGNAL)  # the agent relays this node's first and last ranks' addresses
+    successor = (rank + 1) % world
+    deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
+    while True:
+        try:
+            return {successor: _address((peer_dir / str(successor)).read_text())}
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {successor} published no address within {EXCHANGE_TIMEOUT_S:g} s") from None
+            time.sleep(POLL_S)
+
+
+def read_address(peer_dir: Path, rank: int) -> str | None:
+    """The address rank ``rank`` published (here, or relayed from its node), if known."""
+    try:
+        return (peer_dir / str(rank)).read_text()
+    except OSError:
+        return None
 
 
 def _address(text: str) -> tuple[str, int]:
