@@ -193,3 +193,32 @@ def test_a_static_job_whose_other_node_never_comes_says_what_it_waits_for(
     f.proc.send_signal(signal.SIGINT)
     assert f.wait() == 130
     assert "met" not in f.lines
+
+
+DETACHED = """
+import os, subprocess, time
+own_session = subprocess.Popen(["sleep", "601"], start_new_session=True)  # leaves the worker's process group
+print(f"ready {os.getpid()} {own_session.pid}", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "tree"])
+def test_sigkill_of_ftrun_leaves_no_descendant_even_in_its_own_session(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun], monkeypatch: pytest.MonkeyPatch, containment: str
+) -> None:
+    """The parent-death signal reaches the workers only; the warden ends what they started in sessions of their
+    own: by the agent's cgroup where the machine allows one, else by the tree it last saw and the environment."""
+    from ftrun.agent.warden import MODE_ENV, _cgroup2_mount
+
+    if containment == "cgroup" and _cgroup2_mount() is None:
+        pytest.skip("no cgroup v2 on this machine")
+    monkeypatch.setenv(MODE_ENV, containment)
+    script("w.py", DETACHED)
+    f = LiveFtrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    live.append(f)
+    pids = [int(p) for m in f.wait_for_lines(r"ready (\d+) (\d+)", 2) for p in m.groups()]
+    f.proc.kill()
+    f.wait()
+    assert wait_gone(pids) == []
+    assert "its warden ended" in f.stderr()

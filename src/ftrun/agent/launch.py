@@ -30,6 +30,7 @@ from ftrun.agent.group import LocalGroup
 from ftrun.agent.logs import Console
 from ftrun.agent.pool import WarmPool
 from ftrun.agent.preload import Cache, entry_imports
+from ftrun.agent.warden import Warden
 from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
@@ -49,6 +50,14 @@ if TYPE_CHECKING:
 def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     check_master_port(config)
+    warden = Warden()  # first: whatever the agent starts from here on dies with it, even by SIGKILL
+    try:
+        return _launch(config)
+    finally:
+        warden.close()
+
+
+def _launch(config: LaunchConfig) -> int:
     proctree.become_subreaper()
     spawner: Spawner = ProcessSpawner()
     # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed);
