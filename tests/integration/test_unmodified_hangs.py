@@ -140,3 +140,95 @@ def test_on_two_nodes_each_agent_blames_the_rank_that_hung_on_the_other(
         assert "asleep_between_steps" in named["stacks"]
         assert "ROOT CAUSE  rank 1" in agent.stderr()
     assert {line for a in agents for line in a.lines if line.startswith("checksum")} == {failure_free}
+
+
+RECORDED = """
+import ctypes, os, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+kind, hung, fifo = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+faulty = attempt == 0 and rank == hung
+
+def c_call_holding_the_gil():
+    ctypes.PyDLL(None).sleep(120)  # libc's sleep, without releasing the GIL: no Python signal handler runs
+
+def busy_python_loop():
+    spins = 0
+    while True:
+        spins += 1
+
+def blocked_reading_a_file():
+    with open(fifo, "rb") as f:  # a FIFO nobody writes: the open blocks in the kernel
+        f.read()
+
+def asleep_in_c():
+    time.sleep(120)
+
+def stuck_fetching_a_sample():
+    time.sleep(120)
+
+class Samples(Dataset):
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        if faulty and kind == "dataloader" and i == 12 * 4:
+            stuck_fetching_a_sample()  # in the main thread (num_workers=0), inside the DataLoader's fetch
+        return torch.full((8,), float(i % 7))
+
+STUCK = {"gil": c_call_holding_the_gil, "loop": busy_python_loop, "file": blocked_reading_a_file, "sleep": asleep_in_c}
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, batch in enumerate(DataLoader(Samples(), batch_size=4)):
+        if step == 25:
+            break
+        if faulty and step == 12 and kind in STUCK:
+            STUCK[kind]()
+        opt.zero_grad()
+        model(batch).sum().backward()
+        opt.step()
+        time.sleep(0.02)
+    print(f"rank {rank} attempt {attempt} done", flush=True)
+    dist.destroy_process_group()
+
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "hung", "stuck_in"),
+    [
+        ("sleep", 0, "asleep_in_c"),
+        ("gil", 1, "c_call_holding_the_gil"),
+        ("loop", 0, "busy_python_loop"),
+        ("file", 1, "blocked_reading_a_file"),
+        ("dataloader", 0, "stuck_fetching_a_sample"),
+    ],
+)
+def test_a_recorded_script_blames_the_rank_that_hung_however_it_hung(
+    tmp_path: Path, script: WriteScript, kind: str, hung: int, stuck_in: str
+) -> None:
+    """torch's @record wraps every rank's main in torch.distributed.elastic frames: blame reads what the main
+    thread executes (its innermost frames), so the rank waiting in backward's all-reduce is never the one named,
+    whichever rank hung and however (C, C holding the GIL, Python, a DataLoader fetch, file I/O)."""
+    import os
+
+    script("w.py", RECORDED)
+    os.mkfifo(tmp_path / "fifo")
+    r = run_ftrun(tmp_path, *FLAGS, "w.py", kind, str(hung), str(tmp_path / "fifo"), timeout=240)
+    assert r.returncode == 0, r.stderr
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == hung, r.stderr
+    assert stuck_in in root["stacks"]
+    assert "cannot tell" not in (root.get("why") or "")
+    [waited] = r.report(0)["stopped_by_ftrun"]  # type: ignore[misc]
+    assert waited["rank"] == 1 - hung
+    assert sorted(r.stdout.splitlines()) == ["rank 0 attempt 1 done", "rank 1 attempt 1 done"]
