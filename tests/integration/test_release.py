@@ -221,8 +221,8 @@ if attempt == 0:
 def test_a_raise_restarts_beside_the_failed_workers_teardown_and_loses_nothing(
     tmp_path: Path, script: WriteScript
 ) -> None:
-    """Once every atexit handler ran, the failed warm worker counts as exited (released) and the next attempt
-    starts; its interpreter finishes its teardown meanwhile, unkilled: what it flushes is kept."""
+    """Once its script failed (traceback printed), the failed warm worker counts as exited (released) and the
+    next attempt starts; its interpreter finishes its teardown meanwhile, unkilled: what it flushes is kept."""
     script("w.py", RAISES)
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "w.py", "slow")
     assert r.returncode == 0, r.stderr

@@ -44,7 +44,6 @@ from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.events import EventKind, EventLog, summarize
 from ftrun.goodput import measure
-from ftrun.monitor.layout import FLAG_FINALIZING
 from ftrun.monitor.peers import PEER_DIR_ENV
 from ftrun.monitor.watchdog import Timeouts
 from ftrun.numa import ENV as CPU_AFFINITY_ENV
@@ -384,15 +383,15 @@ class LocalGroup:
 
     def _failing_scripts(self) -> list[Happening]:
         """A script that ended with an error wakes the agent before its interpreter's teardown (and the exit
-        its peers notice): the other ranks' stderr leaves the console before they echo its failure. Once every
-        atexit handler ran, it counts as exited where the node allows (a raise restarts as fast as a crash)."""
+        its peers notice): the other ranks' stderr leaves the console before they echo its failure, and it counts
+        as exited where the node allows, its teardown left to finish (a raise restarts as fast as a crash)."""
         exited: list[Happening] = []
         release = self._may_release()
         for w in self._processes.running:
             slot = self._watch.hangs.slot(w.local_rank)
             if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code:
                 self._mute_others(w)
-                if slot.flags & FLAG_FINALIZING and release is not None and release(w):
+                if release is not None and release(w):
                     self._processes.release_finishing(w, slot.end_code)
                     exited.append(self._exited(w))
         return exited

@@ -126,27 +126,26 @@ class _Attached:
         self._map.close()
 
     def script_ended(self, code: int) -> None:
-        """The script itself is over with ``code``; what comes next is the interpreter's teardown."""
+        """The script itself is over with ``code``; what comes next is the interpreter's teardown. After a
+        failure (its traceback printed, its error file written) the agent may restart at once, beside the
+        teardown (atexit handlers, torch's finalizers: 30-100 ms), which it leaves to finish unkilled. What the
+        job left unwritten in open files, the teardown would flush: flushed now, before the next attempt may
+        open the same files."""
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
         self._end_code = code
-        if code:  # a failure: the agent hears of it before the teardown, and before the peers notice the exit
-            self._wake_agent()
-
-    def finalizing(self) -> None:
-        """Every atexit handler has run (ftrun's runs last): after a failure the agent may restart now, beside
-        the interpreter's own finalization (a torch process takes 0.2-1 s to tear down), without cutting it.
-        What the job left unwritten in open files, the finalization would flush: flushed now, before the next
-        attempt may open the same files."""
-        self._flags |= layout.FLAG_FINALIZING
-        self._write_flags()
-        if self._end_code:
+        if code:
             for obj in gc.get_objects():  # the job's own objects: the zygote's are frozen out of this list
                 if isinstance(obj, io.BufferedWriter | io.BufferedRandom | io.TextIOWrapper):
                     with contextlib.suppress(Exception):
                         obj.flush()
-            self._wake_agent()
+            self._wake_agent()  # before its peers notice the exit
+
+    def finalizing(self) -> None:
+        """Every atexit handler has run (ftrun's runs last): only the interpreter's own finalization is left."""
+        self._flags |= layout.FLAG_FINALIZING
+        self._write_flags()
 
     def _wake_agent(self) -> None:
         with contextlib.suppress(OSError):
