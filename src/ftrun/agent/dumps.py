@@ -57,16 +57,25 @@ class StackDumps(Generic[T]):
             dump: Future[str] = Future()
             dumps[rank] = dump
             dump.add_done_callback(self._wake)
-            args = (dump, w.pid, listens.get(rank, False), self._stacks_file(w))
+            try:  # opened now, while the worker is not reaped: its pid is still its own
+                pidfd: int | None = os.pidfd_open(w.pid)
+            except OSError:
+                pidfd = None
+            args = (dump, w.pid, pidfd, listens.get(rank, False), self._stacks_file(w))
             threading.Thread(target=self._dump, args=args, name=f"ftrun-stacks-{rank}", daemon=True).start()
         self._batches.append(_Batch(dumps, then))
 
-    def _dump(self, into: Future[str], pid: int, listens: bool, stacks_file: Path) -> None:
+    def _dump(self, into: Future[str], pid: int, pidfd: int | None, listens: bool, stacks_file: Path) -> None:
         with self._slots:
             try:
-                text = dump_stacks(pid, client_listens=listens, stacks_file=stacks_file, signal_number=STACK_SIGNAL)
+                text = dump_stacks(
+                    pid, client_listens=listens, stacks_file=stacks_file, signal_number=STACK_SIGNAL, pidfd=pidfd
+                )
             except Exception as e:  # a bug in a dump costs that rank's stacks, never the verdict
                 text = f"(no stacks: the dump failed: {type(e).__name__}: {e})"
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
             into.set_result(text)
 
     def busy(self) -> set[int]:

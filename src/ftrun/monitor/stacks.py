@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,8 +22,11 @@ PY_SPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
 
 
-def dump_stacks(pid: int, *, client_listens: bool, stacks_file: Path, signal_number: int) -> str:
-    """The stacks as text, or a line saying why there are none."""
+def dump_stacks(
+    pid: int, *, client_listens: bool, stacks_file: Path, signal_number: int, pidfd: int | None = None
+) -> str:
+    """The stacks as text, or a line saying why there are none. ``pidfd``: the worker's, opened while it was
+    known alive: the stack signal then never reaches another process that took its pid."""
     py_spy = shutil.which("py-spy")
     why = "py-spy is not installed"
     stopped = is_stopped(pid)
@@ -47,13 +51,17 @@ def dump_stacks(pid: int, *, client_listens: bool, stacks_file: Path, signal_num
         return f"(no stacks: {why}, and the worker never started ftrun's client)"
     if stopped:
         return f"(no stacks: {why}, and the worker is stopped (state T): it cannot run its fault handler)"
-    return _faulthandler(pid, stacks_file, signal_number) or f"(no stacks: {why}, and faulthandler wrote nothing)"
+    dumped = _faulthandler(pid, stacks_file, signal_number, pidfd)
+    return dumped or f"(no stacks: {why}, and faulthandler wrote nothing)"
 
 
-def _faulthandler(pid: int, path: Path, signal_number: int) -> str:
+def _faulthandler(pid: int, path: Path, signal_number: int, pidfd: int | None = None) -> str:
     before = path.stat().st_size if path.exists() else 0
     try:
-        os.kill(pid, signal_number)
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal_number)
+        else:
+            os.kill(pid, signal_number)
     except ProcessLookupError:
         return ""
     # The handler writes synchronously but in another process: wait (bounded) until the file
