@@ -58,7 +58,7 @@ print(json.dumps({"loop": timed(nothing), "heartbeat": timed(ftrun.heartbeat), "
 AUTO_COST = """
 import json, sys, time
 import torch
-from ftrun.monitor.autobeat import _after_step  # what torch calls after every optimizer step
+from ftrun.worker.autobeat import _after_step  # what torch calls after every optimizer step
 BATCH, BATCHES = 100, 10_000
 costs = []
 for _ in range(BATCHES):

@@ -1,15 +1,15 @@
 """ftrun: a fault-tolerant, elastic launcher for distributed training.
 
 This namespace is the worker API only: what a training script calls. The
-launcher itself is the ``ftrun`` command (:mod:`ftrun.cli`).
+launcher itself is the ``ftrun`` command (:mod:`ftrun.cli.main`).
 """
 
-from ftrun.errorfile import record
-from ftrun.monitor.calculated import calculate_timeouts, load_monitor_state, monitor_state
-from ftrun.monitor.client import end_all_sections, end_section, heartbeat, section, start_section
-from ftrun.monitor.nvidia import RankMonitorClient
-from ftrun.monitor.peers import start_peer_heartbeat
-from ftrun.monitor.workload import exclude_this_node, request_restart, stop_job
+from ftrun.worker.calculated import calculate_timeouts, load_monitor_state, monitor_state
+from ftrun.worker.client import end_all_sections, end_section, heartbeat, section, start_section
+from ftrun.worker.errorfile import record
+from ftrun.worker.nvidia import RankMonitorClient
+from ftrun.worker.peers import start_peer_heartbeat
+from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 
 __version__ = "0.1.0"
 

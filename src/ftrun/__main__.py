@@ -2,6 +2,6 @@
 
 import sys
 
-from ftrun.cli import main
+from ftrun.cli.main import main
 
 sys.exit(main())

@@ -1,9 +1,9 @@
 """The launch configuration: frozen records, built once by the CLI from validated flags.
 
-Nothing here reads the environment or parses text: :mod:`ftrun.flags` and
-:mod:`ftrun.hang_flags` turn flag values into these records (raising
+Nothing here reads the environment or parses text: :mod:`ftrun.cli.flags` and
+:mod:`ftrun.cli.hang_flags` turn flag values into these records (raising
 :class:`~ftrun.errors.ConfigError` naming the flag and the fix), and
-:mod:`ftrun.cli` assembles them.
+:mod:`ftrun.cli.main` assembles them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ftrun.monitor.watchdog import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
+from ftrun.worker.timeouts import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
 DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"  # torchrun's tee prefix: [default0]:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from ftrun.ports import reserve_port
+from ftrun.node.ports import reserve_port
 from ftrun.testing.etcd import EtcdHarness
 
 RUN_ID = "t"

@@ -52,7 +52,7 @@ SEES = """
 import json, os, sys
 print(json.dumps({
     "pid": os.getpid(),
-    "client_attached": "ftrun.monitor.client" in sys.modules,
+    "client_attached": "ftrun.worker.client" in sys.modules,
     "torch": "torch" in sys.modules,
     "pythonpath": os.environ.get("PYTHONPATH"),
     "ftrun_boot": [k for k in os.environ if k.startswith("FTRUN_BOOT")],

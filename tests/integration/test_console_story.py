@@ -79,6 +79,6 @@ def test_a_clean_run_and_a_failure_with_no_restart_say_only_what_is_true(tmp_pat
 
 
 def _oom_kills() -> int | None:
-    from ftrun.reporting import oom_kills
+    from ftrun.observe.reporting import oom_kills
 
     return oom_kills()

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from ftrun.agent.hangs import HangWatch
 from ftrun.monitor import stacks
-from ftrun.monitor.table import STACK_SIGNAL, MonitorTable
+from ftrun.monitor.hangs import HangWatch
+from ftrun.monitor.table import MonitorTable
+from ftrun.worker.signals import STACK_SIGNAL
 from tests.integration.conftest import LiveFtrun, Result, WriteScript, run_ftrun, until
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
@@ -310,7 +311,7 @@ def test_a_corrupt_monitor_slot_is_a_failure_with_a_report_not_an_unwatched_rank
         f"""
 import mmap, os, struct, time
 import ftrun
-from ftrun.monitor.layout import IDLE, OFF_IDLE, SLOT_SIZE, slot_offset
+from ftrun.worker.layout import IDLE, OFF_IDLE, SLOT_SIZE, slot_offset
 
 ftrun.heartbeat()
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":

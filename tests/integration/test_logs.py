@@ -130,7 +130,7 @@ def test_a_huge_line_is_shown_cut_and_kept_whole_and_carriage_returns_end_lines(
     tmp_path: Path, script: WriteScript
 ) -> None:
     """The agent never keeps more than MAX_LINE of a line unended (it once kept and re-scanned it all)."""
-    from ftrun.agent.logs import MAX_LINE
+    from ftrun.procs.logs import MAX_LINE
 
     script("w.py", LONG_LINES)
     r = run_ftrun(tmp_path, "--tee", "1", "w.py")

@@ -131,7 +131,7 @@ def test_a_peer_out_of_step_is_reported_with_its_restart() -> None:
     """Two ring members on real loopback UDP sockets, one a restart behind: each reports the other."""
     import threading
 
-    from ftrun.monitor.peers import PeerHeartbeat
+    from ftrun.worker.peers import PeerHeartbeat
 
     book: dict[int, tuple[str, int]] = {}
     both = threading.Barrier(2, timeout=WAIT_S)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent import pool as pool_module
-from ftrun.agent.pool import WarmPool
+from ftrun.warm import pool as pool_module
+from ftrun.warm.pool import WarmPool
 from tests.integration.conftest import until
 
 # Preloading this takes as long as the test needs: it says it started, then sleeps in its import.

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.agent import proctree
-from ftrun.agent.logs import RankPaths
-from ftrun.agent.workers import Worker, frees_its_ports
-from ftrun.devices import accelerators_visible
+from ftrun.node.devices import accelerators_visible
+from ftrun.procs import proctree
+from ftrun.procs.logs import RankPaths
+from ftrun.procs.workers import Worker, frees_its_ports
 from tests.integration.conftest import WriteScript, run_ftrun
 
 # Rank 1 fails once rank 0 has written its line (a FIFO: no timing); rank 0 then waits to be stopped.

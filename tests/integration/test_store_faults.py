@@ -290,8 +290,8 @@ def test_etcd_over_tls_with_client_certificates() -> None:
 def test_a_wait_for_another_nodes_record_ends_when_a_signal_to_ftrun_comes(client: TcpStoreClient) -> None:
     """The board's cross-check waits up to 5 s for another node's verdict; a signal to ftrun ends it (the
     agent then acts on the signal) instead of being left until the wait is over."""
-    from ftrun.agent.board import JobBoard
     from ftrun.clock import SystemClock
+    from ftrun.job.board import JobBoard
 
     board = JobBoard(client, "run", "node-a", SystemClock())
     looks = []

@@ -209,7 +209,7 @@ def test_sigkill_of_ftrun_leaves_no_descendant_even_in_its_own_session(
 ) -> None:
     """The parent-death signal reaches the workers only; the warden ends what they started in sessions of their
     own: by the agent's cgroup where the machine allows one, else by the tree it last saw and the environment."""
-    from ftrun.agent.warden import MODE_ENV, _cgroup2_mount
+    from ftrun.procs.warden import MODE_ENV, _cgroup2_mount
 
     if containment == "cgroup" and _cgroup2_mount() is None:
         pytest.skip("no cgroup v2 on this machine")

@@ -198,7 +198,7 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
                 ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-            if b"ftrun.agent.zygote" in cmdline and ppid == agent and int(pid) != os.getpid():  # zygotes, standbys
+            if b"ftrun.warm.zygote" in cmdline and ppid == agent and int(pid) != os.getpid():  # zygotes, standbys
                 os.kill(int(pid), signal.SIGKILL)
                 print("killed the pool", flush=True)
         time.sleep(0.02)

@@ -136,3 +136,27 @@ def test_the_at_fork_handlers_of_preloaded_libraries_run_in_a_warm_worker(
         ran = json.loads(r.log(attempt, 0))
         assert ran["c"] >= 1, ran
         assert ran["python"] >= 1, ran
+
+
+LOADED = """
+import sys
+print(" ".join(sorted(m for m in sys.modules if m == "ftrun" or m.startswith("ftrun."))), flush=True)
+"""
+# What a worker process may hold of ftrun: the worker side. A warm worker also holds the (empty) package of the
+# zygote it was forked from, whose module is the process's __main__.
+WORKER_SIDE = {"ftrun", "ftrun.errors", "ftrun.jsonobject"}
+
+
+@pytest.mark.parametrize("how", ["warm", "fresh"])
+def test_a_worker_process_loads_only_worker_side_ftrun_modules(tmp_path: Path, script: WriteScript, how: str) -> None:
+    script("w.py", LOADED)
+    flags = ["--max-restarts", "1"] if how == "warm" else ["--no-warm"]
+    r = run_ftrun(tmp_path, *flags, "w.py")
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stdout.split())
+    assert "ftrun.worker.client" in loaded  # the walk sees what it should: the client attached before the job
+    allowed = WORKER_SIDE | ({"ftrun.warm"} if how == "warm" else set())
+    agent_side = {m for m in loaded if m not in allowed and not m.startswith("ftrun.worker.") and m != "ftrun.worker"}
+    assert not agent_side, f"a {how} worker loaded agent-side modules: {sorted(agent_side)}"
+    if how == "warm":
+        assert "ftrun.worker.fresh" in loaded  # it was forked from a zygote (what a fresh process has, restored)

@@ -24,9 +24,9 @@ PURE = [
     "ftrun.store.kv",
     "ftrun.rendezvous.state",
     "ftrun.monitor.watchdog",
-    "ftrun.monitor.layout",
+    "ftrun.worker.layout",
     "ftrun.monitor.blame",
-    "ftrun.monitor.requests",
+    "ftrun.worker.requests",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {
@@ -124,7 +124,7 @@ def test_pure_modules_are_pure_all_the_way_down(name: str) -> None:
 
 
 def test_the_purity_check_can_fail() -> None:
-    assert "os" in reach("ftrun.agent.workers")  # the walk follows imports to the standard library
+    assert "os" in reach("ftrun.procs.workers")  # the walk follows imports to the standard library
 
 
 @pytest.mark.parametrize("name", sorted(modules()))
@@ -146,3 +146,92 @@ def test_no_agent_class_inherits_another_of_ftrun() -> None:
             if isinstance(node, ast.ClassDef):
                 bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
                 assert not bases & ours, f"{name}.{node.name} inherits {bases & ours}"
+
+
+# --- the house: packages by process boundary and concept (docs/ARCHITECTURE.md) ---------------------------
+
+BASICS = {"errors", "clock", "jsonobject", "reminder"}  # modules directly under ftrun, below every package
+# Which package (or module directly under ftrun) may import which. Each names only what lies below it.
+MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    "clock": set(),
+    "jsonobject": set(),
+    "reminder": set(),
+    "worker": {"errors", "jsonobject"},  # runs inside the workers: nothing of the agent's
+    "config": {"worker", "errors"},
+    "node": {"errors"},
+    "store": {"node", "clock", "errors", "jsonobject"},
+    "rendezvous": {"store", "clock", "errors", "jsonobject"},
+    "procs": {"worker", "node", "config", "clock", "errors"},
+    "job": {"store", "rendezvous", "worker", "clock", "errors"},
+    "observe": {"procs", "job", "store", "worker", "config", "clock", "errors"},
+    "monitor": {"procs", "observe", "worker", "config", "clock", "errors", "reminder"},
+    "warm": {"procs", "worker", "node", "config", "clock", "errors"},
+    "agent": {"warm", "monitor", "observe", "job", "procs", "rendezvous", "store", "worker", "node", "config", *BASICS},
+    "cli": {
+        "agent",
+        "warm",
+        "monitor",
+        "observe",
+        "job",
+        "procs",
+        "rendezvous",
+        "store",
+        "worker",
+        "node",
+        "config",
+        "ftrun",
+        *BASICS,
+    },
+    "testing": {"procs", "node", "store", "clock", "errors"},
+    "ftrun": {"worker"},  # the package itself is the worker API
+    "__main__": {"cli"},
+}
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def place(module: str) -> str:
+    """The package a module is in, or its own name for a module directly under ftrun ("ftrun": the package)."""
+    parts = module.split(".")
+    return "ftrun" if len(parts) == 1 else parts[1]
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    edges: dict[tuple[str, str], list[str]] = {}
+    for m in modules():
+        for n in ftrun_imports(m):
+            if place(m) != place(n):
+                edges.setdefault((place(m), place(n)), []).append(f"{m} -> {n}")
+    return edges
+
+
+def test_every_place_has_its_rules() -> None:
+    assert {place(m) for m in modules()} <= set(MAY_IMPORT)
+
+
+@pytest.mark.parametrize("importer", sorted(MAY_IMPORT))
+def test_packages_import_only_what_lies_below_them(importer: str) -> None:
+    bad = {(a, b): why for (a, b), why in package_edges().items() if a == importer and b not in MAY_IMPORT[a]}
+    assert not bad, "; ".join(f"{a} may not import {b} ({why[0]})" for (a, b), why in bad.items())
+
+
+def test_no_cycle_between_packages() -> None:
+    """The rules themselves form no cycle: every package can be put below the ones that import it."""
+    placed: list[str] = []
+    left = dict(MAY_IMPORT)
+    while left:
+        ready = [p for p, below in left.items() if below <= set(placed)]
+        assert ready, f"a cycle among {sorted(left)}"
+        placed += ready
+        for p in ready:
+            del left[p]
+
+
+def test_the_package_rules_can_fail() -> None:
+    assert ("agent", "warm") in package_edges()  # the walk sees real edges between packages
+    assert "agent" not in MAY_IMPORT["worker"]
+
+
+def test_at_most_eight_modules_directly_under_ftrun() -> None:
+    top = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from ftrun import cli
-from ftrun.addresses import parse_endpoint
+from ftrun.cli import main as cli
+from ftrun.cli.flags import omp_threads
+from ftrun.cli.rdzv_flags import parse_rdzv_conf, store_token
 from ftrun.config import EntrypointKind, LaunchConfig, RdzvConf, Std
-from ftrun.devices import count_gpus
 from ftrun.errors import ConfigError
-from ftrun.flags import omp_threads
-from ftrun.rdzv_flags import parse_rdzv_conf, store_token
+from ftrun.node.addresses import parse_endpoint
+from ftrun.node.devices import count_gpus
 
 
 @pytest.fixture

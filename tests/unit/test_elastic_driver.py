@@ -27,9 +27,9 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.elastic import Phase, State, initial, step
 from ftrun.agent.env import Placement
-from ftrun.monitor.requests import Action as Ask
-from ftrun.monitor.requests import Request
 from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment, RoundRecord, Status
+from ftrun.worker.requests import Action as Ask
+from ftrun.worker.requests import Request
 
 TWO = frozenset({0, 1})
 

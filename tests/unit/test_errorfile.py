@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import ftrun
-from ftrun.errorfile import read_error_file
 from ftrun.errors import ErrorFileError
+from ftrun.worker.errorfile import read_error_file
 
 
 def test_record_writes_the_exception_and_reraises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

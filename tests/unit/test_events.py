@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.events import Event, EventKind, EventLog, read_events, summarize
+from ftrun.observe.events import Event, EventKind, EventLog, read_events, summarize
 from ftrun.testing import FakeClock
 
 

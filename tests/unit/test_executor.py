@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from ftrun import cli
 from ftrun.agent import elastic, static
 from ftrun.agent.executor import Executor
 from ftrun.agent.group import LocalGroup
 from ftrun.agent.launch import rendezvous_for, static_plan
-from ftrun.agent.logs import Console
+from ftrun.cli import main as cli
 from ftrun.config import LaunchConfig
+from ftrun.procs.logs import Console
 from ftrun.store.memory import MemoryStore
 from ftrun.testing.clock import FakeClock
 from ftrun.testing.spawner import EXIT_0, RUNS, STUBBORN, Behaviour, FakeProcess, FakeSpawner, Script

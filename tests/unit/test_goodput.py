@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from ftrun.events import Event, EventKind
-from ftrun.goodput import measure
+from ftrun.observe.events import Event, EventKind
+from ftrun.observe.goodput import measure
 
 
 def ev(kind: EventKind, mono: float, **data: Any) -> Event:

@@ -6,7 +6,7 @@ import socket
 from types import ModuleType
 from typing import Any
 
-from ftrun.monitor.master_wait import await_listening, hook_rendezvous
+from ftrun.worker.master_wait import await_listening, hook_rendezvous
 
 
 def test_a_listening_port_is_seen_and_a_closed_one_is_given_up_on_at_the_bound() -> None:

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from ftrun.monitor import calculated, client
-from ftrun.monitor.layout import IDLE, OFF_IDLE, OFF_STEP, STEP, CorruptSlot, SlotView, slot_offset
 from ftrun.monitor.table import MonitorTable
-from ftrun.monitor.watchdog import Timeouts, published
+from ftrun.monitor.watchdog import published
+from ftrun.worker import calculated, client
+from ftrun.worker.layout import IDLE, OFF_IDLE, OFF_STEP, STEP, CorruptSlot, SlotView, slot_offset
+from ftrun.worker.timeouts import Timeouts
 
 _attached: list[client._Attached] = []
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.numa import CannotBind, format_cpus, parse_cpus, plan
+from ftrun.node.numa import CannotBind, format_cpus, parse_cpus, plan
 
 GPUS = {"0000:1b:00.0": 0, "0000:3d:00.0": 0, "0000:9a:00.0": 1, "0000:bc:00.0": 1}  # PCI order -> NUMA node
 

@@ -7,9 +7,9 @@ import os
 import sysconfig
 from pathlib import Path
 
-from ftrun.agent.pool import worker_request
-from ftrun.agent.preload import Cache, installed_modules, read_modules_report
 from ftrun.config import Entrypoint, EntrypointKind
+from ftrun.warm.pool import worker_request
+from ftrun.warm.preload import Cache, installed_modules, read_modules_report
 
 PY = "/usr/bin/python3"
 
@@ -39,7 +39,7 @@ def test_only_installed_modules_are_preloaded(tmp_path: Path) -> None:
         "torch._dynamo": os.path.join(site, "torch", "_dynamo", "__init__.py"),
         "mymodel": str(tmp_path / "mymodel.py"),  # the job's own code: may read RANK at import
         "__main__": str(tmp_path / "train.py"),
-        "ftrun.monitor.client": os.path.join(site, "ftrun", "monitor", "client.py"),
+        "ftrun.worker.client": os.path.join(site, "ftrun", "monitor", "client.py"),
         "sys": None,  # built in: nothing to preload
     }
     assert installed_modules(list(files), files) == ["json", "torch", "torch._dynamo"]

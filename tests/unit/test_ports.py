@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun import ports
+from ftrun.node import ports
 
 
 def test_skips_ports_another_ftrun_took_recently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

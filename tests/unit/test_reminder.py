@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ftrun.agent.reminder import Reminder
-from ftrun.agent.watch import NOTICE_AFTER_S, NOTICE_EVERY_S, MeetingNotice
+from ftrun.monitor.watch import NOTICE_AFTER_S, NOTICE_EVERY_S, MeetingNotice
+from ftrun.reminder import Reminder
 
 
 def test_a_wait_is_said_after_the_first_delay_then_at_each_interval_and_forgotten_when_over() -> None:

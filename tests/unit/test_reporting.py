@@ -7,10 +7,10 @@ import os
 import signal
 from pathlib import Path
 
-from ftrun.agent.logs import RankPaths
-from ftrun.agent.workers import Worker, WorkerState
-from ftrun.errorfile import exception_record
-from ftrun.reporting import build_report, render, write_json
+from ftrun.observe.reporting import build_report, render, write_json
+from ftrun.procs.logs import RankPaths
+from ftrun.procs.workers import Worker, WorkerState
+from ftrun.worker.errorfile import exception_record
 
 
 def worker(
@@ -147,7 +147,7 @@ def test_a_process_that_is_not_the_agents_child_has_no_status_to_reap() -> None:
     """AdoptedHandle.reap on a process this one did not parent: None (unknown), not a made-up code."""
     import subprocess
 
-    from ftrun.agent.zygotes import AdoptedHandle
+    from ftrun.warm.zygotes import AdoptedHandle
 
     # A grandchild: its parent (sh) exits at once, so it is re-parented to init, never this process's child.
     out = subprocess.run(["sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ftrun.monitor.requests import MAX_REASON_BYTES, Action, Request, decode, encode
+from ftrun.worker.requests import MAX_REASON_BYTES, Action, Request, decode, encode
 
 
 @pytest.mark.parametrize("action", [a.value for a in Action if a is not Action.PEER_FAILED])

@@ -22,7 +22,7 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.env import Placement
 from ftrun.agent.static import Phase, Plan, State, step
-from ftrun.monitor.requests import Action, Request
+from ftrun.worker.requests import Action, Request
 
 TWO = frozenset({0, 1})
 PLAN = Plan(max_restarts=2, placement=Placement(1, 2, 2, 4), master_addr="node0", master_port=29500)

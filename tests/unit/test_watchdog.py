@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from ftrun.monitor.layout import FLAG_EXITING, SlotView
-from ftrun.monitor.watchdog import BLAME_WINDOW_S, MIN_CALCULATED_S, Timeouts, Watched, published, scaled, scan
+from ftrun.monitor.watchdog import BLAME_WINDOW_S, Watched, published, scan
+from ftrun.worker.layout import FLAG_EXITING, SlotView
+from ftrun.worker.timeouts import MIN_CALCULATED_S, Timeouts, scaled
 
 
 def slot(

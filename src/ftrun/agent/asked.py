@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ftrun.agent.driver import Happening, Requested
-from ftrun.agent.workers import Hang, Worker, WorkerState
 from ftrun.clock import Clock
-from ftrun.events import EventKind
-from ftrun.monitor.peers import read_address
-from ftrun.monitor.requests import Action, Request
+from ftrun.observe.events import EventKind
+from ftrun.procs.workers import Hang, Worker, WorkerState
+from ftrun.worker.peers import read_address
+from ftrun.worker.requests import Action, Request
 
 
 class Asked:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ftrun.agent.env import Placement
-from ftrun.monitor.requests import Request
 from ftrun.rendezvous.state import Decision, Local
+from ftrun.worker.requests import Request
 
 EXIT_EXCLUDED = 3  # ftrun's exit code when a worker excluded its node (ftrun.exclude_this_node)
 

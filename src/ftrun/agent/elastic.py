@@ -50,8 +50,8 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.env import Placement
-from ftrun.monitor.requests import Action as RequestAction
 from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
+from ftrun.worker.requests import Action as RequestAction
 
 
 class Phase(enum.Enum):

@@ -16,7 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ftrun.agent.agreement import TimeoutAgreement
 from ftrun.agent.driver import (
     AskRendezvous,
     Command,
@@ -31,8 +30,9 @@ from ftrun.agent.driver import (
     Transition,
 )
 from ftrun.agent.group import LocalGroup
-from ftrun.agent.reminder import Reminder
 from ftrun.clock import Clock
+from ftrun.job.agreement import TimeoutAgreement
+from ftrun.reminder import Reminder
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.state import Action
 

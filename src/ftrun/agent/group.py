@@ -19,7 +19,6 @@ from pathlib import Path
 
 from ftrun.agent import env as worker_env
 from ftrun.agent.asked import Asked
-from ftrun.agent.board import JobBoard
 from ftrun.agent.driver import (
     Finish,
     Happening,
@@ -31,23 +30,23 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.logs import Console, Duplicate, LineSink, RankOutput, RankPaths, fresh_dir
-from ftrun.agent.peer_relay import PeerRelay
-from ftrun.agent.pool import WarmPool
-from ftrun.agent.reports import Attempt, Reports
-from ftrun.agent.signals import SignalWakeup
-from ftrun.agent.signals import name as signal_name
-from ftrun.agent.status import NodeStatus, progress
-from ftrun.agent.watch import WorkerWatch
-from ftrun.agent.workers import AttemptProcesses, Spawner, Worker, WorkerState, may_release
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
-from ftrun.events import EventKind, EventLog, summarize
-from ftrun.goodput import measure
-from ftrun.monitor.peers import PEER_DIR_ENV
-from ftrun.monitor.watchdog import Timeouts
-from ftrun.numa import ENV as CPU_AFFINITY_ENV
-from ftrun.reporting import oom_kills, write_launcher_error_file
+from ftrun.job.board import JobBoard
+from ftrun.job.peer_relay import PeerRelay
+from ftrun.monitor.watch import WorkerWatch
+from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
+from ftrun.observe.events import EventKind, EventLog, summarize
+from ftrun.observe.goodput import measure
+from ftrun.observe.node_status import NodeStatus, progress
+from ftrun.observe.reporting import oom_kills, write_launcher_error_file
+from ftrun.observe.reports import Attempt, Reports
+from ftrun.procs.logs import Console, Duplicate, LineSink, RankOutput, RankPaths, fresh_dir
+from ftrun.procs.signals import SignalWakeup
+from ftrun.procs.signals import name as signal_name
+from ftrun.procs.workers import AttemptProcesses, Spawner, WarmPoolControl, Worker, WorkerState, may_release
+from ftrun.worker.peers import PEER_DIR_ENV
+from ftrun.worker.timeouts import Timeouts
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"
@@ -58,11 +57,15 @@ class LocalGroup:
     """Effects on this node's workers. Construction opens the run's log directory and event log and takes
     over SIGINT/SIGTERM/SIGHUP; :meth:`close` gives everything back and leaves no worker behind."""
 
-    def __init__(self, config: LaunchConfig, *, spawner: Spawner, clock: Clock, console: Console, host: str) -> None:
+    def __init__(
+        self, config: LaunchConfig, *, spawner: Spawner, clock: Clock, console: Console, host: str,
+        pool: WarmPoolControl | None = None,
+    ) -> None:  # fmt: skip
+        """``pool``: the warm pool, when ``spawner`` is one (held while a restart starts, told what was learned)."""
         self.config = config
         self.host = host
         self._spawner = spawner
-        self._pool = spawner if isinstance(spawner, WarmPool) else None  # the warm pool, when there is one
+        self._pool = pool
         self._clock = clock
         self._console = console
         self.run_dir = fresh_dir(config.logs.base_dir / config.run_id)

@@ -17,33 +17,34 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
-from ftrun.addresses import DEFAULT_STORE_PORT
-from ftrun.agent import elastic, proctree, static
-from ftrun.agent.agreement import TimeoutAgreement
-from ftrun.agent.board import JobBoard
+from ftrun.agent import elastic, static
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement, startup_env
-from ftrun.agent.exclusions import Exclusions
 from ftrun.agent.executor import Executor
-from ftrun.agent.exit_barrier import ExitBarrier
 from ftrun.agent.group import LocalGroup
-from ftrun.agent.logs import Console
-from ftrun.agent.pool import WarmPool
-from ftrun.agent.preload import Cache, entry_imports
-from ftrun.agent.warden import Warden
-from ftrun.agent.workers import ProcessSpawner, Spawner
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
 from ftrun.errors import ConfigError, FtrunError
-from ftrun.events import EventKind
-from ftrun.ports import in_use, is_local_address, reserve_port
+from ftrun.job.agreement import TimeoutAgreement
+from ftrun.job.board import JobBoard
+from ftrun.job.exclusions import Exclusions
+from ftrun.job.exit_barrier import ExitBarrier
+from ftrun.node.addresses import DEFAULT_STORE_PORT
+from ftrun.node.ports import in_use, is_local_address, reserve_port
+from ftrun.observe.events import EventKind
+from ftrun.procs import proctree
+from ftrun.procs.logs import Console
+from ftrun.procs.warden import Warden
+from ftrun.procs.workers import ProcessSpawner, Spawner
 from ftrun.rendezvous.driver import Me, Rendezvous, Timing
 from ftrun.rendezvous.state import Rules
 from ftrun.store.base import Store
 from ftrun.store.factory import open_store
+from ftrun.warm.pool import WarmPool
+from ftrun.warm.preload import Cache, entry_imports
 
 if TYPE_CHECKING:
-    from ftrun.metrics import Metrics
+    from ftrun.observe.metrics import Metrics
     from ftrun.store.tcp_server import TcpStoreServer
 
 
@@ -68,9 +69,10 @@ def _launch(config: LaunchConfig) -> int:
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     metrics = serve_metrics(config)  # a port that cannot be served fails before anything starts
-    group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname())
+    pool = spawner if isinstance(spawner, WarmPool) else None
+    group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname(), pool=pool)
     if metrics is not None:
-        metrics.watch(group)
+        metrics.watch(group.events, group.status, config.run_id)
         group.say(f"Prometheus metrics at {metrics.url}")
     try:
         server = host_store(config, group)
@@ -90,7 +92,7 @@ def _launch(config: LaunchConfig) -> int:
 def serve_metrics(config: LaunchConfig) -> Metrics | None:
     if config.metrics is None:
         return None
-    from ftrun.metrics import Metrics  # prometheus-client: only when asked for
+    from ftrun.observe.metrics import Metrics  # prometheus-client: only when asked for
 
     host, port = config.metrics
     return Metrics(host, port)

@@ -43,7 +43,7 @@ from ftrun.agent.driver import (
     WorkersStopped,
 )
 from ftrun.agent.env import Placement
-from ftrun.monitor.requests import Action
+from ftrun.worker.requests import Action
 
 
 class Phase(enum.Enum):

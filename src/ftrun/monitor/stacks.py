@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ftrun.agent.proctree import is_stopped
+from ftrun.procs.proctree import is_stopped
 
 PY_SPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0

@@ -1,4 +1,4 @@
-"""The monitor table: a shared-memory file with one slot per local rank (layout: :mod:`ftrun.monitor.layout`).
+"""The monitor table: a shared-memory file with one slot per local rank (layout: :mod:`ftrun.worker.layout`).
 
 The agent creates it for each attempt as an anonymous memory file (memfd) and
 gives the workers its path under ``/proc/<agent pid>/fd``: it vanishes with
@@ -14,10 +14,9 @@ import contextlib
 import mmap
 import os
 import platform
-import signal
 from pathlib import Path
 
-from ftrun.monitor.layout import (
+from ftrun.worker.layout import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -29,9 +28,6 @@ from ftrun.monitor.layout import (
     parse_slot,
     slot_offset,
 )
-
-STACK_SIGNAL = signal.SIGRTMIN + 7  # rarely used by anything else; harmless unless the client registered it
-REQUEST_SIGNAL = signal.SIGRTMIN + 6  # a worker wakes its agent with it after writing a workload request
 
 # x86 keeps one process's stores in program order for every other (total store order): a copy taken between two
 # equal even sequence numbers is whole. ARM (e.g. Grace nodes) and POWER may show another core the stores out of
@@ -76,15 +72,6 @@ class MonitorTable:
             self._map.close()
             os.close(self._fd)
             self._fd = -1
-
-
-def check_header(mapping: mmap.mmap, slot: int) -> None:
-    """The client's check that it mapped a table it understands; raises ValueError."""
-    magic, version, slots, slot_size = HEADER.unpack_from(mapping, 0)
-    if magic != MAGIC or version != VERSION or slot_size != SLOT_SIZE:
-        raise ValueError(f"not an ftrun monitor table of version {VERSION}")
-    if not 0 <= slot < slots:
-        raise ValueError(f"slot {slot} is outside the table ({slots} slots)")
 
 
 def read_slot(

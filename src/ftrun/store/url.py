@@ -5,8 +5,8 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass, field
 
-from ftrun.addresses import DEFAULT_ETCD_PORT, DEFAULT_STORE_PORT, parse_endpoint
 from ftrun.errors import ConfigError
+from ftrun.node.addresses import DEFAULT_ETCD_PORT, DEFAULT_STORE_PORT, parse_endpoint
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from ftrun.agent.proctree import die_with_parent_hook
-from ftrun.ports import reserve_port
+from ftrun.node.ports import reserve_port
+from ftrun.procs.proctree import die_with_parent_hook
 
 READY_TEXT = b"ready to serve client requests"
 

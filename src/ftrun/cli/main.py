@@ -1,0 +1,194 @@
+"""Command line: torchrun's flags (both spellings) parsed into a LaunchConfig.
+
+Only parsing lives here; every value is checked by :mod:`ftrun.cli.flags`. A bad
+flag prints one line naming it and the fix, and exits 2 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+
+from ftrun import config as cfg
+from ftrun.cli import flags, nvidia_ft, rdzv_flags
+from ftrun.cli.argparser import build_parser
+from ftrun.cli.hang_flags import HANG_KEYS, parse_hang
+from ftrun.errors import ConfigError, FtrunError
+from ftrun.node import addresses
+from ftrun.node.devices import accelerators_visible
+
+EXIT_USAGE = 2
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.LaunchConfig:
+    """Parse and validate ``argv``; raises ConfigError naming the flag and the fix."""
+    a = build_parser(environ, version()).parse_args(list(argv))
+    notices: list[str] = []
+    nnodes = flags.parse_nnodes(a.nnodes)
+    nproc = flags.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
+    node_rank = flags.parse_int("--node-rank", a.node_rank, minimum=0)
+    if node_rank >= nnodes.max:
+        raise ConfigError("--node-rank", f"{node_rank} is not below --nnodes {nnodes.max}", "pass --node-rank 0")
+    master_port = None if a.master_port is None else addresses.parse_port("--master-port", a.master_port)
+    if a.rdzv_backend not in flags.RDZV_BACKENDS:
+        raise ConfigError(
+            "--rdzv-backend",
+            f"unknown backend {a.rdzv_backend!r}",
+            f"use one of {', '.join(flags.RDZV_BACKENDS)}",
+        )
+    conf = rdzv_flags.parse_rdzv_conf(a.rdzv_conf)
+    store_url = _check_nodes(a, nnodes, conf.etcd)
+    if a.rdzv_backend == "static" and nnodes.max > 1:
+        master_port = master_port or addresses.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
+    if a.start_method not in flags.START_METHODS:
+        raise ConfigError(
+            "--start-method",
+            f"unknown start method {a.start_method!r}",
+            f"use one of {', '.join(flags.START_METHODS)}",
+        )
+    run_id = rdzv_flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
+    if a.standalone and a.rdzv_id not in (None, "none"):
+        notices.append(f"--rdzv-id {a.rdzv_id} has no effect with --standalone (as in torchrun): the run is {run_id}")
+    level = flags.parse_loglevel(environ)
+    host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
+    token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store_url)
+    logs = cfg.LogSpec(
+        base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
+        redirects=flags.parse_std("--redirects", a.redirects, nproc),
+        tee=flags.parse_std("--tee", a.tee, nproc),
+        local_ranks_filter=flags.parse_ranks_filter(a.local_ranks_filter),
+        prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or cfg.DEFAULT_PREFIX_TEMPLATE,
+        stdout_filters=flags.parse_filters(a.duplicate_stdout_filters),
+        stderr_filters=flags.parse_filters(a.duplicate_stderr_filters),
+    )
+    notices += flags.not_applied(logs_specs=a.logs_specs)
+    numa_notices, cpu_affinity = flags.numa_binding(a.numa_binding, nproc, environ)
+    notices += numa_notices
+    hang, hang_notices = parse_hang(
+        {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
+        cwd / a.config if a.config else None,
+        {name: getattr(a, f"ft_{name}") for name in nvidia_ft.NAMES},
+        cwd / a.ft_cfg_path if a.ft_cfg_path else None,
+    )
+    notices += hang_notices
+    if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:  # torch 2.13 starts nothing on it either
+        notices.append("TORCHELASTIC_HEALTH_CHECK_PORT: no health-check server is started (torch 2.13 starts none)")
+    if logs.base_dir.exists() and not logs.base_dir.is_dir():
+        raise ConfigError("--log-dir", f"{logs.base_dir} is a file", "pass a directory (it is created if missing)")
+    entrypoint = flags.resolve_entrypoint(
+        a.training_script,
+        a.training_script_args,
+        module=a.module,
+        no_python=a.no_python,
+        run_path=a.run_path,
+        cwd=cwd,
+    )
+    if a.virtual_local_rank and "CUDA_VISIBLE_DEVICES" in environ:
+        visible = [d for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+        if nproc > len(visible):
+            raise ConfigError(
+                "--virtual-local-rank",
+                f"{nproc} workers but CUDA_VISIBLE_DEVICES names {len(visible)} GPU(s)",
+                "pass as many --nproc-per-node as visible GPUs",
+            )
+    return cfg.LaunchConfig(
+        entrypoint=entrypoint,
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        node_rank=node_rank,
+        master_addr=a.master_addr,
+        master_port=master_port or None,
+        standalone=a.standalone,
+        max_restarts=flags.parse_int("--max-restarts", a.max_restarts, minimum=0),
+        monitor_interval_s=flags.parse_seconds("--monitor-interval", a.monitor_interval),
+        role=a.role,
+        logs=logs,
+        run_id=run_id,
+        start_method=a.start_method,
+        local_addr=a.local_addr,
+        rdzv=rdzv,
+        term_timeout_s=flags.parse_shutdown_timeout(a.shutdown_timeout),
+        signals_to_handle=flags.parse_signals("--signals-to-handle", a.signals_to_handle),
+        event_log=Path(a.event_log).absolute() if a.event_log else None,
+        python=flags.python_exec(environ, sys.executable),
+        cwd=cwd,
+        worker_base_env={**environ, **flags.omp_threads(environ, nproc)},
+        virtual_local_rank=a.virtual_local_rank,
+        quiet=flags.is_quiet(level),
+        verbose=a.verbose or level == "DEBUG",
+        notices=tuple(notices),
+        echo_events=flags.parse_event_log_handler(a.event_log_handler),
+        file_timer=flags.file_timer(environ),
+        cpu_affinity=cpu_affinity,
+        launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])
+        if environ.get("TORCHELASTIC_ERROR_FILE")
+        else None,
+        warm=flags.parse_warm(a.no_warm, a.warm, a.preload, environ),
+        hang=hang,
+        metrics=flags.parse_metrics(a.metrics_port),
+        accelerators=accelerators_visible(environ),
+    )
+
+
+def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple[str, str], ...]) -> str:
+    """Validate --nnodes against the rendezvous flags; returns the store URL ("" for static)."""
+    if a.rdzv_backend == "static":
+        if nnodes.min != nnodes.max:
+            raise ConfigError(
+                "--nnodes",
+                f"static rendezvous needs a fixed node count, got {a.nnodes}",
+                "pass --nnodes N, or an elastic range with --rdzv-backend c10d or etcd",
+            )
+        return ""
+    if a.standalone:
+        if nnodes.max != 1:
+            raise ConfigError("--standalone", f"is for one node, got --nnodes {a.nnodes}", "drop --standalone")
+        return ""
+    if not a.rdzv_endpoint and nnodes.max > 1:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            f"a {a.nnodes}-node job needs the address where the nodes meet",
+            "pass e.g. --rdzv-endpoint node0:29400 (the same on every node)",
+        )
+    # One node with no endpoint: this machine, where the agent hosts the store (as torchrun's c10d).
+    return rdzv_flags.rdzv_store_url(a.rdzv_backend, a.rdzv_endpoint, addresses.DEFAULT_STORE_PORT, etcd)
+
+
+def version() -> str:
+    try:
+        return metadata.version("ftrun")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ftrun`` command; returns the process exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["store"]:
+        from ftrun.cli.store import main as store_main
+
+        return store_main(args[1:], os.environ)
+    if args[:1] == ["report"]:
+        from ftrun.cli.report import main as report_main
+
+        return report_main(args[1:])
+    if args[:1] == ["status"]:
+        from ftrun.cli.status import main as status_main
+
+        return status_main(args[1:], os.environ)
+    try:
+        config = parse(args, os.environ, Path.cwd())
+        from ftrun.agent.launch import launch  # after validation: bad input starts nothing
+
+        return launch(config)
+    except ConfigError as e:  # bad input, or found before anything started (a --master-port taken)
+        print(f"ftrun: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except FtrunError as e:
+        print(f"ftrun: error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,76 @@
+"""``ftrun report RUN_DIR [RUN_DIR ...]``: the whole history of a run, and a timeline picture of it.
+
+For each node (one run directory each: the agent of each node writes its own),
+every attempt in order: when it started, reached its first step and ended, and
+how; each failure's report (root cause first, with its traceback or stacks, as
+printed when it happened); the time down after it; the goodput. The timeline
+(``timeline.html``, a self-contained page with an SVG drawing) shows the
+attempts of every node on one time axis: start-up, training, failures and the
+gaps between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ftrun.errors import ConfigError
+from ftrun.observe.events import summarize
+from ftrun.observe.goodput import measure
+from ftrun.observe.history import NodeHistory, history
+from ftrun.observe.reporting import render, report_from_json, when
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="ftrun report", description="The history of a run, with a timeline picture.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's log directory; one per node")
+    p.add_argument("--timeline", default=None, help="where to write the timeline (default: RUN_DIR/timeline.html)")
+    a = p.parse_args(list(argv))
+    try:
+        from ftrun.cli.status import find_run_dir
+
+        histories = [history(find_run_dir(Path(d))) for d in a.run_dirs]
+    except ConfigError as e:
+        print(f"ftrun report: error: {e}", file=sys.stderr)
+        return 2
+    for h in histories:
+        print(text(h))
+    from ftrun.observe.timeline import write_timeline
+
+    out = Path(a.timeline) if a.timeline else histories[0].run_dir / "timeline.html"
+    write_timeline(histories, out)
+    print(f"timeline: {out}")
+    return 0
+
+
+def text(h: NodeHistory) -> str:
+    """The history as a person reads it, oldest first."""
+    summary = summarize(h.events)
+    lines = [
+        f"run {h.run_id} on {h.host} ({h.run_dir}): {h.outcome}, {summary.attempts} attempt(s), "
+        f"{summary.restarts} restart(s)"
+    ]
+    for i, s in enumerate(h.spans):
+        end = s.end if s.end is not None else h.finished
+        took = f" ({end - s.start:.1f} s)" if end is not None else ""
+        how = "failed" if s.cause else ("ended" if end is not None else "running")
+        first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
+        span = f"{when(s.start, date=False)} to {when(end, date=False, unknown='now')}"
+        lines.append(f"attempt {s.number}: {span}{took}{first}: {how}")
+        if s.report is not None:
+            report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
+            lines += ["  " + line for line in render(report).splitlines()]
+        elif s.cause:
+            lines.append(f"  root cause: {s.cause}")
+        nxt = h.spans[i + 1] if i + 1 < len(h.spans) else None
+        if s.failed is not None and nxt is not None:
+            back = nxt.first_step if nxt.first_step is not None else nxt.start
+            lines.append(
+                f"  down: {nxt.start - s.failed:.3f} s from the failure to attempt {nxt.number}'s start, "
+                f"{back - s.failed:.1f} s to its first step"
+            )
+    lines.append(measure(h.events).render())
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""Every node applies the same calculated hang timeouts: the widest any rank of the job calculated.
+
+Each agent already takes the widest over its own local ranks (the monitor table).
+Across nodes the agents agree through the store, never through the job's own
+process group (which may have no CPU backend, or be the thing that hangs): a
+job-wide value that every node widens by compare-and-set and every node hears
+on the watch it keeps anyway. Static multi-node jobs have no store; there each
+node applies what its own ranks calculated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Protocol
+
+from ftrun.rendezvous.driver import Rendezvous
+from ftrun.worker.timeouts import Timeouts
+
+VALUE = "timeouts"
+
+
+class HoldsTimeouts(Protocol):
+    """What the agreement needs of the node's local group (the agent's LocalGroup)."""
+
+    @property
+    def calculated_timeouts(self) -> Timeouts: ...
+
+    def adopt_timeouts(self, theirs: Timeouts, why: str) -> None: ...
+
+    def say(self, text: str, *, always: bool = False, detail: bool = False) -> None: ...
+
+
+class TimeoutAgreement:
+    def __init__(self, group: HoldsTimeouts, rendezvous: Rendezvous) -> None:
+        self._group = group
+        self._rendezvous = rendezvous
+        self._published = Timeouts()  # what this node last merged into the job's value
+        self._heard: bytes | None = None  # the job's value this node last applied
+
+    def sync(self) -> None:
+        """Publish what this node's ranks calculated, and apply what the job agreed; cheap when nothing changed."""
+        mine = self._group.calculated_timeouts
+        if mine != self._published and mine.any:
+            self._rendezvous.merge_value(VALUE, lambda current: _widened(current, mine))
+            self._published = mine
+        heard = self._rendezvous.value(VALUE)
+        if heard is not None and heard != self._heard:
+            self._heard = heard
+            try:
+                theirs = Timeouts.from_json(json.loads(heard))
+            except ValueError as e:  # json.JSONDecodeError is one
+                self._group.say(f"ignoring the job's calculated timeouts in the store: {e}", always=True)
+                return
+            self._group.adopt_timeouts(theirs, "the job's nodes calculated timeouts")
+
+
+def _widened(current: bytes | None, mine: Timeouts) -> bytes | None:
+    """The job's value widened by ``mine`` (a garbled value is replaced)."""
+    merged = mine
+    if current is not None:
+        with contextlib.suppress(ValueError):
+            merged = Timeouts.from_json(json.loads(current)).widest(mine)
+    return json.dumps(merged.to_json(), sort_keys=True).encode()

@@ -1,0 +1,144 @@
+"""What each node of an elastic job found, shared through the store, so that every node tells the same story.
+
+Failures: the node where a worker failed publishes its root cause (rank, error,
+traceback or stacks); a node whose workers were only stopped because of it reads
+it and reports it as the job's root cause, its own workers listed as stopped.
+
+Hangs:
+a rank that hangs stops the whole job: its peers on every node wait for it in a
+collective, and each node's agent finds its own ranks quiet. An agent can only
+read its own ranks' stacks; when every quiet rank here waits in a collective,
+the hung one is elsewhere. So each agent that finds a hang publishes its verdict
+in the store (which rank, whether it was waiting for its peers, its stacks), and
+an agent whose ranks only waited looks there for a node that found a rank that
+did not: that rank is the job's root cause, named in this node's report too.
+Published under the round, so a verdict never outlives the attempt it is about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ftrun.clock import Clock
+from ftrun.errors import StoreError
+from ftrun.store.base import Store
+
+MAX_STACKS_CHARS = 16_000  # a verdict is read by every node: stacks beyond this are in the hung node's logs
+SUSPECT_WAIT_S = 5.0  # how long a node whose ranks only waited looks for another node's suspect
+LOOK_UP_S = 0.1  # while waiting for another node's record: how often a signal to ftrun is looked for
+
+
+class JobBoard:
+    """This node's side of the job's board, in ``store`` under ``/ftrun/<run_id>/``."""
+
+    def __init__(self, store: Store, run_id: str, node: str, clock: Clock) -> None:
+        self._store = store
+        self._root = f"/ftrun/{run_id}/"
+        self._node = node
+        self._clock = clock
+        # Set by the agent: a signal to ftrun came. A wait for another node's record ends then (within LOOK_UP_S):
+        # the report goes without it, and the signal is acted on.
+        self.interrupted: Callable[[], bool] = lambda: False
+
+    @property
+    def node(self) -> str:
+        return self._node
+
+    def publish_status(self, record: bytes) -> None:
+        """This node's status record (:mod:`ftrun.observe.node_status`), for ``ftrun status`` through the store."""
+        with contextlib.suppress(StoreError):
+            self._store.put(f"{self._root}status/{self._node}", record)
+
+    def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
+        """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""
+        record = {**verdict, "node": self._node, "stacks": str(verdict.get("stacks", ""))[:MAX_STACKS_CHARS]}
+        with contextlib.suppress(StoreError):
+            self._store.put(self._prefix("hang", round_) + self._node, json.dumps(record).encode())
+
+    def suspect_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
+        """Another node's verdict that blames a rank not waiting for its peers, waiting for one at most
+        ``timeout_s`` (the nodes find the hang at about the same time); None when none came."""
+
+        def blames(v: dict[str, Any]) -> bool:
+            return v.get("node") != self._node and not v.get("waiting")
+
+        return next(iter(self._await("hang", round_, blames, timeout_s)), None)
+
+    def publish_failure(self, round_: int, root_cause: Mapping[str, Any]) -> None:
+        """This node's root cause of the round's failure, for the nodes whose workers were only stopped."""
+        with contextlib.suppress(StoreError):
+            self._store.put(self._prefix("failure", round_) + self._node, json.dumps(root_cause).encode())
+
+    def failure_elsewhere(self, round_: int, timeout_s: float = SUSPECT_WAIT_S) -> dict[str, Any] | None:
+        """The earliest root cause another node published for the round, waiting for one at most ``timeout_s``
+        (it is published once that node has stopped its workers)."""
+        found = self._await("failure", round_, lambda v: True, timeout_s)
+        return min(found, key=lambda v: float(v.get("exit_wall") or v.get("hang_wall") or 0.0), default=None)
+
+    def publish_peer(self, round_: int, rank: int, address: str) -> None:
+        """A rank's peer heartbeat address, for its neighbours of the ring on other nodes (:mod:`.peer_relay`)."""
+        with contextlib.suppress(StoreError):
+            self._store.put(f"{self._prefix('peers', round_)}{rank}", address.encode())
+
+    def peer_address(self, round_: int, rank: int, timeout_s: float, stopped: Callable[[], bool]) -> str | None:
+        """Rank ``rank``'s peer heartbeat address once its node published it (None after ``timeout_s``, when
+        ``stopped`` says so, or when the store cannot be read)."""
+        key = f"{self._prefix('peers', round_)}{rank}"
+        deadline = self._clock.monotonic() + timeout_s
+        try:
+            kvs, revision = self._store.list_prefix(key)  # the key and the revision to watch from, in one read
+            found = next((kv for kv in kvs if kv.key == key), None)
+            if found is not None:
+                return found.value.decode(errors="replace")
+            with self._store.watch(key, revision + 1) as watch:
+                while (left := deadline - self._clock.monotonic()) > 0 and not stopped():
+                    event = watch.get(min(left, LOOK_UP_S))
+                    if event is not None and event.key == key:
+                        return event.value.decode(errors="replace")
+        except StoreError:
+            pass
+        return None
+
+    def _await(
+        self, kind: str, round_: int, accept: Callable[[dict[str, Any]], bool], timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """The records of ``kind`` for the round that ``accept`` takes: those there now, else the first one to
+        come within ``timeout_s``; [] when none (or the store cannot be read: only the cross-check is lost)."""
+        prefix = self._prefix(kind, round_)
+        deadline = self._clock.monotonic() + timeout_s
+        try:
+            kvs, revision = self._store.list_prefix(prefix)
+            found = [v for v in map(_object, (kv.value for kv in kvs)) if v is not None and accept(v)]
+            if found:
+                return found
+            with self._store.watch(prefix, revision + 1) as watch:
+                while (left := deadline - self._clock.monotonic()) > 0 and not self.interrupted():
+                    event = watch.get(min(left, LOOK_UP_S))
+                    if event is None:
+                        continue
+                    v = _object(event.value)
+                    if v is not None and accept(v):
+                        return [v]
+        except StoreError:
+            pass
+        return []
+
+    def _prefix(self, kind: str, round_: int) -> str:
+        return f"{self._root}{kind}/{round_}/"
+
+
+def _object(value: bytes) -> dict[str, Any] | None:
+    try:
+        found = json.loads(value)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def read_statuses(store: Store, run_id: str) -> list[dict[str, Any]]:
+    """Every node's last status record in the job's store, in node order (unreadable ones left out)."""
+    kvs, _ = store.list_prefix(f"/ftrun/{run_id}/status/")
+    return [v for v in (_object(kv.value) for kv in sorted(kvs, key=lambda kv: kv.key)) if v is not None]

@@ -1,0 +1,75 @@
+"""The agent's part in ``ftrun.start_peer_heartbeat``: the ranks' side-channel addresses, exchanged through ftrun.
+
+Each rank of the ring sends to the next rank and listens to the one before. A
+rank writes its UDP address into the attempt's peer directory (a file per
+rank, on this node) and wakes its agent; a rank whose neighbour is on this node
+reads the neighbour's file. Only the node's first and last ranks have
+neighbours elsewhere: the agent publishes those two addresses in the job's
+store (under the round) and writes the two it needs, its neighbours on the
+nodes before and after, into the directory. Two writes and two reads per node,
+whatever the size of the job; nothing waits on the job's own store, so the ring
+starts before, or without, ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ftrun.job.board import JobBoard
+from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, POLL_S, write_address
+
+
+class PeerRelay:
+    """One attempt's relay: started once the node's first (or last) rank wrote its address."""
+
+    def __init__(self, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int):
+        self._board, self._round = board, round_
+        self.dir = peer_dir
+        self._first, self._last, self._world = first, last, world
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Whether the ranks can exchange through it: all of them are here, or the job has a store."""
+        return not self.needed or (self._board is not None and self._round is not None)
+
+    @property
+    def needed(self) -> bool:
+        """Whether any neighbour is on another node (else the ranks find each other's files here)."""
+        return self._last - self._first + 1 < self._world
+
+    def poke(self) -> None:
+        """Called when a worker woke the agent: start relaying once this node's first rank has an address."""
+        if self._thread is None and self.needed and (self.dir / str(self._first)).exists():
+            self._thread = threading.Thread(target=self._relay, name="ftrun-peer-relay", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _relay(self) -> None:
+        board, round_ = self._board, self._round
+        if board is None or round_ is None:
+            return
+        for rank in sorted({self._first, self._last}):
+            address = self._read_local(rank)
+            if address is None:
+                return
+            board.publish_peer(round_, rank, address)
+        for rank in sorted({(self._first - 1) % self._world, (self._last + 1) % self._world}):
+            address = board.peer_address(round_, rank, EXCHANGE_TIMEOUT_S, self._stop.is_set)
+            if address is not None and not self._stop.is_set():
+                write_address(self.dir, rank, address)
+
+    def _read_local(self, rank: int) -> str | None:
+        """A rank of this node's address, once it wrote it (the first rank has; the last one may still start)."""
+        deadline = EXCHANGE_TIMEOUT_S
+        while deadline > 0 and not self._stop.is_set():
+            try:
+                return (self.dir / str(rank)).read_text()
+            except FileNotFoundError:
+                self._stop.wait(POLL_S)
+                deadline -= POLL_S
+        return None

@@ -1,0 +1,70 @@
+"""A node's run, as ``ftrun report`` and the timeline tell it: its attempts on the wall clock, from its events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftrun.errors import ConfigError
+from ftrun.observe.events import Event, EventKind, failed_mono, read_events
+
+
+@dataclass(slots=True)
+class Span:
+    """One attempt on one node, in wall-clock seconds."""
+
+    number: int
+    start: float
+    end: float | None = None
+    first_step: float | None = None
+    failed: float | None = None  # its root cause failed (on this node or another)
+    cause: str = ""
+    report: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHistory:
+    run_dir: Path
+    host: str
+    run_id: str
+    started: float
+    finished: float | None
+    outcome: str
+    spans: tuple[Span, ...]
+    events: tuple[Event, ...]
+
+
+def history(run_dir: Path) -> NodeHistory:
+    """A node's run, from its event log; raises ConfigError when ``run_dir`` has none."""
+    try:
+        events = read_events(run_dir / "events.jsonl")
+    except (OSError, ValueError) as problem:
+        where = run_dir / "events.jsonl"
+        raise ConfigError("RUN_DIR", f"cannot read {where}: {problem}", "pass a run directory") from None
+    started, finished, host, run_id, outcome = 0.0, None, "?", "?", "unfinished"
+    spans: list[Span] = []
+    for e in events:
+        span = spans[-1] if spans else None
+        if e.kind is EventKind.RUN_STARTED:
+            started, host, run_id = e.wall, str(e.data.get("host")), str(e.data.get("run_id"))
+        elif e.kind is EventKind.ATTEMPT_STARTED:
+            if span is not None and span.end is None:
+                span.end = e.wall
+            spans.append(Span(int(e.data.get("attempt", len(spans))), e.wall))
+        elif e.kind is EventKind.RUN_FINISHED:
+            finished, outcome = e.wall, f"{e.data.get('outcome')} (exit {e.data.get('exit_code')})"
+            if span is not None and span.end is None:
+                span.end = e.wall
+        elif span is None:
+            continue
+        elif e.kind is EventKind.FIRST_STEP and span.first_step is None:
+            span.first_step = e.wall - (e.mono - float(e.data["first_mono"]))
+        elif e.kind is EventKind.GROUP_STOPPING and span.end is None:
+            span.end = e.wall
+        elif e.kind is EventKind.FAILURE:
+            cause = e.data.get("root_cause") or {}
+            span.failed = e.wall - (e.mono - failed_mono(cause, e))
+            span.cause = str(cause.get("summary", ""))
+            found = run_dir / f"attempt_{span.number}" / "failure_report.json"
+            span.report = found if found.exists() else None
+    return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events))

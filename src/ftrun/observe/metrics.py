@@ -1,0 +1,102 @@
+"""``--metrics-port``: this agent's job, in Prometheus' text format at ``/metrics`` (prometheus-client).
+
+Everything is computed when Prometheus scrapes, from the same sources as the
+summary and ``ftrun status``: the event log (restarts, hangs, downtime, goodput)
+and the node's last status record (workers, heartbeat stamps, round). So
+nothing is added to the agent's loop; a heartbeat age is as fresh as the status
+record, which is rewritten at least every second while workers run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ftrun.errors import FtrunError
+from ftrun.observe.events import summarize
+from ftrun.observe.goodput import measure
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from ftrun.observe.events import EventLog
+    from ftrun.observe.node_status import NodeStatus
+
+LABELS = ["run_id", "node"]
+ALL_ADDRESSES = "0.0.0.0"  # noqa: S104 - an exporter is scraped from elsewhere; pass HOST: to narrow it
+
+
+class Metrics(Collector):
+    """The endpoint, bound at once (a bad port fails before any worker starts); :meth:`watch` gives it a job."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._watched: tuple[EventLog, NodeStatus, str] | None = None
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        host = host or ALL_ADDRESSES
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise FtrunError(
+                f"--metrics-port: cannot serve metrics on {host}:{port}: {e.strerror or e}; "
+                "pick a free port (each agent on a machine needs its own)"
+            ) from None
+        self.port = self._server.server_port
+        self.url = f"http://{host}:{self.port}/metrics"
+
+    def watch(self, events: EventLog, status: NodeStatus, run_id: str) -> None:
+        """The node's events and status record, read at each scrape (from the HTTP server's thread)."""
+        self._watched = (events, status, run_id)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def collect(self) -> Iterator[Metric]:
+        if self._watched is None:
+            return
+        log, status, run_id = self._watched
+        events = list(log.events)  # appended by the agent's thread: a copy to read
+        record = dict(status.record)
+        labels = [run_id, status.node]
+        summary = summarize(events)
+        yield _counter("ftrun_restarts", "Restarts of this node's workers", labels, summary.restarts)
+        yield _counter("ftrun_hangs", "Hangs found in this node's workers", labels, summary.hangs)
+        yield _counter(
+            "ftrun_downtime_seconds", "From each failure to the workers restarted", labels, summary.downtime_s
+        )
+        ranks = record.get("ranks") or []
+        running = sum(1 for r in ranks if r.get("state") == "running") if record.get("phase") == "running" else 0
+        yield _gauge("ftrun_workers_running", "Workers of this node running now", labels, running)
+        yield _gauge("ftrun_attempt", "The current attempt (0 before the first restart)", labels, summary.attempts - 1)
+        yield _gauge("ftrun_round", "The rendezvous round of the current attempt", labels, record.get("round") or 0)
+        yield _gauge("ftrun_world_size", "Workers in the whole job (WORLD_SIZE)", labels, record.get("world_size") or 0)
+        goodput = measure(events, now=time.monotonic()).fraction
+        yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, goodput)
+        ages = GaugeMetricFamily(
+            "ftrun_heartbeat_age_seconds",
+            "Seconds since each running rank's last heartbeat, read from the monitor table at the scrape",
+            labels=[*LABELS, "rank"],
+        )
+        live, now = status.live_beats(), time.monotonic()  # the slots' clock is CLOCK_MONOTONIC
+        for r in ranks:
+            if r.get("state") == "running" and r["rank"] in live and record.get("phase") == "running":
+                ages.add_metric([*labels, str(r["rank"])], max(0.0, now - live[r["rank"]]))
+        yield ages
+
+
+def _counter(name: str, text: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, text, labels=LABELS)
+    family.add_metric(labels, value)
+    return family
+
+
+def _gauge(name: str, text: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, text, labels=LABELS)
+    family.add_metric(labels, value)
+    return family

@@ -1,0 +1,363 @@
+"""Failure reports: one per failure cycle, the root cause (earliest failure) first.
+
+Built from the worker records of the failed attempt, their error files (ftrun's
+or torch's ``@record``) and, when a worker wrote none, the last lines of its
+stderr log, so that a plain script without any decorator still shows its
+traceback. Exits that ftrun caused (it stopped the other ranks) are listed
+apart from the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import Any
+
+from ftrun.errors import ErrorFileError
+from ftrun.procs.logs import tail_lines
+from ftrun.procs.workers import Worker, WorkerState
+from ftrun.worker.errorfile import ErrorRecord, read_error_file
+
+STDERR_TAIL_LINES = 20
+STDOUT_TAIL_LINES = 10  # shown when a worker wrote nothing to stderr: its last words may be on stdout
+MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
+_PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
+# The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
+_EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutcome:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    state: str  # WorkerState value
+    exit_code: int | None
+    signal: str | None
+    exit_wall: float | None
+    exit_mono: float | None
+    error: ErrorRecord | None
+    error_file_problem: str | None
+    stderr_tail: tuple[str, ...]
+    stdout_log: str
+    stderr_log: str
+    error_file: str
+    hang: str | None = None  # the watchdog's verdict, when ftrun found this worker hung
+    hang_wall: float | None = None  # when the missed deadline passed
+    stacks: str | None = None  # all threads, dumped before it was stopped
+    why: str | None = None  # why this rank was blamed for a hang rather than the others that went quiet
+    waiting_stacks: str | None = None  # a rank that went quiet waiting for the hung one: its stacks
+    waiting_in: str | None = None  # and the collective it waited in (read from those stacks by the hang watch)
+    request: str | None = None  # its workload control request ("stopped the job: loss is NaN")
+    stdout_tail: tuple[str, ...] = ()  # read only when stderr had nothing
+    last_error: str | None = None  # the last exception line in its stderr (a stopped rank's secondary error)
+    oom_killed: bool = False  # the kernel counted an out-of-memory kill while this attempt ran
+
+    @property
+    def how(self) -> str:
+        if self.request:
+            return f"{self.request}, then {self._end()}"
+        if self.hang:
+            return f"{self.hang}, then {self._end()}"
+        return self._end()
+
+    def _end(self) -> str:
+        if self.signal:
+            return f"killed by {self.signal}"
+        if self.exit_code is None:
+            return "exit status unknown (it was not this agent's child when it ended)"
+        return f"exit code {self.exit_code}"
+
+    def summary(self) -> str:
+        what = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid} on {self.host}) {self.how}"
+        if self.error:
+            what += f": {self.error.headline}"
+        return what
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReport:
+    run_id: str
+    attempt: int
+    will_restart: bool
+    master_port: int
+    root_cause: WorkerOutcome
+    other_failures: tuple[WorkerOutcome, ...]
+    stopped_by_ftrun: tuple[WorkerOutcome, ...]
+    hint: str | None
+    # Another node's verdict when every quiet rank here waited for its peers: the job's root cause.
+    elsewhere: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": 1, **asdict(self)}
+
+
+def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcome:
+    error: ErrorRecord | None = None
+    problem: str | None = None
+    stderr_tail = tuple(tail_lines(worker.paths.stderr, STDERR_TAIL_LINES))
+    try:
+        error = read_error_file(worker.paths.error_file)
+    except ErrorFileError as e:
+        problem = str(e)
+    return WorkerOutcome(
+        rank=worker.rank,
+        local_rank=worker.local_rank,
+        host=host,
+        pid=worker.pid,
+        state=worker.state.value,
+        exit_code=worker.exit_code,
+        signal=worker.signal_name,
+        exit_wall=worker.exit_wall,
+        exit_mono=worker.exit_mono,
+        error=error,
+        error_file_problem=problem,
+        stderr_tail=stderr_tail,
+        stdout_log=str(worker.paths.stdout),
+        stderr_log=str(worker.paths.stderr),
+        error_file=str(worker.paths.error_file),
+        hang=worker.hang.what if worker.hang else None,
+        hang_wall=worker.hang.wall if worker.hang else None,
+        stacks=worker.hang.stacks if worker.hang else None,
+        why=worker.hang.why if worker.hang and worker.hang.why else None,
+        waiting_stacks=worker.waiting_stacks or None,
+        waiting_in=worker.waiting_in or None,
+        request=worker.request or None,
+        stdout_tail=() if stderr_tail else tuple(tail_lines(worker.paths.stdout, STDOUT_TAIL_LINES)),
+        last_error=_last_error(stderr_tail),
+        oom_killed=oom_killed,
+    )
+
+
+def _last_error(tail: Sequence[str]) -> str | None:
+    for line in reversed(tail):
+        found = _EXCEPTION_LINE.match(line.strip())
+        if found:
+            return found.group(1)
+    return None
+
+
+def outcome_json(o: WorkerOutcome) -> dict[str, Any]:
+    """A root cause as the other nodes read it (``outcome_from_json``)."""
+    record = asdict(o)
+    for key in ("stacks", "waiting_stacks"):
+        if record.get(key):
+            record[key] = record[key][:MAX_SHARED_CHARS]
+    return record
+
+
+def outcome_from_json(record: Mapping[str, Any]) -> WorkerOutcome:
+    """Another node's root cause; ValueError if it is not one. Its monotonic time is another machine's: dropped."""
+    fields = {f.name for f in dataclass_fields(WorkerOutcome)}
+    try:
+        error = record.get("error")
+        values = {k: v for k, v in record.items() if k in fields}
+        values.update(
+            error=ErrorRecord(**error) if isinstance(error, dict) else None,
+            stderr_tail=tuple(record.get("stderr_tail") or ()),
+            stdout_tail=tuple(record.get("stdout_tail") or ()),
+            exit_mono=None,
+        )
+        return WorkerOutcome(**values)
+    except TypeError as e:
+        raise ValueError(f"not a root cause: {e}") from None
+
+
+def report_from_json(record: Mapping[str, Any]) -> FailureReport:
+    """A report as written to ``failure_report.json`` (for ``ftrun report``); ValueError if it is not one."""
+    try:
+        return FailureReport(
+            run_id=str(record["run_id"]),
+            attempt=int(record["attempt"]),
+            will_restart=bool(record["will_restart"]),
+            master_port=int(record["master_port"]),
+            root_cause=outcome_from_json(record["root_cause"]),
+            other_failures=tuple(map(outcome_from_json, record.get("other_failures") or ())),
+            stopped_by_ftrun=tuple(map(outcome_from_json, record.get("stopped_by_ftrun") or ())),
+            hint=record.get("hint"),
+            elsewhere=record.get("elsewhere"),
+        )
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not a failure report: {e}") from None
+
+
+def _earliest_first(o: WorkerOutcome) -> tuple[float, int]:
+    # ftrun's error record is stamped when the exception was caught, before the
+    # interpreter's teardown (which for a torch process can outlast a peer that
+    # fails *because* of this one, e.g. "Connection closed by peer"); so that
+    # stamp, not the exit, says when the worker failed. Everything else is
+    # ordered by when ftrun saw it exit (torch's own stamp has whole seconds).
+    # A hang failed when its deadline passed, long before ftrun stopped it.
+    if o.hang_wall is not None:
+        return (o.hang_wall, o.rank)
+    if o.error is not None and o.error.source == "ftrun":
+        return (min(o.error.timestamp, o.exit_wall or float("inf")), o.rank)
+    return (o.exit_wall if o.exit_wall is not None else float("inf"), o.rank)
+
+
+def build_report(
+    workers: Sequence[Worker],
+    *,
+    run_id: str,
+    attempt: int,
+    will_restart: bool,
+    master_port: int,
+    host: str,
+    elsewhere: Mapping[str, Any] | None = None,
+    root: WorkerOutcome | None = None,
+    oom_killed: bool = False,
+) -> FailureReport:
+    """The report of a failed attempt; raises ValueError if no worker failed. ``root``: the root cause when
+    it is on another node (every worker here was stopped because of it)."""
+    outcomes = [outcome(w, host, oom_killed) for w in workers]
+    failed = sorted((o for o in outcomes if o.state == WorkerState.FAILED.value), key=_earliest_first)
+    if root is None:
+        if not failed:
+            raise ValueError(f"attempt {attempt} has no failed worker to report")
+        root, failed = failed[0], failed[1:]
+    stopped = tuple(o for o in outcomes if o.state == WorkerState.STOPPED.value)
+    hint = _hint(root, master_port)
+    remote = dict(elsewhere) if elsewhere is not None else None
+    return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of out-of-memory kills since boot (None where /proc/vmstat does not tell)."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _hint(root: WorkerOutcome, port: int) -> str | None:
+    text = "\n".join([*root.stderr_tail, root.error.message if root.error else ""])
+    if _PORT_IN_USE.search(text):
+        return (
+            f"MASTER_PORT {port} was already in use when the workers bound it "
+            "(another job on this machine?); without --master-port ftrun picks a fresh free port for every attempt"
+        )
+    if root.signal == "SIGKILL" and root.oom_killed and not (root.hang or root.request):
+        return "the kernel's out-of-memory killer killed a process while this attempt ran (oom_kill in /proc/vmstat)"
+    return None
+
+
+def when(wall: float | None, *, date: bool = True, unknown: str = "?") -> str:
+    """A wall-clock time as a person reads it, to the millisecond (``date``: with the day)."""
+    if wall is None:
+        return unknown
+    shape = "%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S"
+    return time.strftime(shape, time.localtime(wall)) + f".{int(wall % 1 * 1000):03d}"
+
+
+def _who(o: WorkerOutcome) -> str:
+    return f"rank {o.rank} (local rank {o.local_rank}, pid {o.pid})"
+
+
+def render(report: FailureReport) -> str:
+    """The report as text for a terminal: root cause first, with its traceback."""
+    r = report.root_cause
+    verdict = "restarting" if report.will_restart else "not restarting"
+    lines = [
+        "=" * 78,
+        f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
+        "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
+    ]
+    lines += _root_lines(report)
+    if r.error and r.error.traceback:
+        lines.append(f"  traceback (from {r.error.source} error file {r.error_file}):")
+        lines += ["    " + line for line in r.error.traceback.rstrip().splitlines()]
+    elif r.error:
+        lines.append(f"  error: {r.error.headline}")
+    if not (r.error and r.error.traceback) and not r.stacks:
+        if r.stderr_tail:
+            lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")
+            lines += ["    " + line for line in r.stderr_tail]
+        elif r.stdout_tail:
+            lines.append(f"  nothing on stderr; last {len(r.stdout_tail)} lines of stdout:")
+            lines += ["    " + line for line in r.stdout_tail]
+        else:
+            lines.append("  (the worker wrote nothing, on stderr or stdout)")
+    if r.error_file_problem:
+        lines.append(f"  error file unreadable: {r.error_file_problem}")
+    if report.hint:
+        lines.append(f"  hint: {report.hint}")
+    lines.append(f"  logs: {r.stdout_log}, {r.stderr_log}")
+    for o in report.other_failures:
+        lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
+        lines.append(f"  logs: {o.stderr_log}")
+    for o in report.stopped_by_ftrun:
+        lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
+        where = o.waiting_in
+        if where:
+            lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
+        elif o.last_error:
+            lines.append(f"  a secondary error, after the root cause: {o.last_error[:160]} (in {o.stderr_log})")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def _root_lines(report: FailureReport) -> list[str]:
+    """Who is to blame and why, with the stacks it was found with; another node's rank when ours waited for it."""
+    r = report.root_cause
+    if report.elsewhere is not None:
+        label = "NOTICED IT" if report.elsewhere.get("noticed") else "WAITED FOR IT"
+        lines = [*_elsewhere(report.elsewhere), f"{label} {_who(r)} on {r.host}: {r.how}"]
+        found = "quiet"
+    else:
+        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
+        lines += [f"  why this rank: {r.why}"] if r.why else []
+        found = "hung"
+    if r.stacks:
+        lines.append(f"  stacks of all threads when it was found {found}:")
+        lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
+    return lines
+
+
+def _elsewhere(v: Mapping[str, Any]) -> list[str]:
+    """Another node's hung rank, as that node's agent found it."""
+    pid = f" (pid {v.get('pid')})" if v.get("pid") is not None else ""
+    lines = [f"ROOT CAUSE  rank {v.get('rank')}{pid} on {v.get('host')}, another node: {v.get('what')}"]
+    if v.get("noticed"):
+        lines.append(f"  why this rank: {v.get('why')}")
+    elif v.get("why"):
+        lines.append(
+            f"  why this rank: {v['why']} (found by node {v.get('node')}; every quiet rank here waited for it)"
+        )
+    if v.get("stacks"):
+        lines.append("  stacks of all threads when it was found hung:")
+        lines += ["    " + line for line in str(v["stacks"]).rstrip().splitlines()]
+    return lines
+
+
+def write_launcher_error_file(report: FailureReport, path: Path) -> None:
+    """The root cause in torch's error-file layout, for whoever launched ftrun with a TORCHELASTIC_ERROR_FILE
+    of its own (a scheduler, a nested launcher), as torchrun passes its first failure up."""
+    r = report.root_cause
+    callstack = (r.error.traceback if r.error else "") or r.stacks or "\n".join(r.stderr_tail)
+    doc = {
+        "message": {
+            "message": f"ftrun: {r.summary()}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(int(r.exit_wall or time.time()))},
+        },
+        "errorCode": r.exit_code if r.exit_code is not None else 1,
+    }
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    tmp.replace(path)
+
+
+def write_json(report: FailureReport, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2), encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,164 @@
+"""One node's failure reports: built from its workers, written, printed, and shared with the job's other nodes.
+
+Root cause first. In an elastic job every node tells the same story: the node where
+a worker failed publishes its root cause as soon as its workers are stopped, and a
+node whose workers were only stopped because of it reports that root cause, its own
+workers listed as stopped by ftrun (see :mod:`ftrun.job.board`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftrun.config import Std
+from ftrun.job.board import JobBoard
+from ftrun.observe.events import EventKind
+from ftrun.observe.reporting import (
+    FailureReport,
+    build_report,
+    oom_kills,
+    outcome_from_json,
+    outcome_json,
+    render,
+    write_json,
+)
+from ftrun.procs.logs import Console
+from ftrun.procs.workers import Hang, Worker, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """The attempt a report is about."""
+
+    workers: Sequence[Worker]
+    number: int
+    round: int | None  # the rendezvous round (elastic jobs)
+    master_port: int
+    oom_kills_at_start: int | None = None  # the kernel's count when its workers started (/proc/vmstat)
+
+    @property
+    def oom_killed(self) -> bool:
+        now = oom_kills()
+        return self.oom_kills_at_start is not None and now is not None and now > self.oom_kills_at_start
+
+
+class Reports:
+    def __init__(
+        self,
+        run_id: str,
+        host: str,
+        run_dir: Path,
+        console: Console,
+        emit: Callable[..., None],
+        say: Callable[[str], None],
+    ) -> None:
+        self._run_id, self._host, self._run_dir = run_id, host, run_dir
+        self._console, self._emit, self._say = console, emit, say
+        self.board: JobBoard | None = None  # an elastic job's: root causes and hang verdicts of every node
+        self.last: FailureReport | None = None
+        self._published: tuple[int, int] | None = None  # (round, attempt) whose root cause the board has
+
+    def report(self, a: Attempt, will_restart: bool) -> None:
+        """Write and print the attempt's failure report: this node's root cause, or (when its workers were only
+        stopped) the one another node published."""
+        if not any(w.state is WorkerState.FAILED for w in a.workers):
+            self._report_elsewhere(a, will_restart)
+            return
+        report = self._build(a, will_restart, elsewhere=_peer_lost(a) or self._suspect_elsewhere(a))
+        self.publish_root_cause(a)
+        self._tell(a, report, will_restart)
+
+    def publish_root_cause(self, a: Attempt) -> None:
+        """As soon as the workers are stopped after a failure here: the other nodes report it too (they need
+        not wait for this node's own report, which waits for the rendezvous to say whether the job goes on)."""
+        if self.board is None or a.round is None or self._published == (a.round, a.number):
+            return
+        if any(w.state is WorkerState.FAILED for w in a.workers):
+            root = outcome_json(self._build(a, will_restart=False).root_cause)
+            lost = _peer_lost(a)
+            if lost is not None:  # the silent rank is the root cause: its node reports it as its own (below)
+                root = {**root, "peer_lost": lost}
+            self.board.publish_failure(a.round, root)
+            self._published = (a.round, a.number)
+
+    def publish_hang(self, w: Worker, round_: int | None) -> None:
+        if self.board is None or round_ is None or w.hang is None:
+            return
+        h = w.hang
+        verdict = {"rank": w.rank, "host": self._host, "pid": w.pid, "what": h.what, "why": h.why}
+        self.board.publish_hang(round_, {**verdict, "waiting": h.waiting, "stacks": h.stacks})
+
+    def _build(self, a: Attempt, will_restart: bool, **more: object) -> FailureReport:
+        return build_report(
+            a.workers,
+            run_id=self._run_id,
+            attempt=a.number,
+            will_restart=will_restart,
+            master_port=a.master_port,
+            host=self._host,
+            oom_killed=a.oom_killed,
+            **more,  # type: ignore[arg-type]
+        )
+
+    def _report_elsewhere(self, a: Attempt, will_restart: bool) -> None:
+        """The round failed on another node: its root cause, read from the store, with this node's workers
+        listed as stopped (their own errors are the failure's echo, e.g. "Connection closed by peer")."""
+        found = self.board.failure_elsewhere(a.round) if self.board is not None and a.round is not None else None
+        lost = found.get("peer_lost") if found is not None else None
+        silent = next((w for w in a.workers if isinstance(lost, dict) and w.rank == lost.get("rank")), None)
+        if found is not None and silent is not None and isinstance(lost, dict):  # ours went silent to its peer
+            silent.state = WorkerState.FAILED
+            silent.hang = Hang(str(lost.get("what")), "peer heartbeat", float(found.get("exit_wall") or 0.0))
+            self._tell(a, self._build(a, will_restart), will_restart)
+            return
+        try:
+            root = outcome_from_json(found) if found is not None else None
+        except ValueError:
+            root = None
+        if root is None:
+            self._say("the job failed on another node, which published no root cause in time")
+            return
+        self._tell(a, self._build(a, will_restart, root=root), will_restart)
+
+    def _suspect_elsewhere(self, a: Attempt) -> dict[str, object] | None:
+        """When every rank found quiet here waited for its peers in a collective: the rank another node
+        found hung outside one (the job's root cause), if it tells within a few seconds."""
+        hangs = [w.hang for w in a.workers if w.hang is not None]
+        if self.board is None or a.round is None or not hangs or not all(h.waiting for h in hangs):
+            return None
+        found = self.board.suspect_elsewhere(a.round)
+        if found is None:
+            self._say("every quiet rank here waited in a collective, and no other node named a suspect")
+        return found
+
+    def _tell(self, a: Attempt, report: FailureReport, will_restart: bool) -> None:
+        path = self._run_dir / f"attempt_{a.number}" / "failure_report.json"
+        write_json(report, path)
+        self.last = report
+        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
+        root = report.root_cause
+        self._emit(
+            EventKind.FAILURE,
+            attempt=a.number,
+            will_restart=will_restart,
+            report=str(path),
+            root_cause={
+                "rank": root.rank,
+                "local_rank": root.local_rank,
+                "pid": root.pid,
+                "exit_code": root.exit_code,
+                "signal": root.signal,
+                "exit_mono": root.exit_mono,
+                "exit_wall": root.exit_wall,
+                "summary": root.summary(),
+            },
+            elsewhere=report.elsewhere
+            and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why")},
+        )
+
+
+def _peer_lost(a: Attempt) -> dict[str, object] | None:
+    """The rank on another node that a rank here found silent (its peer heartbeat): the job's root cause."""
+    return next((w.peer_lost for w in a.workers if w.peer_lost is not None), None)

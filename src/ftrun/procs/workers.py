@@ -1,0 +1,482 @@
+"""The local workers: one record per worker, how they are spawned, watched and stopped.
+
+A worker's exit is seen when it happens: each worker has a pidfd (or any file
+descriptor that becomes readable at exit, for spawners that do not fork the
+worker themselves), and the agent sleeps in ``select`` on those and on the
+signal wake-up fd. No polling loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import select
+import selectors
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ftrun.clock import Clock
+from ftrun.errors import SpawnError
+from ftrun.procs import proctree
+from ftrun.procs.logs import RankOutput, RankPaths
+from ftrun.procs.signals import name as signal_name
+
+BOOT_DIR = str(Path(__file__).resolve().parents[1] / "worker" / "boot")  # ftrun's sitecustomize
+KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle of one worker process::
+
+    RUNNING --exit 0--------------------------> SUCCEEDED
+       |----exit != 0 or signal -------------> FAILED   (the failure ftrun reacts to)
+       '----ftrun began stopping the group --> STOPPED  (whatever the exit code: ftrun caused it)
+    """
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class ProcessHandle(Protocol):
+    """A started worker process, as the group needs to see it."""
+
+    pid: int
+
+    def fileno(self) -> int:
+        """An fd that becomes readable when the process exits."""
+        ...
+
+    def reap(self) -> int | None:
+        """Collect the exit status (after ``fileno`` is readable): code, or -signal; None when it cannot be known
+        (the process was not this agent's child after all)."""
+        ...
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group (its own session); quietly if it is gone."""
+        ...
+
+
+class Spawner(Protocol):
+    """Starts worker processes (fresh, or forked from a warm pool) and sweeps what they leave behind."""
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
+        """Raises SpawnError when the process cannot be started."""
+        ...
+
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        """Send ``sig`` to every process below the agent that is neither one of ``workers`` nor the spawner's
+        own: descendants that left their worker's process group, and orphans the agent adopted."""
+        ...
+
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        """SIGKILL the strays (as :meth:`signal_strays` finds them) and reap the agent's exited children that are
+        neither in ``keep`` nor the spawner's own (adopted orphans)."""
+        ...
+
+
+class WarmPoolControl(Protocol):
+    """What the local group drives of a warm pool (:class:`ftrun.warm.pool.WarmPool`), beside spawning."""
+
+    holding: bool  # a restart is under way: the pool neither preloads nor retires
+
+    def start(
+        self,
+        log: Path,
+        say: Callable[[str], None],
+        on_ready: Callable[[dict[str, Any]], None],
+        detail: Callable[[str], None],
+    ) -> None: ...
+
+    def hold(self) -> None: ...
+
+    def go_on(self) -> None: ...
+
+    def tend(self) -> None: ...
+
+    def workers_started(self) -> None: ...
+
+    def seconds_to_refill(self) -> float | None: ...
+
+    def learn_reports(self, paths: Sequence[Path], *, run_ends: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _PopenHandle:
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._pidfd = os.pidfd_open(popen.pid)
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def reap(self) -> int:
+        code = self._popen.wait()
+        os.close(self._pidfd)
+        return code
+
+    def signal_group(self, sig: int) -> None:
+        proctree.signal_quietly(self.pid, sig, group=True)
+
+
+def signal_strays(sig: int, workers: set[int], helper_groups: set[int]) -> None:
+    """``Spawner.signal_strays`` for a spawner whose own processes are in the process groups ``helper_groups``."""
+    for pid in proctree.strays(workers, helper_groups):
+        proctree.signal_quietly(pid, sig)
+
+
+class ProcessSpawner:
+    """Fresh processes: own session and process group, SIGKILL when the agent dies."""
+
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        signal_strays(sig, workers, helper_groups=set())
+
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=set(), keep=keep)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                env=booted(argv, env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                preexec_fn=proctree.die_with_parent_hook(env),  # noqa: PLW1509 - only prctl and affinity
+            )
+        except OSError as e:
+            raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
+        return _PopenHandle(popen)
+
+
+def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a fresh worker: a watched worker of ftrun's own Python starts through ftrun's
+    sitecustomize (client attached, optimizer steps as heartbeats: what a warm worker has), which puts the
+    job's PYTHONPATH back before the job's code runs. Another interpreter (PYTHON_EXEC) is left alone."""
+    env = dict(env)
+    if argv and argv[0] == sys.executable and env.get("FTRUN_MONITOR"):
+        original = env.get("PYTHONPATH", "")
+        env["FTRUN_BOOT_PYTHONPATH"] = original
+        env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, original]) if original else BOOT_DIR
+    return env
+
+
+def may_release(accelerators: bool, duplicates: bool, fixed_port: int | None) -> Callable[[Worker], bool] | None:
+    """Whether a worker may count as gone before it is (None: never on this node): not with accelerators (their
+    memory must be free first), nor duplicate output files (closed per attempt), nor a port a new worker may
+    bind (see :func:`frees_its_ports`)."""
+    return None if accelerators or duplicates else frees_its_ports(fixed_port)
+
+
+def frees_its_ports(fixed_port: int | None) -> Callable[[Worker], bool]:
+    """For :meth:`AttemptProcesses.stop`: a stopped worker may count as gone before the kernel has freed it
+    unless it listens on a port a new worker may ask for again (its sockets close last): one outside the
+    kernel's ephemeral range, or ``fixed_port`` (--master-port). Gloo's ports and fresh MASTER_PORTs are
+    ephemeral, and ftrun hands out no port twice within minutes."""
+    ephemeral = proctree.ephemeral_ports()
+    return lambda w: all(p in ephemeral and p != fixed_port for p in proctree.listening_ports(w.pid))
+
+
+@dataclass(slots=True)
+class Hang:
+    """Why ftrun declared a worker hung (the watchdog's verdict) and where it was stuck."""
+
+    what: str  # "hang: heartbeat timeout of 2 s exceeded (2.00 s)"
+    timeout: str  # which timer: "heartbeat", "section 'step'", ...
+    wall: float  # when its deadline passed
+    stacks: str = ""
+    why: str = ""  # why this rank and not the others that went quiet with it
+    waiting: str = ""  # the collective it waited in: every quiet rank here waited, the hung one is elsewhere
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker process of one attempt: what it was given and what became of it."""
+
+    rank: int
+    local_rank: int
+    attempt: int
+    paths: RankPaths
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    handle: ProcessHandle | None = None
+    output: RankOutput | None = None
+    state: WorkerState = WorkerState.RUNNING
+    spawn_mono: float = 0.0  # just before the process was started (the worker reads it as FTRUN_SPAWNED_AT)
+    spawn_wall: float = 0.0
+    exit_mono: float | None = None
+    exit_wall: float | None = None
+    returncode: int | None = None  # negative: killed by that signal
+    hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
+    ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
+    waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: its stacks
+    waiting_in: str = ""  # and the collective it waited in ("all_reduce (torch/distributed/...)")
+    request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
+    peer_lost: dict[str, object] | None = None  # it noticed its peer on another node go silent: that peer
+    released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
+    finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
+    reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now
+    status_lost: bool = False  # reaped, but its exit status could not be collected: shown as unknown
+
+    @property
+    def pid(self) -> int:
+        return self.handle.pid if self.handle else 0
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid})"
+
+    def identity(self) -> dict[str, int]:
+        """Which worker an event is about."""
+        return {"attempt": self.attempt, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid}
+
+    @property
+    def exit_code(self) -> int | None:
+        if self.status_lost:
+            return self.ended_code
+        return self.returncode if self.returncode is not None and self.returncode >= 0 else None
+
+    @property
+    def signal(self) -> int | None:
+        if self.status_lost:
+            return None
+        return -self.returncode if self.returncode is not None and self.returncode < 0 else None
+
+    @property
+    def signal_name(self) -> str | None:
+        sig = self.signal
+        return None if sig is None else signal_name(sig)
+
+
+class AttemptProcesses:
+    """The worker processes of one attempt on this node, and the selector that watches them.
+
+    Must be used from the agent's main thread only (see
+    :func:`ftrun.procs.proctree.die_with_parent_hook`).
+    """
+
+    def __init__(
+        self, spawner: Spawner, clock: Clock, wake_fds: Sequence[int], released: Sequence[Worker] = ()
+    ) -> None:
+        """``wake_fds``: what else wakes a wait (signals to ftrun, torch's timer pipe); ``released``: workers of
+        the last attempt still exiting, reaped here when their exit comes."""
+        self._spawner = spawner
+        self._clock = clock
+        self._selector = selectors.DefaultSelector()
+        self._wake_fds = set(wake_fds)
+        for fd in self._wake_fds:
+            self._selector.register(fd, selectors.EVENT_READ)
+        self.workers: list[Worker] = []
+        self.released: list[Worker] = []  # not reaped yet
+        for w in released:
+            assert w.handle is not None
+            self._selector.register(w.handle.fileno(), selectors.EVENT_READ, w)
+            self.released.append(w)
+
+    def close(self) -> None:
+        self._selector.close()
+
+    def spawn(self, worker: Worker, output: RankOutput, cwd: Path) -> None:
+        """Start ``worker`` (its ``spawn_mono`` set by the caller: the basis of its start-up timeout)."""
+        try:
+            handle = self._spawner.spawn(worker.argv, worker.env, cwd, output.stdout_fd, output.stderr_fd)
+        finally:
+            output.child_started()
+        worker.handle, worker.output = handle, output
+        self.workers.append(worker)
+        self._selector.register(handle.fileno(), selectors.EVENT_READ, worker)
+
+    def start_copying(self) -> None:
+        """Copy every worker's output from now on (see RankOutput.start_copying)."""
+        for w in self.workers:
+            if w.output is not None:
+                w.output.start_copying()
+
+    @property
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.returncode is None]
+
+    def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Worker], bool, bool]:
+        """Sleep until a worker exits or the wake fd (or ``also``) is readable, at most ``timeout_s``.
+
+        Returns the workers that exited (already reaped), whether the wake fd fired,
+        and whether ``also`` is readable. ``also`` is watched for this call only (the
+        rendezvous): while stopping, the agent does not listen to it, and a
+        level-triggered fd it ignores must not spin.
+        """
+        exited: list[Worker] = []
+        woken = also_ready = False
+        if also is not None:
+            self._selector.register(also, selectors.EVENT_READ)
+        try:
+            ready = self._selector.select(timeout_s)
+        finally:
+            if also is not None:
+                self._selector.unregister(also)
+        for key, _ in ready:
+            if key.fd in self._wake_fds:
+                woken = True
+            elif key.fd == also:
+                also_ready = True
+            elif key.data.released:
+                self._reap_released(key.data)
+            else:
+                worker: Worker = key.data
+                self._reap(worker)
+                exited.append(worker)
+        return exited, woken, also_ready
+
+    def _reap(self, worker: Worker) -> None:
+        assert worker.handle is not None
+        self._selector.unregister(worker.handle.fileno())
+        worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
+        code = worker.handle.reap()
+        worker.status_lost = code is None
+        # Lost: the script's own end code when it reported one, else a failure (its real status is never shown).
+        worker.returncode = code if code is not None else (1 if worker.ended_code is None else worker.ended_code)
+        worker.reaped = True
+        if worker.state is WorkerState.RUNNING:
+            # A script that ended before its teardown got stuck has the result it ended with.
+            result = worker.returncode if worker.ended_code is None else worker.ended_code
+            worker.state = WorkerState.SUCCEEDED if result == 0 else WorkerState.FAILED
+
+    def stop(
+        self,
+        grace_s: float,
+        on_exit: Callable[[Worker], object],
+        on_wake: Callable[[], bool],
+        first_signal: int = signal.SIGTERM,
+        release: Callable[[Worker], bool] | None = None,
+    ) -> None:
+        """Send ``first_signal`` to every worker's process group, wait ``grace_s``, then SIGKILL what is left.
+
+        Descendants that left their worker's group are signalled too (SIGKILL for them
+        comes with :meth:`sweep`, which must follow). Returns once every worker is
+        reaped, or released: a worker the signal kills (it does not handle it) can run
+        no more of its own code, but the kernel takes tens of ms to free its memory;
+        where ``release`` allows, it counts as exited at once, with the status it is
+        ending with, and is reaped when its exit comes. ``on_wake`` is called when the
+        wake fd fires (a signal to ftrun) and returns True to skip the rest of the grace period.
+        """
+        for w in self.running:
+            if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
+                w.state = WorkerState.STOPPED
+        self._send_first(first_signal, release, on_exit)
+        deadline = self._clock.monotonic() + grace_s
+        while self.running:
+            left = deadline - self._clock.monotonic()
+            if left <= 0:
+                break
+            exited, woken, _ = self.wait(left)
+            for w in exited:
+                on_exit(w)
+            if woken and on_wake():
+                break
+        if self.running:  # else the sweep that follows every stop kills the strays
+            self._signal_all(signal.SIGKILL)
+        # SIGKILL cannot be refused; only a process stuck in the kernel (D state) outlives it.
+        deadline = self._clock.monotonic() + KILL_WAIT_S
+        while self.running and (left := deadline - self._clock.monotonic()) > 0:
+            for w in self.wait(left)[0]:
+                on_exit(w)
+
+    def sweep(self) -> None:
+        """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
+        self._signal_groups(signal.SIGKILL)
+        self._spawner.sweep(self._pids, keep={w.pid for w in (*self.running, *self.released)})
+
+    def release_finishing(self, w: Worker, code: int) -> None:
+        """``w``'s script failed with ``code`` and every atexit handler has run: only its interpreter's own
+        finalization is left (0.2-1 s for a torch process). It counts as exited now, as a released worker, and
+        is left to finish beside the next attempt, never killed for it (what the finalization flushes is
+        kept), unless it takes longer than the teardown grace (see :meth:`end_stuck`)."""
+        w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
+        if w.state is WorkerState.RUNNING:
+            w.state = WorkerState.FAILED
+        w.released = w.finishing = True
+        self.released.append(w)
+        with contextlib.suppress(OSError):  # its teardown takes CPU the next attempt's start needs: idle time only
+            os.sched_setscheduler(w.pid, os.SCHED_IDLE, os.sched_param(0))
+
+    def end_stuck(self, grace_s: float, say: Callable[[str], None]) -> None:
+        """SIGKILL the finishing workers still there ``grace_s`` after their script ended (a teardown that hangs,
+        as torch's gloo teardown can), and say so."""
+        now = self._clock.monotonic()
+        for w in [w for w in self.released if w.finishing and now - (w.exit_mono or now) >= grace_s]:
+            assert w.handle is not None
+            w.handle.signal_group(signal.SIGKILL)
+            w.finishing = False  # killed: nothing of it is kept any more
+            say(f"{w.who}: teardown still going --teardown-timeout after its script failed; ended")
+
+    def reap_released(self, grace_s: float, say: Callable[[str], None]) -> list[Worker]:
+        """Wait until the released workers are gone (at the run's end: nothing outlives the agent), a finishing
+        one at most until ``grace_s`` after its script ended; returns them."""
+        waited = list(self.released)
+        for w in waited:
+            assert w.handle is not None
+            left = (w.exit_mono or 0.0) + grace_s - self._clock.monotonic()
+            if w.finishing and not select.select([w.handle.fileno()], [], [], max(0.0, left))[0]:
+                self.end_stuck(grace_s, say)
+        deadline = self._clock.monotonic() + KILL_WAIT_S
+        for w in waited:
+            assert w.handle is not None
+            if select.select([w.handle.fileno()], [], [], max(0.0, deadline - self._clock.monotonic()))[0]:
+                self._reap_released(w)
+        return waited
+
+    def _send_first(
+        self, sent: int, release: Callable[[Worker], bool] | None, on_exit: Callable[[Worker], object]
+    ) -> None:
+        self._signal_groups(sent)
+        for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
+            if w.handle is not None and proctree.is_stopped(w.pid):
+                w.handle.signal_group(signal.SIGKILL)
+        if release is not None:
+            self._release_ending(sent, release, on_exit)
+        if self.running:  # the strays get the grace period too (those of released workers: the sweep's SIGKILL)
+            self._spawner.signal_strays(sent, self._pids)
+
+    def _release_ending(
+        self, sent: int, release: Callable[[Worker], bool], on_exit: Callable[[Worker], object]
+    ) -> None:
+        for w in self.running:
+            code = proctree.ending(w.pid, sent)
+            if code is not None and release(w):
+                w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
+                w.released = True  # its pidfd stays registered: wait() reaps it quietly
+                self.released.append(w)
+                on_exit(w)
+
+    def _reap_released(self, w: Worker) -> None:
+        assert w.handle is not None
+        self._selector.unregister(w.handle.fileno())
+        w.handle.reap()  # the status it ended with was known when it was released
+        w.reaped = True
+        self.released.remove(w)
+
+    @property
+    def _pids(self) -> set[int]:
+        """The workers' pids, with the last attempt's released ones still exiting: not strays to kill."""
+        return {w.pid for w in (*self.workers, *self.released) if w.handle}
+
+    def _signal_all(self, sig: int) -> None:
+        self._signal_groups(sig)
+        self._spawner.signal_strays(sig, self._pids)  # a dying worker's children are re-parented: still below
+
+    def _signal_groups(self, sig: int) -> None:
+        for w in self.workers:
+            # A finishing worker ends on its own; a reaped one's group id may be another process's now (its
+            # children left behind are found below the agent, as strays).
+            if w.handle is not None and not w.finishing and not w.reaped:
+                w.handle.signal_group(sig)

@@ -1,0 +1,291 @@
+"""The warm pool: a Spawner that forks workers from pre-imported zygotes.
+
+At start the pool launches a *base* zygote that preloads nothing (ready as soon
+as Python is: forking from it is as fast as a fresh start) and, when something
+is known to preload (``--preload``, the job's cache, its entry script's
+imports), a second one that preloads it. Each spawn forks from the biggest
+*ready* zygote: a restart never waits for one still preloading when another is
+ready. With none ready, it waits for the one preloading (it started before a
+fresh worker would, and imports only what a worker imports anyway), else uses
+the base. Each zygote keeps twice as many standby workers forked ahead of time as
+the node runs workers: a spawn hands a standby its work in one message, and a
+failure that comes before the standbys taken are forked again (half a second
+later, when the new workers have started) still finds enough. When the workers
+report more imports, a bigger zygote is started beside the others, at idle CPU
+priority so that it never slows the training (and stopped while a restart is
+under way); smaller ones are closed only once a bigger one is ready. Workers come
+out as the agent's own children (a pidfd and the real exit status, as for a fresh
+process).
+
+Whatever goes wrong with a zygote (it died, or does not answer), the worker is
+started fresh and the pool goes on without it; a module that makes a zygote unsafe
+to fork (it starts a thread, loads the GPU driver) is left out of every preload and
+the rest preloaded without it: the job's result never depends on the pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ftrun.procs import proctree
+from ftrun.procs.workers import ProcessHandle, ProcessSpawner, signal_strays
+from ftrun.warm.preload import Cache, read_modules_report
+from ftrun.warm.zygotes import PoolError, Zygote
+
+REFILL_DELAY_S = 0.5  # after an attempt's spawns: see WarmPool.workers_started
+BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
+PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
+GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH more modules than it has
+
+
+Say = Callable[[str], None]
+
+
+def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
+    """What a zygote must run for ``argv``, or None if it cannot (not this Python's script or module)."""
+    if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
+        return None
+    if argv[2] == "-m" and len(argv) >= 4:
+        return {"kind": "module", "target": argv[3], "args": list(argv[4:])}
+    if argv[2].startswith("-"):
+        return None  # -c (--run-path) and other interpreter options: a fresh process
+    return {"kind": "script", "target": argv[2], "args": list(argv[3:])}
+
+
+class WarmPool:
+    """A Spawner. ``start()`` before the first attempt; ``learn()`` feeds --warm auto; ``close()`` at the end."""
+
+    def __init__(
+        self,
+        python: str,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        *,
+        auto: bool,
+        standbys: int,
+        cache: Cache | None = None,
+        script: str | None = None,
+    ) -> None:
+        """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers);
+        ``script``: the entry script's absolute path, compiled once in each zygote."""
+        self._python = python
+        self._script = script
+        self._standbys = standbys
+        self._env = env
+        self._auto = auto
+        self._cache = cache
+        cached, self._import_s = cache.load() if cache is not None and auto else ([], None)
+        self._known = list(dict.fromkeys([*preload, *cached]))  # the most we know to preload
+        self._log = Path(os.devnull)
+        self._say: Say = lambda text: None
+        self._detail: Say = lambda text: None
+        self._on_ready: Callable[[dict[str, Any]], None] = lambda info: None
+        self._fresh = ProcessSpawner()
+        self._zygotes: list[Zygote] = []
+        self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
+        self._refill_at: float | None = None  # monotonic: when the standbys taken are forked again
+        self.holding = False  # a restart is under way: see hold()
+        self._off = ""  # why the pool is no longer used (a refusal is not retried)
+        self._never: set[str] = set()  # modules a zygote refused: never preloaded again
+        self._reports: dict[Path, int] = {}  # each worker's report of its imports, by its mtime
+
+    def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
+        """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
+        user what to know (the pool is off), ``detail`` how it works (--verbose); ``on_ready`` gets ready reports."""
+        self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
+        self._launch([])
+        if self._known:
+            self._launch(self._known)
+
+    def add(self, modules: Sequence[str]) -> None:
+        """More modules known before any worker ran (the entry script's imports)."""
+        self._known = list(dict.fromkeys([*self._known, *modules]))
+
+    def _launch(self, preload: list[str], *, idle: bool = False) -> None:
+        """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
+        if not self._off:
+            self._zygotes.append(
+                Zygote(
+                    self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
+                )
+            )
+
+    @property
+    def preloading(self) -> list[str]:
+        """The modules of the largest zygote, ready or not."""
+        return max((z.preload for z in self._zygotes), key=len, default=[])
+
+    def signal_strays(self, sig: int, workers: set[int]) -> None:
+        """The zygotes and their standby workers (in the zygotes' process groups) are the pool's own."""
+        signal_strays(sig, workers, helper_groups={z.proc.pid for z in self._zygotes})
+
+    def sweep(self, workers: set[int], keep: set[int]) -> None:
+        zygotes = {z.proc.pid for z in self._zygotes}
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=zygotes, keep=keep | zygotes)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
+        request = worker_request(argv, self._python)
+        if request is None or self._off:
+            return self._fresh.spawn(argv, env, cwd, stdout, stderr)
+        request.update(env=dict(env), cwd=str(cwd))
+        while (zygote := self._best()) is not None:
+            try:
+                handle = zygote.standby().run(request, stdout, stderr)
+            except PoolError as e:
+                self._drop(zygote, str(e))
+                continue
+            if zygote.failed:  # it could not fork a standby in place of this one
+                self._drop(zygote, zygote.failed)
+            return handle
+        return self._fresh.spawn(argv, env, cwd, stdout, stderr)
+
+    def tend(self) -> None:
+        """Take the zygotes' news (ready, refused, gone) and retire each ready zygote that a bigger ready one
+        replaces. Called when the agent is idle too, so that a restart finds this done."""
+        self._retired = [proc for proc in self._retired if proc.poll() is None]
+        if self._refill_at is not None and time.monotonic() >= self._refill_at:
+            self._refill_at = None
+            self.go_on()
+            for z in self._zygotes:
+                z.refill()
+        for z in list(self._zygotes):
+            was_ready = z.ready is not None
+            if z.poll() and not was_ready:
+                self._ready(z)
+            elif z.failed:
+                self._drop(z, z.failed)
+                if self._off:
+                    return
+        best = self._biggest_ready()
+        if best is not None and not self.holding:  # the teardown of a retired zygote: ~15 ms of a core
+            for z in list(self._zygotes):
+                if z is not best and z.ready is not None:  # a bigger one serves from now on
+                    z.close(wait=False)
+                    self._retired.append(z.proc)
+                    self._zygotes.remove(z)
+
+    def _biggest_ready(self) -> Zygote | None:
+        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
+        return max(ready, key=lambda z: len(z.preload)) if ready else None
+
+    def _best(self) -> Zygote | None:
+        """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
+        biggest still preloading (it started before a fresh worker would, and preloads only what the workers
+        import anyway: waiting for it beats a fresh start); else the base zygote (a bare Python start)."""
+        self.tend()
+        if self._off:
+            return None
+        best = self._biggest_ready()
+        if best is not None:
+            return best
+        preloaded = [z for z in self._zygotes if z.preload]
+        for z in sorted(preloaded, key=lambda z: len(z.preload), reverse=True) + [
+            z for z in self._zygotes if not z.preload
+        ]:
+            if z.poll(PRELOAD_TIMEOUT_S if z.preload else BASE_READY_TIMEOUT_S):
+                self._ready(z)
+                return z
+            self._drop(z, z.failed or "it did not start")
+            if self._off:
+                return None
+        return None
+
+    def _ready(self, z: Zygote) -> None:
+        assert z.ready is not None
+        self._on_ready({**z.ready, "preload": len(z.preload), "pid": z.proc.pid})
+        if z.preload and self._cache is not None and self._auto:
+            self._cache.save(z.preload, float(z.ready.get("import_s", 0.0)))
+
+    def _drop(self, z: Zygote, why: str) -> None:
+        z.close()
+        if z in self._zygotes:
+            self._zygotes.remove(z)
+        if z.culprit:  # one module cannot be forked after: the rest is preloaded without it
+            self._never.add(z.culprit)
+            self._say(f"warm pool: {why}; preloading the rest without it")
+            rest = [m for m in z.preload if m not in self._never]
+            if self._cache is not None:
+                self._cache.save(rest, self._import_s)  # the next run does not try it again
+            if rest:
+                self._launch(rest, idle=True)
+        elif z.refused:
+            self._off = why
+            for other in self._zygotes:
+                other.close()
+            self._zygotes.clear()
+            self._say(f"warm pool off: {why}; workers start as fresh processes")
+        else:
+            self._detail(f"warm pool: {why}; a new zygote is on its way")
+            self._launch(z.preload, idle=True)
+
+    def learn_reports(self, paths: Sequence[Path], *, run_ends: bool = False) -> None:
+        """--warm auto: learn from the workers' reports of what they imported, each time one changed (the workers
+        write one as they meet their peers, at their first step, and at exit)."""
+        for path in paths:
+            try:
+                stamp = path.stat().st_mtime_ns
+            except OSError:
+                continue
+            if self._reports.get(path) != stamp:
+                self._reports[path] = stamp
+                modules = read_modules_report(path)
+                if modules is not None:
+                    self.learn(modules, run_ends=run_ends)
+
+    def learn(self, modules: Sequence[str], *, run_ends: bool = False) -> None:
+        """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it (kept
+        for the next run only when ``run_ends``: no restart can come)."""
+        if not self._auto or self._off:
+            return
+        current = self.preloading
+        have = set(current)
+        wanted = [m for m in modules if m not in have and m not in self._never]
+        if len(wanted) <= len(current) // GROWTH:
+            return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
+        bigger = list(dict.fromkeys([*current, *wanted]))
+        if self._cache is not None:
+            self._cache.save(bigger, self._import_s)
+        if not run_ends:
+            self._detail(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
+            self._launch(bigger, idle=True)
+
+    def hold(self) -> None:
+        """A failure, or workers about to start: the zygotes still preloading stand still (SIGSTOP) until the
+        refill after the spawns (see go_on); meanwhile the agent learns nothing new and retires no zygote. At
+        idle CPU priority they should yield at once, but a kernel that defers wakeup preemption to its tick
+        (PREEMPT_NONE, lazy) lets them run on for up to 4 ms at a time (seen with perf sched), taken from the
+        agent and the new workers."""
+        self.holding = True
+        for z in self._zygotes:
+            if z.ready is None:
+                z.pause(True)
+
+    def go_on(self) -> None:
+        """The hold ends: at the refill, or when the agent waits with no workers to start (a rendezvous)."""
+        self.holding = False
+        for z in self._zygotes:
+            z.pause(False)
+
+    def workers_started(self) -> None:
+        """An attempt's workers were just started: the standbys they took are forked again once they had time
+        to start (forking a zygote of hundreds of MiB costs ~10 ms of a core, which they need now; a failure
+        before then takes the spare standbys, and one more forks them on the spot: still warm)."""
+        self._refill_at = time.monotonic() + REFILL_DELAY_S
+
+    def seconds_to_refill(self) -> float | None:
+        """How long the agent may sleep before :meth:`tend` is due to refill (None: nothing to refill)."""
+        return None if self._refill_at is None else max(0.0, self._refill_at - time.monotonic())
+
+    def close(self) -> None:
+        for z in self._zygotes:
+            z.close()
+        self._zygotes.clear()
+        for proc in self._retired:
+            proc.wait()
+        self._retired.clear()

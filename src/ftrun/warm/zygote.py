@@ -1,0 +1,389 @@
+"""The warm pool's process (the zygote): imports the modules to preload, then forks standby workers.
+
+Run by the agent as ``python -m ftrun.warm.zygote FD`` with the JSON list of
+modules to preload on stdin; FD is its end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
+``refused`` if preloading started a thread: fork would copy a process whose
+other threads vanish, with their locks held), then serves standby requests.
+
+A standby is a worker forked ahead of time, before anyone knows its rank: each
+request passes one end of a socket pair, the standby keeps it and sleeps on it
+until the agent sends what it must run (environment, directory, arguments) with
+its stdout and stderr as passed descriptors. A restart then costs one message per
+worker, not a fork. Each standby becomes the agent's own child: forked twice
+(glibc's fork, at-fork handlers and all) and re-parented to the agent, a child
+subreaper; it stays in the zygote's process group until it becomes a worker (the
+agent tells the pool's processes from a worker's strays by that group). The agent watches it with a pidfd and reaps its
+real exit status, exactly as for a fresh process. The worker then becomes what
+``python -u SCRIPT`` or ``python -u -m MODULE`` would have been.
+Single-threaded, and imports nothing but what it is asked to and ftrun's own
+worker start-up (which every watched worker imports anyway).
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib
+import importlib.machinery
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import types
+import warnings
+from typing import Any
+
+from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
+
+MAX_MESSAGE = 1 << 20
+ADOPTION_WAIT_S = 5.0
+PR_SET_PDEATHSIG = 1
+THIS_FILE = __file__
+STARTUP_MODULES = (
+    "ftrun.worker.client",
+    "ftrun.worker.autobeat",
+    "ftrun.worker.imports",
+)  # what set_up imports (no torch, no thread)
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def cuda_initialised() -> bool:
+    cuda = sys.modules.get("torch.cuda")
+    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
+
+
+def rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    sock.sendmsg([json.dumps(message).encode()])
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data:
+        return None, list(fds)
+    message: dict[str, Any] = json.loads(data)
+    return message, list(fds)
+
+
+def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, str]:
+    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None, the module refused)."""
+    loaded, failed = [], {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a module that cannot be preloaded is imported by the worker itself
+            failed[name] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        loaded.append(name)
+        refusal = unforkable()
+        if refusal:
+            return loaded, failed, f"preloading {name!r} {refusal}", name
+    return loaded, failed, None, ""
+
+
+def unforkable() -> str:
+    """Why this process can no longer be forked into workers ("": it can)."""
+    if cuda_initialised():
+        return "initialised CUDA, which does not survive fork (CUDA belongs in the workers)"
+    driver = gpu_driver()
+    if driver:
+        return f"loaded the GPU driver ({driver}), which does not survive fork"
+    if threads() > 1:
+        return "started a thread (forking a process with threads is unsafe: OpenMP/BLAS pools are pinned to 1)"
+    return ""
+
+
+GPU_DRIVERS = ("libcuda.so",)  # the CUDA driver; NVML (libnvidia-ml) and the runtime (libcudart) are fine
+
+
+def gpu_driver() -> str:
+    """The GPU driver library this process has mapped, if any: a library that calls cudaGetDeviceCount (as
+    torch.cuda.is_available() does without PYTORCH_NVML_BASED_CUDA_CHECK) loads and initialises it, without
+    torch.cuda.is_initialized() saying so, and a process forked after that fails its first CUDA call."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rpartition("/")[2].strip()
+            if name.startswith(GPU_DRIVERS):
+                return name
+    return ""
+
+
+def main() -> int:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    atexit.register(after_every_exit_handler)  # the first registered runs last, in every worker forked later
+    names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
+    started = time.monotonic()
+    idle = "--idle" in sys.argv[2:]
+    if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    preload(list(STARTUP_MODULES))  # a worker's start-up attaches them: paid once here, not at each restart
+    # torch.cuda.is_available() (which libraries call at import) asks NVML, not the CUDA driver: a driver
+    # initialised here would not survive the fork. The workers get the variable as the job set it, or not.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    started_with = dict(os.environ)
+    loaded, failed, refusal, culprit = preload(names)
+    # What the preloaded modules set in the environment at import, a fresh worker's imports set too.
+    IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v})
+    # As a fresh worker has them once it imported the same modules (torch and numpy add theirs at import).
+    filters = list(warnings.filters)
+    if idle:
+        try:  # its forks must run at normal priority
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except PermissionError:
+            refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
+    if refusal:
+        send(sock, {"refused": refusal, "module": culprit})
+        while (leftover := receive(sock))[0] is not None:  # exiting with requests unread would reset the
+            for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
+                os.close(fd)
+        return 1
+    physical_cores()  # counted here once, for every worker
+    find_pools()  # the BLAS/OpenMP pools preloading loaded, which each worker sizes as a fresh process would
+    ENVIRONMENT.update(os.environ)
+    # What preloading left as garbage goes; the rest is frozen: the workers' garbage collections never write
+    # to the preloaded objects, so their pages stay shared with the zygote instead of being copied, worker by
+    # worker, at each full collection.
+    gc.collect()
+    gc.freeze()
+    send(sock, {"ready": True, "loaded": len(loaded), "failed": failed, "import_s": time.monotonic() - started,
+                "rss_kb": rss_kb()})  # fmt: skip
+    while True:
+        message, fds = receive(sock)
+        if message is None:
+            return 0  # the agent is gone or closed the pool
+        if message.get("script"):
+            precompile(message["script"])
+        try:
+            reply = fork_standby(sock, message, fds, filters)  # in the standby it never returns
+        except OSError as e:
+            reply = {"error": f"fork failed: {e}"}
+        for fd in fds:
+            os.close(fd)
+        send(sock, reply)
+
+
+def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
+    """Fork a standby worker that waits on ``fds[0]`` for what to run; returns its pid for the agent."""
+    if len(fds) != 1:
+        return {"error": f"expected the standby's socket, got {len(fds)} descriptors"}
+    # Two forks, the first one gone at once: the standby is re-parented to the agent (a child subreaper), which
+    # watches it and reaps its real status as for a fresh process. glibc's fork, not a raw clone(CLONE_PARENT)
+    # in one step: it runs the C libraries' at-fork handlers and gives the child its own thread id in glibc's
+    # records (with the zygote's, time.pthread_getcpuclockid() and pthread_setaffinity_np() missed their mark).
+    read_end, write_end = os.pipe()
+    first = os.fork()
+    if first == 0:  # the intermediate: fork the standby, tell the zygote its pid, vanish
+        os.close(read_end)
+        intermediate = os.getpid()  # not getppid() in the standby: this process may be gone by then
+        second = os.fork()
+        if second == 0:
+            os.close(write_end)
+            stand_by(sock, request["agent_pid"], fds[0], filters, intermediate)  # never returns
+        os.write(write_end, str(second).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as r:
+        told = r.read()
+    os.waitpid(first, 0)
+    return {"pid": int(told)} if told else {"error": "fork failed"}
+
+
+def stand_by(zygote: socket.socket, agent_pid: int, fd: int, filters: list[Any], intermediate: int | None) -> None:
+    """In the standby: become the agent's watched child, wait for the work, then run it as a worker."""
+    try:
+        zygote.close()
+        adopt(agent_pid, intermediate)
+        standby = socket.socket(fileno=fd)
+        request, fds = receive(standby)
+        standby.close()
+        if request is None:
+            os._exit(0)  # the agent no longer needs this standby
+        set_up(request, fds, filters)
+    except BaseException as e:  # nothing of the zygote's loop may run in the worker
+        os.write(2, f"ftrun: the warm worker could not be set up: {e!r}\n".encode())
+        os._exit(1)
+    try:
+        code = run(request["kind"], request["target"], request["args"])
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):  # sys.exit("message"): printed as Python does, but
+            print(e.code, file=sys.stderr)  # now, so that it is in the log before the agent hears of the end
+        code = exit_code(e.code)
+        ended(code)
+        raise SystemExit(code) from None
+    ended(code)
+    sys.exit(code)
+
+
+def adopt(agent_pid: int, intermediate: int | None) -> None:
+    """Wait until the agent is the parent (after a double fork), and die with it from then on."""
+    deadline = time.monotonic() + ADOPTION_WAIT_S
+    while intermediate is not None and os.getppid() == intermediate and time.monotonic() < deadline:
+        time.sleep(0.0002)  # the intermediate exits at once; then the agent (subreaper) is the parent
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent_pid:
+        os._exit(1)  # the agent died meanwhile (or adoption failed): never run unwatched
+
+
+def after_every_exit_handler() -> None:
+    """In a worker, after every atexit handler (the preloaded modules' and the job's): tell the agent."""
+    client = sys.modules.get("ftrun.worker.client")
+    if client is not None:
+        client.finalizing()
+
+
+def exit_code(code: object) -> int:
+    """What ``sys.exit(code)`` makes the process exit with."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def ended(code: int) -> None:
+    """The agent learns the script is over: a hang in the teardown that follows is not a training hang. What the
+    script wrote is flushed first: after a failure the agent may report (from the logs) at once."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        from ftrun.worker.client import script_ended
+
+        script_ended(code)
+    except Exception as e:
+        os.write(2, f"ftrun: could not mark the script's end: {e!r}\n".encode())
+
+
+def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
+    """Become the worker ``request`` describes, as a fresh ``python -u`` would start."""
+    if len(fds) != 2:
+        raise ValueError(f"expected stdout and stderr descriptors, got {len(fds)}")
+    os.setsid()  # out of the zygote's group: from now on a worker with its own process group
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in (devnull, *fds):
+        os.close(fd)
+    os.chdir(request["cwd"])
+    become_environment({**IMPORTS_SET, **request["env"]})  # the rank's own values win (setdefault, mostly)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if os.environ.get("FTRUN_CPU_AFFINITY"):  # --numa-binding, before the worker's code starts any thread
+        from ftrun.node.numa import parse_cpus
+
+        os.sched_setaffinity(0, parse_cpus(os.environ["FTRUN_CPU_AFFINITY"]))
+    if os.environ.get("PYTHONFAULTHANDLER"):  # what a fresh interpreter does at start-up with it
+        import faulthandler
+
+        faulthandler.enable(all_threads=True)
+    redraw_randomness()
+    restore_threads()
+    if os.environ.get("FTRUN_MONITOR"):
+        # Before the job's code: its stacks can be dumped even if it hangs in an import (no py-spy needed),
+        # and every optimizer step is a heartbeat, with no change to the script.
+        from ftrun.worker import autobeat, client
+
+        client.attach()
+        autobeat.install()
+    warnings.filters[:] = filters  # type: ignore[index]
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+    # `python -u`: unbuffered binary layer, text written through at once.
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+
+
+ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
+IMPORTS_SET: dict[str, str] = {}  # variables the preloaded modules set at import
+
+
+def become_environment(env: dict[str, str]) -> None:
+    """Make os.environ exactly ``env``, setting only what differs from the zygote's (most of it is the same,
+    and each variable set or unset is a call to libc; comparing with os.environ itself costs 0.3 ms)."""
+    inherited = ENVIRONMENT or dict(os.environ)
+    for name in inherited.keys() - env.keys():
+        del os.environ[name]
+    for name, value in env.items():
+        if inherited.get(name) != value:
+            os.environ[name] = value
+
+
+COMPILED: dict[str, tuple[tuple[int, int], types.CodeType]] = {}  # entry script -> (its stat, its code)
+
+
+def precompile(path: str) -> None:
+    """Compile the entry script here, once (again when it changed): every standby forked after has its code,
+    and a restart does not pay for it (~5 ms per 1,000 lines). One that does not compile is left to the worker,
+    which reports the error as Python would."""
+    with contextlib.suppress(OSError, SyntaxError, ValueError):
+        script_code(path)
+
+
+def script_code(path: str) -> types.CodeType:
+    """The entry script's code: the zygote's when the file has not changed since, else compiled now."""
+    stat = os.stat(path)
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    found = COMPILED.get(path)
+    if found is None or found[0] != stamp:
+        with io.open_code(path) as f:  # dont_inherit: this module's own __future__ flags are not the script's
+            found = COMPILED[path] = (stamp, compile(f.read(), path, "exec", dont_inherit=True))
+    return found[1]
+
+
+def run(kind: str, target: str, args: list[str]) -> int:
+    """Run a script or module as __main__; an uncaught exception prints as Python would and returns 1."""
+    try:
+        main = types.ModuleType("__main__")  # a clean namespace, not the zygote's own __main__
+        main.__builtins__ = __builtins__  # type: ignore[attr-defined]
+        main.__annotations__ = {}  # as the interpreter makes __main__ at start-up
+        sys.modules["__main__"] = main
+        if kind == "module":
+            import runpy
+
+            sys.argv = [target, *args]  # runpy puts the module's file in argv[0], as `python -m` does
+            sys.path[0] = os.getcwd()
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            path = os.path.abspath(target)  # as Python >= 3.9 makes __main__.__file__
+            main.__file__ = path
+            main.__cached__ = None  # type: ignore[attr-defined]
+            main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+            exec(script_code(path), main.__dict__)  # noqa: S102 - running the user's script is the point
+    except SystemExit:
+        raise
+    except BaseException:
+        kind_, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename == THIS_FILE:
+            tb = tb.tb_next  # the traceback starts where the user's code does, as with a fresh python
+        if value is not None:
+            value.__traceback__ = tb  # the hook prints the exception's own traceback, not its argument
+        sys.excepthook(kind_, value, tb)  # type: ignore[arg-type]
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

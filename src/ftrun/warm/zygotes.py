@@ -1,0 +1,252 @@
+"""The agent's side of one zygote process: start it, hear whether it is ready (or refused a module), take
+its standby workers, stop it and go on. The zygote itself is :mod:`ftrun.warm.zygote`; the pool that keeps
+several and chooses among them, :mod:`ftrun.warm.pool`.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ftrun.procs import proctree
+
+FORK_TIMEOUT_S = 10.0
+MAX_MESSAGE = 1 << 20
+# The zygote pins its own thread pools (never the workers'): a library that starts threads at import
+# (OpenMP, BLAS) would make the zygote unsafe to fork.
+ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+class PoolError(Exception):
+    """A zygote cannot serve this spawn (the caller falls back to another, or to a fresh process)."""
+
+
+class NotYet(PoolError):
+    """A zygote has not answered within the time given (it may still be preloading)."""
+
+
+class AdoptedHandle:
+    """A worker forked by a zygote and re-parented to the agent: the agent's child from then on."""
+
+    warm = True
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+
+    def fileno(self) -> int:
+        return self._pidfd
+
+    def reap(self) -> int | None:
+        code: int | None = None  # not adopted after all (its status went to someone else): unknown, not invented
+        with contextlib.suppress(ChildProcessError):
+            _, status = os.waitpid(self.pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        self.close()
+        return code
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def signal_group(self, sig: int) -> None:
+        proctree.signal_quietly(self.pid, sig, group=True)
+
+
+class Standby:
+    """A worker forked ahead of time, asleep on its socket until it is told what to run."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.sock = sock
+        self.handle = AdoptedHandle(pid)
+
+    def alive(self) -> bool:
+        return not select.select([self.handle], [], [], 0)[0]  # a pidfd is readable once the process exited
+
+    def run(self, request: dict[str, Any], stdout: int, stderr: int) -> AdoptedHandle:
+        try:
+            self.sock.sendmsg(
+                [json.dumps(request).encode()],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
+            )
+        except OSError as e:
+            raise PoolError(f"the standby worker {self.handle.pid} is gone ({e})") from None
+        finally:
+            self.sock.close()
+        return self.handle
+
+    def discard(self) -> None:
+        """It exits when its socket closes; the agent reaps it with the other orphans."""
+        self.sock.close()
+        self.handle.close()
+
+
+class Zygote:
+    def __init__(
+        self,
+        python: str,
+        preload: list[str],
+        env: Mapping[str, str],
+        log: Path,
+        *,
+        idle: bool,
+        standbys: int,
+        script: str | None = None,
+    ) -> None:
+        """``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
+        self.preload = preload
+        self._script = script
+        self.started = time.monotonic()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        argv = [python, "-m", "ftrun.warm.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
+        with log.open("ab") as err:
+            self.proc = subprocess.Popen(
+                argv,
+                pass_fds=(theirs.fileno(),),
+                env={**env, **ZYGOTE_THREADS},
+                stdin=subprocess.PIPE,
+                stdout=err,
+                stderr=err,
+                start_new_session=True,  # its group holds the standbys too: see WarmPool.signal_strays
+                preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
+            )
+        theirs.close()
+        assert self.proc.stdin is not None
+        try:  # the list can be long: a pipe, not argv (which has a size limit)
+            self.proc.stdin.write(json.dumps(preload).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: the first look at it finds out
+        self.ready: dict[str, Any] | None = None
+        self.refused = ""
+        self.culprit = ""  # the module it refused (left out of every preload from then on)
+        self.failed = ""  # why it can no longer serve
+        self._asked: deque[socket.socket] = deque()  # standbys asked for, in order; the zygote answers in order
+        self._standbys: deque[Standby] = deque()
+        self.owed = 0  # standbys taken and not yet asked for again
+        self.paused = False
+        for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
+            self.ask_standby()
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
+        if timeout_s > 0:
+            self.pause(False)  # waited for: it must go on
+        if self.ready is None and not self.failed:
+            try:
+                answer = self._receive(timeout_s, "to finish preloading")
+            except NotYet as e:
+                if timeout_s > 0:  # waited for in vain
+                    self.failed = str(e)
+                return False
+            except PoolError as e:  # gone
+                self.failed = str(e)
+                return False
+            if "refused" in answer:
+                self.refused = self.failed = str(answer["refused"])
+                self.culprit = str(answer.get("module", ""))
+                return False
+            self.ready = answer
+        return self.ready is not None
+
+    def pause(self, paused: bool) -> None:
+        """Stand still (SIGSTOP) or go on (SIGCONT)."""
+        if paused != self.paused and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+            self.paused = paused
+
+    def ask_standby(self) -> None:
+        """Ask for one more standby worker (answered later: nobody waits for the fork now)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.sendmsg(
+                [json.dumps({"agent_pid": os.getpid(), "script": self._script}).encode()],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
+            )
+        except OSError as e:
+            ours.close()
+            self.failed = f"the zygote is gone ({e})"
+        else:
+            self._asked.append(ours)
+        finally:
+            theirs.close()
+
+    def standby(self) -> Standby:
+        """A live standby worker of this (ready) zygote; another one is asked for in its place at the next
+        refill, or now when none is left (a failure came before the refill)."""
+        if not self._asked and not self._standbys and self.owed:
+            self.ask_standby()
+            self.owed -= 1
+        while self._asked:  # collect the answers that came, waiting only when no standby is left
+            waited = FORK_TIMEOUT_S if not self._standbys else 0.0
+            try:
+                answer = self._receive(waited, "to fork a standby worker")
+            except NotYet:
+                if waited > 0:
+                    raise
+                break
+            sock = self._asked.popleft()
+            if "pid" not in answer:
+                sock.close()
+                raise PoolError(str(answer.get("error", answer)))
+            try:
+                self._standbys.append(Standby(int(answer["pid"]), sock))
+            except OSError:  # it died before it was watched
+                sock.close()
+        while self._standbys:
+            standby = self._standbys.popleft()
+            self.owed += 1
+            if standby.alive():
+                return standby
+            standby.discard()
+        raise PoolError("the zygote has no standby worker")
+
+    def refill(self) -> None:
+        """Ask for the standbys taken since the last refill (when the agent is idle: forking a zygote of
+        hundreds of MiB takes ~10 ms of a core, which the workers being started need)."""
+        for _ in range(self.owed):
+            self.ask_standby()
+        self.owed = 0
+
+    def _receive(self, timeout_s: float, what: str) -> dict[str, Any]:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                raise NotYet(f"the zygote took more than {timeout_s:g} s {what}")
+        try:
+            data = self._sock.recv(MAX_MESSAGE)
+        except OSError as e:
+            raise PoolError(f"the zygote is gone ({e})") from None
+        if not data:
+            raise PoolError(f"the zygote exited (code {self.proc.poll()})")
+        answer: dict[str, Any] = json.loads(data)
+        return answer
+
+    def close(self, *, wait: bool = True) -> None:
+        """``wait=False``: do not wait for the process to be gone (a zygote of hundreds of MiB takes tens of
+        milliseconds to tear down); the pool reaps it later."""
+        for standby in self._standbys:
+            standby.discard()
+        for sock in self._asked:
+            sock.close()
+        self._standbys.clear()
+        self._asked.clear()
+        self._sock.close()  # the zygote sees EOF and exits
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        if wait:
+            self.proc.wait()

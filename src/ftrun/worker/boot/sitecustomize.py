@@ -1,0 +1,49 @@
+"""ftrun's start-up in a worker started fresh (no warm pool), as a warm worker has it.
+
+Before the job's code runs, ftrun's client is attached (a hang in an import gets its
+stacks without py-spy) and every optimizer step becomes a heartbeat. Python imports
+``sitecustomize`` at start-up from the first directory of ``sys.path`` that has one;
+the agent puts this directory first on the worker's PYTHONPATH. The job then sees its
+PYTHONPATH as it gave it (so the worker's own children never pass through here), and
+the environment's own ``sitecustomize``, if any, still runs.
+
+Deliberately plain: it runs in every fresh worker, before anything else.
+"""
+
+import os
+import sys
+
+
+def _boot() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p) != here]
+    original = os.environ.pop("FTRUN_BOOT_PYTHONPATH", None)
+    if original is None:
+        return  # not a worker ftrun started (a stray PYTHONPATH): hand over at once
+    if original:
+        os.environ["PYTHONPATH"] = original
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    if os.environ.get("FTRUN_MONITOR"):
+        try:
+            from ftrun.worker import autobeat, client
+
+            client.attach()
+            autobeat.install()
+        except Exception as e:  # the job runs as it would have, only without ftrun's early help
+            sys.stderr.write(f"ftrun: could not attach the hang monitor before the job's code: {e!r}\n")
+
+
+def _hand_over() -> None:
+    """Run the environment's own sitecustomize, as Python would have without ftrun's."""
+    ours = sys.modules.pop("sitecustomize")
+    try:
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401 - the next one on sys.path
+    except ImportError as e:
+        if e.name != "sitecustomize":
+            raise
+        sys.modules["sitecustomize"] = ours  # none: Python's own import of this module expects one there
+
+
+_boot()
+_hand_over()
