@@ -225,3 +225,23 @@ def test_watch_fileno_is_readable_when_a_change_waits(store: Store, ns: str) -> 
 def test_watch_timeout_returns_none(store: Store, ns: str) -> None:
     with store.watch(ns, 0) as watch:
         assert watch.get(0.05) is None
+
+
+def test_follow_gives_the_records_there_then_each_change_until_the_deadline(store: Store, ns: str) -> None:
+    """The one list-then-watch idiom (ftrun.store.follow): nothing lost between the list and the watch."""
+    from ftrun.clock import SystemClock
+    from ftrun.store.follow import follow
+
+    store.put(ns + "a", b"1")
+    now, later = follow(store, ns, SystemClock(), WAIT_S)
+    store.put(ns + "b", b"2")  # after the list: must come as a change
+    store.delete(ns + "a")
+    assert [(c.key, c.value) for c in now] == [(ns + "a", b"1")]
+    seen = []
+    for change in later:
+        seen.append((change.key, change.value))
+        if len(seen) == 2:
+            break
+    assert seen == [(ns + "b", b"2"), (ns + "a", None)]
+    _, quiet = follow(store, ns + "nothing/", SystemClock(), 0.2, stop=lambda: True)
+    assert list(quiet) == []  # a stop ends it at once

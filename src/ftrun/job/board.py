@@ -18,6 +18,7 @@ Published under the round, so a verdict never outlives the attempt it is about.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,10 +26,10 @@ from typing import Any
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
 from ftrun.store.base import Store
+from ftrun.store.follow import follow
 
 MAX_STACKS_CHARS = 16_000  # a verdict is read by every node: stacks beyond this are in the hung node's logs
 SUSPECT_WAIT_S = 5.0  # how long a node whose ranks only waited looks for another node's suspect
-LOOK_UP_S = 0.1  # while waiting for another node's record: how often a signal to ftrun is looked for
 
 
 class JobBoard:
@@ -87,19 +88,11 @@ class JobBoard:
         """Rank ``rank``'s peer heartbeat address once its node published it (None after ``timeout_s``, when
         ``stopped`` says so, or when the store cannot be read)."""
         key = f"{self._prefix('peers', round_)}{rank}"
-        deadline = self._clock.monotonic() + timeout_s
-        try:
-            kvs, revision = self._store.list_prefix(key)  # the key and the revision to watch from, in one read
-            found = next((kv for kv in kvs if kv.key == key), None)
-            if found is not None:
-                return found.value.decode(errors="replace")
-            with self._store.watch(key, revision + 1) as watch:
-                while (left := deadline - self._clock.monotonic()) > 0 and not stopped():
-                    event = watch.get(min(left, LOOK_UP_S))
-                    if event is not None and event.key == key:
-                        return event.value.decode(errors="replace")
-        except StoreError:
-            pass
+        with contextlib.suppress(StoreError):
+            now, later = follow(self._store, key, self._clock, timeout_s, stopped)
+            for change in itertools.chain(now, later):
+                if change.key == key and change.value is not None:
+                    return change.value.decode(errors="replace")
         return None
 
     def _await(
@@ -107,23 +100,15 @@ class JobBoard:
     ) -> list[dict[str, Any]]:
         """The records of ``kind`` for the round that ``accept`` takes: those there now, else the first one to
         come within ``timeout_s``; [] when none (or the store cannot be read: only the cross-check is lost)."""
-        prefix = self._prefix(kind, round_)
-        deadline = self._clock.monotonic() + timeout_s
-        try:
-            kvs, revision = self._store.list_prefix(prefix)
-            found = [v for v in map(_object, (kv.value for kv in kvs)) if v is not None and accept(v)]
+        with contextlib.suppress(StoreError):
+            now, later = follow(self._store, self._prefix(kind, round_), self._clock, timeout_s, self.interrupted)
+            found = [v for v in (_object(c.value) for c in now if c.value is not None) if v is not None and accept(v)]
             if found:
                 return found
-            with self._store.watch(prefix, revision + 1) as watch:
-                while (left := deadline - self._clock.monotonic()) > 0 and not self.interrupted():
-                    event = watch.get(min(left, LOOK_UP_S))
-                    if event is None:
-                        continue
-                    v = _object(event.value)
-                    if v is not None and accept(v):
-                        return [v]
-        except StoreError:
-            pass
+            for change in later:
+                v = _object(change.value) if change.value is not None else None
+                if v is not None and accept(v):
+                    return [v]
         return []
 
     def _prefix(self, kind: str, round_: int) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
 from ftrun.store.base import Store
+from ftrun.store.follow import follow
 
 
 class ExitBarrier:
@@ -44,13 +45,11 @@ class ExitBarrier:
 
     def _wait(self, others: set[str], timeout_s: float) -> dict[str, str]:
         """How each of ``others`` ended, as far as known when all told or ``timeout_s`` passed."""
-        deadline = self._clock.monotonic() + timeout_s
-        kvs, revision = self._store.list_prefix(self._root)
-        ended = {kv.key.removeprefix(self._root): kv.value.decode(errors="replace") for kv in kvs}
-        with self._store.watch(self._root, revision + 1) as watch:
-            while not others <= set(ended) and (left := deadline - self._clock.monotonic()) > 0:
-                event = watch.get(left)
-                if event is None:
+        now, later = follow(self._store, self._root, self._clock, timeout_s)
+        ended = {c.key.removeprefix(self._root): (c.value or b"").decode(errors="replace") for c in now}
+        if not others <= set(ended):
+            for change in later:
+                ended[change.key.removeprefix(self._root)] = (change.value or b"").decode(errors="replace")
+                if others <= set(ended):
                     break
-                ended[event.key.removeprefix(self._root)] = event.value.decode(errors="replace")
         return {node: theirs for node, theirs in ended.items() if node in others}

@@ -33,6 +33,7 @@ from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.state import Action, Decision, Local, NodeInfo, RecordError, RoundRecord, Rules, Status
 from ftrun.store.base import EventType, Store, Watch
+from ftrun.store.follow import follow
 
 T = TypeVar("T")
 MAX_STEPS = 10_000  # store actions in one next(); each is a compare-and-set won or a record changed
@@ -404,19 +405,17 @@ class Rendezvous:
         The agent that hosts the embedded store calls this before shutting it down,
         so that the nodes still finishing can read that the job is done.
         """
-        kvs, rev = self._store.list_prefix(self._keys.nodes)
         mine = self._keys.node(self._me.node_id)
-        others = {kv.key for kv in kvs} - {mine}
-        deadline = self._clock.monotonic() + timeout_s
-        with self._store.watch(self._keys.nodes, rev + 1) as watch:
-            while others and (left := deadline - self._clock.monotonic()) > 0:
-                event = watch.get(left)
-                if event is None:
+        now, later = follow(self._store, self._keys.nodes, self._clock, timeout_s)
+        others = {c.key for c in now} - {mine}
+        if others:
+            for change in later:
+                if change.value is None:
+                    others.discard(change.key)
+                elif change.key != mine:
+                    others.add(change.key)
+                if not others:
                     break
-                if event.type is EventType.DELETE:
-                    others.discard(event.key)
-                elif event.key != mine:
-                    others.add(event.key)
         return len(others)
 
 
