@@ -21,6 +21,7 @@ from ftrun.node import numa
 from ftrun.node.addresses import parse_port
 from ftrun.node.devices import count_gpus, count_xpus
 from ftrun.procs.signals import CAUGHT
+from ftrun.procs.signals import name as signal_name
 
 RDZV_BACKENDS = ("static", "c10d", "tcp", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -217,7 +218,7 @@ def parse_signals(flag: str, text: str) -> frozenset[int]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         number = parse_signal_name(flag, item)
         if number not in CAUGHT:
-            allowed = ", ".join(signal.Signals(s).name for s in CAUGHT)
+            allowed = ", ".join(map(signal_name, CAUGHT))
             raise ConfigError(flag, f"ftrun cannot hand {item} on to the workers", f"use some of {allowed}")
         found.add(number)
     return frozenset(found)
