@@ -348,7 +348,7 @@ class Rendezvous:
         return {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}, rev
 
     def _new_lease(self) -> None:
-        self._keeper = LeaseKeeper(
+        self._keeper = LeaseKeeper.grant(
             self._store,
             ttl_s=self._timing.ttl_s,
             interval_s=self._timing.keep_alive_interval_s,

@@ -20,7 +20,16 @@ from ftrun.store.base import Store
 
 
 class LeaseKeeper:
-    def __init__(self, store: Store, *, ttl_s: float, interval_s: float, clock: Clock) -> None:
+    @classmethod
+    def grant(cls, store: Store, *, ttl_s: float, interval_s: float, clock: Clock) -> LeaseKeeper:
+        """A new lease from the store, and its keeper (not yet renewing it: :meth:`start`)."""
+        sent = clock.monotonic()
+        lease = store.grant_lease(ttl_s)
+        return cls(store, lease, valid_until=sent + ttl_s, ttl_s=ttl_s, interval_s=interval_s, clock=clock)
+
+    def __init__(
+        self, store: Store, lease: int, *, valid_until: float, ttl_s: float, interval_s: float, clock: Clock
+    ) -> None:
         self._store = store
         self._clock = clock
         self._ttl_s = ttl_s
@@ -32,9 +41,8 @@ class LeaseKeeper:
         self._fd_lock = threading.Lock()
         self._closed = False
         self.lost_reason = ""
-        sent = clock.monotonic()
-        self.lease = store.grant_lease(ttl_s)
-        self.valid_until = sent + ttl_s
+        self.lease = lease
+        self.valid_until = valid_until
 
     def start(self) -> LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name=f"ftrun-lease-{self.lease}", daemon=True)

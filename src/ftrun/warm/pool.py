@@ -111,7 +111,7 @@ class WarmPool:
         """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
         if not self._off:
             self._zygotes.append(
-                Zygote(
+                Zygote.spawn(
                     self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
                 )
             )

@@ -95,8 +95,9 @@ class Standby:
 
 
 class Zygote:
-    def __init__(
-        self,
+    @classmethod
+    def spawn(
+        cls,
         python: str,
         preload: list[str],
         env: Mapping[str, str],
@@ -105,16 +106,14 @@ class Zygote:
         idle: bool,
         standbys: int,
         script: str | None = None,
-    ) -> None:
-        """``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
-        self.preload = preload
-        self._script = script
-        self.started = time.monotonic()
+    ) -> Zygote:
+        """Start a zygote preloading ``preload`` and ask it for ``standbys`` workers forked ahead of time;
+        ``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
+        started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = ours
         argv = [python, "-m", "ftrun.warm.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
         with log.open("ab") as err:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 argv,
                 pass_fds=(theirs.fileno(),),
                 env={**env, **ZYGOTE_THREADS},
@@ -125,12 +124,26 @@ class Zygote:
                 preexec_fn=proctree.die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
             )
         theirs.close()
-        assert self.proc.stdin is not None
+        assert proc.stdin is not None
         try:  # the list can be long: a pipe, not argv (which has a size limit)
-            self.proc.stdin.write(json.dumps(preload).encode())
-            self.proc.stdin.close()
+            proc.stdin.write(json.dumps(preload).encode())
+            proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once: the first look at it finds out
+        zygote = cls(proc, ours, preload, started, script)
+        for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
+            zygote.ask_standby()
+        return zygote
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], sock: socket.socket, preload: list[str], started: float, script: str | None
+    ) -> None:
+        """A zygote process already started (:meth:`spawn`), talked to over ``sock``."""
+        self.proc = proc
+        self._sock = sock
+        self.preload = preload
+        self.started = started
+        self._script = script
         self.ready: dict[str, Any] | None = None
         self.refused = ""
         self.culprit = ""  # the module it refused (left out of every preload from then on)
@@ -139,8 +152,6 @@ class Zygote:
         self._standbys: deque[Standby] = deque()
         self.owed = 0  # standbys taken and not yet asked for again
         self.paused = False
-        for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
-            self.ask_standby()
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
