@@ -42,7 +42,7 @@ class Node:
         self.clock = FakeClock()
         self.spawner = FakeSpawner(script, on_spawn or (lambda p: None))
         self.stderr = io.BytesIO()
-        self.group = LocalGroup(
+        self.group = LocalGroup.open(
             self.config, spawner=self.spawner, clock=self.clock, console=Console(io.BytesIO(), self.stderr), host=name
         )
 

@@ -57,26 +57,47 @@ class LocalGroup:
     """Effects on this node's workers. Construction opens the run's log directory and event log and takes
     over SIGINT/SIGTERM/SIGHUP; :meth:`close` gives everything back and leaves no worker behind."""
 
+    @classmethod
+    def open(
+        cls,
+        config: LaunchConfig,
+        *,
+        spawner: Spawner,
+        clock: Clock,
+        console: Console,
+        host: str,
+        pool: WarmPoolControl | None = None,
+    ) -> LocalGroup:
+        """This node's group: a run directory of its own (never an old run's), its event log, signals to ftrun
+        caught from now on; the run announced, and the warm pool (when ``spawner`` is one) started."""
+        run_dir = fresh_dir(config.logs.base_dir / config.run_id)
+        group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
+        echo = group._echo_event if config.echo_events else None
+        group.events = EventLog(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
+        group._wakeup = SignalWakeup()
+        group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
+        group._begin()
+        return group
+
     def __init__(
         self, config: LaunchConfig, *, spawner: Spawner, clock: Clock, console: Console, host: str,
-        pool: WarmPoolControl | None = None,
+        pool: WarmPoolControl | None, run_dir: Path,
     ) -> None:  # fmt: skip
-        """``pool``: the warm pool, when ``spawner`` is one (held while a restart starts, told what was learned)."""
+        """Use :meth:`open`. ``pool``: the warm pool, when ``spawner`` is one."""
         self.config = config
         self.host = host
         self._spawner = spawner
         self._pool = pool
         self._clock = clock
         self._console = console
-        self.run_dir = fresh_dir(config.logs.base_dir / config.run_id)
-        echo = self._echo_event if config.echo_events else None
-        self.events = EventLog(config.event_log or self.run_dir / "events.jsonl", clock, echo=echo)
-        self._wakeup = SignalWakeup()
+        self.run_dir = run_dir
+        self.events: EventLog
+        self._wakeup: SignalWakeup
+        self._processes: AttemptProcesses
         self._watch = WorkerWatch(config, clock, self.emit, self.say)
         self._reports = Reports(
             config.run_id, host, self.run_dir, console, self.emit, lambda t: self.say(t, always=True)
         )
-        self._processes = AttemptProcesses(spawner, clock, self._wake_fds)  # empty until the first attempt
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
         self._peers: PeerRelay | None = None  # the attempt's peer heartbeat addresses (ftrun.start_peer_heartbeat)
@@ -90,18 +111,15 @@ class LocalGroup:
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._round: int | None = None
         self._asked = Asked(host, clock, self.emit, partial(self.say, always=True))
-        workers = "1 worker" if config.nproc_per_node == 1 else f"{config.nproc_per_node} workers"
-        self.say(f"run {config.run_id}: {workers}, logs in {self.run_dir}")
-        for notice in (*config.rdzv.conf.notices, *config.notices):
+
+    def _begin(self) -> None:
+        c = self.config
+        workers = "1 worker" if c.nproc_per_node == 1 else f"{c.nproc_per_node} workers"
+        self.say(f"run {c.run_id}: {workers}, logs in {self.run_dir}")
+        for notice in (*c.rdzv.conf.notices, *c.notices):
             self.say(notice, always=True)
-        self.emit(
-            EventKind.RUN_STARTED,
-            run_id=config.run_id,
-            host=host,
-            nproc=config.nproc_per_node,
-            max_restarts=config.max_restarts,
-            log_dir=str(self.run_dir),
-        )
+        run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}
+        self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir))
         if self._pool is not None:
             self._pool.start(self.run_dir / "pool.log", self.say, self._pool_ready, partial(self.say, detail=True))
 

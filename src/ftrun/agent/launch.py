@@ -70,7 +70,7 @@ def _launch(config: LaunchConfig) -> int:
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     metrics = serve_metrics(config)  # a port that cannot be served fails before anything starts
     pool = spawner if isinstance(spawner, WarmPool) else None
-    group = LocalGroup(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname(), pool=pool)
+    group = LocalGroup.open(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname(), pool=pool)
     if metrics is not None:
         metrics.watch(group.events, group.status, config.run_id)
         group.say(f"Prometheus metrics at {metrics.url}")
