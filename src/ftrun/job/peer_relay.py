@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from ftrun.job.board import JobBoard
-from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, POLL_S, write_address
+from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, await_address, write_address
 
 
 class PeerRelay:
@@ -54,7 +54,8 @@ class PeerRelay:
         if board is None or round_ is None:
             return
         for rank in sorted({self._first, self._last}):
-            address = self._read_local(rank)
+            # the first rank's file is there; the last rank may still be starting
+            address = await_address(self.dir, rank, EXCHANGE_TIMEOUT_S, self._stop.is_set)
             if address is None:
                 return
             board.publish_peer(round_, rank, address)
@@ -62,14 +63,3 @@ class PeerRelay:
             address = board.peer_address(round_, rank, EXCHANGE_TIMEOUT_S, self._stop.is_set)
             if address is not None and not self._stop.is_set():
                 write_address(self.dir, rank, address)
-
-    def _read_local(self, rank: int) -> str | None:
-        """A rank of this node's address, once it wrote it (the first rank has; the last one may still start)."""
-        deadline = EXCHANGE_TIMEOUT_S
-        while deadline > 0 and not self._stop.is_set():
-            try:
-                return (self.dir / str(rank)).read_text()
-            except FileNotFoundError:
-                self._stop.wait(POLL_S)
-                deadline -= POLL_S
-        return None

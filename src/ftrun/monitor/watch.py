@@ -137,10 +137,9 @@ class WorkerWatch:
     ) -> Worker | None:
         """The hung rank, read from the quiet ranks' stacks: marked failed, its stacks logged, --hang-signal
         sent. None when it is no longer running (it exited while its stacks were read: its exit tells)."""
-        if any(w.reaped or w.released or w.state is not WorkerState.RUNNING for w in quiet.values()):
-            quiet = {r: w for r, w in quiet.items() if not w.reaped and w.state is WorkerState.RUNNING}
-            if found.worker.local_rank not in quiet:
-                return None
+        quiet = {r: w for r, w in quiet.items() if not w.reaped and w.state is WorkerState.RUNNING}
+        if found.worker.local_rank not in quiet:
+            return None
         v = found.verdict
         now_mono, now_wall = when
         chosen, why = suspect(found.worker.local_rank, {r: stacks[r] for r in quiet})

@@ -198,14 +198,20 @@ def _exchange_through_ftrun(peer_dir: Path, rank: int, world: int, mine: str, ag
     with contextlib.suppress(OSError):
         os.kill(agent, REQUEST_SIGNAL)  # the agent relays this node's first and last ranks' addresses
     successor = (rank + 1) % world
-    deadline = time.monotonic() + EXCHANGE_TIMEOUT_S
-    while True:
-        try:
-            return {successor: _address((peer_dir / str(successor)).read_text())}
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {successor} published no address within {EXCHANGE_TIMEOUT_S:g} s") from None
-            time.sleep(POLL_S)
+    found = await_address(peer_dir, successor, EXCHANGE_TIMEOUT_S)
+    if found is None:
+        raise TimeoutError(f"rank {successor} published no address within {EXCHANGE_TIMEOUT_S:g} s")
+    return {successor: _address(found)}
+
+
+def await_address(
+    peer_dir: Path, rank: int, timeout_s: float, stopped: Callable[[], bool] = lambda: False
+) -> str | None:
+    """Rank ``rank``'s address once its file is there (None after ``timeout_s``, or when ``stopped`` says so)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := read_address(peer_dir, rank)) is None and time.monotonic() < deadline and not stopped():
+        time.sleep(POLL_S)
+    return found
 
 
 def read_address(peer_dir: Path, rank: int) -> str | None:
