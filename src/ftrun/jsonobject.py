@@ -17,3 +17,15 @@ def load_object(raw: bytes, *, limit: int, what: str, error: type[Exception]) ->
     if not isinstance(doc, dict):
         raise error(f"{what}: not a JSON object")
     return doc
+
+
+class NotAnObject(ValueError):
+    pass
+
+
+def object_or_none(raw: bytes, *, limit: int) -> dict[str, Any] | None:
+    """``raw`` as one JSON object of at most ``limit`` bytes, or None (for readers that skip what is not one)."""
+    try:
+        return load_object(raw, limit=limit, what="", error=NotAnObject)
+    except NotAnObject:
+        return None

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ftrun.warm import pool as pool_module
+from ftrun.testing.clock import FakeClock
 from ftrun.warm.pool import WarmPool
 from tests.integration.conftest import until
 
@@ -29,11 +28,15 @@ def state(pid: int) -> str:
 
 
 @pytest.fixture
-def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WarmPool]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def pool(tmp_path: Path, clock: FakeClock) -> Iterator[WarmPool]:
     (tmp_path / "slowmod.py").write_text(SLOW_MODULE)
-    monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "SLOW_STARTED": str(tmp_path / "started")}
-    p = WarmPool(sys.executable, ["slowmod"], env, auto=False, standbys=1)
+    p = WarmPool(sys.executable, ["slowmod"], env, auto=False, standbys=1, clock=clock)
     p.start(tmp_path / "pool.log", lambda text: None, lambda info: None, lambda text: None)
     try:
         yield p
@@ -41,7 +44,9 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WarmPool]:
         p.close()
 
 
-def test_a_zygote_still_preloading_stands_still_from_a_failure_to_the_refill(pool: WarmPool, tmp_path: Path) -> None:
+def test_a_zygote_still_preloading_stands_still_from_a_failure_to_the_refill(
+    pool: WarmPool, tmp_path: Path, clock: FakeClock
+) -> None:
     until((tmp_path / "started").exists, "the zygote started preloading")
     base, preloading = sorted(pool._zygotes, key=lambda z: len(z.preload))
     until(base.poll, "the base zygote is ready")
@@ -57,7 +62,7 @@ def test_a_zygote_still_preloading_stands_still_from_a_failure_to_the_refill(poo
     assert pool.holding
     refill = pool.seconds_to_refill()
     assert refill is not None
-    time.sleep(refill)  # a timer, not an event: the refill is due when it runs out
+    clock.advance(refill)
     pool.tend()
     assert not pool.holding
     until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
@@ -83,11 +88,10 @@ def test_a_hold_ends_when_the_agent_waits_with_nothing_to_start(pool: WarmPool, 
     until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
 
 
-def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, clock: FakeClock) -> None:
     """A bigger zygote that is ready replaces the smaller ones, but not before the refill: the teardown of a
     zygote takes a core for milliseconds."""
-    monkeypatch.setattr(pool_module, "REFILL_DELAY_S", 0.2)
-    p = WarmPool(sys.executable, ["json"], dict(os.environ), auto=False, standbys=1)
+    p = WarmPool(sys.executable, ["json"], dict(os.environ), auto=False, standbys=1, clock=clock)
     p.start(tmp_path / "pool.log", lambda text: None, lambda info: None, lambda text: None)
     try:
         base, bigger = sorted(p._zygotes, key=lambda z: len(z.preload))
@@ -96,7 +100,7 @@ def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, monke
         p.workers_started()
         p.tend()
         assert p._zygotes == [base, bigger]
-        time.sleep(p.seconds_to_refill() or 0.0)  # a timer: the refill is due when it runs out
+        clock.advance(p.seconds_to_refill() or 0.0)
         p.tend()
         assert p._zygotes == [bigger]
     finally:

@@ -136,6 +136,7 @@ def test_on_two_nodes_each_agent_blames_the_rank_that_hung_on_the_other(
         # Rank 0's agent names rank 1 either from its board verdict (its own rank only waited: "elsewhere"), or,
         # when rank 1's node stopped the round first (rank 0's stacks still being read), from that node's report.
         named = report["elsewhere"] if report["root_cause"]["rank"] == 0 else report["root_cause"]
+        assert named is not None, json.dumps(report)[:3000] + agent.stderr()
         assert named["rank"] == 1, report
         assert "asleep_between_steps" in named["stacks"]
         assert "ROOT CAUSE  rank 1" in agent.stderr()

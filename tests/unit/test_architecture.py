@@ -27,6 +27,7 @@ PURE = [
     "ftrun.worker.layout",
     "ftrun.monitor.blame",
     "ftrun.worker.requests",
+    "ftrun.warm.policy",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {
@@ -163,10 +164,10 @@ MAY_IMPORT: dict[str, set[str]] = {
     "store": {"node", "clock", "errors", "jsonobject"},
     "rendezvous": {"store", "clock", "errors", "jsonobject"},
     "procs": {"worker", "node", "config", "clock", "errors"},
-    "job": {"store", "rendezvous", "worker", "clock", "errors"},
-    "observe": {"procs", "job", "store", "worker", "config", "clock", "errors"},
-    "monitor": {"procs", "observe", "worker", "config", "clock", "errors", "reminder"},
-    "warm": {"procs", "worker", "node", "config", "clock", "errors"},
+    "job": {"store", "rendezvous", "worker", "clock", "errors", "jsonobject"},
+    "observe": {"procs", "job", "store", "worker", "config", "clock", "errors", "jsonobject"},
+    "monitor": {"procs", "observe", "worker", "config", "clock", "errors", "reminder", "jsonobject"},
+    "warm": {"procs", "worker", "node", "config", "clock", "errors", "jsonobject"},
     "agent": {"warm", "monitor", "observe", "job", "procs", "rendezvous", "store", "worker", "node", "config", *BASICS},
     "cli": {
         "agent",
@@ -235,3 +236,94 @@ def test_the_package_rules_can_fail() -> None:
 def test_at_most_eight_modules_directly_under_ftrun() -> None:
     top = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def state_writers() -> dict[str, list[int]]:
+    """Where a worker's ``state`` is assigned: every ``X.state = ...`` outside a class's own ``self.state``."""
+    found: dict[str, list[int]] = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == "state"
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    found.setdefault(name, []).append(node.lineno)
+    return found
+
+
+def test_a_workers_state_has_one_owner() -> None:
+    """procs.workers changes a worker's state; the hang watch, the requests and the reports only blame it."""
+    writers = state_writers()
+    assert "ftrun.procs.workers" in writers  # the walk sees the owner's own writes
+    assert set(writers) == {"ftrun.procs.workers"}, writers
+
+
+# What a constructor may not do: anything seen outside the object (files, processes, threads, signal handlers,
+# the network). Its own private handles (a pipe, an eventfd, a selector) are part of the object and allowed.
+OUTSIDE_EFFECTS = {
+    "signal.signal", "signal.set_wakeup_fd", "subprocess.Popen", "subprocess.run", "os.mkfifo", "os.mkdir",
+    "os.makedirs", "os.fork", "os.kill", "tempfile.mkdtemp",
+}  # fmt: skip
+OUTSIDE_METHODS = {"start", "bind", "connect", "listen", "mkdir", "write_text", "write_bytes", "unlink", "spawn"}
+
+
+def constructor_effects() -> list[str]:
+    found = []
+    for name, path in modules().items():
+        if name.startswith("ftrun.testing"):
+            continue  # test harnesses own temporary directories from the start
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for init in (f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"):
+                for call in (n for n in ast.walk(init) if isinstance(n, ast.Call)):
+                    what = ast.unparse(call.func)
+                    opens_to_write = what in ("open", "os.open") or what.endswith(".open")
+                    if (
+                        what in OUTSIDE_EFFECTS
+                        or what.rpartition(".")[2] in OUTSIDE_METHODS
+                        or (opens_to_write and ("O_CREAT" in ast.unparse(call) or "'a'" in ast.unparse(call)))
+                    ):
+                        found.append(f"{name}.{cls.name}.__init__ calls {what} (line {call.lineno})")
+    return found
+
+
+def test_constructors_only_assign() -> None:
+    """I/O seen outside the object happens in factories (``open``, ``start``, ``serve``) or in ``start()``."""
+    assert not constructor_effects(), constructor_effects()
+
+
+def test_the_constructor_check_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nclass C:\n    def __init__(self):\n        os.mkfifo('x')\n")
+    tree = ast.parse(bad.read_text())
+    calls = [ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert "os.mkfifo" in OUTSIDE_EFFECTS & set(calls)
+
+
+# Who may parse JSON themselves: what ftrun wrote for itself, and etcd's answers. Anything another process or
+# node could have written (the store's records, a worker's slot or files, a datagram) goes through
+# ftrun.jsonobject, bounded and checked to be an object.
+OWN_JSON = {
+    "ftrun.jsonobject", "ftrun.observe.events", "ftrun.warm.preload", "ftrun.warm.zygote", "ftrun.warm.zygotes",
+    "ftrun.worker.client", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports",
+}  # fmt: skip
+
+
+def json_parsers() -> set[str]:
+    return {
+        name
+        for name, path in modules().items()
+        if any(
+            isinstance(n, ast.Call) and ast.unparse(n.func) in ("json.loads", "json.load")
+            for n in ast.walk(ast.parse(path.read_text()))
+        )
+    }
+
+
+def test_json_from_outside_is_read_in_one_place() -> None:
+    assert "ftrun.jsonobject" in json_parsers()  # the walk sees calls
+    assert json_parsers() <= OWN_JSON, json_parsers() - OWN_JSON

@@ -12,7 +12,7 @@ from ftrun.testing import FakeClock
 
 def test_round_trip_through_the_file(tmp_path: Path) -> None:
     clock = FakeClock()
-    log = EventLog(tmp_path / "events.jsonl", clock)
+    log = EventLog.open(tmp_path / "events.jsonl", clock)
     log.emit(EventKind.RUN_STARTED, run_id="r")
     clock.advance(1.5)
     log.emit(EventKind.WORKER_EXITED, rank=1, exit_code=None, signal="SIGKILL")

@@ -32,7 +32,7 @@ def table() -> Iterator[MonitorTable]:
 
 
 def attach(t: MonitorTable, slot: int = 1, **env: str) -> client._Attached:
-    c = client._Attached(str(t.path), slot, env)
+    c = client._Attached.attach(str(t.path), slot, env)
     _attached.append(c)
     return c
 

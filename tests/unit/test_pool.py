@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from ftrun.config import Entrypoint, EntrypointKind
-from ftrun.warm.pool import worker_request
+from ftrun.warm import policy
+from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, installed_modules, read_modules_report
 
 PY = "/usr/bin/python3"
@@ -66,3 +71,48 @@ def test_a_script_is_warm_from_any_directory_a_module_only_from_its_own(tmp_path
     Cache(tmp_path / "cache", "python", by_module, here).save(["json"], 0.5)
     assert Cache(tmp_path / "cache", "python", by_module, there).load() == ([], None)
     assert Cache(tmp_path / "cache", "python", by_module, here).load() == (["json"], 0.5)
+
+
+@dataclass
+class Z:
+    """A zygote as the policy sees it."""
+
+    preload: list[str]
+    ready: dict[str, Any] | None = None
+
+
+def test_a_worker_forks_from_the_biggest_ready_zygote() -> None:
+    base, small, big = Z([], {}), Z(["json"], {}), Z(["json", "numpy"], {})
+    assert policy.fork_order([base, small, big]) == [big]
+
+
+def test_with_none_ready_the_preloading_ones_are_waited_for_biggest_first_then_the_base() -> None:
+    base, small, big = Z([], {}), Z(["json"]), Z(["json", "numpy"])
+    assert policy.fork_order([base, small, big]) == [big, small, base]
+    assert policy.fork_order([base]) == [base]  # the base zygote alone is never "the biggest ready"
+
+
+def test_a_bigger_ready_zygote_retires_the_others_but_not_during_a_restart() -> None:
+    base, small, big, coming = Z([], {}), Z(["json"], {}), Z(["json", "numpy"], {}), Z(["a", "b", "c"])
+    assert policy.retired([base, small, big, coming], holding=False) == [base, small]
+    assert policy.retired([base, small, big, coming], holding=True) == []
+    assert policy.retired([base, coming], holding=False) == []  # nothing bigger is ready yet
+
+
+def test_a_few_more_imports_are_not_worth_a_new_zygote() -> None:
+    current = [f"m{i}" for i in range(40)]
+    assert policy.worth_preloading(current, [*current, "x", "y"], set()) is None  # 2 <= 40 // GROWTH
+    bigger = policy.worth_preloading(current, [*current, "x", "y", "z"], set())
+    assert bigger == [*current, "x", "y", "z"]
+    assert policy.worth_preloading([], ["torch", "bad"], {"bad"}) == ["torch"]  # a refused module never again
+
+
+def test_the_refill_is_due_once_its_delay_after_the_workers_started() -> None:
+    refill = policy.Refill()
+    assert refill.seconds_left(10.0) is None
+    assert not refill.due(10.0)
+    refill.workers_started(10.0)
+    assert refill.seconds_left(10.1) == pytest.approx(policy.REFILL_DELAY_S - 0.1)
+    assert not refill.due(10.0 + policy.REFILL_DELAY_S / 2)
+    assert refill.due(10.0 + policy.REFILL_DELAY_S)
+    assert not refill.due(20.0)  # once

@@ -15,7 +15,7 @@ from pathlib import Path
 from ftrun.agent.driver import Happening, Requested
 from ftrun.clock import Clock
 from ftrun.observe.events import EventKind
-from ftrun.procs.workers import Hang, Worker, WorkerState
+from ftrun.procs.workers import Hang, Worker
 from ftrun.worker.peers import read_address
 from ftrun.worker.requests import Action, Request
 
@@ -39,7 +39,7 @@ class Asked:
                 self._peer_failed(w, request, running, peer_dir)
             else:
                 w.request = request.describe()
-                w.state = WorkerState.FAILED  # the cause of what follows, as a hung worker is
+                w.blame()  # the cause of what follows, as a hung worker is
                 if request.action is Action.EXCLUDE_NODE:
                     self.excluded_because = f"rank {w.rank}: {request.reason}"
                 self._say(f"{w.who} {w.request}")
@@ -54,13 +54,12 @@ class Asked:
         peer = next((w for w in running if w.rank == request.peer), None)
         what = f"unresponsive to its peers (noticed by rank {reporter.rank} on {self._host}: {request.reason})"
         if peer is not None:
-            peer.state = WorkerState.FAILED
-            peer.hang = Hang(what, "peer heartbeat", self._clock.wall())
+            peer.blame(Hang(what, "peer heartbeat", self._clock.wall()))
             self._say(f"{peer.who} {what}")
             return
         address = read_address(peer_dir, int(request.peer or 0)) if peer_dir is not None else None
         host = address.rpartition(":")[0] if address else "another node"
-        reporter.state = WorkerState.FAILED
+        reporter.blame()
         reporter.request = f"{request.describe()} (rank {request.peer} is on {host})"
         reporter.peer_lost = {
             "rank": request.peer, "host": host, "pid": None, "what": what, "noticed": True,

@@ -33,6 +33,7 @@ from ftrun.agent.driver import (
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.job.board import JobBoard
+from ftrun.job.crosscheck import HeldHangs
 from ftrun.job.peer_relay import PeerRelay
 from ftrun.monitor.watch import WorkerWatch
 from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
@@ -41,7 +42,15 @@ from ftrun.observe.goodput import measure
 from ftrun.observe.node_status import NodeStatus, progress
 from ftrun.observe.reporting import oom_kills, write_launcher_error_file
 from ftrun.observe.reports import Attempt, Reports
-from ftrun.procs.logs import Console, Duplicate, LineSink, RankOutput, RankPaths, fresh_dir
+from ftrun.procs.logs import (
+    Console,
+    Duplicate,
+    RankOutput,
+    RankPaths,
+    close_duplicates,
+    fresh_dir,
+    open_duplicates,
+)
 from ftrun.procs.signals import SignalWakeup
 from ftrun.procs.signals import name as signal_name
 from ftrun.procs.workers import AttemptProcesses, Spawner, WarmPoolControl, Worker, WorkerState, may_release
@@ -73,8 +82,9 @@ class LocalGroup:
         run_dir = fresh_dir(config.logs.base_dir / config.run_id)
         group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
         echo = group._echo_event if config.echo_events else None
-        group.events = EventLog(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
-        group._wakeup = SignalWakeup()
+        group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
+        group._wakeup = SignalWakeup.install()
+        group._watch = WorkerWatch.open(config, clock, group.emit, group.say)
         group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
         group._begin()
         return group
@@ -94,7 +104,7 @@ class LocalGroup:
         self.events: EventLog
         self._wakeup: SignalWakeup
         self._processes: AttemptProcesses
-        self._watch = WorkerWatch(config, clock, self.emit, self.say)
+        self._watch: WorkerWatch
         self._reports = Reports(
             config.run_id, host, self.run_dir, console, self.emit, lambda t: self.say(t, always=True)
         )
@@ -110,6 +120,8 @@ class LocalGroup:
         self._finished = False
         self._duplicates: dict[Std, Duplicate] = {}  # --duplicate-std*-filters of the current attempt
         self._round: int | None = None
+        self._nodes = 1  # in the current round
+        self._held: HeldHangs[Worker] = HeldHangs(clock)
         self._asked = Asked(host, clock, self.emit, partial(self.say, always=True))
 
     def _begin(self) -> None:
@@ -121,7 +133,10 @@ class LocalGroup:
         run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}
         self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir))
         if self._pool is not None:
-            self._pool.start(self.run_dir / "pool.log", self.say, self._pool_ready, partial(self.say, detail=True))
+            ready = partial(self.emit, EventKind.POOL_READY)
+            self._pool.start(
+                self.run_dir / "pool.log", self.say, lambda info: ready(**info), partial(self.say, detail=True)
+            )
 
     # --- effects ----------------------------------------------------------------------------
 
@@ -150,6 +165,8 @@ class LocalGroup:
         self._processes = AttemptProcesses(self._spawner, self._clock, self._wake_fds, released)
         self._attempt, self._master_port, self._round = command.attempt, master_port, command.round
         self._world_size = placement.world_size or c.nproc_per_node
+        self._nodes = placement.group_world_size or 1
+        self._held.forget()
         if command.attempt:
             self.emit(EventKind.RESTART, restart_count=command.restart_count)
         self.emit(
@@ -163,9 +180,13 @@ class LocalGroup:
         attempt_dir = self.run_dir / f"attempt_{command.attempt}"
         if self._pool is not None:
             self._pool.hold()  # until the refill after these spawns
-        self._open_duplicates(attempt_dir)
+        close_duplicates(self._duplicates)
+        self._duplicates = open_duplicates(self.config.logs, attempt_dir)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
-        self._relay_peers(attempt_dir / "peers", placement.rank_offset)
+        if self._peers is not None:
+            self._peers.stop()
+        ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
+        self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)
@@ -209,7 +230,7 @@ class LocalGroup:
         worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
         worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
         label = c.logs.prefix(c.role, assignment.rank, local_rank)
-        output = RankOutput(paths, local_rank, c.logs, self._console, label, self._duplicates)
+        output = RankOutput.open(paths, local_rank, c.logs, self._console, label, self._duplicates)
         self._processes.spawn(worker, output, c.cwd)
         self.emit(EventKind.WORKER_SPAWNED, **worker.identity(), warm=getattr(worker.handle, "warm", False))
 
@@ -222,7 +243,8 @@ class LocalGroup:
         running = bool(self._processes.running)
         self._update_status()
         refill = self._pool.seconds_to_refill() if self._pool is not None else None
-        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running), refill):
+        held = self._held.seconds_to_next()
+        for check in (self._watch.seconds_to_next_check(running), self.status.seconds_to_next(running), refill, held):
             if check is not None:
                 timeout_s = check if timeout_s is None else min(timeout_s, check)
         exited, woken, also_ready = self._processes.wait(timeout_s, also)
@@ -234,9 +256,7 @@ class LocalGroup:
                 self._peers.poke()
         self._processes.end_stuck(self.config.hang.teardown_s, partial(self.say, always=True))
         happened += self._requests()
-        for hung in self._watch.check(self._processes.running):
-            self._reports.publish_hang(hung, self._round)
-            happened.append(WorkerHung(hung.local_rank))
+        happened += self._hangs()
         if not happened and self._pool is not None:  # a failure is answered first (learning may start a zygote)
             if self._pool.holding and not running:  # waiting (for a rendezvous), not starting: preloading goes on
                 self._pool.go_on()
@@ -298,6 +318,7 @@ class LocalGroup:
         elsewhere, or a hang whose quiet ranks here only waited."""
         board.interrupted = self._wakeup.arrived
         self._reports.board = board
+        self._held.board = board
         self.status.board, self.status.node = board, board.node
 
     def report_failure(self, will_restart: bool) -> None:
@@ -339,7 +360,7 @@ class LocalGroup:
                     if w.output is not None:
                         w.output.wait_drained(DRAIN_TIMEOUT_S)
             self._reap_released()
-            self._close_duplicates()
+            close_duplicates(self._duplicates)
             self._processes.close()
             if not self._finished:  # an error ended the run: the log still says how it ended
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
@@ -386,20 +407,6 @@ class LocalGroup:
     def _echo_event(self, line: str) -> None:
         self._console.write_lines(Std.ERR, f"ftrun event: {line}\n".encode())
 
-    def _open_duplicates(self, attempt_dir: Path) -> None:
-        """One filtered_std{out,err}.log per attempt for --duplicate-std*-filters (as torchrun's)."""
-        self._close_duplicates()
-        for stream, name in ((Std.OUT, "filtered_stdout.log"), (Std.ERR, "filtered_stderr.log")):
-            needles = self.config.logs.filters(stream)
-            if needles:
-                sink = LineSink(attempt_dir / name)
-                self._duplicates[stream] = Duplicate(tuple(n.encode() for n in needles), sink)
-
-    def _close_duplicates(self) -> None:
-        for d in self._duplicates.values():
-            d.sink.close()
-        self._duplicates = {}
-
     # --- inside -----------------------------------------------------------------------------------
 
     def _failing_scripts(self) -> list[Happening]:
@@ -411,7 +418,7 @@ class LocalGroup:
         for w in self._processes.running:
             slot = self._watch.hangs.slot(w.local_rank)
             if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code:
-                self._mute_others(w)
+                self._processes.mute_all_but(w)
                 if release is not None and release(w):
                     self._processes.release_finishing(w, slot.end_code)
                     exited.append(self._exited(w))
@@ -420,14 +427,9 @@ class LocalGroup:
     def _may_release(self) -> Callable[[Worker], bool] | None:
         return may_release(self.config.accelerators, bool(self._duplicates), self.config.master_port)
 
-    def _mute_others(self, failed: Worker) -> None:
-        for w in self._processes.running:
-            if w is not failed and w.output is not None:
-                w.output.mute_errors()
-
     def _exited(self, w: Worker) -> WorkerExited:
         if w.state is WorkerState.FAILED:
-            self._mute_others(w)
+            self._processes.mute_all_but(w)
         self.emit(
             EventKind.WORKER_EXITED,
             **w.identity(),
@@ -460,23 +462,21 @@ class LocalGroup:
         found = self._watch.requests(self._processes.running)
         return self._asked.take(found, self._processes.running, self._peers.dir if self._peers else None)
 
-    def _relay_peers(self, peer_dir: Path, first: int) -> None:
-        if self._peers is not None:
-            self._peers.stop()
-        peer_dir.mkdir(parents=True, exist_ok=True)
-        last, board = first + self.config.nproc_per_node - 1, self._reports.board
-        self._peers = PeerRelay(board, self._round, peer_dir, first, last, self._world_size)
+    def _hangs(self) -> list[Happening]:
+        """Hangs found, published to the other nodes, and acted on (see :mod:`ftrun.job.crosscheck`)."""
+        for hung in self._watch.check(self._processes.running):
+            self._reports.publish_hang(hung, self._round)
+            waited = hung.hang is not None and bool(hung.hang.waiting) and self._nodes > 1
+            self._held.add(hung, self._round if waited else None)
+        ready = [w for w in self._held.due() if not w.reaped]
+        for w in ready:
+            self._watch.condemn(w)
+        return [WorkerHung(w.local_rank) for w in ready]
 
     def _learn_modules(self, workers: list[Worker], *, run_ends: bool = False) -> None:
         """--warm auto: the pool reads what ``workers`` imported (``run_ends``: kept for the next run only)."""
         if self._pool is not None:
             self._pool.learn_reports([w.paths.dir / MODULES_FILE for w in workers], run_ends=run_ends)
-
-    def _pool_ready(self, info: dict[str, object]) -> None:
-        self.emit(EventKind.POOL_READY, **info)
-        rss, took = int(info.get("rss_kb", 0)) / 1024, float(info.get("import_s", 0.0))  # type: ignore[call-overload, arg-type]
-        loaded = f"{info.get('loaded')} of {info.get('preload')} modules preloaded in {took:.2f} s"
-        self.say(f"warm pool ready (pid {info.get('pid')}): {loaded}, {rss:.0f} MiB resident", detail=True)
 
     def _settle(self) -> None:
         """Kill strays left in the workers' groups, reap orphans, and wait for the logs to flush (a released

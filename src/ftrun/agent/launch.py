@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     check_master_port(config)
-    warden = Warden()  # first: whatever the agent starts from here on dies with it, even by SIGKILL
+    warden = Warden.start()  # first: whatever the agent starts from here on dies with it, even by SIGKILL
     try:
         return _launch(config)
     finally:

@@ -14,10 +14,12 @@ import contextlib
 import json
 from typing import Protocol
 
+from ftrun.jsonobject import load_object
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.worker.timeouts import Timeouts
 
 VALUE = "timeouts"
+MAX_VALUE_BYTES = 64 * 1024  # a few timeouts and the sections' names
 
 
 class HoldsTimeouts(Protocol):
@@ -48,8 +50,8 @@ class TimeoutAgreement:
         if heard is not None and heard != self._heard:
             self._heard = heard
             try:
-                theirs = Timeouts.from_json(json.loads(heard))
-            except ValueError as e:  # json.JSONDecodeError is one
+                theirs = Timeouts.from_json(_timeouts(heard))
+            except ValueError as e:
                 self._group.say(f"ignoring the job's calculated timeouts in the store: {e}", always=True)
                 return
             self._group.adopt_timeouts(theirs, "the job's nodes calculated timeouts")
@@ -60,5 +62,9 @@ def _widened(current: bytes | None, mine: Timeouts) -> bytes | None:
     merged = mine
     if current is not None:
         with contextlib.suppress(ValueError):
-            merged = Timeouts.from_json(json.loads(current)).widest(mine)
+            merged = Timeouts.from_json(_timeouts(current)).widest(mine)
     return json.dumps(merged.to_json(), sort_keys=True).encode()
+
+
+def _timeouts(raw: bytes) -> dict[str, object]:
+    return load_object(raw, limit=MAX_VALUE_BYTES, what="the job's calculated timeouts", error=ValueError)

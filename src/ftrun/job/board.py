@@ -25,9 +25,11 @@ from typing import Any
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
+from ftrun.jsonobject import object_or_none
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
 
+MAX_RECORD_BYTES = 1 << 20  # a verdict, a failure, a status: what another node wrote is read only this far
 MAX_STACKS_CHARS = 16_000  # a verdict is read by every node: stacks beyond this are in the hung node's logs
 SUSPECT_WAIT_S = 5.0  # how long a node whose ranks only waited looks for another node's suspect
 
@@ -67,6 +69,14 @@ class JobBoard:
             return v.get("node") != self._node and not v.get("waiting")
 
         return next(iter(self._await("hang", round_, blames, timeout_s)), None)
+
+    def verdicts_elsewhere(self, round_: int) -> list[dict[str, Any]]:
+        """The hang verdicts other nodes published for the round so far (no wait; [] if the store cannot say)."""
+        with contextlib.suppress(StoreError):
+            kvs, _ = self._store.list_prefix(self._prefix("hang", round_))
+            found = (_object(kv.value) for kv in kvs)
+            return [v for v in found if v is not None and v.get("node") != self._node]
+        return []
 
     def publish_failure(self, round_: int, root_cause: Mapping[str, Any]) -> None:
         """This node's root cause of the round's failure, for the nodes whose workers were only stopped."""
@@ -116,11 +126,7 @@ class JobBoard:
 
 
 def _object(value: bytes) -> dict[str, Any] | None:
-    try:
-        found = json.loads(value)
-    except ValueError:
-        return None
-    return found if isinstance(found, dict) else None
+    return object_or_none(value, limit=MAX_RECORD_BYTES)
 
 
 def read_statuses(store: Store, run_id: str) -> list[dict[str, Any]]:

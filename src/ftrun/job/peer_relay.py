@@ -23,6 +23,14 @@ from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, await_address, write_address
 class PeerRelay:
     """One attempt's relay: started once the node's first (or last) rank wrote its address."""
 
+    @classmethod
+    def open(
+        cls, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int
+    ) -> PeerRelay:
+        """The relay of the node's ranks ``first``..``last`` of ``world``, their address files in ``peer_dir``."""
+        peer_dir.mkdir(parents=True, exist_ok=True)
+        return cls(board, round_, peer_dir, first, last, world)
+
     def __init__(self, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int):
         self._board, self._round = board, round_
         self.dir = peer_dir

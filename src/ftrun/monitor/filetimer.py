@@ -14,10 +14,11 @@ skipped, never executed.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from ftrun.jsonobject import load_object
 
 MAX_LINE = 4096  # torch's client refuses requests over PIPE_BUF
 
@@ -31,14 +32,22 @@ class Expired:
 
 
 class FileTimerServer:
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    @classmethod
+    def serve(cls, path: Path) -> FileTimerServer:
+        """A new named pipe at ``path`` (whatever was there is replaced), read from now on."""
         if path.exists() or path.is_symlink():
             path.unlink()
         os.mkfifo(path, 0o600)
+        read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         # Our own idle writer keeps the read end from reading EOF (and select from spinning) between clients.
-        self._read_fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        self._keep_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        keep_fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return cls(path, read_fd, keep_fd)
+
+    def __init__(self, path: Path, read_fd: int, keep_fd: int) -> None:
+        """Use :meth:`serve`."""
+        self.path = path
+        self._read_fd = read_fd
+        self._keep_fd = keep_fd
         self._pending = b""
         self._timers: dict[tuple[int, str], tuple[float, int]] = {}  # (pid, scope) -> (expiration, signal)
         self.bad_lines = 0
@@ -65,7 +74,7 @@ class FileTimerServer:
 
     def _apply(self, line: bytes) -> None:
         try:
-            doc = json.loads(line)
+            doc = load_object(line, limit=MAX_LINE, what="a timer request", error=ValueError)
             pid, scope, expiration = doc["pid"], doc["scope_id"], doc["expiration_time"]
             sig = doc.get("signal", 0)
             valid = (

@@ -39,13 +39,19 @@ Say = Callable[..., None]
 
 
 class WorkerWatch:
-    def __init__(self, config: LaunchConfig, clock: Clock, emit: Emit, say: Say) -> None:
+    @classmethod
+    def open(cls, config: LaunchConfig, clock: Clock, emit: Emit, say: Say) -> WorkerWatch:
+        """The watch, serving torch's FileTimer pipe when --file-timer asks for it."""
+        return cls(config, clock, emit, say, FileTimerServer.serve(config.file_timer) if config.file_timer else None)
+
+    def __init__(self, config: LaunchConfig, clock: Clock, emit: Emit, say: Say, timer: FileTimerServer | None) -> None:
+        """Use :meth:`open`."""
         self._config = config
         self._clock = clock
         self._emit = emit
         self._say = say
         self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
-        self.timer = FileTimerServer(config.file_timer) if config.file_timer else None  # torch's FileTimer
+        self.timer = timer  # torch's FileTimer
         self.meeting = MeetingNotice(awaited(config))
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
         # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
@@ -82,7 +88,8 @@ class WorkerWatch:
             self.timer.drain()
 
     def check(self, running: list[Worker]) -> list[Worker]:
-        """Act on every deadline passed (dumps started); returns the workers found hung whose stacks are in."""
+        """Act on every deadline passed (dumps started); returns the workers found hung whose stacks are in,
+        blamed, not yet signalled (:meth:`condemn`)."""
         self._dumps.drain()
         hung = [w for w in self._dumps.finished() if w is not None]
         busy = self._dumps.busy()
@@ -104,6 +111,12 @@ class WorkerWatch:
             if notice:
                 self._say(notice, always=True)
         return hung
+
+    def condemn(self, w: Worker) -> None:
+        """Act on a hung worker :meth:`check` returned: ``--hang-signal`` to its process group (when the agent
+        decides: a node may first hear whether another node names the rank its own ranks wait for)."""
+        if w.handle is not None and not w.reaped:
+            w.handle.signal_group(self._config.hang.hang_signal)
 
     def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
         """Workload control requests the workers wrote since the last look (or why one is unreadable)."""
@@ -149,9 +162,8 @@ class WorkerWatch:
                 victim.waiting_stacks = stacks[rank]
                 victim.waiting_in = waiting_in_collective(stacks[rank]) or ""
                 _append(victim, f"quiet while rank {w.rank} hung; stacks of all threads:\n{stacks[rank]}")
-        w.state = WorkerState.FAILED
         waiting = waiting_in_collective(stacks[chosen]) or ""
-        w.hang = Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why, waiting)
+        w.blame(Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why, waiting))
         self._emit(
             EventKind.HANG,
             **w.identity(),
@@ -162,9 +174,7 @@ class WorkerWatch:
             quiet_s=now_mono - v.last_activity,  # since its last heartbeat or section change
         )
         self._say(f"{w.who} {v.describe()}: {why}", always=True)
-        _append(w, f"{v.describe()}; stacks of all threads:\n{w.hang.stacks}")
-        if w.handle is not None:
-            w.handle.signal_group(self._config.hang.hang_signal)
+        _append(w, f"{v.describe()}; stacks of all threads:\n{stacks[chosen]}")
         return w
 
     def _listens(self, workers: list[Worker], slots: dict[int, SlotView | None] | None = None) -> dict[int, bool]:
@@ -179,12 +189,9 @@ class WorkerWatch:
         if w.reaped or w.state is not WorkerState.RUNNING:
             return None
         what = f"its monitor slot in shared memory is corrupt ({why}): ftrun could no longer watch it for hangs"
-        w.state = WorkerState.FAILED
-        w.hang = Hang(what, "monitor slot", self._clock.wall(), stacks[w.local_rank])
+        w.blame(Hang(what, "monitor slot", self._clock.wall(), stacks[w.local_rank]))
         self._say(f"{w.who} {what}", always=True)
         _append(w, f"{what}; stacks of all threads:\n{stacks[w.local_rank]}")
-        if w.handle is not None:
-            w.handle.signal_group(self._config.hang.hang_signal)
         return w
 
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
@@ -214,8 +221,7 @@ class WorkerWatch:
             if worker is None or e.signal <= 0:
                 continue
             what = f"timer {e.scope!r} expired (torch FileTimer)"
-            worker.state = WorkerState.FAILED
-            worker.hang = Hang(what, "file timer", e.expiration_wall)
+            worker.blame(Hang(what, "file timer", e.expiration_wall))
             self._emit(EventKind.TIMER_EXPIRED, **worker.identity(), scope=e.scope, signal=signal_name(e.signal))
             self._say(f"{worker.who}: {what}; sending {signal_name(e.signal)}", always=True)
             proctree.signal_quietly(worker.pid, e.signal)  # the process, as torch's server does

@@ -10,11 +10,11 @@ section opened since: its deadline is not known yet).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ftrun.worker.layout import FLAG_EXITING, SlotView
+from ftrun.jsonobject import load_object
+from ftrun.worker.layout import FLAG_EXITING, TIMEOUTS_MAX, SlotView
 from ftrun.worker.timeouts import TEARDOWN_GRACE_S, Timeouts
 
 SCAN_INTERVAL_S = 0.05  # a deadline that appears between scans is found at most this late
@@ -29,10 +29,7 @@ def published(slot: SlotView) -> Timeouts | None:
     """The timeouts a worker calculated and published in its slot; raises ValueError if garbled."""
     if not slot.timeouts_json:
         return None
-    try:
-        data = json.loads(slot.timeouts_json)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"published timeouts are not JSON: {e}") from None
+    data = load_object(slot.timeouts_json, limit=TIMEOUTS_MAX, what="the published timeouts", error=ValueError)
     return Timeouts.from_json(data)
 
 

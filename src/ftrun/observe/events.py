@@ -77,13 +77,19 @@ class Event:
 class EventLog:
     """Appends events to a JSONL file, one flushed line each, and keeps them in memory."""
 
-    def __init__(self, path: Path, clock: Clock, echo: Callable[[str], None] | None = None) -> None:
-        """``echo`` also gets every line (--event-log-handler console)."""
+    @classmethod
+    def open(cls, path: Path, clock: Clock, echo: Callable[[str], None] | None = None) -> EventLog:
+        """Appending to ``path`` (created, with its directory, if missing). ``echo`` also gets every line
+        (--event-log-handler console)."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        return cls(path, path.open("a", encoding="utf-8"), clock, echo)
+
+    def __init__(self, path: Path, file: TextIO, clock: Clock, echo: Callable[[str], None] | None) -> None:
+        """Use :meth:`open`."""
         self.path = path
         self._clock = clock
         self._echo = echo
-        self._file: TextIO = path.open("a", encoding="utf-8")
+        self._file = file
         self._lock = threading.Lock()
         self.events: list[Event] = []
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.clock import Clock
-from ftrun.job.board import JobBoard
+from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
+from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import Event, EventKind, summarize
 from ftrun.observe.goodput import measure
 from ftrun.procs.workers import Worker, WorkerState
@@ -176,10 +177,10 @@ class NodeStatus:
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     """A run directory's last status record (None when the agent wrote none, or it is not one)."""
     try:
-        record = json.loads((run_dir / STATUS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        record = object_or_none((run_dir / STATUS_FILE).read_bytes(), limit=MAX_RECORD_BYTES)
+    except OSError:
         return None
-    return record if isinstance(record, dict) and record.get("v") == STATUS_VERSION else None
+    return record if record is not None and record.get("v") == STATUS_VERSION else None
 
 
 def progress(workers: Sequence[Worker], slot_of: SlotOf) -> dict[str, Any]:

@@ -109,8 +109,7 @@ class Reports:
         lost = found.get("peer_lost") if found is not None else None
         silent = next((w for w in a.workers if isinstance(lost, dict) and w.rank == lost.get("rank")), None)
         if found is not None and silent is not None and isinstance(lost, dict):  # ours went silent to its peer
-            silent.state = WorkerState.FAILED
-            silent.hang = Hang(str(lost.get("what")), "peer heartbeat", float(found.get("exit_wall") or 0.0))
+            silent.blame(Hang(str(lost.get("what")), "peer heartbeat", float(found.get("exit_wall") or 0.0)))
             self._tell(a, self._build(a, will_restart), will_restart)
             return
         try:

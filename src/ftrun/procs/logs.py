@@ -52,9 +52,14 @@ class Console:
 class LineSink:
     """A file many pumps append whole lines to (--duplicate-std*-filters: ``filtered_stdout.log``)."""
 
-    def __init__(self, path: Path) -> None:
+    @classmethod
+    def open(cls, path: Path) -> LineSink:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        return cls(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644))
+
+    def __init__(self, fd: int) -> None:
+        """Use :meth:`open`."""
+        self._fd = fd
         self._lock = threading.Lock()
 
     def write(self, lines: bytes) -> None:
@@ -84,6 +89,21 @@ class Duplicate:
 
     needles: tuple[bytes, ...]
     sink: LineSink
+
+
+def open_duplicates(spec: LogSpec, attempt_dir: Path) -> dict[Std, Duplicate]:
+    """One filtered_std{out,err}.log per attempt for --duplicate-std*-filters (as torchrun's)."""
+    found = {}
+    for stream, name in ((Std.OUT, "filtered_stdout.log"), (Std.ERR, "filtered_stderr.log")):
+        needles = spec.filters(stream)
+        if needles:
+            found[stream] = Duplicate(tuple(n.encode() for n in needles), LineSink.open(attempt_dir / name))
+    return found
+
+
+def close_duplicates(duplicates: dict[Std, Duplicate]) -> None:
+    for d in duplicates.values():
+        d.sink.close()
 
 
 class _Pump(threading.Thread):
@@ -170,31 +190,37 @@ class RankOutput:
     ``duplicates``: per stream, where lines matching --duplicate-std*-filters also go.
     """
 
-    def __init__(
-        self,
+    @classmethod
+    def open(
+        cls,
         paths: RankPaths,
         local_rank: int,
         spec: LogSpec,
         console: Console,
         label: str,
         duplicates: dict[Std, Duplicate] | None = None,
-    ) -> None:
+    ) -> RankOutput:
+        """The worker's log files opened (created with its directory), with a pipe per stream ftrun copies."""
         paths.dir.mkdir(parents=True, exist_ok=True)
-        self._child_fds: dict[Std, int] = {}
-        self._pumps: list[_Pump] = []
+        child_fds: dict[Std, int] = {}
+        pumps: list[_Pump] = []
         for stream, path in ((Std.OUT, paths.stdout), (Std.ERR, paths.stderr)):
             file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             shown = spec.console(local_rank, stream)
             duplicate = (duplicates or {}).get(stream)
             if not shown and duplicate is None:
-                self._child_fds[stream] = file_fd  # nothing of ftrun in the path
+                child_fds[stream] = file_fd  # nothing of ftrun in the path
                 continue
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
             prefix = label.encode() if spec.prefixed(local_rank, stream) else b""
-            self._child_fds[stream] = write_fd
-            self._pumps.append(
-                _Pump(read_fd, file_fd, console if shown else None, stream, prefix, duplicate, label.encode())
-            )
+            child_fds[stream] = write_fd
+            pumps.append(_Pump(read_fd, file_fd, console if shown else None, stream, prefix, duplicate, label.encode()))
+        return cls(child_fds, pumps)
+
+    def __init__(self, child_fds: dict[Std, int], pumps: list[_Pump]) -> None:
+        """Use :meth:`open`."""
+        self._child_fds = child_fds
+        self._pumps = pumps
 
     @property
     def stdout_fd(self) -> int:

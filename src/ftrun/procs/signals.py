@@ -41,14 +41,24 @@ def _note(signum: int, frame: FrameType | None) -> None:
 
 
 class SignalWakeup:
-    """From construction to :meth:`close`, handled signals are written (as their number) to ``fd``."""
+    """From :meth:`install` to :meth:`close`, handled signals are written (as their number) to ``fd``."""
+
+    @classmethod
+    def install(cls) -> SignalWakeup:
+        """ftrun's handlers set, the old ones kept for :meth:`close`."""
+        wakeup = cls()
+        wakeup._install()
+        return wakeup
 
     def __init__(self) -> None:
+        """Use :meth:`install`."""
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._saved: dict[int, object] = {}
         self._saved_fd = -1
         self._active = False
         self._drained = _caught
+
+    def _install(self) -> None:
         # Signal handlers can only be set from the main thread; elsewhere (tests) the caller handles signals.
         if threading.current_thread() is threading.main_thread():
             self._saved_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)

@@ -44,7 +44,9 @@ MODE_ENV = "FTRUN_CONTAINMENT"  # "tree" forces the fallback (for tests); else a
 class Warden:
     """The agent's side: start it first thing; :meth:`close` at the very end (the agent's own ending)."""
 
-    def __init__(self) -> None:
+    @classmethod
+    def start(cls) -> Warden:
+        """The warden process started, guarding this process from now on (in a cgroup of its own where it can)."""
         agent = os.getpid()
         cgroup = None if os.environ.get(MODE_ENV) == "tree" else _new_cgroup(agent)
         if cgroup is not None:
@@ -54,9 +56,7 @@ class Warden:
                 with contextlib.suppress(OSError):
                     cgroup.rmdir()
                 cgroup = None
-        self.cgroup = cgroup
-        self.mode = "tree" if cgroup is None else "cgroup"
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "ftrun.procs.warden", str(agent), str(cgroup or "")],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
@@ -65,7 +65,14 @@ class Warden:
         # It forks and this process exits (reaped with the agent's other exited children, or at close); the
         # warden lives on in the process group this one leads. Re-parented to init, or to the agent once it is
         # a subreaper: never swept as a stray either way. Not waited for: the job's start does not wait.
-        proctree.spare_group(self._proc.pid)
+        proctree.spare_group(proc.pid)
+        return cls(proc, cgroup)
+
+    def __init__(self, proc: subprocess.Popen[bytes], cgroup: Path | None) -> None:
+        """Use :meth:`start`."""
+        self._proc = proc
+        self.cgroup = cgroup
+        self.mode = "tree" if cgroup is None else "cgroup"
 
     def close(self) -> None:
         """The agent is about to exit, its workers ended: the warden removes the cgroup and exits too."""

@@ -229,6 +229,13 @@ class Worker:
     reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now
     status_lost: bool = False  # reaped, but its exit status could not be collected: shown as unknown
 
+    def blame(self, hang: Hang | None = None) -> None:
+        """Found to be the cause of the failure while it may still be running (it hung, went silent to its
+        peers, stands for a peer lost elsewhere): the one way code outside this module changes its state."""
+        self.state = WorkerState.FAILED
+        if hang is not None:
+            self.hang = hang
+
     @property
     def pid(self) -> int:
         return self.handle.pid if self.handle else 0
@@ -395,6 +402,12 @@ class AttemptProcesses:
         """SIGKILL whatever is left in the workers' process groups and below, and reap orphans."""
         self._signal_groups(signal.SIGKILL)
         self._spawner.sweep(self._pids, keep={w.pid for w in (*self.running, *self.released)})
+
+    def mute_all_but(self, failed: Worker) -> None:
+        """Another rank failed: what the others write to stderr from now on is its echo (see RankOutput)."""
+        for w in self.running:
+            if w is not failed and w.output is not None:
+                w.output.mute_errors()
 
     def release_finishing(self, w: Worker, code: int) -> None:
         """``w``'s script failed with ``code`` and every atexit handler has run: only its interpreter's own

@@ -29,8 +29,7 @@ class MemoryStore:
         self._cond = threading.Condition()
         self._watches: list[tuple[str, QueuedWatch]] = []
         self._closed = False
-        self._expirer = threading.Thread(target=self._expire_loop, name="ftrun-memory-store-leases", daemon=True)
-        self._expirer.start()
+        self._expirer: threading.Thread | None = None  # started with the first lease: only leases expire
 
     def _run(self, op: Callable[[float], tuple[T, list[WatchEvent]]]) -> T:
         with self._cond:
@@ -78,6 +77,10 @@ class MemoryStore:
         return self._run(lambda now: self._state.add(key, delta))
 
     def grant_lease(self, ttl_s: float) -> int:
+        with self._cond:
+            if self._expirer is None and not self._closed:
+                self._expirer = threading.Thread(target=self._expire_loop, name="ftrun-store-leases", daemon=True)
+                self._expirer.start()
         return self._run(lambda now: (self._state.grant(ttl_s, now), []))
 
     def keep_alive(self, lease: int) -> None:
@@ -103,4 +106,5 @@ class MemoryStore:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._expirer.join()
+        if self._expirer is not None:
+            self._expirer.join()

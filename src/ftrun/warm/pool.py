@@ -28,34 +28,23 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ftrun.clock import Clock, SystemClock
 from ftrun.procs import proctree
 from ftrun.procs.workers import ProcessHandle, ProcessSpawner, signal_strays
+from ftrun.warm import policy
+from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, read_modules_report
 from ftrun.warm.zygotes import PoolError, Zygote
 
-REFILL_DELAY_S = 0.5  # after an attempt's spawns: see WarmPool.workers_started
 BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
 PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
-GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH more modules than it has
 
 
 Say = Callable[[str], None]
-
-
-def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
-    """What a zygote must run for ``argv``, or None if it cannot (not this Python's script or module)."""
-    if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
-        return None
-    if argv[2] == "-m" and len(argv) >= 4:
-        return {"kind": "module", "target": argv[3], "args": list(argv[4:])}
-    if argv[2].startswith("-"):
-        return None  # -c (--run-path) and other interpreter options: a fresh process
-    return {"kind": "script", "target": argv[2], "args": list(argv[3:])}
 
 
 class WarmPool:
@@ -71,9 +60,11 @@ class WarmPool:
         standbys: int,
         cache: Cache | None = None,
         script: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers);
         ``script``: the entry script's absolute path, compiled once in each zygote."""
+        self._clock = clock or SystemClock()
         self._python = python
         self._script = script
         self._standbys = standbys
@@ -89,7 +80,7 @@ class WarmPool:
         self._fresh = ProcessSpawner()
         self._zygotes: list[Zygote] = []
         self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
-        self._refill_at: float | None = None  # monotonic: when the standbys taken are forked again
+        self._refill = policy.Refill()
         self.holding = False  # a restart is under way: see hold()
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
         self._never: set[str] = set()  # modules a zygote refused: never preloaded again
@@ -149,8 +140,7 @@ class WarmPool:
         """Take the zygotes' news (ready, refused, gone) and retire each ready zygote that a bigger ready one
         replaces. Called when the agent is idle too, so that a restart finds this done."""
         self._retired = [proc for proc in self._retired if proc.poll() is None]
-        if self._refill_at is not None and time.monotonic() >= self._refill_at:
-            self._refill_at = None
+        if self._refill.due(self._clock.monotonic()):
             self.go_on()
             for z in self._zygotes:
                 z.refill()
@@ -162,32 +152,19 @@ class WarmPool:
                 self._drop(z, z.failed)
                 if self._off:
                     return
-        best = self._biggest_ready()
-        if best is not None and not self.holding:  # the teardown of a retired zygote: ~15 ms of a core
-            for z in list(self._zygotes):
-                if z is not best and z.ready is not None:  # a bigger one serves from now on
-                    z.close(wait=False)
-                    self._retired.append(z.proc)
-                    self._zygotes.remove(z)
-
-    def _biggest_ready(self) -> Zygote | None:
-        ready = [z for z in self._zygotes if z.preload and z.ready is not None]
-        return max(ready, key=lambda z: len(z.preload)) if ready else None
+        for z in policy.retired(self._zygotes, self.holding):  # a bigger one serves from now on
+            z.close(wait=False)
+            self._retired.append(z.proc)
+            self._zygotes.remove(z)
 
     def _best(self) -> Zygote | None:
-        """The zygote to fork from: the biggest ready one with something preloaded; with none ready, the
-        biggest still preloading (it started before a fresh worker would, and preloads only what the workers
-        import anyway: waiting for it beats a fresh start); else the base zygote (a bare Python start)."""
+        """The zygote to fork from (see :func:`policy.fork_order`), waiting for it to be ready if need be."""
         self.tend()
         if self._off:
             return None
-        best = self._biggest_ready()
-        if best is not None:
-            return best
-        preloaded = [z for z in self._zygotes if z.preload]
-        for z in sorted(preloaded, key=lambda z: len(z.preload), reverse=True) + [
-            z for z in self._zygotes if not z.preload
-        ]:
+        for z in policy.fork_order(self._zygotes):
+            if z.ready is not None:
+                return z
             if z.poll(PRELOAD_TIMEOUT_S if z.preload else BASE_READY_TIMEOUT_S):
                 self._ready(z)
                 return z
@@ -198,7 +175,11 @@ class WarmPool:
 
     def _ready(self, z: Zygote) -> None:
         assert z.ready is not None
-        self._on_ready({**z.ready, "preload": len(z.preload), "pid": z.proc.pid})
+        info = {**z.ready, "preload": len(z.preload), "pid": z.proc.pid}
+        self._on_ready(info)
+        rss, took = int(info.get("rss_kb", 0)) / 1024, float(info.get("import_s", 0.0))
+        loaded = f"{info.get('loaded')} of {info.get('preload')} modules preloaded in {took:.2f} s"
+        self._detail(f"warm pool ready (pid {z.proc.pid}): {loaded}, {rss:.0f} MiB resident")
         if z.preload and self._cache is not None and self._auto:
             self._cache.save(z.preload, float(z.ready.get("import_s", 0.0)))
 
@@ -243,12 +224,9 @@ class WarmPool:
         for the next run only when ``run_ends``: no restart can come)."""
         if not self._auto or self._off:
             return
-        current = self.preloading
-        have = set(current)
-        wanted = [m for m in modules if m not in have and m not in self._never]
-        if len(wanted) <= len(current) // GROWTH:
-            return  # a few stragglers are not worth a new zygote (preloading costs a core for seconds)
-        bigger = list(dict.fromkeys([*current, *wanted]))
+        bigger = policy.worth_preloading(self.preloading, modules, self._never)
+        if bigger is None:
+            return
         if self._cache is not None:
             self._cache.save(bigger, self._import_s)
         if not run_ends:
@@ -274,13 +252,13 @@ class WarmPool:
 
     def workers_started(self) -> None:
         """An attempt's workers were just started: the standbys they took are forked again once they had time
-        to start (forking a zygote of hundreds of MiB costs ~10 ms of a core, which they need now; a failure
-        before then takes the spare standbys, and one more forks them on the spot: still warm)."""
-        self._refill_at = time.monotonic() + REFILL_DELAY_S
+        to start (see :class:`policy.Refill`; a failure before then takes the spare standbys, and one more forks
+        them on the spot: still warm)."""
+        self._refill.workers_started(self._clock.monotonic())
 
     def seconds_to_refill(self) -> float | None:
         """How long the agent may sleep before :meth:`tend` is due to refill (None: nothing to refill)."""
-        return None if self._refill_at is None else max(0.0, self._refill_at - time.monotonic())
+        return self._refill.seconds_left(self._clock.monotonic())
 
     def close(self) -> None:
         for z in self._zygotes:

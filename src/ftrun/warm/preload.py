@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.config import Entrypoint, EntrypointKind
+from ftrun.jsonobject import object_or_none
 
+MAX_MODULES_REPORT_BYTES = 16 << 20  # {module: file} for every module a worker imported (torch: ~2,000)
 CACHE_VERSION = 1
 
 
@@ -47,10 +49,10 @@ def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> 
 def read_modules_report(path: Path) -> list[str] | None:
     """A worker's report of its imported modules ({name: file}), filtered; None if absent or unreadable."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = object_or_none(path.read_bytes(), limit=MAX_MODULES_REPORT_BYTES)
+    except OSError:
         return None
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+    if data is None:
         return None
     return installed_modules(list(data), {k: v if isinstance(v, str) else None for k, v in data.items()})
 

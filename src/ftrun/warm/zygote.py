@@ -22,7 +22,6 @@ worker start-up (which every watched worker imports anyway).
 from __future__ import annotations
 
 import array
-import atexit
 import contextlib
 import ctypes
 import gc
@@ -130,7 +129,6 @@ def gpu_driver() -> str:
 
 def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
-    atexit.register(after_every_exit_handler)  # the first registered runs last, in every worker forked later
     names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
     started = time.monotonic()
     idle = "--idle" in sys.argv[2:]
@@ -242,13 +240,6 @@ def adopt(agent_pid: int, intermediate: int | None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != agent_pid:
         os._exit(1)  # the agent died meanwhile (or adoption failed): never run unwatched
-
-
-def after_every_exit_handler() -> None:
-    """In a worker, after every atexit handler (the preloaded modules' and the job's): tell the agent."""
-    client = sys.modules.get("ftrun.worker.client")
-    if client is not None:
-        client.finalizing()
 
 
 def exit_code(code: object) -> int:

@@ -59,13 +59,23 @@ class _Section:
 class _Attached:
     """The client of a worker under ftrun: owns its slot of the monitor table."""
 
-    def __init__(self, path: str, slot: int, environ: Mapping[str, str]) -> None:
+    @classmethod
+    def attach(cls, path: str, slot: int, environ: Mapping[str, str]) -> _Attached:
+        """The client of ``slot`` in the table at ``path``, announced in it (and its stacks dumped on request)."""
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, 0)
+            table = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        check_header(self._map, slot)
+        check_header(table, slot)
+        client = cls(table, slot, environ)
+        client._announce(environ.get("FTRUN_STACKS_FILE"))
+        return client
+
+    def __init__(self, table: mmap.mmap, slot: int, environ: Mapping[str, str]) -> None:
+        """Use :meth:`attach`."""
+        self._map = table
+        self._stacks_fd = -1
         self._base = layout.slot_offset(slot)
         self._beat_at = self._base + layout.OFF_BEAT
         self._idle_at = self._base + layout.OFF_IDLE
@@ -102,7 +112,8 @@ class _Attached:
         handed = environ.get("FTRUN_MONITOR_TIMEOUTS")
         if handed:  # kept by the agent from an earlier attempt
             self._calculated = Timeouts.from_json(json.loads(handed))
-        stacks = environ.get("FTRUN_STACKS_FILE")
+
+    def _announce(self, stacks: str | None) -> None:
         if stacks:
             # The agent's fallback when py-spy is missing: all threads' stacks, written from the
             # C signal handler, so it works while the main thread holds the GIL in C code.
@@ -141,11 +152,6 @@ class _Attached:
                     with contextlib.suppress(Exception):
                         obj.flush()
             self._wake_agent()  # before its peers notice the exit
-
-    def finalizing(self) -> None:
-        """Every atexit handler has run (ftrun's runs last): only the interpreter's own finalization is left."""
-        self._flags |= layout.FLAG_FINALIZING
-        self._write_flags()
 
     def _wake_agent(self) -> None:
         with contextlib.suppress(OSError):
@@ -366,12 +372,6 @@ def auto_progress() -> None:
     _client.auto_progress()
 
 
-def finalizing() -> None:
-    """Called by ftrun's last atexit handler: the job's code is over. Nothing when the client never attached."""
-    if isinstance(_client, _Attached):
-        _client.finalizing()
-
-
 def meeting_peers(on: bool) -> None:
     """The job is in init_process_group, meeting the other ranks (``on``), or done with it (ftrun's hook)."""
     _client.meeting(on)
@@ -441,7 +441,7 @@ def _attach() -> _Attached | _Unattached:
         client = _Unattached("not running under ftrun (no FTRUN_MONITOR)")
     else:
         try:
-            client = _Attached(path, int(slot), os.environ)
+            client = _Attached.attach(path, int(slot), os.environ)
         except (OSError, ValueError) as e:
             client = _Unattached(f"cannot attach to the monitor table {path}: {e}")
     _client = client

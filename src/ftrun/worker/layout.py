@@ -15,9 +15,7 @@ Layout (little endian)::
              open       u32  open sections
              flags      u32  FLAG_STACKS: the client dumps its stacks on STACK_SIGNAL;
                              FLAG_EXITING: the script ended, the interpreter is tearing down;
-                             FLAG_MEETING: in init_process_group, meeting its peers (torch's store);
-                             FLAG_FINALIZING: the script ended and every atexit handler ran: only the
-                             interpreter's own finalization (module teardown, C++ destructors) is left
+                             FLAG_MEETING: in init_process_group, meeting its peers (torch's store)
              t_seq      u64  bumped after the worker published timeouts (below)
              t_len      u32  length of that JSON
              ended      f64  when the script itself ended (its interpreter tears down next); 0 before
@@ -53,7 +51,6 @@ NAME_MAX = 55  # bytes of a section name (UTF-8)
 FLAG_STACKS = 1
 FLAG_EXITING = 2  # the script has ended (atexit): its teardown is not a hang
 FLAG_MEETING = 4  # in init_process_group until torch's store is made: waiting for the other ranks
-FLAG_FINALIZING = 8  # the last atexit handler ran: no code of the job's is left to run
 
 SEQ = struct.Struct("<Q")  # offset 0
 IDENTITY = struct.Struct("<qd")  # pid, attached: offset 8

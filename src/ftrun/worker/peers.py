@@ -29,8 +29,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from ftrun.jsonobject import load_object
+
 EXCHANGE_TIMEOUT_S = 60.0  # for every rank to publish its address
 POLL_S = 0.05  # for a neighbour's address file
+MAX_DATAGRAM = 512  # a peer heartbeat: rank, restart
 PEER_DIR_ENV = "FTRUN_PEER_DIR"  # set by the agent when it relays the addresses
 
 _started: PeerHeartbeat | None = None
@@ -55,15 +58,17 @@ class PeerHeartbeat:
         self.rank, self.world, self.restart = rank, world, restart
         self.period_s, self.timeout_s = period_s, timeout_s
         self._report = report
+        self._bind_host = bind_host
         self._sock = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind((bind_host, 0))
-        self._mine = f"{bind_host}:{self._sock.getsockname()[1]}"
+        self._mine = ""  # host:port, once bound
         self._addresses = addresses  # called from the thread: the exchange may wait for init_process_group
         self.previous = (rank - 1) % world
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-peer-heartbeat", daemon=True)
 
     def start(self) -> PeerHeartbeat:
+        self._sock.bind((self._bind_host, 0))
+        self._mine = f"{self._bind_host}:{self._sock.getsockname()[1]}"
         self._thread.start()
         return self
 
@@ -89,7 +94,7 @@ class PeerHeartbeat:
                     self._sock.sendto(token, successor)
                 next_send = now + self.period_s
             try:
-                data, _ = self._sock.recvfrom(512)
+                data, _ = self._sock.recvfrom(MAX_DATAGRAM)
             except TimeoutError:
                 data = b""
             except OSError:
@@ -109,7 +114,7 @@ class PeerHeartbeat:
 
     def _check(self, data: bytes) -> str:
         try:
-            theirs = json.loads(data)
+            theirs = load_object(data, limit=MAX_DATAGRAM, what="a peer heartbeat", error=ValueError)
             rank, restart = int(theirs["rank"]), int(theirs["restart"])
         except (ValueError, KeyError, TypeError):
             return ""  # not ours: ignored

@@ -19,7 +19,10 @@ import enum
 import json
 from dataclasses import dataclass
 
+from ftrun.jsonobject import load_object
+
 MAX_REASON_BYTES = 400  # UTF-8; the reason travels to every node and into the reports
+MAX_REQUEST_BYTES = 4 * MAX_REASON_BYTES  # the reason escaped, the action and the peer
 
 
 class Action(enum.Enum):
@@ -64,11 +67,6 @@ def encode(action: object, reason: object, peer: int | None = None) -> bytes:
 
 def decode(raw: bytes) -> Request:
     """A request read from a slot; ValueError if it is not one (a stray write)."""
-    try:
-        record = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"not JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ValueError("not a JSON object")
+    record = load_object(raw, limit=MAX_REQUEST_BYTES, what="the request", error=ValueError)
     encode(record.get("action"), record.get("reason"), record.get("peer"))  # the same checks as the worker's
     return Request(Action(record["action"]), record["reason"], record.get("peer"))

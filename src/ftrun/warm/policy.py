@@ -1,0 +1,91 @@
+"""The warm pool's decisions, apart from the processes it drives: which zygote a worker is forked from, which
+zygotes a bigger one retires, when the workers' imports are worth a new zygote, when the standbys are forked
+again. Pure: zygotes are seen through what they preload and whether they are ready; time is passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
+
+REFILL_DELAY_S = 0.5  # after an attempt's spawns: see Refill
+GROWTH = 20  # a new zygote is worth its CPU when the workers imported 1/GROWTH more modules than it has
+
+
+class ZygoteView(Protocol):
+    @property
+    def preload(self) -> list[str]: ...
+
+    @property
+    def ready(self) -> dict[str, Any] | None: ...
+
+
+Z = TypeVar("Z", bound=ZygoteView)
+
+
+def worker_request(argv: Sequence[str], python: str) -> dict[str, Any] | None:
+    """What a zygote must run for ``argv``, or None if it cannot (not this Python's script or module)."""
+    if len(argv) < 3 or argv[0] != python or argv[1] != "-u":
+        return None
+    if argv[2] == "-m" and len(argv) >= 4:
+        return {"kind": "module", "target": argv[3], "args": list(argv[4:])}
+    if argv[2].startswith("-"):
+        return None  # -c (--run-path) and other interpreter options: a fresh process
+    return {"kind": "script", "target": argv[2], "args": list(argv[3:])}
+
+
+def biggest_ready(zygotes: Sequence[Z]) -> Z | None:
+    """The ready zygote that preloads the most (the base zygote, preloading nothing, is never it)."""
+    ready = [z for z in zygotes if z.preload and z.ready is not None]
+    return max(ready, key=lambda z: len(z.preload)) if ready else None
+
+
+def fork_order(zygotes: Sequence[Z]) -> list[Z]:
+    """Which zygotes to try, in order, for a worker: the biggest ready one; with none ready, the ones still
+    preloading, biggest first (each started before a fresh worker would, and preloads only what the workers
+    import anyway: waiting for it beats a fresh start); the base zygote (a bare Python start) last."""
+    best = biggest_ready(zygotes)
+    if best is not None:
+        return [best]
+    preloading = sorted((z for z in zygotes if z.preload), key=lambda z: len(z.preload), reverse=True)
+    return [*preloading, *(z for z in zygotes if not z.preload)]
+
+
+def retired(zygotes: Sequence[Z], holding: bool) -> list[Z]:
+    """The ready zygotes a bigger ready one replaces; none while a restart is under way (the teardown of a
+    zygote costs ~15 ms of a core, which the restart needs)."""
+    best = biggest_ready(zygotes)
+    if best is None or holding:
+        return []
+    return [z for z in zygotes if z is not best and z.ready is not None]
+
+
+def worth_preloading(current: Sequence[str], imported: Sequence[str], never: set[str]) -> list[str] | None:
+    """The bigger preload the workers' imports call for, or None when they add too little to be worth a zygote
+    (preloading costs a core for seconds; a few stragglers are not worth it)."""
+    have = set(current)
+    wanted = [m for m in imported if m not in have and m not in never]
+    if len(wanted) <= len(current) // GROWTH:
+        return None
+    return list(dict.fromkeys([*current, *wanted]))
+
+
+class Refill:
+    """When the standbys an attempt's workers took are forked again: :data:`REFILL_DELAY_S` after the workers
+    started (forking a zygote of hundreds of MiB costs ~10 ms of a core, which they need now)."""
+
+    def __init__(self) -> None:
+        self._at: float | None = None  # monotonic
+
+    def workers_started(self, now: float) -> None:
+        self._at = now + REFILL_DELAY_S
+
+    def due(self, now: float) -> bool:
+        """True once, when the refill is due."""
+        if self._at is None or now < self._at:
+            return False
+        self._at = None
+        return True
+
+    def seconds_left(self, now: float) -> float | None:
+        """None: nothing to refill."""
+        return None if self._at is None else max(0.0, self._at - now)
