@@ -130,6 +130,7 @@ class LogSpec:
     prefix_template: str = DEFAULT_PREFIX_TEMPLATE
     stdout_filters: tuple[str, ...] = ()  # --duplicate-stdout-filters: lines with any of these also go to a file
     stderr_filters: tuple[str, ...] = ()
+    shared_base: bool = False  # base_dir is ftrun's default in the shared temp dir: it must be this user's own
 
     def prefix(self, role: str, rank: int, local_rank: int) -> str:
         return string.Template(self.prefix_template).safe_substitute(role_name=role, rank=rank, local_rank=local_rank)

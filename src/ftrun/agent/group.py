@@ -79,7 +79,7 @@ class LocalGroup:
     ) -> LocalGroup:
         """This node's group: a run directory of its own (never an old run's), its event log, signals to ftrun
         caught from now on; the run announced, and the warm pool (when ``spawner`` is one) started."""
-        run_dir = fresh_dir(config.logs.base_dir / config.run_id)
+        run_dir = fresh_dir(config.logs.base_dir / config.run_id, shared_base=config.logs.shared_base)
         group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
         echo = group._echo_event if config.echo_events else None
         group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)

@@ -167,7 +167,8 @@ def module_exists(name: str, cwd: Path) -> bool:
 
 
 def default_log_dir() -> Path:
-    return Path(tempfile.gettempdir()) / "ftrun"
+    """One per user: in a shared temp dir, another user's run directories are none of this one's business."""
+    return Path(tempfile.gettempdir()) / f"ftrun-{os.geteuid()}"
 
 
 def omp_threads(environ: Mapping[str, str], nproc: int) -> dict[str, str]:

@@ -59,6 +59,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store_url)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
+        shared_base=not a.log_dir,
         redirects=flags.parse_std("--redirects", a.redirects, nproc),
         tee=flags.parse_std("--tee", a.tee, nproc),
         local_ranks_filter=flags.parse_ranks_filter(a.local_ranks_filter),

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from ftrun.job.board import JobBoard
+from ftrun.private import make_dir
 from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, await_address, write_address
 
 
@@ -28,7 +29,7 @@ class PeerRelay:
         cls, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int
     ) -> PeerRelay:
         """The relay of the node's ranks ``first``..``last`` of ``world``, their address files in ``peer_dir``."""
-        peer_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(peer_dir)
         return cls(board, round_, peer_dir, first, last, world)
 
     def __init__(self, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int):

@@ -13,9 +13,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import os
 import socket
+import stat
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 LEDGER_TTL_S = 120.0  # long enough for workers to import torch and bind the port
 _PROBES = 64
@@ -37,8 +40,8 @@ def reserve_port(host: str, now_wall: float, ledger: Path | None = None) -> int:
     """A port that is free on ``host`` now and that no other ftrun took in the last minutes."""
     path = ledger or default_ledger()
     try:
-        f = path.open("a+", encoding="utf-8")
-    except OSError:  # e.g. another user's ledger in a shared /tmp: the kernel's choice alone
+        f = _open_ledger(path)
+    except OSError:  # another user's ledger in a shared /tmp, a symlink, not a file: the kernel's choice alone
         return _probe_free_port(host)
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -54,6 +57,16 @@ def reserve_port(host: str, now_wall: float, ledger: Path | None = None) -> int:
         f.truncate()
         json.dump(taken, f)
         return port
+
+
+def _open_ledger(path: Path) -> TextIO:
+    """The ledger, never through a symlink (another user could plant one in /tmp to have this process overwrite a
+    file of its choice), and only if it is a regular file (a FIFO would block)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "r+", encoding="utf-8")
 
 
 def _recent(text: str, now_wall: float) -> dict[str, float]:

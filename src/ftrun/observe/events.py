@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ftrun.clock import Clock
+from ftrun.private import append_fd, make_dir
 
 SCHEMA_VERSION = 1
 
@@ -81,8 +83,8 @@ class EventLog:
     def open(cls, path: Path, clock: Clock, echo: Callable[[str], None] | None = None) -> EventLog:
         """Appending to ``path`` (created, with its directory, if missing). ``echo`` also gets every line
         (--event-log-handler console)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return cls(path, path.open("a", encoding="utf-8"), clock, echo)
+        make_dir(path.parent)
+        return cls(path, os.fdopen(append_fd(path), "a", encoding="utf-8"), clock, echo)
 
     def __init__(self, path: Path, file: TextIO, clock: Clock, echo: Callable[[str], None] | None) -> None:
         """Use :meth:`open`."""

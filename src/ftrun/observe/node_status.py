@@ -25,6 +25,7 @@ from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
 from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import Event, EventKind, summarize
 from ftrun.observe.goodput import measure
+from ftrun.private import write_atomically
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.layout import SlotView
 
@@ -105,9 +106,7 @@ class NodeStatus:
         self._written_mono = now
         self.record = self._record(ranks, events, phase=phase, round_=round_, world_size=world_size)
         raw = json.dumps(self.record, separators=(",", ":"))
-        tmp = self.path.with_name(f".{STATUS_FILE}.{os.getpid()}")
-        tmp.write_text(raw, encoding="utf-8")
-        tmp.replace(self.path)
+        write_atomically(self.path, raw)
         since_published = now - self._published_mono
         moved = signature != self._published_signature and since_published >= STORE_MIN_GAP_S
         if self.board is not None and (force or moved or since_published >= STORE_REFRESH_S):

@@ -10,7 +10,6 @@ apart from the failure.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ErrorFileError
+from ftrun.private import write_atomically
 from ftrun.procs.logs import tail_lines
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.errorfile import ErrorRecord, read_error_file
@@ -352,12 +352,8 @@ def write_launcher_error_file(report: FailureReport, path: Path) -> None:
         },
         "errorCode": r.exit_code if r.exit_code is not None else 1,
     }
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc), encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(doc))
 
 
 def write_json(report: FailureReport, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=2), encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(report.to_json(), indent=2))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ftrun.config import LogSpec, Std
+from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
 
 _CHUNK = 65536
 MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's file keeps it whole)
@@ -54,8 +55,8 @@ class LineSink:
 
     @classmethod
     def open(cls, path: Path) -> LineSink:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return cls(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644))
+        make_dir(path.parent)
+        return cls(append_fd(path))
 
     def __init__(self, fd: int) -> None:
         """Use :meth:`open`."""
@@ -201,11 +202,11 @@ class RankOutput:
         duplicates: dict[Std, Duplicate] | None = None,
     ) -> RankOutput:
         """The worker's log files opened (created with its directory), with a pipe per stream ftrun copies."""
-        paths.dir.mkdir(parents=True, exist_ok=True)
+        make_dir(paths.dir)
         child_fds: dict[Std, int] = {}
         pumps: list[_Pump] = []
         for stream, path in ((Std.OUT, paths.stdout), (Std.ERR, paths.stderr)):
-            file_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            file_fd = append_fd(path)
             shown = spec.console(local_rank, stream)
             duplicate = (duplicates or {}).get(stream)
             if not shown and duplicate is None:
@@ -284,12 +285,17 @@ def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
     return lines[-count:]
 
 
-def fresh_dir(path: Path) -> Path:
-    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs."""
+def fresh_dir(path: Path, *, shared_base: bool = False) -> Path:
+    """``path``, or ``path.1``, ``path.2``...: a rerun with the same id never overwrites logs. A new directory,
+    0700; ``shared_base``: its parent is in a shared directory and must be this user's own (see ftrun.private)."""
+    if shared_base:
+        own_dir(path.parent)
+    else:
+        make_dir(path.parent)
     candidates: Iterable[Path] = (path if n == 0 else path.with_name(f"{path.name}.{n}") for n in range(10_000))
     for candidate in candidates:
         try:
-            candidate.mkdir(parents=True)
+            candidate.mkdir(mode=DIR_MODE)
         except FileExistsError:
             continue
         return candidate

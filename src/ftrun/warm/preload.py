@@ -27,6 +27,7 @@ from typing import Any
 
 from ftrun.config import Entrypoint, EntrypointKind
 from ftrun.jsonobject import object_or_none
+from ftrun.private import make_dir, write_atomically
 
 MAX_MODULES_REPORT_BYTES = 16 << 20  # {module: file} for every module a worker imported (torch: ~2,000)
 CACHE_VERSION = 1
@@ -154,7 +155,7 @@ class Cache:
         if self.path is None:
             return
         with contextlib.suppress(OSError):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"v": CACHE_VERSION, "modules": list(modules), "import_s": import_s}))
-            tmp.replace(self.path)
+            make_dir(self.path.parent)
+            write_atomically(
+                self.path, json.dumps({"v": CACHE_VERSION, "modules": list(modules), "import_s": import_s})
+            )

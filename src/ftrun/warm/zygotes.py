@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ftrun.private import append_fd
 from ftrun.procs import proctree
 
 FORK_TIMEOUT_S = 10.0
@@ -112,7 +113,7 @@ class Zygote:
         started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "ftrun.warm.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
-        with log.open("ab") as err:
+        with os.fdopen(append_fd(log), "ab") as err:
             proc = subprocess.Popen(
                 argv,
                 pass_fds=(theirs.fileno(),),

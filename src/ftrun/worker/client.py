@@ -118,7 +118,8 @@ class _Attached:
             # The agent's fallback when py-spy is missing: all threads' stacks, written from the
             # C signal handler, so it works while the main thread holds the GIL in C code.
             # A bare descriptor: faulthandler writes to the fd, a text file object would only cost start-up time.
-            self._stacks_fd = os.open(stacks, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+            self._stacks_fd = os.open(stacks, flags, 0o600)
             faulthandler.register(STACK_SIGNAL, file=self._stacks_fd, all_threads=True)
             self._flags |= layout.FLAG_STACKS
         layout.IDLE.pack_into(self._map, self._idle_at, self._idle_since, 0, self._flags)

@@ -10,6 +10,7 @@ after the blocking call returns), which a fresh ``python`` never does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -21,7 +22,10 @@ def report_modules(path: str) -> None:
     files = {name: getattr(module, "__file__", None) for name, module in list(sys.modules.items())}
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with open(os.open(tmp, flags, 0o600), "w", encoding="utf-8") as f:  # the run's files are its user's alone
             json.dump(files, f)
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError):
