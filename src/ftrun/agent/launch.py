@@ -175,7 +175,10 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
     store = open_store(url, token=config.rdzv.token, retry_deadline_s=deadline)
     try:
-        rendezvous = rendezvous_for(config, store, clock=clock, host=group.host, log=partial(group.say, detail=True))
+        say = group.say
+        rendezvous = rendezvous_for(
+            config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True)
+        )
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         exclusions = Exclusions(store, config.run_id)
@@ -229,7 +232,13 @@ def leave_together(
 
 
 def rendezvous_for(
-    config: LaunchConfig, store: Store, *, clock: Clock, host: str, log: Callable[[str], None]
+    config: LaunchConfig,
+    store: Store,
+    *,
+    clock: Clock,
+    host: str,
+    log: Callable[[str], None],
+    warn: Callable[[str], None] | None = None,
 ) -> Rendezvous:
     """This node's side of the rendezvous of ``config``'s job (not started)."""
     conf = config.rdzv.conf
@@ -243,7 +252,7 @@ def rendezvous_for(
         """--master-port, when given, is the port the workers get, elastic or not (firewalls that open one)."""
         return config.master_port or fresh_port_on(clock)
 
-    return Rendezvous(store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log)
+    return Rendezvous(store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn)
 
 
 def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:

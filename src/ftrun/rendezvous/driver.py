@@ -113,7 +113,9 @@ class Rendezvous:
         clock: Clock,
         offer_port: Callable[[], int],
         log: Callable[[str], None],
+        warn: Callable[[str], None] | None = None,
     ) -> None:
+        """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``)."""
         self._store = store
         self._keys = Keys.of(run_id)
         self._me = me
@@ -122,6 +124,7 @@ class Rendezvous:
         self._clock = clock
         self._offer_port = offer_port
         self._log = log
+        self._warn = warn or log
         self._selector = selectors.DefaultSelector()
         self._keeper: LeaseKeeper | None = None
         self._shared_watch: Watch | None = None
@@ -135,6 +138,7 @@ class Rendezvous:
         self._changed_at = 0.0
         self._waiting_since = 0.0
         self._joined_wall = clock.wall()
+        self._bad_keys: set[str] = set()  # malformed records already reported
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -241,7 +245,7 @@ class Rendezvous:
         if current is None:
             self._record, self._record_rev = None, 0
         else:
-            self._set_record(_decode(state.decode_round, current.value), current.revision)
+            self._apply_round(current.value, current.revision)
 
     # --- what the store says -----------------------------------------------------------------
 
@@ -283,8 +287,7 @@ class Rendezvous:
     def _apply_shared(self, key: str, value: bytes | None, revision: int) -> None:
         if key == self._keys.round:
             if revision > self._record_rev:
-                record = None if value is None else _decode(state.decode_round, value)
-                self._set_record(record, revision if record is not None else 0)
+                self._apply_round(value, revision)
         elif key == self._keys.leader:
             self._leader = None if value is None else value.decode(errors="replace")
             if self._leader != self._me.node_id:
@@ -295,6 +298,14 @@ class Rendezvous:
                 self._values.pop(name, None)
             elif revision > self._values.get(name, (b"", 0))[1]:
                 self._values[name] = (value, revision)
+
+    def _apply_round(self, value: bytes | None, revision: int) -> None:
+        if value is None:
+            self._set_record(None, 0)
+        elif (record := self._decode(state.decode_round, self._keys.round, value)) is not None:
+            self._set_record(record, revision)
+        else:  # garbage over the round: the last good round stands, and the leader's next write replaces it
+            self._record_rev = revision
 
     def _set_record(self, record: RoundRecord | None, revision: int) -> None:
         old = self._record
@@ -310,8 +321,8 @@ class Rendezvous:
             node_id = event.key[len(self._keys.nodes) :]
             if event.type is EventType.DELETE:
                 changed |= self._nodes.pop(node_id, None) is not None
-            else:
-                self._nodes[node_id] = _decode(state.decode_node, event.value)
+            elif (info := self._decode(state.decode_node, event.key, event.value)) is not None:
+                self._nodes[node_id] = info
                 changed = True
         if changed:
             self._changed_at = self._clock.monotonic()
@@ -345,7 +356,8 @@ class Rendezvous:
     def _list_nodes(self) -> tuple[dict[str, NodeInfo], int]:
         """Every registered node, and the store revision of the read (to watch from)."""
         kvs, rev = self._store.list_prefix(self._keys.nodes)
-        return {kv.key[len(self._keys.nodes) :]: _decode(state.decode_node, kv.value) for kv in kvs}, rev
+        found = {kv.key[len(self._keys.nodes) :]: self._decode(state.decode_node, kv.key, kv.value) for kv in kvs}
+        return {node: info for node, info in found.items() if info is not None}, rev
 
     def _new_lease(self) -> None:
         self._keeper = LeaseKeeper.grant(
@@ -397,6 +409,17 @@ class Rendezvous:
             f"job-wide value {name!r} did not settle after {MAX_STEPS} writes; the store may be misbehaving"
         )
 
+    def _decode(self, decoder: Callable[[bytes], T], key: str, raw: bytes) -> T | None:
+        """A record read from the store, or None when it is not one of ftrun's: records are data, never commands,
+        and whoever can reach the store could have written it. Said once per key; the record is ignored."""
+        try:
+            return decoder(raw)
+        except RecordError as e:
+            if key not in self._bad_keys:
+                self._bad_keys.add(key)
+                self._warn(f"rendezvous: ignoring a malformed record at {key} ({e}); ftrun did not write it")
+            return None
+
     # --- after the job -------------------------------------------------------------------------
 
     def wait_for_departures(self, timeout_s: float) -> int:
@@ -417,11 +440,3 @@ class Rendezvous:
                 if not others:
                     break
         return len(others)
-
-
-def _decode(decoder: Callable[[bytes], T], raw: bytes) -> T:
-    """Decode a record; a corrupt one is a named, fatal error (never a crash deep in the agent)."""
-    try:
-        return decoder(raw)
-    except RecordError as e:
-        raise FtrunError(f"rendezvous store holds a bad record: {e}") from None
