@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -146,6 +148,50 @@ def test_wrong_or_missing_token_is_refused(server: TcpStoreServer, client: TcpSt
         bad.close()
     client.put("/still", b"serving")
     assert client.get("/still") is not None
+
+
+def test_a_client_with_a_token_never_talks_to_a_store_that_cannot_prove_it() -> None:
+    """No downgrade: a squatter that holds the endpoint with a store of its own (no token) is refused before any
+    request reaches it."""
+    squatter = TcpStoreServer().start()
+    try:
+        c = TcpStoreClient("127.0.0.1", squatter.port, token=TOKEN, retry_deadline_s=2)
+        with pytest.raises(StoreAuthError, match="does not ask for the token"):
+            c.put("/ftrun/job/n/me", b"my address")
+        c.close()
+        watcher = TcpStoreClient("127.0.0.1", squatter.port)
+        assert watcher.list_prefix("/")[0] == []  # nothing was written there
+        watcher.close()
+    finally:
+        squatter.stop()
+
+
+def test_a_fake_store_that_asks_for_a_token_but_cannot_prove_it_is_refused() -> None:
+    """A squatter that claims to want a token (to be sent a proof) still has to prove the token itself."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        c = TcpStoreClient("127.0.0.1", port, token=TOKEN, retry_deadline_s=2)
+
+        def fake() -> list[bytes]:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(wire.encode({"v": wire.VERSION, "store_id": "fake", "nonce": b"n" * 16, "auth": True}))
+                conn.recv(65536)  # the client's nonce and proof
+                conn.sendall(wire.encode({"ok": True, "proof": b"\0" * 32}))
+                conn.settimeout(2)
+                try:
+                    return [conn.recv(65536)]
+                except OSError:
+                    return []
+
+        with ThreadPoolExecutor(1) as pool:
+            heard = pool.submit(fake)
+            with pytest.raises(StoreAuthError, match="could not prove"):
+                c.get("/x")
+            c.close()
+            assert heard.result(timeout=WAIT_S) in ([], [b""])  # no request followed the handshake
 
 
 def test_unreachable_store_names_endpoint_and_time() -> None:
@@ -303,3 +349,36 @@ def test_a_wait_for_another_nodes_record_ends_when_a_signal_to_ftrun_comes(clien
     board.interrupted = interrupted
     assert board.suspect_elsewhere(1, timeout_s=600) is None  # nobody ever publishes: only the signal ends it
     assert len(looks) == 3
+
+
+def test_an_agent_with_a_token_refuses_a_squatter_on_its_endpoint(tmp_path: Path) -> None:
+    """The endpoint is taken by a store without the token (say, a squatter's): the agent says so and stops,
+    before its worker could run with a master address the squatter chose."""
+    (tmp_path / "w.py").write_text("print('worker ran')\n")
+    squatter = TcpStoreServer().start()
+    try:
+        argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / "logs"), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{squatter.port}", "--rdzv-id", "squat", "--nnodes", "1:2",
+                "--rdzv-token", TOKEN, str(tmp_path / "w.py")]  # fmt: skip
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    finally:
+        squatter.stop()
+    assert r.returncode == 1, r.stderr
+    assert "does not ask for the token" in r.stderr
+    assert "worker ran" not in r.stdout
+
+
+@pytest.mark.parametrize(("endpoint", "token", "warned"), [("0.0.0.0:0", None, True), ("0.0.0.0:0", TOKEN, False),
+                                                           ("127.0.0.1:0", None, False)])  # fmt: skip
+def test_hosting_a_store_beyond_loopback_without_a_token_is_said_once(
+    tmp_path: Path, endpoint: str, token: str | None, warned: bool
+) -> None:
+    (tmp_path / "w.py").write_text("print('worker ran')\n")
+    argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / "logs"), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "open", "--nnodes", "1", str(tmp_path / "w.py")]  # fmt: skip
+    r = subprocess.run([*argv[:-1], *(["--rdzv-token", token] if token else []), argv[-1]],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("has no token") == (1 if warned else 0), r.stderr
+    if warned:
+        assert "--rdzv-token-file" in r.stderr

@@ -29,7 +29,7 @@ from ftrun.job.agreement import TimeoutAgreement
 from ftrun.job.board import JobBoard
 from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
-from ftrun.node.addresses import DEFAULT_STORE_PORT
+from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
 from ftrun.node.ports import in_use, is_local_address, reserve_port
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -283,4 +283,10 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         ) from None
     group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
     group.say(f"hosting the rendezvous store on {host}:{server.port}")
+    if r.token is None and not is_loopback(host):
+        group.say(
+            f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
+            "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",
+            always=True,
+        )
     return server

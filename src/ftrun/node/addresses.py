@@ -6,6 +6,8 @@ store URL parser can both use it without importing each other.
 
 from __future__ import annotations
 
+import ipaddress
+
 from ftrun.errors import ConfigError
 
 DEFAULT_STORE_PORT = 29400  # torchrun's c10d rendezvous port: the embedded store listens here
@@ -44,3 +46,13 @@ def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> tuple[str, int |
 def bracketed(host: str) -> str:
     """``host`` as it goes into a URL: IPv6 addresses in brackets."""
     return f"[{host}]" if ":" in host else host
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (a loopback address or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

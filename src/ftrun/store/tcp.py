@@ -300,15 +300,20 @@ class TcpStoreClient:
                 raise StoreProtocolError(f"{self.endpoint} is not an ftrun store (or another version)")
             if hello.get("auth") and self._token is None:
                 raise StoreAuthError(f"{self.endpoint} requires a token: pass --rdzv-token or set FTRUN_TOKEN")
+            if self._token and not hello.get("auth"):  # no downgrade: whoever holds the endpoint proves the token
+                raise StoreAuthError(
+                    f"{self.endpoint} does not ask for the token this node holds: it is not the job's store (another "
+                    "store, or something else squatting on the endpoint); nothing was sent to it"
+                )
             mine = wire.new_nonce()
-            answer = wire.proof(self._token, b"client", nonce, mine) if self._token and hello.get("auth") else b""
+            answer = wire.proof(self._token, b"client", nonce, mine) if self._token else b""
             sock.sendall(wire.encode({"nonce": mine, "proof": answer}))
             verdict = self._read(sock)
         except (OSError, EOFError) as e:
             raise RequestNotSent(f"{self.endpoint}: handshake failed: {e}") from e
         if not verdict.get("ok"):
             raise StoreAuthError(f"{self.endpoint} refused the token: check --rdzv-token / FTRUN_TOKEN")
-        if hello.get("auth") and self._token:
+        if self._token:
             expected = wire.proof(self._token, b"server", mine, nonce)
             if not wire.check_proof(expected, verdict.get("proof")):
                 raise StoreAuthError(f"{self.endpoint} could not prove it knows the token")
