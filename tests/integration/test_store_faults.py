@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +25,7 @@ from ftrun.store import wire
 from ftrun.store.base import EventType
 from ftrun.store.factory import open_store
 from ftrun.store.tcp import TcpStoreClient
-from ftrun.store.tcp_server import TcpStoreServer
+from ftrun.store.tcp_server import RECONNECT_GRACE_S, TcpStoreServer
 from ftrun.testing.etcd import EtcdHarness
 
 WAIT_S = 20.0
@@ -133,6 +136,36 @@ def test_a_killed_clients_lease_ends_with_its_connection_not_its_ttl_tcp(server:
     """The embedded store ties a lease to the connection it was granted or kept alive on: the kernel closes a
     dead process's socket, so its keys go at once (a TTL of 10 min could not have expired within the wait)."""
     _kill_keeper_and_see_its_key_vanish(f"tcp://127.0.0.1:{server.port}", TOKEN, ttl_s=600)
+
+
+def _reset(port: int) -> None:
+    """Reset every TCP connection to the store's port from the client side (``ss -K``, as a middlebox would)."""
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None, reason="ss -K needs root and iproute2")
+def test_a_reset_connection_is_not_a_dead_node(server: TcpStoreServer, client: TcpStoreClient) -> None:
+    """A client whose connection is reset connects again at once and keeps its lease and keys (the store waits
+    RECONNECT_GRACE_S for it), and says so; a dead client's keys still go with its connection (test above)."""
+    told: list[str] = []
+    client.on_reconnect = told.append
+    lease = client.grant_lease(600.0)  # a TTL that cannot expire within the test: only the connection matters
+    client.put("/alive/me", b"x", lease=lease)
+    observer = TcpStoreClient("127.0.0.1", server.port, token=TOKEN, retry_deadline_s=10)
+    try:
+        _, revision = observer.list_prefix("/alive/")
+        with client.watch("/", revision + 1), observer.watch("/alive/", revision + 1) as seen:
+            _reset(server.port)
+            until_reconnected = time.monotonic() + WAIT_S
+            while not told and time.monotonic() < until_reconnected:
+                client.get("/alive/me")  # a call finds the connection gone (the watch's reader may be first)
+            assert told, "the client never said it connected again"
+            assert "broke" in told[0]
+            assert seen.get(2 * RECONNECT_GRACE_S + 1.0) is None  # no DELETE: the grace passed, the lease held
+        assert observer.get("/alive/me") is not None
+        client.keep_alive(lease)
+    finally:
+        observer.close()
 
 
 def test_killed_client_lease_expires_etcd() -> None:

@@ -40,6 +40,7 @@ from ftrun.rendezvous.driver import Me, Rendezvous, Timing
 from ftrun.rendezvous.state import Rules
 from ftrun.store.base import Store
 from ftrun.store.factory import open_store
+from ftrun.store.tcp import TcpStoreClient
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -174,6 +175,8 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
     store = open_store(url, token=config.rdzv.token, retry_deadline_s=deadline)
+    if isinstance(store, TcpStoreClient):
+        store.on_reconnect = partial(group.say, always=True)
     try:
         say = group.say
         rendezvous = rendezvous_for(

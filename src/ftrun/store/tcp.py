@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import secrets
 import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +107,9 @@ class TcpStoreClient:
         self._pending: dict[int, _Call] = {}
         self._subscriptions: dict[int, _Subscription] = {}  # by the id of their current watch request
         self._closed = False
+        self._client_id = secrets.token_hex(16)  # the same on every connection: the server keeps its leases
+        self._lost_why = ""
+        self.on_reconnect: Callable[[str], None] = lambda text: None  # told when a broken connection is back
 
     # --- the Store protocol ------------------------------------------------------------------------
 
@@ -287,6 +292,10 @@ class TcpStoreClient:
             raise
         if self._store_id is not None and store_id != self._store_id:
             self._store_restarted()
+        if self._lost_at is not None and self._store_id == store_id:
+            took = time.monotonic() - self._lost_at
+            self.on_reconnect(f"the connection to the store {self.endpoint} broke ({self._lost_why}); connected "
+                              f"again after {took:.2f} s (the store keeps this node's lease for a moment)")  # fmt: skip
         self._store_id = store_id
         self._sock = sock
         self._lost_at = None
@@ -307,7 +316,7 @@ class TcpStoreClient:
                 )
             mine = wire.new_nonce()
             answer = wire.proof(self._token, b"client", nonce, mine) if self._token else b""
-            sock.sendall(wire.encode({"nonce": mine, "proof": answer}))
+            sock.sendall(wire.encode({"nonce": mine, "proof": answer, "client": self._client_id}))
             verdict = self._read(sock)
         except (OSError, EOFError) as e:
             raise RequestNotSent(f"{self.endpoint}: handshake failed: {e}") from e
@@ -368,7 +377,7 @@ class TcpStoreClient:
         with self._lock:
             if self._sock is sock:
                 self._sock = None
-                self._lost_at = time.monotonic()
+                self._lost_at, self._lost_why = time.monotonic(), reason
             pending, self._pending = self._pending, {}
         _shut(sock)
         for call in pending.values():

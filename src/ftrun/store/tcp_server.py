@@ -31,6 +31,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_WATCHES = 256  # per connection
 MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+# A connection is not a node: when a client that named itself loses its connection (a reset, a flapping link),
+# its leases wait this long for it to connect again (its watches bring it back within milliseconds) before they
+# end. An agent that died is still noticed this fast (well under a lease's TTL): nothing comes back for it.
+RECONNECT_GRACE_S = 1.0
 
 
 _ALREADY_ANSWERED = object()  # a handler that sent its own response (watch: the response, then history)
@@ -67,6 +71,7 @@ class _Connection(asyncio.Protocol):
         self.authenticated = False
         self.watches: dict[int, str] = {}  # watch id -> prefix
         self.leases: set[int] = set()  # kept alive over this connection: revoked when it closes
+        self.client_id = ""  # the client's name for itself, the same on each of its connections ("": unnamed)
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -146,6 +151,8 @@ class TcpStoreServer:
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = float("inf")  # when the pending expiry timer fires
         self._thread: threading.Thread | None = None
+        # client id -> the leases of its lost connection, and the timer that ends them (RECONNECT_GRACE_S)
+        self._awaited: dict[str, tuple[set[int], asyncio.TimerHandle]] = {}
         self._stopped = threading.Event()
         self.crashed: BaseException | None = None  # what ended the server thread, if not stop()
 
@@ -215,17 +222,40 @@ class TcpStoreServer:
 
     def _connected(self, conn: _Connection) -> None:
         self._connections.add(conn)
+        back = self._awaited.pop(conn.client_id, None) if conn.client_id else None
+        if back is not None:
+            leases, timer = back
+            timer.cancel()
+            for lease in leases:
+                self._own(conn, lease)
+            log.warning("store: %s connected again within %g s: it keeps its leases", conn.peer, RECONNECT_GRACE_S)
 
     def _disconnected(self, conn: _Connection) -> None:
-        """A closed connection ends its leases at once: a node whose agent died (SIGKILL, the OOM killer, a
-        crash: the kernel closes its socket) leaves the job now, not a keep-alive TTL later. A node that
+        """A closed connection ends its leases soon: a node whose agent died (SIGKILL, the OOM killer, a crash:
+        the kernel closes its socket) leaves the job RECONNECT_GRACE_S later, not a keep-alive TTL later; a
+        client that connects again within that time (its connection was reset) keeps them. A node that
         vanishes without closing (power, network) is still found by its lease's TTL."""
         self._connections.discard(conn)
         for watch_id in list(conn.watches):
             self._drop_watch(conn, watch_id)
-        for lease in sorted(conn.leases):
+        leases, conn.leases = set(conn.leases), set()
+        if not leases:
+            return
+        if not conn.client_id or self._loop is None or self._stopped.is_set():
+            self._end_leases(leases)
+            return
+        timer = self._loop.call_later(RECONNECT_GRACE_S, self._not_back, conn.client_id, conn.peer)
+        self._awaited[conn.client_id] = (leases, timer)
+
+    def _not_back(self, client_id: str, peer: str) -> None:
+        found = self._awaited.pop(client_id, None)
+        if found is not None:
+            log.warning("store: %s did not connect again within %g s: its leases end", peer, RECONNECT_GRACE_S)
+            self._end_leases(found[0])
+
+    def _end_leases(self, leases: set[int]) -> None:
+        for lease in sorted(leases):
             self._publish(self._state.revoke(lease))
-        conn.leases.clear()
 
     def _drop_watch(self, conn: _Connection, watch_id: int) -> None:
         prefix = conn.watches.pop(watch_id, None)
@@ -241,12 +271,17 @@ class TcpStoreServer:
         client_nonce = reply.get("nonce")
         if not isinstance(client_nonce, bytes) or len(client_nonce) != wire.NONCE_BYTES:
             raise StoreProtocolError("handshake without a valid nonce")
+        client_id = reply.get("client", "")
+        if not isinstance(client_id, str) or len(client_id) > 64:
+            raise StoreProtocolError("handshake with an invalid client id")
         if self._token is None:
+            conn.client_id = client_id
             conn.send({"ok": True})
             return
         if not wire.check_proof(wire.proof(self._token, b"client", conn.nonce, client_nonce), reply.get("proof")):
             conn.send({"ok": False, "error": ["StoreAuthError", "wrong token"]})
             raise StoreError("wrong token")
+        conn.client_id = client_id  # proven: a client that knows the token (a stranger cannot claim its leases)
         conn.send({"ok": True, "proof": wire.proof(self._token, b"server", client_nonce, conn.nonce)})
 
     def hello(self, conn: _Connection) -> dict[str, Any]:
@@ -359,15 +394,19 @@ class TcpStoreServer:
     def _revoke(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
         lease = _arg(m, "lease", int)
         self._publish(self._state.revoke(lease))
-        for other in self._connections:
-            other.leases.discard(lease)
+        self._disown(lease)
         return None
 
     def _own(self, conn: _Connection, lease: int) -> None:
         if lease not in conn.leases:
-            for other in self._connections:
-                other.leases.discard(lease)
+            self._disown(lease)
             conn.leases.add(lease)
+
+    def _disown(self, lease: int) -> None:
+        for other in self._connections:
+            other.leases.discard(lease)
+        for leases, _ in self._awaited.values():
+            leases.discard(lease)
 
     def _watch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
         if len(conn.watches) >= MAX_WATCHES:
