@@ -148,6 +148,20 @@ def test_a_lost_lease_stops_my_workers_at_once() -> None:
     assert "lease lost" in d.reason
 
 
+def test_a_member_whose_lease_lapsed_rejoins_as_a_newcomer_never_into_its_old_round() -> None:
+    """Fenced (its workers stopped) and back with a new lease, it registers for the next round, whatever the
+    round record it still holds says; the leader counts a member whose key came back for a later round as lost."""
+    d = decide(follower(closed("a", "b"), None, me="b"), RULES)
+    assert (d.action, d.round) == (Action.REGISTER, 2)
+    assert "newcomer" in d.reason
+    d = decide(follower(closed("a", "b"), 2, me="b"), RULES)
+    assert d.action is Action.WAIT  # never RUN in round 1 again
+    live = {**nodes("a", "b"), "b": nodes("a", "b", round_=2)["b"]}
+    d = decide(view(closed("a", "b"), live, running_round=1), RULES)
+    assert d.action is Action.REOPEN
+    assert "b left round 1" in d.reason
+
+
 def test_a_late_node_registers_before_standing_by_or_scaling_up() -> None:
     full = closed("a", "b", "c")
     d = decide(follower(full, None, me="d"), RULES)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ftrun.clock import Clock
-from ftrun.errors import FtrunError, WatchLost
+from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreUnavailable, WatchLost
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.state import Action, Decision, Local, NodeInfo, RecordError, RoundRecord, Rules, Status
@@ -36,6 +36,7 @@ from ftrun.store.base import EventType, Store, Watch
 from ftrun.store.follow import follow
 
 T = TypeVar("T")
+RETRY_S = 1.0  # cut off from the store: how often to try again
 MAX_STEPS = 10_000  # store actions in one next(); each is a compare-and-set won or a record changed
 
 
@@ -139,6 +140,7 @@ class Rendezvous:
         self._waiting_since = 0.0
         self._joined_wall = clock.wall()
         self._bad_keys: set[str] = set()  # malformed records already reported
+        self._cut_off_since: float | None = None  # monotonic: since when store calls fail
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -184,10 +186,56 @@ class Rendezvous:
     # --- the step --------------------------------------------------------------------------
 
     def next(self, local: Local) -> Advice:
-        """Apply what changed, do the store's part of the rules, return what the agent must do."""
+        """Apply what changed, do the store's part of the rules, return what the agent must do.
+
+        Cut off from the store, the node goes on as long as its lease may still hold, stops its workers when it
+        may have lapsed (by its own clock: the others may form a round without it from then on), and keeps
+        trying to reach the store, to rejoin as a newcomer, for up to the join timeout."""
+        try:
+            advice = self._next(local)
+        except (StoreUnavailable, StoreConnectionLost) as e:
+            return self._cut_off(local, e)
+        if self._cut_off_since is not None:
+            self._warn(
+                f"rendezvous: the store answers again after {self._clock.monotonic() - self._cut_off_since:.1f} s"
+            )
+            self._cut_off_since = None
+        return advice
+
+    def _cut_off(self, local: Local, e: StoreError) -> Advice:
+        now = self._clock.monotonic()
+        if self._cut_off_since is None:
+            self._cut_off_since = now
+            self._warn(f"rendezvous: cut off from the store ({e}); trying again every {RETRY_S:g} s")
+        elif now - self._cut_off_since > self._rules.join_timeout_s:
+            raise FtrunError(
+                f"the store was unreachable for {now - self._cut_off_since:.0f} s, longer than join_timeout "
+                f"({self._rules.join_timeout_s:g} s): {e}"
+            ) from None
+        if self._keeper is not None and (lost := self._keeper.lost(now)):
+            self._warn(f"rendezvous: {lost}; my node key is gone")
+            self._drop_lease()
+        if local.running_round is not None and self._keeper is None:
+            return Advice(self._fence(local.running_round), now)
+        wake = now + RETRY_S if self._keeper is None else min(now + RETRY_S, self._keeper.valid_until)
+        what = "my workers go on while my lease may hold" if local.running_round is not None else "waiting"
+        return Advice(Decision(Action.WAIT, f"the store is unreachable: {what}", wake_at=wake), wake)
+
+    def _fence(self, round_: int) -> Decision:
+        return Decision(
+            Action.STOP,
+            f"my workers run in round {round_}, but my lease may have lapsed: stopping them (no two rounds train "
+            "at once); this node rejoins as a newcomer once the store answers",
+        )
+
+    def _next(self, local: Local) -> Advice:
         for _ in range(MAX_STEPS):
             self._absorb()
             now = self._clock.monotonic()
+            if self._keeper is None:  # lost: the workers stop first; a new lease only for a node without any
+                if local.running_round is not None:
+                    return Advice(self._fence(local.running_round), now)
+                self._new_lease()
             decision = state.decide(self._view(local, now, self._nodes if self.leading else None), self._rules)
             if decision.action is Action.COUNT:
                 listed, _ = self._list_nodes()
@@ -217,7 +265,8 @@ class Rendezvous:
         )
 
     def _wake_at(self, decision: Decision) -> float:
-        assert self._keeper is not None
+        if self._keeper is None:
+            return decision.wake_at if decision.wake_at is not None else self._clock.monotonic() + RETRY_S
         lease_check = self._keeper.valid_until
         return lease_check if decision.wake_at is None else min(decision.wake_at, lease_check)
 
@@ -251,33 +300,32 @@ class Rendezvous:
 
     def _absorb(self) -> None:
         """Drain the watches and notice a lost lease; everything else is read from these."""
-        assert self._keeper is not None
-        lost = self._keeper.lost(self._clock.monotonic())
+        lost = self._keeper.lost(self._clock.monotonic()) if self._keeper is not None else ""
         if lost:
-            self._log(f"rendezvous: {lost}; my node key is gone")
-            self._start_over()
+            self._warn(f"rendezvous: {lost}; my node key is gone")
+            self._drop_lease()
         try:
             self._drain_shared()
             self._drain_nodes()
         except WatchLost as e:
             # The store lost its history (an embedded store restarted empty): start from what it holds now.
             self._log(f"rendezvous: {e}; reading the store afresh")
-            self._start_over()
+            self._drop_lease()
             if self._shared_watch is not None:
                 self._unwatch(self._shared_watch)
             self._follow_shared()
-        if self._leader is None:
+        if self._leader is None and self._keeper is not None:
             self._try_to_lead()
 
-    def _start_over(self) -> None:
-        """My lease is gone (or the store forgot it): no key, no leadership, a fresh lease."""
-        assert self._keeper is not None
+    def _drop_lease(self) -> None:
+        """My lease is gone (or the store forgot it): no key, no leadership. No store call here: the workers
+        stop first (fencing), and a node without workers asks for a new lease in :meth:`next`."""
         self._registered = None
         self._stop_leading()
-        self._selector.unregister(self._keeper.fileno())
-        self._keeper.close(revoke=False)
-        self._keeper = None  # until the new one is granted (the store may be gone: close() must still work)
-        self._new_lease()
+        if self._keeper is not None:
+            self._selector.unregister(self._keeper.fileno())
+            self._keeper.close(revoke=False)
+            self._keeper = None
 
     def _drain_shared(self) -> None:
         assert self._shared_watch is not None

@@ -78,7 +78,7 @@ class LeaseKeeper:
     def close(self, *, revoke: bool) -> None:
         """Stop renewing; with ``revoke``, end the lease now so the others see this node leave at once."""
         self._stopped.set()
-        if self._thread is not None:
+        if revoke and self._thread is not None:  # a keep-alive after the revoke would fail: let it end first
             self._thread.join(timeout=self._ttl_s + 1.0)
         if revoke and not self.lost_reason:
             with contextlib.suppress(StoreError):  # else the lease lapses by itself within its TTL

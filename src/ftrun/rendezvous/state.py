@@ -241,9 +241,16 @@ def _finished(view: View, r: RoundRecord) -> Decision:
 
 
 def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0911 - one return per rule
-    lost = [m for m in r.members if view.nodes is not None and m not in view.nodes]
+    # A member whose key is gone, or came back for a later round (its lease lapsed: it rejoins as a newcomer).
+    lost = [m for m in r.members if view.nodes is not None and (m not in view.nodes or view.nodes[m].round > r.round)]
     if lost:
         return _reopen(r, rules, f"node(s) {', '.join(lost)} left round {r.round}", failure=True)
+    if view.me in r.members and view.registered != r.round:
+        # My key lapsed (fenced: my workers are stopped): never back into the round I was cut out of.
+        if view.registered is None:
+            why = f"my node key was gone: rejoining as a newcomer after round {r.round}"
+            return Decision(Action.REGISTER, why, round=r.round + 1)
+        return Decision(Action.WAIT, f"rejoining as a newcomer: waiting for round {r.round} to be reopened")
     if view.me in r.members:
         if view.running_round == r.round and view.job_done:
             done = RoundRecord(**{**_fields(r), "status": Status.FINISHED, "reason": f"{view.me} finished"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 from ftrun.store.base import Store
 from ftrun.store.url import StoreUrl, parse_store_url, read_token_file
 
+DEFAULT_CALL_TIMEOUT_S = 30.0
+
 
 def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_s: float = 30.0) -> Store:
     """Open any store by URL.
@@ -29,7 +31,10 @@ def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_
         token_file = parsed.option("token_file")
         if token_file:
             token = read_token_file(token_file)
-        return TcpStoreClient(host, port, token=token, retry_deadline_s=retry_deadline_s)
+        # One call waits for its answer no longer than it may retry: an agent cut off from the store must get
+        # its hands back in time to act on it (its lease's clock decides, not a store call returning).
+        timeout = min(retry_deadline_s, DEFAULT_CALL_TIMEOUT_S)
+        return TcpStoreClient(host, port, token=token, retry_deadline_s=retry_deadline_s, call_timeout_s=timeout)
     from ftrun.store.etcd import EtcdStore
 
     return EtcdStore(parsed, retry_deadline_s=retry_deadline_s)

@@ -183,7 +183,10 @@ class TcpStoreClient:
             raise StoreConnectionLost(f"{self.endpoint}: send failed: {e}") from e
         if not self._await(sock, call, time.monotonic() + self._call_timeout_s):
             self._pending.pop(request_id, None)
-            raise TimeoutError(f"{self.endpoint}: no answer to {op} within {self._call_timeout_s} s")
+            # A store that stays silent this long is not behind this connection any more (a partition drops
+            # packets without a reset): the next call connects afresh.
+            self._lost(sock, f"no answer to {op} within {self._call_timeout_s:g} s")
+            raise StoreConnectionLost(f"{self.endpoint}: no answer to {op} within {self._call_timeout_s:g} s")
         if call.error is not None:
             raise call.error
         return call.result

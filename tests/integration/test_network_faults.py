@@ -1,0 +1,158 @@
+"""Agents on nodes of their own (network namespaces), with a network that fails: partitions, resets.
+
+Each worker appends what it is doing to one shared log (the round it trains in, by its master address, and its
+world size) until a stop file appears; the job never imports ftrun. The invariant checked after every fault:
+no two rounds of the job ever trained at once (their spans in the log never overlap).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftrun.testing import netns
+from tests.integration.conftest import WAIT_S, until
+
+pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
+
+PORT = 29455
+TTL_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=300"
+
+TRAINS = """
+import json, os, sys, time
+log, stop = sys.argv[1], sys.argv[2]
+me = {"round": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"], "world": int(os.environ["WORLD_SIZE"]),
+      "rank": int(os.environ["RANK"]), "node": os.environ["NODE"]}
+while not os.path.exists(stop):
+    with open(log, "a") as f:
+        f.write(json.dumps({**me, "t": time.time()}) + "\\n")
+    time.sleep(0.05)
+"""
+
+
+class Agent:
+    def __init__(self, node: netns.Node, store: netns.Node, tmp: Path, *extra: str) -> None:
+        self.node = node
+        self.stderr_path = tmp / f"agent-{node.name}.stderr"
+        argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp / f"logs-{node.name}"), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{store.addr}:{PORT}", "--rdzv-id", "netfaults", "--local-addr", node.addr,
+                "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "10", "--rdzv-conf", TTL_CONF, *extra,
+                str(tmp / "train.py"), str(tmp / "train.log"), str(tmp / "stop")]  # fmt: skip
+        with self.stderr_path.open("w") as err:
+            self.proc = subprocess.Popen(node.argv(argv), cwd=tmp, stdout=subprocess.DEVNULL, stderr=err,
+                                         env={**os.environ, "NODE": node.name}, start_new_session=True)  # fmt: skip
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait(WAIT_S)
+
+
+def lines(tmp: Path) -> list[dict[str, object]]:
+    path = tmp / "train.log"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def spans(found: list[dict[str, object]]) -> dict[str, tuple[float, float, set[str]]]:
+    """Each round's first and last line, and the nodes that trained in it."""
+    out: dict[str, tuple[float, float, set[str]]] = {}
+    for line in found:
+        t, r, node = float(line["t"]), str(line["round"]), str(line["node"])  # type: ignore[arg-type]
+        first, last, nodes = out.get(r, (t, t, set()))
+        out[r] = (min(first, t), max(last, t), nodes | {node})
+    return out
+
+
+def assert_no_two_rounds_trained_at_once(tmp: Path) -> dict[str, tuple[float, float, set[str]]]:
+    found = spans(lines(tmp))
+    ordered = sorted(found.items(), key=lambda kv: kv[1][0])
+    for (r1, (_, last, n1)), (r2, (first, _, n2)) in itertools.pairwise(ordered):
+        assert last < first, f"round {r1} ({sorted(n1)}) still trained after round {r2} ({sorted(n2)}) began"
+    return found
+
+
+def both_train(tmp: Path, since: float) -> bool:
+    """Both nodes trained together (world 2) after ``since``."""
+    return {str(x["node"]) for x in lines(tmp) if x["world"] == 2 and float(x["t"]) > since} == {"a", "b"}  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[tuple[netns.Network, list[Agent]]]:
+    (tmp_path / "train.py").write_text(TRAINS)
+    net = netns.Network().start()
+    agents: list[Agent] = []
+    try:
+        a, b = net.add("a"), net.add("b")
+        agents += [Agent(a, a, tmp_path), Agent(b, a, tmp_path)]
+        until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
+        yield net, agents
+    finally:
+        (tmp_path / "stop").touch()
+        for agent in agents:
+            with_deadline = time.monotonic() + WAIT_S
+            while agent.proc.poll() is None and time.monotonic() < with_deadline:
+                time.sleep(0.1)
+            agent.close()
+        net.close()
+
+
+def finish(tmp: Path, agents: list[Agent]) -> None:
+    (tmp / "stop").touch()
+    for agent in agents:
+        assert agent.proc.wait(WAIT_S * 2) == 0, agent.stderr
+
+
+@pytest.mark.parametrize("cut_s", [1.0, 6.0, 35.0], ids=["shorter-than-ttl", "longer-than-ttl", "longer-than-30s"])
+@pytest.mark.parametrize("where", ["client", "store-host"])
+def test_a_partitioned_node_fences_itself_and_rejoins_after_it_heals(
+    tmp_path: Path, job: tuple[netns.Network, list[Agent]], cut_s: float, where: str
+) -> None:
+    """Cut one node off (no packet in or out, no reset): if the cut outlasts its lease (TTL 3 s), it stops its
+    workers before the others start a round without it; once healed it rejoins as a newcomer. A cut shorter
+    than the lease changes nothing."""
+    net, agents = job
+    a, b = agents
+    cut = b if where == "client" else a
+    net.cut(cut.node)
+    cut_at = time.time()
+    if cut_s > 3.0:  # the node with the store goes on alone
+        until(lambda: any(x["world"] == 1 and x["node"] == "a" for x in lines(tmp_path)), "a trains alone", 60.0)
+    time.sleep(max(0.0, cut_at + cut_s - time.time()))  # the partition's length is the scenario
+    net.heal(cut.node)
+    healed_at = time.time()
+    until(lambda: both_train(tmp_path, healed_at), "both nodes train together again", 120.0)
+    found = assert_no_two_rounds_trained_at_once(tmp_path)
+    finish(tmp_path, agents)
+    if cut_s < 3.0:
+        assert len(found) == 1, found  # no eviction, no restart
+        return
+    assert len(found) >= 3, found  # before, without the cut node, after it rejoined
+    assert "lease may have lapsed: stopping them" in b.stderr, b.stderr  # b is the node cut off from the store
+    assert "rejoins as a newcomer" in b.stderr
+
+
+def test_a_reset_connection_is_not_a_lost_node(tmp_path: Path, job: tuple[netns.Network, list[Agent]]) -> None:
+    net, agents = job
+    _, b = agents
+    assert net.reset(b.node, PORT) >= 1
+    until(lambda: "connected again" in b.stderr, "the client says it connected again")
+    reset_at = time.time()
+    until(lambda: any(float(x["t"]) > reset_at + 3.0 for x in lines(tmp_path)), "training went on past the TTL")
+    found = assert_no_two_rounds_trained_at_once(tmp_path)
+    finish(tmp_path, agents)
+    assert len(found) == 1, found  # the same round throughout: no restart
+    assert "broke" in b.stderr
