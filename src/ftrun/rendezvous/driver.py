@@ -305,17 +305,27 @@ class Rendezvous:
             self._warn(f"rendezvous: {lost}; my node key is gone")
             self._drop_lease()
         try:
+            if self._shared_watch is None:  # it failed while the store was out of reach
+                self._follow_shared()
             self._drain_shared()
             self._drain_nodes()
         except WatchLost as e:
             # The store lost its history (an embedded store restarted empty): start from what it holds now.
             self._log(f"rendezvous: {e}; reading the store afresh")
             self._drop_lease()
-            if self._shared_watch is not None:
-                self._unwatch(self._shared_watch)
+            self._forget_watches()
             self._follow_shared()
+        except (StoreUnavailable, StoreConnectionLost):
+            self._forget_watches()  # a watch that failed while the store was out of reach is dead: follow afresh
+            raise
         if self._leader is None and self._keeper is not None:
             self._try_to_lead()
+
+    def _forget_watches(self) -> None:
+        self._stop_leading()
+        if self._shared_watch is not None:
+            self._unwatch(self._shared_watch)
+            self._shared_watch = None
 
     def _drop_lease(self) -> None:
         """My lease is gone (or the store forgot it): no key, no leadership. No store call here: the workers
