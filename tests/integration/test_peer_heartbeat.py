@@ -175,3 +175,44 @@ def test_a_peer_out_of_step_is_reported_with_its_restart() -> None:
             m.stop()
     assert reports[0] == (1, "its peer heartbeat says restart 1, this rank is in restart 0 (out of step)")
     assert reports[1] == (0, "its peer heartbeat says restart 0, this rank is in restart 1 (out of step)")
+
+
+def test_a_datagram_not_signed_with_the_jobs_key_is_ignored() -> None:
+    """Spoofed datagrams (unsigned, or signed with another key) that claim to come from the previous rank, out of
+    step, change nothing; a signed one is heard (the control: the report names its restart, not the spoof's)."""
+    import hashlib
+    import hmac
+    import socket
+    import threading
+
+    from ftrun.worker.peers import PeerHeartbeat
+
+    key, reports, told = b"k" * 32, [], threading.Event()
+
+    def report(peer: int, why: str) -> None:
+        reports.append((peer, why))
+        told.set()
+
+    def signed(body: bytes, with_key: bytes) -> bytes:
+        return hmac.new(with_key, body, hashlib.sha256).digest() + body
+
+    spoofer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    me: PeerHeartbeat | None = None
+    try:
+        spoofer.bind(("127.0.0.1", 0))
+        # Rank 0 of 2; its successor (rank 1) is the spoofer's socket, so rank 0's own beats go nowhere that matters.
+        succ = ("127.0.0.1", spoofer.getsockname()[1])
+        me = PeerHeartbeat(0, 2, 0, 0.05, WAIT_S, lambda mine: {1: succ}, report, bind_host="127.0.0.1", key=key)
+        me.start()
+        target = spoofer.recvfrom(512)[1]  # its first beat says where it listens
+        spoof = json.dumps({"rank": 1, "restart": 5}).encode()
+        for datagram in (spoof, signed(spoof, b"x" * 32), b"\0" * 40):
+            for _ in range(10):
+                spoofer.sendto(datagram, target)
+        spoofer.sendto(signed(json.dumps({"rank": 1, "restart": 7}).encode(), key), target)
+        assert told.wait(WAIT_S)
+    finally:
+        if me is not None:
+            me.stop()
+        spoofer.close()
+    assert reports == [(1, "its peer heartbeat says restart 7, this rank is in restart 0 (out of step)")]

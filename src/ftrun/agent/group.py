@@ -12,6 +12,7 @@ from the thread that forked them, and signal handlers live in the main thread.
 
 from __future__ import annotations
 
+import secrets
 import signal
 from collections.abc import Callable
 from functools import partial
@@ -54,7 +55,6 @@ from ftrun.procs.logs import (
 from ftrun.procs.signals import SignalWakeup
 from ftrun.procs.signals import name as signal_name
 from ftrun.procs.workers import AttemptProcesses, Spawner, WarmPoolControl, Worker, WorkerState, may_release
-from ftrun.worker.peers import PEER_DIR_ENV
 from ftrun.worker.timeouts import Timeouts
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
@@ -110,6 +110,7 @@ class LocalGroup:
         )
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
+        self.peer_key = secrets.token_bytes(32)  # signs the ranks' peer heartbeats; a job's when it has several nodes
         self._peers: PeerRelay | None = None  # the attempt's peer heartbeat addresses (ftrun.start_peer_heartbeat)
         self._oom_kills: int | None = None
         self._unlearned: list[Worker] = []  # past attempts' workers whose module reports are still to read
@@ -186,7 +187,7 @@ class LocalGroup:
         if self._peers is not None:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
-        self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks)
+        self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks, self.peer_key)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)
@@ -221,8 +222,8 @@ class LocalGroup:
         }
         if c.warm.enabled and c.warm.auto:
             env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
-        if self._peers is not None and self._peers.usable:
-            env[PEER_DIR_ENV] = str(self._peers.dir)
+        if self._peers is not None:
+            env.update(self._peers.env())
         if c.cpu_affinity:
             env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
         # torchrun's ${local_rank} macro in the script's arguments

@@ -29,6 +29,7 @@ from ftrun.job.agreement import TimeoutAgreement
 from ftrun.job.board import JobBoard
 from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
+from ftrun.job.peer_relay import job_key
 from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
 from ftrun.node.ports import in_use, is_local_address, reserve_port
 from ftrun.observe.events import EventKind
@@ -158,6 +159,8 @@ def static_plan(config: LaunchConfig) -> static.Plan:
 
 def run_static(config: LaunchConfig, group: LocalGroup, clock: Clock) -> int:
     state = static.initial(static_plan(config))
+    if config.nnodes.max > 1:  # the nodes share no store: a key derived from what they share
+        group.peer_key = job_key(config.run_id, config.rdzv.token, None)
     return Executor(static.step, state, group, clock=clock, fresh_port=lambda: fresh_port_on(clock)).run()
 
 
@@ -184,6 +187,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         )
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
+        group.peer_key = job_key(config.run_id, config.rdzv.token, store)
         exclusions = Exclusions(store, config.run_id)
         excluded = exclusions.reason(group.host)
         if excluded is not None:

@@ -13,12 +13,22 @@ starts before, or without, ``init_process_group``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import threading
 from pathlib import Path
 
 from ftrun.job.board import JobBoard
 from ftrun.private import make_dir
-from ftrun.worker.peers import EXCHANGE_TIMEOUT_S, await_address, write_address
+from ftrun.store.base import Store
+from ftrun.worker.peers import (
+    EXCHANGE_TIMEOUT_S,
+    PEER_DIR_ENV,
+    PEER_KEY_ENV,
+    await_address,
+    write_address,
+)
 
 
 class PeerRelay:
@@ -26,18 +36,29 @@ class PeerRelay:
 
     @classmethod
     def open(
-        cls, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int
+        cls, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int, key: bytes
     ) -> PeerRelay:
-        """The relay of the node's ranks ``first``..``last`` of ``world``, their address files in ``peer_dir``."""
+        """The relay of the node's ranks ``first``..``last`` of ``world``, their address files in ``peer_dir``;
+        ``key``: the job's, that signs the ranks' datagrams (:func:`job_key`)."""
         make_dir(peer_dir)
-        return cls(board, round_, peer_dir, first, last, world)
+        return cls(board, round_, peer_dir, first, last, world, key)
 
-    def __init__(self, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int):
+    def __init__(
+        self, board: JobBoard | None, round_: int | None, peer_dir: Path, first: int, last: int, world: int, key: bytes
+    ) -> None:
+        self._key = key
         self._board, self._round = board, round_
         self.dir = peer_dir
         self._first, self._last, self._world = first, last, world
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def env(self) -> dict[str, str]:
+        """What a worker needs to join the ring: the job's key, and this relay when the ranks can use it."""
+        found = {PEER_KEY_ENV: self._key.hex()}
+        if self.usable:
+            found[PEER_DIR_ENV] = str(self.dir)
+        return found
 
     @property
     def usable(self) -> bool:
@@ -72,3 +93,17 @@ class PeerRelay:
             address = board.peer_address(round_, rank, EXCHANGE_TIMEOUT_S, self._stop.is_set)
             if address is not None and not self._stop.is_set():
                 write_address(self.dir, rank, address)
+
+
+def job_key(run_id: str, token: str | None, store: Store | None) -> bytes:
+    """The key every rank of the job signs its peer heartbeats with. From the store's token where there is one
+    (nobody without it can forge a datagram); else a random key the first agent puts in the store (anyone who
+    can read the store can read it: no weaker than the store); else (a static job of several nodes, no token)
+    one derived from the run id, which only keeps out datagrams from outside the job by mistake."""
+    if token or store is None:
+        secret = (token or "").encode()
+        return hmac.new(secret, f"ftrun peer heartbeat {run_id}".encode(), hashlib.sha256).digest()
+    key = f"/ftrun/{run_id}/peer_key"
+    store.compare_and_set(key, secrets.token_bytes(32), 0)  # the first agent's stands
+    found = store.get(key)
+    return found.value if found is not None else secrets.token_bytes(32)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -35,6 +37,8 @@ EXCHANGE_TIMEOUT_S = 60.0  # for every rank to publish its address
 POLL_S = 0.05  # for a neighbour's address file
 MAX_DATAGRAM = 512  # a peer heartbeat: rank, restart
 PEER_DIR_ENV = "FTRUN_PEER_DIR"  # set by the agent when it relays the addresses
+PEER_KEY_ENV = "FTRUN_PEER_KEY"  # the job's key (hex) that signs every datagram: a stranger's are ignored
+MAC_BYTES = 32
 
 _started: PeerHeartbeat | None = None
 _lock = threading.Lock()
@@ -54,8 +58,11 @@ class PeerHeartbeat:
         report: Callable[[int, str], None],
         *,
         bind_host: str,
+        key: bytes = b"",
     ) -> None:
+        """``key``: the job's, shared by every rank; a datagram not signed with it is not a peer's."""
         self.rank, self.world, self.restart = rank, world, restart
+        self._key = key
         self.period_s, self.timeout_s = period_s, timeout_s
         self._report = report
         self._bind_host = bind_host
@@ -83,7 +90,7 @@ class PeerHeartbeat:
         except Exception as e:  # no ring, and the job goes on as it would without one: said, never raised
             os.write(2, f"ftrun: the peer heartbeat could not start: {type(e).__name__}: {e}\n".encode())
             return
-        token = json.dumps({"rank": self.rank, "restart": self.restart}).encode()
+        token = self._signed(json.dumps({"rank": self.rank, "restart": self.restart}).encode())
         heard = time.monotonic()  # the previous rank gets one timeout from our start to be heard
         next_send = 0.0
         self._sock.settimeout(self.period_s)
@@ -112,9 +119,15 @@ class PeerHeartbeat:
                 )
                 return
 
+    def _signed(self, body: bytes) -> bytes:
+        return hmac.new(self._key, body, hashlib.sha256).digest() + body
+
     def _check(self, data: bytes) -> str:
+        mac, body = data[:MAC_BYTES], data[MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self._key, body, hashlib.sha256).digest()):
+            return ""  # not signed with the job's key: a stranger's (or a spoof), ignored
         try:
-            theirs = load_object(data, limit=MAX_DATAGRAM, what="a peer heartbeat", error=ValueError)
+            theirs = load_object(body, limit=MAX_DATAGRAM, what="a peer heartbeat", error=ValueError)
             rank, restart = int(theirs["rank"]), int(theirs["restart"])
         except (ValueError, KeyError, TypeError):
             return ""  # not ours: ignored
@@ -161,7 +174,7 @@ def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None
 
         _started = PeerHeartbeat(
             rank, world, restart, float(period_s), float(timeout_s),
-            exchange, report, bind_host=_route_to(master),
+            exchange, report, bind_host=_route_to(master), key=bytes.fromhex(env.get(PEER_KEY_ENV, "")),
         ).start()  # fmt: skip
         atexit.register(_started.stop)
 
