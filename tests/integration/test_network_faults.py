@@ -156,3 +156,20 @@ def test_a_reset_connection_is_not_a_lost_node(tmp_path: Path, job: tuple[netns.
     finish(tmp_path, agents)
     assert len(found) == 1, found  # the same round throughout: no restart
     assert "broke" in b.stderr
+
+
+def test_loss_and_delay_while_training_cause_no_spurious_restart(
+    tmp_path: Path, job: tuple[netns.Network, list[Agent]]
+) -> None:
+    """5% loss and 50 ms delay on a node's link for a while: TCP retransmits, nothing is evicted or restarted."""
+    net, agents = job
+    _, b = agents
+    why = net.shape(b.node, "loss", "5%", "delay", "50ms")
+    if why:
+        pytest.skip(why)
+    shaped_at = time.time()
+    until(lambda: any(float(x["t"]) > shaped_at + 10.0 for x in lines(tmp_path)), "training went on for 10 s", 60.0)
+    net.heal(b.node)
+    found = assert_no_two_rounds_trained_at_once(tmp_path)
+    finish(tmp_path, agents)
+    assert len(found) == 1, found
