@@ -15,6 +15,7 @@ import time
 STARTED = time.time()  # before any import: when this worker began running its own code
 
 import argparse  # noqa: E402 - the stamp above must come first
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -35,6 +36,8 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--timeline", required=True)
     p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checksum", default=None, help="rank 0 writes a digest of the final parameters here")
+    p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     a = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -43,7 +46,7 @@ def main() -> None:
         with open(a.timeline, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    record("start", STARTED)
+    record("start", STARTED, pid=os.getpid())
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))
@@ -70,10 +73,14 @@ def main() -> None:
         opt.step()
         time.sleep(a.step_time)
         record("step", step=step)
-        if rank == 0 and (step + 1) % 10 == 0:
+        if rank == 0 and (step + 1) % a.every == 0:
             tmp = a.checkpoint + ".tmp"
             torch.save({"model": model.module.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, a.checkpoint)
+    if a.checksum and rank == 0:
+        digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
+        with open(a.checksum, "w") as f:
+            f.write(digest.hexdigest()[:16])
     dist.destroy_process_group()
 
 

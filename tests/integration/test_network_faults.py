@@ -7,6 +7,7 @@ no two rounds of the job ever trained at once (their spans in the log never over
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -102,12 +103,13 @@ def job(tmp_path: Path) -> Iterator[tuple[netns.Network, list[Agent]]]:
         yield net, agents
     finally:
         (tmp_path / "stop").touch()
-        for agent in agents:
-            with_deadline = time.monotonic() + WAIT_S
-            while agent.proc.poll() is None and time.monotonic() < with_deadline:
-                time.sleep(0.1)
-            agent.close()
-        net.close()
+        try:
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.proc.wait(WAIT_S)  # a clean end first: its logs are whole
+                agent.close()
+        finally:
+            net.close()
 
 
 def finish(tmp: Path, agents: list[Agent]) -> None:
