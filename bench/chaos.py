@@ -13,7 +13,7 @@ while a random schedule (from --seed) injects, one at a time, with training unde
 Prints the faults injected, the restarts each node made, and whether the final checksum equals the clean
 run's. Needs root and iproute2.
 
-    python bench/chaos.py [--seed 1] [--faults 8] [--steps 400]
+    python bench/chaos.py [--seed 1] [--faults 8] [--steps 1000]
 """
 
 from __future__ import annotations
@@ -111,11 +111,12 @@ def run(steps: int, faults: int, seed: int | None, work: Path) -> dict[str, obje
         procs = agents(net, nodes, work, steps)
         try:
             wait_training(work, 0.0)
-            for _ in range(faults if seed is not None else 0):
+            schedule = [FAULTS[i % len(FAULTS)] for i in range(faults if seed is not None else 0)]
+            rng.shuffle(schedule)  # every kind of fault, in a random order
+            for kind in schedule:
                 time.sleep(rng.uniform(1.0, 4.0))
                 if (work / "checksum").exists():
                     break  # the job finished before the schedule did
-                kind = rng.choice(FAULTS)
                 injected.append(inject(kind, rng, net, nodes, work))
                 print(f"  {time.time() - started:6.1f} s  {injected[-1]}", flush=True)
                 wait_training(work, time.time())
@@ -138,7 +139,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=8)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=1000)
     a = p.parse_args()
     why = netns.available()
     if why:

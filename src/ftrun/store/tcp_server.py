@@ -31,9 +31,9 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_WATCHES = 256  # per connection
 MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
-# A connection is not a node: when a client that named itself loses its connection (a reset, a flapping link),
-# its leases wait this long for it to connect again (its watches bring it back within milliseconds) before they
-# end. An agent that died is still noticed this fast (well under a lease's TTL): nothing comes back for it.
+# A connection is not a node: when a client that named itself loses its connection abruptly (a reset, a flapping
+# link), its leases wait this long for it to connect again (its watches bring it back within milliseconds)
+# before they end. A connection closed in order (the kernel closes a dead process's socket so) ends them at once.
 RECONNECT_GRACE_S = 1.0
 
 
@@ -111,7 +111,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
-        self._server._disconnected(self)
+        self._server._disconnected(self, abrupt=exc is not None)
         self.transport = None
 
     def send(self, message: dict[str, Any]) -> None:
@@ -230,18 +230,18 @@ class TcpStoreServer:
                 self._own(conn, lease)
             log.warning("store: %s connected again within %g s: it keeps its leases", conn.peer, RECONNECT_GRACE_S)
 
-    def _disconnected(self, conn: _Connection) -> None:
-        """A closed connection ends its leases soon: a node whose agent died (SIGKILL, the OOM killer, a crash:
-        the kernel closes its socket) leaves the job RECONNECT_GRACE_S later, not a keep-alive TTL later; a
-        client that connects again within that time (its connection was reset) keeps them. A node that
-        vanishes without closing (power, network) is still found by its lease's TTL."""
+    def _disconnected(self, conn: _Connection, *, abrupt: bool = False) -> None:
+        """A connection closed in order ends its leases at once: a node whose agent died (SIGKILL, the OOM
+        killer, a crash: the kernel closes its socket) leaves the job now, not a keep-alive TTL later. One that
+        broke (``abrupt``: a reset) keeps them RECONNECT_GRACE_S for its client to connect again. A node that
+        vanishes without a word (power, network) is still found by its lease's TTL."""
         self._connections.discard(conn)
         for watch_id in list(conn.watches):
             self._drop_watch(conn, watch_id)
         leases, conn.leases = set(conn.leases), set()
         if not leases:
             return
-        if not conn.client_id or self._loop is None or self._stopped.is_set():
+        if not abrupt or not conn.client_id or self._loop is None or self._stopped.is_set():
             self._end_leases(leases)
             return
         timer = self._loop.call_later(RECONNECT_GRACE_S, self._not_back, conn.client_id, conn.peer)
