@@ -42,6 +42,7 @@ from ftrun.rendezvous.state import Rules
 from ftrun.store.base import Store
 from ftrun.store.factory import open_store
 from ftrun.store.tcp import TcpStoreClient
+from ftrun.store.url import tcp_url
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -173,7 +174,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     conf = config.rdzv.conf
     url = config.rdzv.store_url
     if server is not None:  # hosted here: the real port, should the endpoint have said :0
-        url = f"tcp://{server.host}:{server.port}"
+        url = tcp_url(server.host, server.port, dict(conf.etcd))
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
@@ -275,11 +276,13 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
     if not r.embedded_store or not wanted:
         return None
     from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
+    from ftrun.store.tls import server_context
 
     host = r.endpoint_host or "127.0.0.1"
     port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
     try:
-        server = TcpStoreServer(host, port, token=r.token).start()
+        tls = server_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+        server = TcpStoreServer(host, port, token=r.token, tls=tls).start()
     except OSError as e:
         if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
             group.say(f"{host}:{port} is taken, presumably by another agent's store: joining it as a client")
@@ -290,7 +293,7 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         ) from None
     group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
     group.say(f"hosting the rendezvous store on {host}:{server.port}")
-    if r.token is None and not is_loopback(host):
+    if r.token is None and tls is None and not is_loopback(host):
         group.say(
             f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
             "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from ftrun.cli.flags import parse_int, parse_seconds
 from ftrun.config import RdzvConf
 from ftrun.errors import ConfigError
-from ftrun.node.addresses import DEFAULT_ETCD_PORT, bracketed, parse_endpoint
-from ftrun.store.url import parse_store_url, read_token_file
+from ftrun.node.addresses import DEFAULT_ETCD_PORT, parse_endpoint
+from ftrun.store.url import parse_store_url, read_token_file, tcp_url
 
 FLAG = "--rdzv-conf"
 DEFAULT_KEEP_ALIVE_INTERVAL_S = RdzvConf().keep_alive_interval_s
@@ -132,7 +132,7 @@ def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int, etcd: tup
         url = etcd_url(endpoint, dict(etcd))
     else:
         host, port = parse_endpoint(endpoint)
-        url = f"tcp://{bracketed(host or '127.0.0.1')}:{default_tcp_port if port is None else port}"
+        url = tcp_url(host or "127.0.0.1", default_tcp_port if port is None else port, dict(etcd))
     try:
         parse_store_url(url)
     except ConfigError as e:

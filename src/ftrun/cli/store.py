@@ -10,8 +10,9 @@ from types import FrameType
 
 from ftrun.cli.rdzv_flags import store_token
 from ftrun.errors import ConfigError
-from ftrun.node.addresses import DEFAULT_STORE_PORT, parse_port
+from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback, parse_port
 from ftrun.store.tcp_server import TcpStoreServer
+from ftrun.store.tls import server_context
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -20,16 +21,21 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     p.add_argument("--port", default=str(DEFAULT_STORE_PORT), help="port to bind (0: any free port)")
     p.add_argument("--token", default=None, help="shared secret clients must prove (or FTRUN_TOKEN)")
     p.add_argument("--token-file", default=None, help="file holding the shared secret")
+    p.add_argument("--cert", default=None, help="serve over TLS with this certificate (clients use tcps://)")
+    p.add_argument("--key", default=None, help="the certificate's private key")
+    p.add_argument("--cacert", default=None, help="require clients' certificates signed by this CA (mutual TLS)")
     a = p.parse_args(list(argv))
     try:
         port = parse_port("--port", a.port)
         token = store_token(a.token, a.token_file, environ)
+        files = {k: v for k, v in (("cert", a.cert), ("key", a.key), ("cacert", a.cacert)) if v}
+        tls = server_context(files) if files else None
     except ConfigError as e:
         print(f"ftrun store: error: {e}", file=sys.stderr)
         return 2
-    if token is None and a.host not in ("127.0.0.1", "localhost", "::1"):
+    if token is None and tls is None and not is_loopback(a.host):
         print("ftrun store: warning: serving beyond loopback without a token; set FTRUN_TOKEN", file=sys.stderr)
-    server = TcpStoreServer(a.host, port, token=token)
+    server = TcpStoreServer(a.host, port, token=token, tls=tls)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         server.stop()

@@ -24,17 +24,24 @@ def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_
         from ftrun.store.memory import MemoryStore
 
         return MemoryStore()
-    if parsed.scheme == "tcp":
+    if parsed.scheme in ("tcp", "tcps"):
         from ftrun.store.tcp import TcpStoreClient
 
         host, port = parsed.endpoints[0]
         token_file = parsed.option("token_file")
         if token_file:
             token = read_token_file(token_file)
+        tls = None
+        if parsed.scheme == "tcps":
+            from ftrun.store.tls import OPTIONS, client_context
+
+            tls = client_context({k: v for k, v in parsed.options if k in OPTIONS})
         # One call waits for its answer no longer than it may retry: an agent cut off from the store must get
         # its hands back in time to act on it (its lease's clock decides, not a store call returning).
         timeout = min(retry_deadline_s, DEFAULT_CALL_TIMEOUT_S)
-        return TcpStoreClient(host, port, token=token, retry_deadline_s=retry_deadline_s, call_timeout_s=timeout)
+        return TcpStoreClient(
+            host, port, token=token, retry_deadline_s=retry_deadline_s, call_timeout_s=timeout, tls=tls
+        )
     from ftrun.store.etcd import EtcdStore
 
     return EtcdStore(parsed, retry_deadline_s=retry_deadline_s)

@@ -22,6 +22,7 @@ import math
 import secrets
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,10 @@ from ftrun.errors import (
 from ftrun.store import wire
 from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value
 from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
+from ftrun.store.tls import TlsChannel
 from ftrun.store.watchqueue import QueuedWatch
+
+Conn = socket.socket | TlsChannel  # a connection: plain, or TLS made safe to share between threads
 
 # Refused this long after our connection broke: nobody serves the store there any more (a restarting
 # `ftrun store` is back within a second; an agent that hosted the store never comes back with its state).
@@ -88,8 +92,11 @@ class TcpStoreClient:
         retry_deadline_s: float = 30.0,
         call_timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.endpoint = f"tcp://{host}:{port}"
+        """``tls``: the client's context (:func:`ftrun.store.tls.client_context`) for a store served over TLS."""
+        self._tls = tls
+        self.endpoint = f"{'tcps' if tls else 'tcp'}://{host}:{port}"
         self._address = (host, port)
         self._token = token
         self._retry = RetryPolicy(deadline_s=retry_deadline_s)
@@ -97,10 +104,10 @@ class TcpStoreClient:
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.RLock()  # connection state, pending calls, subscriptions
         self._cond = threading.Condition(self._lock)  # signalled when a call finishes or a reader steps down
-        self._leading: set[socket.socket] = set()  # connections some thread is reading right now
-        self._reader_sock: socket.socket | None = None  # the connection the watch reader thread serves
+        self._leading: set[Conn] = set()  # connections some thread is reading right now
+        self._reader_sock: Conn | None = None  # the connection the watch reader thread serves
         self._send_lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._sock: Conn | None = None
         self._store_id: str | None = None
         self._lost_at: float | None = None  # monotonic: when the last connection broke (None: connected, or never)
         self._ids = itertools.count(1)
@@ -191,7 +198,7 @@ class TcpStoreClient:
             raise call.error
         return call.result
 
-    def _await(self, sock: socket.socket, call: _Call, deadline: float) -> bool:
+    def _await(self, sock: Conn, call: _Call, deadline: float) -> bool:
         """Wait for ``call``'s answer; returns whether it came.
 
         If nobody is reading the connection, this thread reads it (and hands
@@ -218,7 +225,7 @@ class TcpStoreClient:
                 self._cond.notify_all()
         return call.done.is_set()  # a lost connection finishes the call with an error
 
-    def _read_one(self, sock: socket.socket, timeout_s: float) -> bool:
+    def _read_one(self, sock: Conn, timeout_s: float) -> bool:
         """Read and dispatch one frame; False on timeout or a lost connection."""
         try:
             if not _readable(sock, timeout_s):
@@ -266,7 +273,7 @@ class TcpStoreClient:
 
     # --- the connection ----------------------------------------------------------------------------------
 
-    def _connected(self) -> socket.socket:
+    def _connected(self) -> Conn:
         """The open connection, opening it if needed (lock held)."""
         if self._closed:
             raise StoreError(f"{self.endpoint}: the client is closed")
@@ -286,10 +293,21 @@ class TcpStoreClient:
             raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
         except OSError as e:
             raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
+        conn: Conn = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            store_id = self._handshake(sock)
-            sock.settimeout(None)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: connect's
+                store_id = self._tls_handshake(sock)
+                conn = TlsChannel(sock)
+            else:
+                store_id = self._handshake(sock)
+                sock.settimeout(None)
+        except ssl.SSLError as e:
+            sock.close()
+            raise StoreAuthError(
+                f"{self.endpoint}: TLS failed: {e.reason or e}; check --rdzv-conf cacert/cert/key"
+            ) from e
         except BaseException:
             sock.close()
             raise
@@ -300,11 +318,22 @@ class TcpStoreClient:
             self.on_reconnect(f"the connection to the store {self.endpoint} broke ({self._lost_why}); connected "
                               f"again after {took:.2f} s (the store keeps this node's lease for a moment)")  # fmt: skip
         self._store_id = store_id
-        self._sock = sock
+        self._sock = conn
         self._lost_at = None
-        return sock
+        return conn
 
-    def _handshake(self, sock: socket.socket) -> str:
+    def _tls_handshake(self, sock: ssl.SSLSocket) -> str:
+        try:
+            return self._handshake(sock)
+        except RequestNotSent as e:
+            if isinstance(e.__cause__, EOFError):  # with TLS 1.3 the store checks our certificate only now
+                raise StoreAuthError(
+                    f"{self.endpoint} closed the connection after the TLS handshake: it refused this node's "
+                    "certificate, or requires one (--rdzv-conf cert=FILE,key=FILE, signed by the store's CA)"
+                ) from e
+            raise
+
+    def _handshake(self, sock: socket.socket) -> str:  # an SSLSocket is one
         try:
             hello = self._read(sock)
             nonce, store_id = hello.get("nonce"), hello.get("store_id")
@@ -332,10 +361,10 @@ class TcpStoreClient:
         return store_id
 
     @staticmethod
-    def _read(sock: socket.socket) -> dict[str, Any]:
+    def _read(sock: Conn) -> dict[str, Any]:
         return wire.decode(_read_exactly(sock, wire.frame_length(_read_exactly(sock, wire.HEADER.size))))
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: Conn) -> None:
         """The watch reader: once a caller reading this connection steps down, read it for good."""
         with self._cond:
             while sock in self._leading:
@@ -375,7 +404,7 @@ class TcpStoreClient:
         with self._cond:
             self._cond.notify_all()
 
-    def _lost(self, sock: socket.socket, reason: str) -> None:
+    def _lost(self, sock: Conn, reason: str) -> None:
         """Forget a broken connection: its calls fail (the retry policy decides what next)."""
         with self._lock:
             if self._sock is sock:
@@ -413,15 +442,19 @@ def _error(message: dict[str, Any]) -> StoreError:
     return StoreProtocolError("an error message without an error")
 
 
-def _readable(sock: socket.socket, timeout_s: float) -> bool:
+def _readable(sock: Conn, timeout_s: float) -> bool:
     """poll(), not select(): a process with a thousand connections has fds above select's limit of 1024."""
+    if isinstance(sock, TlsChannel):
+        return sock.ready(timeout_s)
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
 
 
-def _peer_closed(sock: socket.socket) -> bool:
+def _peer_closed(sock: Conn) -> bool:
     """Whether an idle connection was closed by the other side (so a request would be lost on it)."""
+    if isinstance(sock, TlsChannel):
+        return sock.peer_closed()
     try:
         return _readable(sock, 0.0) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:
@@ -430,14 +463,14 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
-def _shut(sock: socket.socket) -> None:
+def _shut(sock: Conn) -> None:
     """Shut down, then close: a plain close would not wake the reader thread blocked in recv."""
     with contextlib.suppress(OSError):  # already disconnected
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: Conn, n: int) -> bytes:
     chunks = []
     while n:
         chunk = sock.recv(min(n, 1 << 20))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import ssl
 import sys
 import threading
 import traceback
@@ -135,10 +136,18 @@ class TcpStoreServer:
     """Serves one store. ``start()`` runs it on a background thread; ``serve_forever()`` in the foreground."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None, clock: Clock | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        clock: Clock | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: serve over TLS with this context (:func:`ftrun.store.tls.server_context`)."""
         self.host, self.port = host, port
         self._token = token
+        self._tls = tls
         self._clock = clock or SystemClock()
         self._state = KeyValueState(first_lease=secrets.randbits(40) + 1)
         self._connections: set[_Connection] = set()
@@ -162,7 +171,14 @@ class TcpStoreServer:
         self._loop = loop = asyncio.get_running_loop()
         # A whole job connects at once when it starts; asyncio's default backlog (100) would drop
         # the rest of the SYNs, and their retries cost 1 s, then 3 s.
-        self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port, backlog=LISTEN_BACKLOG)
+        self._server = await loop.create_server(
+            lambda: _Connection(self),
+            self.host,
+            self.port,
+            backlog=LISTEN_BACKLOG,
+            ssl=self._tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._tls else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     def start(self) -> TcpStoreServer:

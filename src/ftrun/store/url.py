@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ftrun.errors import ConfigError
-from ftrun.node.addresses import DEFAULT_ETCD_PORT, DEFAULT_STORE_PORT, parse_endpoint
+from ftrun.node.addresses import DEFAULT_ETCD_PORT, DEFAULT_STORE_PORT, bracketed, parse_endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +16,7 @@ class StoreUrl:
 
     ``memory://``, ``tcp://host:port``, ``etcd://[user:password@]host:port[,host:port...][/prefix]``.
     Options as query parameters: ``token_file`` (tcp), ``cacert``, ``cert``, ``key``
-    (etcd TLS; ``etcds://`` turns TLS on with the system CAs), ``user``,
+    (TLS; ``tcps://`` and ``etcds://`` turn TLS on, with the system CAs unless ``cacert``), ``user``,
     ``password_file`` (etcd auth).
     """
 
@@ -36,7 +37,7 @@ class StoreUrl:
         return f"{self.scheme}://{hosts}{'/' + self.prefix if self.prefix else ''}"
 
 
-_OPTIONS = {"tcp": {"token_file"}, "etcd": {"cacert", "cert", "key", "user", "password_file"}}
+_OPTIONS = {"tcp": {"token_file", "cacert", "cert", "key"}, "etcd": {"cacert", "cert", "key", "user", "password_file"}}
 _DEFAULT_PORTS = {"tcp": DEFAULT_STORE_PORT, "etcd": DEFAULT_ETCD_PORT}
 
 
@@ -44,7 +45,7 @@ def parse_store_url(text: str) -> StoreUrl:
     """Parse a store URL; raises ConfigError naming what is wrong."""
     flag = "store URL"
     scheme, sep, rest = text.partition("://")
-    family = {"etcds": "etcd"}.get(scheme, scheme)
+    family = {"etcds": "etcd", "tcps": "tcp"}.get(scheme, scheme)
     if not sep or family not in ("memory", "tcp", "etcd"):
         raise ConfigError(flag, f"{text!r} has no known scheme", "use memory://, tcp://HOST:PORT or etcd://HOST:PORT")
     if family == "memory":
@@ -66,7 +67,7 @@ def parse_store_url(text: str) -> StoreUrl:
     endpoints = tuple(_endpoint(h, _DEFAULT_PORTS[family]) for h in hosts.split(","))
     if family == "tcp" and len(endpoints) != 1:
         raise ConfigError(flag, "tcp:// takes exactly one HOST:PORT", f"use e.g. tcp://node0:{DEFAULT_STORE_PORT}")
-    scheme_out = "etcds" if scheme == "etcds" else family
+    scheme_out = scheme if scheme in ("etcds", "tcps") else family
     return StoreUrl(scheme_out, endpoints, prefix.strip("/"), user, password, tuple(options))
 
 
@@ -75,6 +76,14 @@ def _endpoint(text: str, default_port: int) -> tuple[str, int]:
     if not host:
         raise ConfigError("store URL", "an endpoint has no host", "use HOST:PORT")
     return host, default_port if port is None else port
+
+
+def tcp_url(host: str, port: int, options: Mapping[str, str]) -> str:
+    """The embedded store's URL: over TLS (``tcps://``) when --rdzv-conf names certificates or protocol=https."""
+    files = "&".join(f"{k}={v}" for k, v in options.items() if k in ("cacert", "cert", "key"))
+    if options.get("protocol") == "https" or files:
+        return f"tcps://{bracketed(host)}:{port}{'?' + files if files else ''}"
+    return f"tcp://{bracketed(host)}:{port}"
 
 
 def read_token_file(path: str) -> str:
