@@ -175,3 +175,29 @@ def test_loss_and_delay_while_training_cause_no_spurious_restart(
     found = assert_no_two_rounds_trained_at_once(tmp_path)
     finish(tmp_path, agents)
     assert len(found) == 1, found
+
+
+def test_a_malformed_record_in_the_store_is_said_and_ignored(
+    tmp_path: Path, job: tuple[netns.Network, list[Agent]]
+) -> None:
+    """Anyone who can reach the store (no token) writes garbage over the round record and a node record: both
+    agents say so once, with the key, and train on; the store's host does not exit."""
+    from ftrun.rendezvous.driver import Keys
+    from ftrun.store.factory import open_store
+
+    _, agents = job
+    a, b = agents
+    stranger = open_store(f"tcp://{a.node.addr}:{PORT}", retry_deadline_s=10)
+    try:
+        keys = Keys.of("netfaults")
+        stranger.put(keys.round, b"\x80 not json {")
+        stranger.put(keys.node("stranger"), b'{"v": 1}')
+    finally:
+        stranger.close()
+    written_at = time.time()
+    until(lambda: "malformed record" in a.stderr and "malformed record" in b.stderr, "both agents say it")
+    until(lambda: both_train(tmp_path, written_at + 2.0), "both nodes train on")
+    found = assert_no_two_rounds_trained_at_once(tmp_path)
+    finish(tmp_path, agents)
+    assert len(found) == 1, found  # not even a restart
+    assert keys.round in a.stderr
