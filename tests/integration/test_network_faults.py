@@ -83,6 +83,8 @@ def assert_no_two_rounds_trained_at_once(tmp: Path) -> dict[str, tuple[float, fl
     ordered = sorted(found.items(), key=lambda kv: kv[1][0])
     for (r1, (_, last, n1)), (r2, (first, _, n2)) in itertools.pairwise(ordered):
         assert last < first, f"round {r1} ({sorted(n1)}) still trained after round {r2} ({sorted(n2)}) began"
+    gaps = [f"{b[1][0] - a[1][1]:.2f}" for a, b in itertools.pairwise(ordered)]
+    print(f"rounds {len(ordered)}; between the last line of one and the first of the next (s): {gaps}")
     return found
 
 
