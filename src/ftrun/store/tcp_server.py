@@ -257,6 +257,11 @@ class TcpStoreServer:
         leases, conn.leases = set(conn.leases), set()
         if not leases:
             return
+        successor = next((c for c in self._connections if conn.client_id and c.client_id == conn.client_id), None)
+        if successor is not None:  # it connected again before this one's end reached us
+            for lease in leases:
+                self._own(successor, lease)
+            return
         if not abrupt or not conn.client_id or self._loop is None or self._stopped.is_set():
             self._end_leases(leases)
             return
