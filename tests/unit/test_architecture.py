@@ -28,6 +28,7 @@ PURE = [
     "ftrun.monitor.blame",
     "ftrun.worker.requests",
     "ftrun.warm.policy",
+    "ftrun.rendezvous.succession",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

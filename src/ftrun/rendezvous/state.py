@@ -72,6 +72,7 @@ class RoundRecord:
     nproc: tuple[int, ...] = ()  # workers per member, aligned with ``members``
     reason: str = ""  # why this round was opened or closed, for humans and logs
     failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
+    addrs: tuple[str, ...] = ()  # CLOSED: each member's address, aligned with ``members`` (where a successor is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +228,7 @@ def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) 
         master_port=head.port,
         nproc=tuple(view.nodes[m].nproc for m in members),
         reason=reason,
+        addrs=tuple(view.nodes[m].addr for m in members),
     )
     return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record)
 
@@ -370,7 +372,10 @@ def decode_round(raw: bytes) -> RoundRecord:
         nproc=tuple(nproc),
         reason=_get(doc, what, "reason", str),
         failed_node=str(doc.get("failed_node") or ""),
+        addrs=tuple(_get(doc, what, "addrs", list)) if "addrs" in doc else (),
     )
+    if not all(isinstance(a, str) and a for a in record.addrs) or len(record.addrs) not in (0, len(members)):
+        raise RecordError(f"{what}: field 'addrs' must list one address per member")
     if record.round < 1 or record.failures < 0 or not 0 <= record.master_port <= 65535:
         raise RecordError(f"{what}: round, failures or master_port out of range")
     if status is not Status.OPEN and not members:

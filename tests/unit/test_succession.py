@@ -1,0 +1,38 @@
+"""Store succession, pure: every survivor names the same successor; no partition lets two sides re-form."""
+
+from __future__ import annotations
+
+import itertools
+
+from ftrun.rendezvous.state import RoundRecord, Status
+from ftrun.rendezvous.succession import Successor, may_reform, successor
+
+
+def closed(*members: str) -> RoundRecord:
+    addrs = tuple(f"10.0.0.{i}" for i, _ in enumerate(members, 1))
+    return RoundRecord(1, Status.CLOSED, members, (), 0, addrs[0], 29501, (1,) * len(members), addrs=addrs)
+
+
+def test_the_successor_is_the_first_member_in_rank_order_other_than_the_lost_host() -> None:
+    last = closed("a", "b", "c")
+    assert successor(last, "a", 29400) == Successor("b", "10.0.0.2", 29400)
+    assert successor(last, "b", 29400) == Successor("a", "10.0.0.1", 29400)
+    assert successor(last, "b", 29400).url == "tcp://10.0.0.1:29400"  # type: ignore[union-attr]
+
+
+def test_no_successor_without_survivors_or_addresses() -> None:
+    assert successor(closed("a"), "a", 29400) is None
+    assert successor(RoundRecord(1, Status.CLOSED, ("a", "b"), (), 0, "x", 1, (1, 1)), "a", 29400) is None
+
+
+def test_a_node_proven_gone_no_longer_counts_so_a_lone_survivor_of_two_reforms() -> None:
+    assert may_reform(("a", "b"), {"b"}, proven_gone={"a"})
+    assert not may_reform(("a", "b"), {"b"}, proven_gone=set())  # a may be alive beyond a partition
+
+
+def test_two_sides_of_any_partition_never_both_reform() -> None:
+    members = ("a", "b", "c", "d", "e")
+    for k in range(len(members) + 1):
+        for side in itertools.combinations(members, k):
+            one, other = set(side), set(members) - set(side)
+            assert not (may_reform(members, one, set()) and may_reform(members, other, set())), (one, other)
