@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.clock import SystemClock
-from ftrun.rendezvous.driver import Me, Rendezvous, Timing
-from ftrun.rendezvous.state import Action, Local, Rules
+from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.state import Action, Local, Me, Rules, Timing
 from ftrun.store.base import Store, Watch
 from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdHarness

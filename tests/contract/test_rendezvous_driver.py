@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ftrun.clock import SystemClock
-from ftrun.rendezvous.driver import Advice, Keys, Me, Rendezvous, Timing
-from ftrun.rendezvous.state import Action, Local, Rules
+from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.state import Action, Advice, Keys, Local, Me, Rules, Timing
 from tests.contract.conftest import OpenClient
 
 BOUND_S = 30.0

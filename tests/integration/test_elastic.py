@@ -332,17 +332,14 @@ def test_a_node_whose_workers_fail_after_the_job_finished_fails_the_job_on_every
     assert "failed after this node's succeeded: the job failed" in first.stderr()
 
 
-def test_when_the_agent_hosting_the_store_dies_the_others_say_so_and_stop(
-    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
-) -> None:
-    """The store dies with its host: the survivor names it, stops its workers and exits 1, long before the
-    lease's TTL (10 min here) could pass or any join timeout."""
-    script("w.py", WORKER)
+def _host_and_client(tmp_path: Path, live: list[LiveFtrun], nnodes: str, restarts: str) -> tuple[LiveFtrun, LiveFtrun]:
+    """Two agents on one endpoint: the one that bound it hosts the store, the other is its client."""
     slow = "last_call_timeout=0.5,keep_alive_interval=60,keep_alive_max_attempt=10,join_timeout=600"
 
     def attempt(port: int) -> tuple[LiveFtrun, LiveFtrun]:
         flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", slow]
-        flags += ["--nnodes", "2", "--local-addr", "127.0.0.1", "--nproc-per-node", "2", "w.py"]
+        flags += ["--nnodes", nnodes, "--max-restarts", restarts, "--local-addr", "127.0.0.1"]
+        flags += ["--nproc-per-node", "2", "w.py"]
         tag = f"-{port}"
         agents = (LiveFtrun(tmp_path, *flags, name=f"a{tag}"), LiveFtrun(tmp_path, *flags, name=f"b{tag}"))
         live.extend(agents)
@@ -354,13 +351,43 @@ def test_when_the_agent_hosting_the_store_dies_the_others_say_so_and_stop(
         return agents
 
     a, b = with_free_port(attempt)
-    host, other = (a, b) if "hosting the rendezvous store" in a.stderr() else (b, a)
+    return (a, b) if "hosting the rendezvous store" in a.stderr() else (b, a)
+
+
+def test_when_the_agent_hosting_the_store_dies_a_survivor_takes_over_and_trains_alone(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """No single point of failure: the store's host is SIGKILLed (with its workers); the survivor, the first
+    member left of the last round, hosts the store on the same port and the job re-forms without the lost
+    node, long before the lease's TTL (10 min here) could pass. The output names who was lost and who took
+    over."""
+    script("w.py", WORKER)
+    host, other = _host_and_client(tmp_path, live, "1:2", "3")
+    ups(other, 4, 2)
+    workers = pids(other, 4)
+    host.proc.kill()
+    host.wait()
+    ups(other, 2, 2)  # a new round, the survivor alone
+    said = other.stderr()
+    assert re.search(r"the store's host \S+ is lost \(the store tcp://127\.0\.0\.1:\d+ is gone", said), said
+    assert "this node hosts the store now" in said
+    assert wait_gone(workers) == []
+
+
+def test_when_the_store_host_dies_and_the_budget_is_spent_the_survivor_stops(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """The lost node counts against --max-restarts as any lost node does: with none left the survivor takes
+    over, says the budget is spent, stops its workers and exits 1."""
+    script("w.py", WORKER)
+    host, other = _host_and_client(tmp_path, live, "2", "0")
     ups(other, 4, 2)
     workers = pids(other, 4)
     host.proc.kill()
     host.wait()
     assert other.wait() == 1, other.stderr()
     assert re.search(r"the store tcp://127\.0\.0\.1:\d+ is gone", other.stderr())
+    assert "restart budget spent" in other.stderr()
     assert wait_gone(workers) == []
 
 

@@ -21,12 +21,14 @@ from ftrun.agent import elastic, static
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
+from ftrun.agent.failover import StoreSuccession
 from ftrun.agent.group import LocalGroup
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.job.agreement import TimeoutAgreement
 from ftrun.job.board import JobBoard
+from ftrun.job.departures import wait_for_departures
 from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.peer_relay import job_key
@@ -37,10 +39,12 @@ from ftrun.procs import proctree
 from ftrun.procs.logs import Console
 from ftrun.procs.warden import Warden
 from ftrun.procs.workers import ProcessSpawner, Spawner
-from ftrun.rendezvous.driver import Me, Rendezvous, Timing
-from ftrun.rendezvous.state import Rules
+from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.state import Keys, Me, Rules, Timing
+from ftrun.rendezvous.succession import Successor
 from ftrun.store.base import Store
 from ftrun.store.factory import open_store
+from ftrun.store.moving import MovingStore
 from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.url import tcp_url
 from ftrun.warm.pool import WarmPool
@@ -178,14 +182,20 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
-    store = open_store(url, token=config.rdzv.token, retry_deadline_s=deadline)
-    if isinstance(store, TcpStoreClient):
-        store.on_reconnect = partial(group.say, always=True)
+    store = MovingStore(open_store(url, token=config.rdzv.token, retry_deadline_s=deadline))
+    if isinstance(store.current, TcpStoreClient):
+        store.current.on_reconnect = partial(group.say, always=True)
+    port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
+    succession = StoreSuccession(config, store, port, deadline, partial(group.say, always=True))
     try:
         say = group.say
         rendezvous = rendezvous_for(
-            config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True)
-        )
+            config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True),
+            move_store=succession if config.rdzv.embedded_store else None,
+        )  # fmt: skip
+        succession.me = rendezvous.node_id
+        if server is not None:  # every node learns who hosts the store: the survivors' successor is another
+            store.put(Keys.of(config.run_id).store_host, rendezvous.node_id.encode())
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         group.peer_key = job_key(config.run_id, config.rdzv.token, store)
@@ -217,14 +227,15 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
                 exclusions.mark(group.host, group.excluded_because)
             return code
         finally:
-            if code in (0, 1) and server is not None:
+            if code in (0, 1) and (server is not None or succession.server is not None):
                 # The store lives in this process: let the other nodes read how the job ended first.
-                left = rendezvous.wait_for_departures(conf.close_timeout_s)
+                left = wait_for_departures(store, config.run_id, rendezvous.node_id, clock, conf.close_timeout_s)
                 if left:
                     group.say(f"{left} node(s) still registered after close_timeout; closing the store anyway")
             rendezvous.close(leave=True)
     finally:
         store.close()
+        succession.close()
 
 
 def leave_together(
@@ -247,6 +258,7 @@ def rendezvous_for(
     host: str,
     log: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
+    move_store: Callable[[Successor], None] | None = None,
 ) -> Rendezvous:
     """This node's side of the rendezvous of ``config``'s job (not started)."""
     conf = config.rdzv.conf
@@ -260,7 +272,10 @@ def rendezvous_for(
         """--master-port, when given, is the port the workers get, elastic or not (firewalls that open one)."""
         return config.master_port or fresh_port_on(clock)
 
-    return Rendezvous(store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn)
+    return Rendezvous(
+        store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
+        move_store=move_store,
+    )  # fmt: skip
 
 
 def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:

@@ -83,8 +83,7 @@ class JobStore:
         self._store = open_store(url, token=token, retry_deadline_s=3.0)
 
     def snapshot(self) -> dict[str, Any]:
-        from ftrun.rendezvous.driver import Keys
-        from ftrun.rendezvous.state import decode_round
+        from ftrun.rendezvous.state import Keys, decode_round
 
         records = read_statuses(self._store, self.run_id)
         if not records:

@@ -24,80 +24,32 @@ from __future__ import annotations
 import contextlib
 import selectors
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from ftrun.clock import Clock
-from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreUnavailable, WatchLost
+from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreGone, StoreUnavailable, WatchLost
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
-from ftrun.rendezvous.state import Action, Decision, Local, NodeInfo, RecordError, RoundRecord, Rules, Status
+from ftrun.rendezvous.state import (
+    Action,
+    Advice,
+    Decision,
+    Keys,
+    Local,
+    Me,
+    NodeInfo,
+    RecordError,
+    RoundRecord,
+    Rules,
+    Status,
+    Timing,
+)
+from ftrun.rendezvous.succession import Successor, successor
 from ftrun.store.base import EventType, Store, Watch
-from ftrun.store.follow import follow
 
 T = TypeVar("T")
 RETRY_S = 1.0  # cut off from the store: how often to try again
 MAX_STEPS = 10_000  # store actions in one next(); each is a compare-and-set won or a record changed
-
-
-@dataclass(frozen=True, slots=True)
-class Keys:
-    root: str
-
-    @classmethod
-    def of(cls, run_id: str) -> Keys:
-        return cls(f"/ftrun/{run_id}/rdzv/")
-
-    @property
-    def shared(self) -> str:
-        return self.root + "r/"
-
-    @property
-    def round(self) -> str:
-        return self.root + "r/round"
-
-    @property
-    def leader(self) -> str:
-        return self.root + "r/leader"
-
-    @property
-    def values(self) -> str:
-        return self.root + "r/v/"
-
-    @property
-    def nodes(self) -> str:
-        return self.root + "n/"
-
-    def node(self, node_id: str) -> str:
-        return self.nodes + node_id
-
-
-@dataclass(frozen=True, slots=True)
-class Me:
-    """What this node offers to the job."""
-
-    node_id: str  # unique even for several agents on one host: hostname, pid and a random part
-    addr: str  # where the other nodes reach this one (MASTER_ADDR if it becomes group rank 0)
-    nproc: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    keep_alive_interval_s: float
-    keep_alive_max_attempt: int
-
-    @property
-    def ttl_s(self) -> float:
-        """Dead-node detection time: this many seconds without a keep-alive."""
-        return self.keep_alive_interval_s * self.keep_alive_max_attempt
-
-
-@dataclass(frozen=True, slots=True)
-class Advice:
-    """What the rendezvous says this node must do, and by when to ask again."""
-
-    decision: Decision
-    wake_at: float  # monotonic: call next() again by then even if nothing is readable
 
 
 class Rendezvous:
@@ -115,8 +67,14 @@ class Rendezvous:
         offer_port: Callable[[], int],
         log: Callable[[str], None],
         warn: Callable[[str], None] | None = None,
+        move_store: Callable[[Successor], None] | None = None,
     ) -> None:
-        """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``)."""
+        """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``);
+        ``move_store``: when the store's host is gone, host the store here or point the store handle at the
+        successor (:mod:`ftrun.rendezvous.succession`); None: a store that cannot move (etcd's survives)."""
+        self._move_store = move_store
+        self._store_host = ""  # the node that hosts the store, as it said in the store
+        self._seed: RoundRecord | None = None  # the round to open in a store that took over from a lost one
         self._store = store
         self._keys = Keys.of(run_id)
         self._me = me
@@ -193,6 +151,8 @@ class Rendezvous:
         trying to reach the store, to rejoin as a newcomer, for up to the join timeout."""
         try:
             advice = self._next(local)
+        except StoreGone as e:
+            return self._store_lost(local, e)
         except (StoreUnavailable, StoreConnectionLost) as e:
             return self._cut_off(local, e)
         if self._cut_off_since is not None:
@@ -221,6 +181,28 @@ class Rendezvous:
         what = "my workers go on while my lease may hold" if local.running_round is not None else "waiting"
         return Advice(Decision(Action.WAIT, f"the store is unreachable: {what}", wake_at=wake), wake)
 
+    def _store_lost(self, local: Local, e: StoreGone) -> Advice:
+        """The store's host is gone (its machine refuses the connection: the agent died): the first surviving
+        member of the last round hosts a new store; every survivor goes there and the job re-forms in the
+        next round, with the lost node counted as lost (a failure of the round, as any lost node)."""
+        last, lost = self._record, self._store_host
+        found = successor(last, lost) if last is not None and lost else None
+        if self._move_store is None or last is None or found is None:
+            raise e
+        self._warn(f"rendezvous: the store's host {lost} is lost ({e}); {found.node_id} takes over")
+        self._store_host = found.node_id
+        self._forget_watches()
+        self._drop_lease()
+        self._move_store(found)
+        why = f"the store's host {lost} was lost; {found.node_id} hosts the store now"
+        self._seed = state.after_lost_store(last, self._rules, lost, why)
+        self._record, self._record_rev, self._leader = None, 0, None
+        now = self._clock.monotonic()
+        if local.running_round is not None:
+            stop = f"my workers run in round {local.running_round}, but {why}: stopping them; the job re-forms there"
+            return Advice(Decision(Action.STOP, stop), now)
+        return Advice(Decision(Action.WAIT, why, wake_at=now), now)
+
     def _fence(self, round_: int) -> Decision:
         return Decision(
             Action.STOP,
@@ -236,6 +218,7 @@ class Rendezvous:
                 if local.running_round is not None:
                     return Advice(self._fence(local.running_round), now)
                 self._new_lease()
+                self._seed_moved_store()
             decision = state.decide(self._view(local, now, self._nodes if self.leading else None), self._rules)
             if decision.action is Action.COUNT:
                 listed, _ = self._list_nodes()
@@ -321,6 +304,15 @@ class Rendezvous:
         if self._leader is None and self._keeper is not None:
             self._try_to_lead()
 
+    def _seed_moved_store(self) -> None:
+        """In a store that took over: the next round opened (by whoever comes first), and its host named."""
+        if self._seed is None:
+            return
+        seed, self._seed = self._seed, None
+        self._store.compare_and_set(self._keys.round, state.encode_round(seed), 0)  # one survivor's stands
+        if self._move_store is not None and self._store_host == self._me.node_id:
+            self._store.put(self._keys.store_host, self._me.node_id.encode())
+
     def _forget_watches(self) -> None:
         self._stop_leading()
         if self._shared_watch is not None:
@@ -346,6 +338,8 @@ class Rendezvous:
         if key == self._keys.round:
             if revision > self._record_rev:
                 self._apply_round(value, revision)
+        elif key == self._keys.store_host:
+            self._store_host = "" if value is None else value.decode(errors="replace")
         elif key == self._keys.leader:
             self._leader = None if value is None else value.decode(errors="replace")
             if self._leader != self._me.node_id:
@@ -477,24 +471,3 @@ class Rendezvous:
                 self._bad_keys.add(key)
                 self._warn(f"rendezvous: ignoring a malformed record at {key} ({e}); ftrun did not write it")
             return None
-
-    # --- after the job -------------------------------------------------------------------------
-
-    def wait_for_departures(self, timeout_s: float) -> int:
-        """Block until no other node key is left (bounded); returns how many remain.
-
-        The agent that hosts the embedded store calls this before shutting it down,
-        so that the nodes still finishing can read that the job is done.
-        """
-        mine = self._keys.node(self._me.node_id)
-        now, later = follow(self._store, self._keys.nodes, self._clock, timeout_s)
-        others = {c.key for c in now} - {mine}
-        if others:
-            for change in later:
-                if change.value is None:
-                    others.discard(change.key)
-                elif change.key != mine:
-                    others.add(change.key)
-                if not others:
-                    break
-        return len(others)

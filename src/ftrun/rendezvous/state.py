@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ftrun.errors import FtrunError
@@ -48,6 +48,73 @@ class Status(enum.Enum):
     CLOSED = "closed"
     FINISHED = "finished"
     FAILED = "failed"  # the restart budget is spent: every node stops
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Where the rendezvous keeps its records in the store."""
+
+    root: str
+
+    @classmethod
+    def of(cls, run_id: str) -> Keys:
+        return cls(f"/ftrun/{run_id}/rdzv/")
+
+    @property
+    def shared(self) -> str:
+        return self.root + "r/"
+
+    @property
+    def round(self) -> str:
+        return self.root + "r/round"
+
+    @property
+    def leader(self) -> str:
+        return self.root + "r/leader"
+
+    @property
+    def values(self) -> str:
+        return self.root + "r/v/"
+
+    @property
+    def store_host(self) -> str:
+        """The node that hosts the embedded store (its successor's, after a failover)."""
+        return self.root + "r/store_host"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "n/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+
+@dataclass(frozen=True, slots=True)
+class Me:
+    """What this node offers to the job."""
+
+    node_id: str  # unique even for several agents on one host: hostname, pid and a random part
+    addr: str  # where the other nodes reach this one (MASTER_ADDR if it becomes group rank 0)
+    nproc: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    keep_alive_interval_s: float
+    keep_alive_max_attempt: int
+
+    @property
+    def ttl_s(self) -> float:
+        """Dead-node detection time: this many seconds without a keep-alive."""
+        return self.keep_alive_interval_s * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """What the rendezvous says this node must do, and by when to ask again."""
+
+    decision: Decision
+    wake_at: float  # monotonic: call next() again by then even if nothing is readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +338,14 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
     if len(r.members) < rules.max_nodes:
         return _reopen(r, rules, f"{view.me} is waiting and the job has {len(r.members)} < {rules.max_nodes} nodes")
     return Decision(Action.STANDBY, f"hot spare: round {r.round} is full ({rules.max_nodes} nodes)")
+
+
+def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str) -> RoundRecord:
+    """The record a store that took over from a lost one starts with: the round after ``r`` opened without the
+    lost node (a failure of the round, as any lost node: FAILED when that spends the budget)."""
+    record = _reopen(r, rules, reason, failure=True).record
+    assert record is not None
+    return replace(record, previous=tuple(m for m in record.previous if m != lost))
 
 
 def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "") -> Decision:

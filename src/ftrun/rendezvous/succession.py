@@ -21,23 +21,17 @@ from ftrun.rendezvous.state import RoundRecord
 @dataclass(frozen=True, slots=True)
 class Successor:
     node_id: str
-    addr: str
-    port: int
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"tcp://{host}:{self.port}"
+    addr: str  # the store is served there, on the endpoint's port
 
 
-def successor(last: RoundRecord, lost_host: str, port: int) -> Successor | None:
+def successor(last: RoundRecord, lost_host: str) -> Successor | None:
     """The node that hosts the store after ``lost_host`` (the node id that hosted it), or None when the last
     round leaves nobody, or carries no addresses (a record from an older ftrun)."""
     if len(last.addrs) != len(last.members):
         return None
     for node, addr in zip(last.members, last.addrs, strict=True):
         if node != lost_host:
-            return Successor(node, addr, port)
+            return Successor(node, addr)
     return None
 
 
