@@ -293,8 +293,12 @@ class Rendezvous:
             self._drain_shared()
             self._drain_nodes()
         except WatchLost as e:
-            # The store lost its history (an embedded store restarted empty): start from what it holds now.
+            # The store lost its history (an embedded store restarted empty, or a successor took over where it
+            # was): start from what it holds now, the next round opened there if nobody did yet.
             self._log(f"rendezvous: {e}; reading the store afresh")
+            if self._record is not None and self._move_store is not None and self._store_host:
+                why = f"the store restarted empty (its host {self._store_host} was lost)"
+                self._seed = state.after_lost_store(self._record, self._rules, self._store_host, why)
             self._drop_lease()
             self._forget_watches()
             self._follow_shared()

@@ -140,6 +140,7 @@ class RoundRecord:
     reason: str = ""  # why this round was opened or closed, for humans and logs
     failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
     addrs: tuple[str, ...] = ()  # CLOSED: each member's address, aligned with ``members`` (where a successor is)
+    awaited: tuple[str, ...] = ()  # OPEN: nodes known alive that it waits for before closing early (up to last call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +262,7 @@ def _gather(view: View, rules: Rules) -> Decision:  # noqa: PLR0911 - one return
     have, need, most = len(ready), rules.min_nodes, rules.max_nodes
     if have >= most:
         return _close(view, rules, round_, ready, f"{have} nodes registered, the maximum of {most}")
-    if have >= need and reopened and ready == set(view.nodes):
+    if have >= need and reopened and ready == set(view.nodes) and set(r.awaited if r else ()) <= ready:
         # Every live node (survivors, spares, newcomers) is back: no one else is coming.
         return _close(view, rules, round_, ready, f"every live node rejoined ({have} nodes, min {need})")
     # The last call counts from the latest arrival, and never from before this round opened.
@@ -345,7 +346,9 @@ def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str) -> Ro
     lost node (a failure of the round, as any lost node: FAILED when that spends the budget)."""
     record = _reopen(r, rules, reason, failure=True).record
     assert record is not None
-    return replace(record, previous=tuple(m for m in record.previous if m != lost))
+    survivors = tuple(m for m in record.previous if m != lost)
+    # They re-register one by one in the new store: the round waits for them all, not for the first few.
+    return replace(record, previous=survivors, awaited=survivors if record.status is Status.OPEN else ())
 
 
 def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "") -> Decision:
@@ -448,6 +451,7 @@ def decode_round(raw: bytes) -> RoundRecord:
         reason=_get(doc, what, "reason", str),
         failed_node=str(doc.get("failed_node") or ""),
         addrs=tuple(_get(doc, what, "addrs", list)) if "addrs" in doc else (),
+        awaited=_ids(doc, what, "awaited") if "awaited" in doc else (),
     )
     if not all(isinstance(a, str) and a for a in record.addrs) or len(record.addrs) not in (0, len(members)):
         raise RecordError(f"{what}: field 'addrs' must list one address per member")
