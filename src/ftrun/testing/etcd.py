@@ -7,6 +7,8 @@ bounded and escalates to SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import selectors
 import shutil
@@ -14,8 +16,10 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from ftrun.node.ports import reserve_port
 from ftrun.procs.proctree import die_with_parent_hook
@@ -55,7 +59,12 @@ def make_certificates(directory: Path) -> dict[str, Path]:
 class EtcdHarness:
     """Debian's etcd on loopback. With ``tls=True`` it serves https and requires client certificates."""
 
-    def __init__(self, binary: str = "etcd", start_timeout_s: float = 30.0, *, tls: bool = False) -> None:
+    def __init__(
+        self, binary: str = "etcd", start_timeout_s: float = 30.0, *, tls: bool = False, name: str = "ftrun-test"
+    ) -> None:
+        """``name``: this member's, in a cluster (:class:`EtcdCluster` sets ``initial_cluster``)."""
+        self.name = name
+        self.initial_cluster = ""  # NAME=PEER_URL,...: a member of a cluster; "" alone
         found = shutil.which(binary)
         if found is None:
             raise FileNotFoundError(
@@ -101,13 +110,13 @@ class EtcdHarness:
         self._proc = subprocess.Popen(
             [
                 self._binary,
-                "--name", "ftrun-test",
+                "--name", self.name,
                 "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client,
                 "--advertise-client-urls", client,
                 "--listen-peer-urls", peer,
                 "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"ftrun-test={peer}",
+                "--initial-cluster", self.initial_cluster or f"{self.name}={peer}",
                 "--unsafe-no-fsync",
                 *tls,
             ],
@@ -117,7 +126,8 @@ class EtcdHarness:
             preexec_fn=die_with_parent_hook(),  # noqa: PLW1509 - only calls prctl
             start_new_session=True,
         )  # fmt: skip
-        self._await_ready()
+        if not self.initial_cluster:  # a member waits for the others before it is ready: see EtcdCluster
+            self._await_ready()
         return self
 
     def _await_ready(self) -> None:
@@ -160,6 +170,16 @@ class EtcdHarness:
         if proc.stderr is not None:
             proc.stderr.close()
 
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def kill(self) -> None:
+        """SIGKILL: a member lost without a word."""
+        if self._proc is not None:
+            self._proc.kill()
+        self.stop()
+
     def restart(self) -> None:
         """Stop and start again on the same ports (clients reconnect to them)."""
         self.stop()
@@ -177,3 +197,51 @@ class EtcdHarness:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback, one cluster; ``url`` names them all (the client fails over)."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.members = [EtcdHarness(name=f"ftrun-m{i}") for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
+
+    def start(self) -> EtcdCluster:
+        everyone = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = everyone
+            m._start()  # all at once: a member is ready only once the cluster has a leader
+        for m in self.members:
+            m._await_ready()
+        return self
+
+    def leader(self) -> EtcdHarness:
+        """The member that leads now (asked through etcd's HTTP gateway)."""
+        for m in self.members:
+            if m._proc is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                status = _post_json(f"http://127.0.0.1:{m.client_port}/v3/maintenance/status", {})
+                if status.get("leader") and status["leader"] == status.get("header", {}).get("member_id"):
+                    return m
+        raise RuntimeError("no etcd member says it leads")
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _post_json(url: str, payload: dict[str, object]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST")  # noqa: S310
+    with urllib.request.urlopen(request, timeout=5) as answer:  # noqa: S310 - a loopback URL of our own
+        found: dict[str, Any] = json.loads(answer.read())
+        return found
