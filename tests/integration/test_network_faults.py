@@ -83,8 +83,14 @@ def assert_no_two_rounds_trained_at_once(tmp: Path) -> dict[str, tuple[float, fl
     ordered = sorted(found.items(), key=lambda kv: kv[1][0])
     for (r1, (_, last, n1)), (r2, (first, _, n2)) in itertools.pairwise(ordered):
         assert last < first, f"round {r1} ({sorted(n1)}) still trained after round {r2} ({sorted(n2)}) began"
-    gaps = [f"{b[1][0] - a[1][1]:.2f}" for a, b in itertools.pairwise(ordered)]
-    print(f"rounds {len(ordered)}; between the last line of one and the first of the next (s): {gaps}")
+    everything = lines(tmp)
+    for (r1, _), (_, (first, _, _)) in itertools.pairwise(ordered):  # how long before the next round each stopped
+        lasts: dict[str, float] = {}
+        for x in everything:
+            if x["round"] == r1:
+                lasts[str(x["node"])] = max(lasts.get(str(x["node"]), 0.0), float(x["t"]))  # type: ignore[arg-type]
+        print("round change; each node's last line of the old round, before the new one's first (s):",
+              {n: round(first - t, 2) for n, t in sorted(lasts.items())})  # fmt: skip
     return found
 
 
@@ -203,3 +209,42 @@ def test_a_malformed_record_in_the_store_is_said_and_ignored(
     finish(tmp_path, agents)
     assert len(found) == 1, found  # not even a restart
     assert keys.round in a.stderr
+
+
+def all_train(tmp: Path, nodes: set[str], since: float) -> bool:
+    world = len(nodes)
+    return {str(x["node"]) for x in lines(tmp) if x["world"] == world and float(x["t"]) > since} == nodes  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cut_off", [("a",), ("c",)], ids=["the-store-host-alone", "one-node-alone"])
+def test_a_partition_into_two_sides_never_trains_twice(tmp_path: Path, cut_off: tuple[str, ...]) -> None:
+    """Three nodes, one side of a partition cut off from the other (the store's host alone, or another node
+    alone): only the side with the store trains on; the other fences itself and waits (there is one store:
+    no second job forms); after the heal all three train together again."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            nodes = {name: net.add(name) for name in "abc"}
+            agents += [Agent(n, nodes["a"], tmp_path, "--nnodes", "1:3") for n in nodes.values()]
+            until(lambda: all_train(tmp_path, set("abc"), 0.0), "three nodes train together", WAIT_S * 3)
+            for name in cut_off:
+                net.cut(nodes[name])
+            cut_at = time.time()
+            with_store = set("abc") - set(cut_off) if "a" not in cut_off else {"a"}
+            until(lambda: all_train(tmp_path, with_store, cut_at), f"{sorted(with_store)} train on", 60.0)
+            time.sleep(max(0.0, cut_at + 6.0 - time.time()))  # the partition lasts 6 s in all (TTL 3 s)
+            for name in cut_off:
+                net.heal(nodes[name])
+            healed_at = time.time()
+            until(lambda: all_train(tmp_path, set("abc"), healed_at), "three nodes train together again", 120.0)
+            assert_no_two_rounds_trained_at_once(tmp_path)
+            fenced = [x for x in agents if x.node.name not in with_store]
+            assert all("stopping them" in x.stderr for x in fenced), [x.stderr for x in fenced]
+            finish(tmp_path, agents)
+        finally:
+            (tmp_path / "stop").touch()
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.proc.wait(WAIT_S)
+                agent.close()

@@ -311,7 +311,7 @@ def test_the_constructor_check_can_fail(tmp_path: Path) -> None:
 # ftrun.jsonobject, bounded and checked to be an object.
 OWN_JSON = {
     "ftrun.jsonobject", "ftrun.observe.events", "ftrun.warm.preload", "ftrun.warm.zygote", "ftrun.warm.zygotes",
-    "ftrun.worker.client", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports",
+    "ftrun.worker.client", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports", "ftrun.testing.etcd",
 }  # fmt: skip
 
 

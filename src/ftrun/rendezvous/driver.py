@@ -177,7 +177,7 @@ class Rendezvous:
             self._drop_lease()
         if local.running_round is not None and self._keeper is None:
             return Advice(self._fence(local.running_round), now)
-        wake = now + RETRY_S if self._keeper is None else min(now + RETRY_S, self._keeper.valid_until)
+        wake = now + RETRY_S if self._keeper is None else min(now + RETRY_S, self._keeper.fence_at)
         what = "my workers go on while my lease may hold" if local.running_round is not None else "waiting"
         return Advice(Decision(Action.WAIT, f"the store is unreachable: {what}", wake_at=wake), wake)
 
@@ -250,7 +250,7 @@ class Rendezvous:
     def _wake_at(self, decision: Decision) -> float:
         if self._keeper is None:
             return decision.wake_at if decision.wake_at is not None else self._clock.monotonic() + RETRY_S
-        lease_check = self._keeper.valid_until
+        lease_check = self._keeper.fence_at
         return lease_check if decision.wake_at is None else min(decision.wake_at, lease_check)
 
     # --- store actions ---------------------------------------------------------------------

@@ -4,8 +4,9 @@ The lease is what makes this node exist for the others: its node key (and the
 leader key, if it leads) vanish when the lease lapses. The keeper thread renews
 it every ``keep_alive_interval``; ``valid_until`` is the latest time the store
 can still hold the lease, counted from when the last successful renewal was
-*sent*. The store's own expiry can only be later, so a node that stops its
-workers at ``valid_until`` never trains in a round the others have left.
+*sent*. The store's own expiry can only be later. The node stops its workers
+``fence_margin`` before that (``fence_at``): stopping them takes time too, and the
+others may start a round without it as soon as the store expires the lease.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import threading
 from ftrun.clock import Clock
 from ftrun.errors import LeaseExpired, StoreError
 from ftrun.store.base import Store
+
+FENCE_MARGIN_S = 1.0  # at most; a third of the TTL for short leases (a renewal every TTL/3 keeps it clear)
 
 
 class LeaseKeeper:
@@ -56,9 +59,15 @@ class LeaseKeeper:
         """Why the lease must be taken as lost by ``now``, or "" while it holds."""
         if self.lost_reason:
             return self.lost_reason
-        if now >= self.valid_until:
-            return f"no keep-alive reached the store for {self._ttl_s:g} s"
+        if now >= self.fence_at:
+            gone = self._ttl_s - (self.valid_until - now)
+            return f"no keep-alive reached the store for {gone:.1f} s (the lease's TTL is {self._ttl_s:g} s)"
         return ""
+
+    @property
+    def fence_at(self) -> float:
+        """Monotonic: when this node must take its lease as lost and stop its workers."""
+        return self.valid_until - min(FENCE_MARGIN_S, self._ttl_s / 3)
 
     def _run(self) -> None:
         while not self._stopped.wait(self._interval_s):
