@@ -264,8 +264,8 @@ def test_job_wide_values_merge_every_nodes_contribution(job: Callable[..., Job])
 
     # b and c merge from a stale view (they have not heard a's write): the compare-and-set makes them re-read.
     for n in "abc":
-        j.nodes[n].merge_value("t", with_mine(n))
-    assert j.nodes["c"].value("t") == b"a,b,c"
-    j.step_until(lambda s: all(j.nodes[n].value("t") == b"a,b,c" for n in "abc"))
-    j.nodes["a"].merge_value("t", with_mine("a"))  # nothing new: nothing written
-    assert j.nodes["a"].value("t") == b"a,b,c"
+        j.nodes[n].values.merge("t", with_mine(n))
+    assert j.nodes["c"].values.get("t") == b"a,b,c"
+    j.step_until(lambda s: all(j.nodes[n].values.get("t") == b"a,b,c" for n in "abc"))
+    j.nodes["a"].values.merge("t", with_mine("a"))  # nothing new: nothing written
+    assert j.nodes["a"].values.get("t") == b"a,b,c"

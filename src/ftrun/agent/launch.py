@@ -40,6 +40,7 @@ from ftrun.procs.logs import Console
 from ftrun.procs.warden import Warden
 from ftrun.procs.workers import ProcessSpawner, Spawner
 from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.state import Keys, Me, Rules, Timing
 from ftrun.rendezvous.succession import Successor
 from ftrun.store.base import Store
@@ -187,11 +188,12 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         store.current.on_reconnect = partial(group.say, always=True)
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
     succession = StoreSuccession(config, store, port, deadline, partial(group.say, always=True))
+    liveness = None if config.rdzv.embedded_store else start_liveness(config, group)
     try:
         say = group.say
         rendezvous = rendezvous_for(
             config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True),
-            move_store=succession if config.rdzv.embedded_store else None,
+            move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
         )  # fmt: skip
         succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
@@ -236,6 +238,19 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     finally:
         store.close()
         succession.close()
+        if liveness is not None:
+            liveness.close()
+
+
+def start_liveness(config: LaunchConfig, group: LocalGroup) -> Liveness | None:
+    """With a store whose leases outlive a dead agent by their TTL (etcd), the connections that tell at once
+    (:mod:`ftrun.rendezvous.liveness`); None, said, when this node cannot listen for them."""
+    addr = config.local_addr or socket.getfqdn()
+    try:
+        return Liveness().start(addr)
+    except OSError as e:
+        group.say(f"cannot listen on {addr} for the other agents ({e}): a lost node is noticed by its lease's TTL")
+        return None
 
 
 def leave_together(
@@ -259,6 +274,7 @@ def rendezvous_for(
     log: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
     move_store: Callable[[Successor], None] | None = None,
+    liveness: Liveness | None = None,
 ) -> Rendezvous:
     """This node's side of the rendezvous of ``config``'s job (not started)."""
     conf = config.rdzv.conf
@@ -274,7 +290,7 @@ def rendezvous_for(
 
     return Rendezvous(
         store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
-        move_store=move_store,
+        move_store=move_store, liveness=liveness,
     )  # fmt: skip
 
 

@@ -44,9 +44,9 @@ class TimeoutAgreement:
         """Publish what this node's ranks calculated, and apply what the job agreed; cheap when nothing changed."""
         mine = self._group.calculated_timeouts
         if mine != self._published and mine.any:
-            self._rendezvous.merge_value(VALUE, lambda current: _widened(current, mine))
+            self._rendezvous.values.merge(VALUE, lambda current: _widened(current, mine))
             self._published = mine
-        heard = self._rendezvous.value(VALUE)
+        heard = self._rendezvous.values.get(VALUE)
         if heard is not None and heard != self._heard:
             self._heard = heard
             try:

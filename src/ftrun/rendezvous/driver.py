@@ -30,6 +30,7 @@ from ftrun.clock import Clock
 from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreGone, StoreUnavailable, WatchLost
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
+from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.state import (
     Action,
     Advice,
@@ -45,6 +46,7 @@ from ftrun.rendezvous.state import (
     Timing,
 )
 from ftrun.rendezvous.succession import Successor, successor
+from ftrun.rendezvous.values import JobValues
 from ftrun.store.base import EventType, Store, Watch
 
 T = TypeVar("T")
@@ -68,11 +70,16 @@ class Rendezvous:
         log: Callable[[str], None],
         warn: Callable[[str], None] | None = None,
         move_store: Callable[[Successor], None] | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``);
         ``move_store``: when the store's host is gone, host the store here or point the store handle at the
         successor (:mod:`ftrun.rendezvous.succession`); None: a store that cannot move (etcd's survives)."""
         self._move_store = move_store
+        # With a store whose leases outlive a dead agent by their TTL (etcd): the leader holds a connection to
+        # every member, the others one to the leader; one that ends is a node gone (see rendezvous.liveness).
+        self._liveness = liveness
+        self._leader_alive: tuple[str, str, int] | None = None  # the leader's node id, address and alive port
         self._store_host = ""  # the node that hosts the store, as it said in the store
         self._seed: RoundRecord | None = None  # the round to open in a store that took over from a lost one
         self._store = store
@@ -91,7 +98,7 @@ class Rendezvous:
         self._record: RoundRecord | None = None
         self._record_rev = 0
         self._leader: str | None = None
-        self._values: dict[str, tuple[bytes, int]] = {}  # job-wide values: name -> (value, revision)
+        self.values = JobValues(store, self._keys.values)  # job-wide values, merged by compare-and-set
         self._nodes: dict[str, NodeInfo] = {}
         self._registered: int | None = None
         self._changed_at = 0.0
@@ -107,6 +114,8 @@ class Rendezvous:
         self._changed_at = self._waiting_since = now
         self._new_lease()
         self._follow_shared()
+        if self._liveness is not None:
+            self._selector.register(self._liveness.fileno(), selectors.EVENT_READ)
         return self
 
     def fileno(self) -> int:
@@ -257,7 +266,9 @@ class Rendezvous:
 
     def _register(self, round_: int) -> None:
         assert self._keeper is not None
-        info = NodeInfo(self._me.node_id, self._me.addr, self._me.nproc, self._offer_port(), round_, self._joined_wall)
+        alive = self._liveness.port if self._liveness is not None else 0
+        me = self._me
+        info = NodeInfo(me.node_id, me.addr, me.nproc, self._offer_port(), round_, self._joined_wall, alive)
         self._store.put(self._keys.node(self._me.node_id), state.encode_node(info), lease=self._keeper.lease)
         self._registered = round_
         if self.leading:  # no need to wait for my own key to come back on the watch
@@ -307,6 +318,31 @@ class Rendezvous:
             raise
         if self._leader is None and self._keeper is not None:
             self._try_to_lead()
+        if self._liveness is not None:
+            self._check_liveness(self._liveness)
+
+    def _check_liveness(self, liveness: Liveness) -> None:
+        """Remove the keys of the agents whose connection ended (the leader: members'; the others: the leader's
+        and its leadership), and hold connections to the agents to watch now."""
+        for node in liveness.gone():
+            self._warn(f"rendezvous: node {node} is gone (its agent's connection to this one ended)")
+            if self.leading or node == self._leader:
+                self._store.delete(self._keys.node(node))
+            if node == self._leader and not self.leading:
+                self._store.delete(self._keys.leader)
+        if self.leading:
+            me = self._me.node_id
+            peers = {n: (i.addr, i.alive_port) for n, i in self._nodes.items() if n != me and i.alive_port}
+        elif self._leader is not None and self._leader != self._me.node_id:
+            if self._leader_alive is None or self._leader_alive[0] != self._leader:
+                found = self._store.get(self._keys.node(self._leader))
+                info = self._decode(state.decode_node, self._keys.node(self._leader), found.value) if found else None
+                self._leader_alive = (self._leader, info.addr, info.alive_port) if info else None
+            leader = self._leader_alive
+            peers = {leader[0]: (leader[1], leader[2])} if leader is not None and leader[2] else {}
+        else:
+            peers = {}
+        liveness.watch(peers)
 
     def _seed_moved_store(self) -> None:
         """In a store that took over: the next round opened (by whoever comes first), and its host named."""
@@ -349,11 +385,7 @@ class Rendezvous:
             if self._leader != self._me.node_id:
                 self._stop_leading()
         elif key.startswith(self._keys.values):
-            name = key[len(self._keys.values) :]
-            if value is None:
-                self._values.pop(name, None)
-            elif revision > self._values.get(name, (b"", 0))[1]:
-                self._values[name] = (value, revision)
+            self.values.apply(key, value, revision)
 
     def _apply_round(self, value: bytes | None, revision: int) -> None:
         if value is None:
@@ -385,7 +417,8 @@ class Rendezvous:
 
     def _follow_shared(self) -> None:
         kvs, rev = self._store.list_prefix(self._keys.shared)
-        self._record, self._record_rev, self._leader, self._values = None, 0, None, {}
+        self._record, self._record_rev, self._leader = None, 0, None
+        self.values.clear()
         for kv in kvs:
             self._apply_shared(kv.key, kv.value, kv.revision)
         self._shared_watch = self._watch(self._keys.shared, rev + 1)
@@ -434,36 +467,6 @@ class Rendezvous:
         watch.close()
 
     # --- job-wide values ----------------------------------------------------------------------
-
-    def value(self, name: str) -> bytes | None:
-        """The job-wide value ``name`` as of the last :meth:`next` (or merge)."""
-        found = self._values.get(name)
-        return found[0] if found else None
-
-    def merge_value(self, name: str, merge: Callable[[bytes | None], bytes | None]) -> None:
-        """Store ``merge(current)`` as the job-wide value ``name`` (None or unchanged: nothing to write).
-
-        Compare-and-set against the revision this node knows; when another node wrote
-        first, its value is read and merged again, so no node's contribution is lost.
-        """
-        key = self._keys.values + name
-        for _ in range(MAX_STEPS):
-            current, revision = self._values.get(name, (None, 0))
-            new = merge(current)
-            if new is None or new == current:
-                return
-            won, new_revision = self._store.compare_and_set(key, new, revision)
-            if won:
-                self._values[name] = (new, new_revision)
-                return
-            theirs = self._store.get(key)
-            if theirs is None:
-                self._values.pop(name, None)
-            else:
-                self._values[name] = (theirs.value, theirs.revision)
-        raise FtrunError(
-            f"job-wide value {name!r} did not settle after {MAX_STEPS} writes; the store may be misbehaving"
-        )
 
     def _decode(self, decoder: Callable[[bytes], T], key: str, raw: bytes) -> T | None:
         """A record read from the store, or None when it is not one of ftrun's: records are data, never commands,

@@ -125,6 +125,7 @@ class NodeInfo:
     port: int  # the MASTER_PORT this node offers, should it become group rank 0
     round: int  # the round this node registered for
     joined_wall: float  # for a stable order of newcomers only; never compared with another clock
+    alive_port: int = 0  # where its agent listens for the connections that tell it is alive (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,7 +473,15 @@ def decode_node(raw: bytes) -> NodeInfo:
         port=_get(doc, what, "port", int),
         round=_get(doc, what, "round", int),
         joined_wall=float(_get(doc, what, "joined_wall", float)),
+        alive_port=_get(doc, what, "alive_port", int) if "alive_port" in doc else 0,
     )
-    if not info.node_id or not info.addr or info.nproc < 1 or not 0 < info.port <= 65535 or info.round < 1:
+    if (
+        not info.node_id
+        or not info.addr
+        or info.nproc < 1
+        or not 0 < info.port <= 65535
+        or info.round < 1
+        or (not 0 <= info.alive_port <= 65535)
+    ):
         raise RecordError(f"{what}: node_id, addr, nproc, port or round out of range")
     return info

@@ -1,0 +1,126 @@
+"""Agents that hold a connection to each other, so that a dead one is noticed in milliseconds, not a lease's TTL.
+
+When an agent's process dies, its kernel closes its sockets: the peer holding a connection to it reads the end at
+once. Each agent listens on a port of its own (announced in its node record); the leader holds a connection to
+every member, every other node one to the leader. A connection that ends is proof that the agent at the other
+end is gone (a partition ends no connection: the lease's TTL still covers a node that vanishes without a word).
+With etcd this is how a lost node is noticed in well under its TTL; the embedded store ties leases to its own
+connections and needs none of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import threading
+
+CONNECT_TIMEOUT_S = 2.0
+
+
+class Liveness:
+    """This agent's listener, and its connections to the agents it watches; ``fileno()`` is readable when one
+    of them is gone (read them with :meth:`gone`)."""
+
+    def __init__(self) -> None:
+        self._listener: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._watched: dict[str, socket.socket] = {}  # node id -> our connection to it
+        self._gone: set[str] = set()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.port = 0
+
+    def start(self, addr: str) -> Liveness:
+        """Listen on ``addr`` (any free port), and serve: accepted connections are held until they end."""
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, 0))
+        listener.listen(1024)
+        listener.setblocking(False)
+        self._listener, self.port = listener, listener.getsockname()[1]
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._thread = threading.Thread(target=self._run, name="ftrun-liveness", daemon=True)
+        self._thread.start()
+        return self
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def watch(self, peers: dict[str, tuple[str, int]]) -> None:
+        """Hold a connection to each of ``peers`` (node id -> address, port); stop watching the others. One that
+        cannot be reached now is not watched (its lease covers it)."""
+        with self._lock:
+            for node in set(self._watched) - set(peers):
+                self._forget(node)
+            new = {n: a for n, a in peers.items() if n not in self._watched and n not in self._gone}
+        for node, address in new.items():
+            try:
+                conn = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+            except OSError:
+                continue
+            conn.setblocking(False)
+            with self._lock:
+                self._watched[node] = conn
+                self._selector.register(conn, selectors.EVENT_READ, node)
+
+    def gone(self) -> set[str]:
+        """The watched agents whose connection ended since the last call."""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+        with self._lock:
+            found, self._gone = self._gone, set()
+        return found
+
+    def _forget(self, node: str) -> None:  # lock held
+        conn = self._watched.pop(node)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for key, _ in self._selector.select(0.5):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if key.data == "accept":
+                    with contextlib.suppress(OSError):
+                        conn, _ = sock.accept()
+                        conn.setblocking(False)
+                        self._selector.register(conn, selectors.EVENT_READ, "held")
+                    continue
+                try:
+                    ended = sock.recv(64) == b""
+                except BlockingIOError:
+                    ended = False
+                except OSError:
+                    ended = True  # a reset: the other end is gone too
+                if not ended:
+                    continue
+                with self._lock, contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(sock)
+                    sock.close()
+                    if key.data != "held" and self._watched.get(key.data) is sock:
+                        del self._watched[key.data]
+                        self._gone.add(key.data)
+                        with contextlib.suppress(BlockingIOError):
+                            os.write(self._wake_w, b"!")
+
+    def close(self) -> None:
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join(2.0)
+        with self._lock:
+            for node in list(self._watched):
+                self._forget(node)
+        for key in list(self._selector.get_map().values()):
+            with contextlib.suppress(OSError):
+                key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
