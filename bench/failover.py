@@ -6,6 +6,11 @@ default settings otherwise); the job never imports ftrun: each worker appends a 
 group). Figure: the kill -> every survivor has written a line in a world of N-1 ("never" past --bound).
 
     python bench/failover.py [--nodes 2,16] [--reps 3] [--bound 30] [--launchers ftrun,torchrun]
+    python bench/failover.py --store etcd [--nodes 2,16] [--reps 4]
+
+With ``--store etcd`` (ftrun only: torchrun's etcd backend speaks etcd's v2 API, which etcd 3.4 serves only
+when asked), the job's store is a separate etcd and the agent SIGKILLed is a node: the first one started
+(which leads the rendezvous, in the first of each pair of reps) or the second (a member).
 
 Prints figures; asserts nothing about time.
 """
@@ -65,17 +70,18 @@ def hosting(launcher: str, procs: dict[str, subprocess.Popen[bytes]], port: int,
     return None
 
 
-def trial(launcher: str, nodes: int, bound: float, work: Path) -> float | None:
+def trial(launcher: str, nodes: int, bound: float, work: Path, etcd: str = "", victim: int = 0) -> float | None:
     work.mkdir(parents=True)
     (work / "job.py").write_text(JOB)
     log = work / "train.log"
     port = free_port()
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    rdzv = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd] if etcd else [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
     for i in range(nodes):
         name = f"n{i:02d}"
-        argv = [*LAUNCHERS[launcher], "--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "failover", "--max-restarts", "3",
-                str(work / "job.py")]  # fmt: skip
+        argv = [*LAUNCHERS[launcher], "--nnodes", f"1:{nodes}", "--nproc-per-node", "1", *rdzv,
+                "--rdzv-id", f"failover-{work.name}", "--max-restarts", "3", str(work / "job.py")]  # fmt: skip
         if launcher == "ftrun":
             argv[3:3] = ["--log-dir", str(work / "logs"), "--local-addr", "127.0.0.1"]
         env = {**os.environ, "NODE": name, "TRAIN_LOG": str(log)}
@@ -89,7 +95,7 @@ def trial(launcher: str, nodes: int, bound: float, work: Path) -> float | None:
                 print(f"    {launcher}: {nodes} nodes never trained together", flush=True)
                 return None
             time.sleep(0.1)
-        host = hosting(launcher, procs, port, work)
+        host = sorted(procs)[victim] if etcd else hosting(launcher, procs, port, work)
         if host is None:
             print(f"    {launcher}: cannot tell which agent hosts the store", flush=True)
             return None
@@ -116,17 +122,31 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--bound", type=float, default=30.0)
     p.add_argument("--launchers", default="ftrun,torchrun")
+    p.add_argument("--store", choices=("c10d", "etcd"), default="c10d")
     a = p.parse_args()
+    if a.store == "etcd":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+        from ftrun.testing.etcd import EtcdHarness
+
+        etcd = EtcdHarness().start()
+        endpoint = f"127.0.0.1:{etcd.client_port}"
+        a.launchers = "ftrun"
+    else:
+        etcd, endpoint = None, ""
     results: dict[tuple[str, int], list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="ftrun-failover-") as tmp:
         for nodes in (int(n) for n in a.nodes.split(",")):
             for rep in range(a.reps):
                 for launcher in a.launchers.split(","):  # alternating, in one run: the machine is noisy
-                    took = trial(launcher, nodes, a.bound, Path(tmp) / f"{launcher}-{nodes}-{rep}")
+                    work = Path(tmp) / f"{launcher}-{nodes}-{rep}"
+                    took = trial(launcher, nodes, a.bound, work, endpoint, victim=rep % 2)
                     results.setdefault((launcher, nodes), []).append(took)
                     shown = "never" if took is None else f"{took:.2f} s"
                     print(f"  {nodes:3d} nodes  {launcher:9s} rep {rep}: {shown}", flush=True)
-    print(f"\nthe store's host SIGKILLed -> every survivor training again (bound {a.bound:g} s)")
+    if etcd is not None:
+        etcd.close()
+    lost = "a node (first or second started, alternately)" if etcd else "the store's host"
+    print(f"\n{lost} SIGKILLed -> every survivor training again (bound {a.bound:g} s; store: {a.store})")
     for (launcher, nodes), found in results.items():
         ok = [x for x in found if x is not None]
         median = f"{statistics.median(ok):.2f} s ({min(ok):.2f}-{max(ok):.2f})" if ok else "never"
