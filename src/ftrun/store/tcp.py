@@ -99,7 +99,8 @@ class TcpStoreClient:
         self.endpoint = f"{'tcps' if tls else 'tcp'}://{host}:{port}"
         self._address = (host, port)
         self._token = token
-        self._retry = RetryPolicy(deadline_s=retry_deadline_s)
+        # Pauses of at most 0.5 s: a store that went away is known to be gone (GONE_AFTER_S) soon after.
+        self._retry = RetryPolicy(deadline_s=retry_deadline_s, max_backoff_s=0.5)
         self._call_timeout_s = call_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._lock = threading.RLock()  # connection state, pending calls, subscriptions
