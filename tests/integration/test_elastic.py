@@ -354,6 +354,19 @@ def _host_and_client(tmp_path: Path, live: list[LiveFtrun], nnodes: str, restart
     return (a, b) if "hosting the rendezvous store" in a.stderr() else (b, a)
 
 
+def _kill_the_store_host(
+    tmp_path: Path, live: list[LiveFtrun], nnodes: str, restarts: str
+) -> tuple[LiveFtrun, list[int]]:
+    """Two agents train together; the one hosting the store is SIGKILLed. Returns the other, and the pids of
+    its workers of that round."""
+    host, other = _host_and_client(tmp_path, live, nnodes, restarts)
+    ups(other, 4, 2)
+    workers = pids(other, 4)
+    host.proc.kill()
+    host.wait()
+    return other, workers
+
+
 def test_when_the_agent_hosting_the_store_dies_a_survivor_takes_over_and_trains_alone(
     tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
 ) -> None:
@@ -362,11 +375,7 @@ def test_when_the_agent_hosting_the_store_dies_a_survivor_takes_over_and_trains_
     node, long before the lease's TTL (10 min here) could pass. The output names who was lost and who took
     over."""
     script("w.py", WORKER)
-    host, other = _host_and_client(tmp_path, live, "1:2", "3")
-    ups(other, 4, 2)
-    workers = pids(other, 4)
-    host.proc.kill()
-    host.wait()
+    other, workers = _kill_the_store_host(tmp_path, live, "1:2", "3")
     ups(other, 2, 2)  # a new round, the survivor alone
     said = other.stderr()
     assert re.search(r"the store's host \S+ is lost \(the store tcp://127\.0\.0\.1:\d+ is gone", said), said
@@ -380,11 +389,7 @@ def test_when_the_store_host_dies_and_the_budget_is_spent_the_survivor_stops(
     """The lost node counts against --max-restarts as any lost node does: with none left the survivor takes
     over, says the budget is spent, stops its workers and exits 1."""
     script("w.py", WORKER)
-    host, other = _host_and_client(tmp_path, live, "2", "0")
-    ups(other, 4, 2)
-    workers = pids(other, 4)
-    host.proc.kill()
-    host.wait()
+    other, workers = _kill_the_store_host(tmp_path, live, "2", "0")
     assert other.wait() == 1, other.stderr()
     assert re.search(r"the store tcp://127\.0\.0\.1:\d+ is gone", other.stderr())
     assert "restart budget spent" in other.stderr()
