@@ -29,6 +29,7 @@ PURE = [
     "ftrun.worker.requests",
     "ftrun.warm.policy",
     "ftrun.rendezvous.succession",
+    "ftrun.monitor.stragglers",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -1,0 +1,64 @@
+"""Which rank slows the job: the rules, apart from how the step times are measured. PURE.
+
+In synchronous training every rank's step takes as long as the slowest one's: the others wait for it in the
+gradient all-reduce. What tells the ranks apart is the time each spends *computing* in a step (before it waits
+for its peers): the straggler's is the longest. Each window of steps, a rank's score is how much longer its
+median compute time is than the other ranks' median (0.3: 30% slower); the median of a window ignores a one-off slow
+step (a checkpoint, an evaluation) that every rank, or one, takes now and then. A rank is named a straggler
+once its score stayed above the threshold for ``windows`` windows in a row, with what it costs the job: the
+share of the step time the others spend waiting for it (steps per second lost).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+THRESHOLD = 0.05  # 5% slower than the others: below that, noise on a shared machine
+WINDOWS = 3  # in a row
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    rank: int
+    slower: float  # its compute time over the other ranks' median, minus 1 (0.3: 30% slower)
+    cost: float  # the share of each step the job loses to it (1 - the step rate it would have without it)
+
+
+def scores(compute_s: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """Each rank's median compute time in the window over that of the other ranks' median, minus 1 (the others:
+    with two ranks, the median of all would be their mean, and halve the slow one's score)."""
+    medians = {rank: statistics.median(times) for rank, times in compute_s.items() if times}
+    if len(medians) < 2:
+        return {}
+    found = {}
+    for rank, m in medians.items():
+        typical = statistics.median(v for r, v in medians.items() if r != rank)
+        if typical > 0:
+            found[rank] = m / typical - 1
+    return found
+
+
+class StragglerWatch:
+    """Fed one window at a time; remembers how many windows in a row each rank stood out."""
+
+    def __init__(self, threshold: float = THRESHOLD, windows: int = WINDOWS) -> None:
+        self._threshold = threshold
+        self._windows = windows
+        self._streak: dict[int, int] = {}
+        self.scores: dict[int, float] = {}
+
+    def window(self, compute_s: Mapping[int, Sequence[float]], step_s: float) -> list[Straggler]:
+        """The stragglers after this window of steps (``compute_s``: each rank's compute time per step;
+        ``step_s``: the job's median step time in the window), slowest first."""
+        self.scores = scores(compute_s)
+        found = []
+        for rank, score in self.scores.items():
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if score > self._threshold else 0
+            if self._streak[rank] >= self._windows:
+                mine = statistics.median(compute_s[rank])
+                extra = mine - mine / (1 + score)  # seconds per step the others wait for it
+                cost = min(1.0, extra / step_s) if step_s > 0 else 0.0
+                found.append(Straggler(rank, score, cost))
+        return sorted(found, key=lambda s: s.slower, reverse=True)

@@ -1,0 +1,60 @@
+"""Straggler rules, pure: per-rank compute times per step in, named ranks out (no torch, no clock)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftrun.monitor.stragglers import WINDOWS, StragglerWatch, scores
+
+STEP = 0.1  # seconds of compute per step on a balanced rank
+
+
+def window(world: int, slow: dict[int, float] | None = None, steps: int = 20, seed: int = 0) -> dict[int, list[float]]:
+    """A window of steps: each rank's compute time per step, with 2% noise; ``slow``: rank -> extra share."""
+    rng = random.Random(seed)
+    return {
+        r: [STEP * (1 + (slow or {}).get(r, 0.0)) * rng.uniform(0.98, 1.02) for _ in range(steps)] for r in range(world)
+    }
+
+
+@pytest.mark.parametrize(("world", "extra"), [(2, 0.1), (4, 0.1), (4, 0.3), (4, 1.0)])
+def test_a_rank_consistently_slower_is_named_after_a_few_windows_with_its_cost(world: int, extra: float) -> None:
+    watch = StragglerWatch()
+    step_s = STEP * (1 + extra)  # every rank's step lasts as long as the slowest one's
+    for i in range(WINDOWS - 1):
+        assert watch.window(window(world, {1: extra}, seed=i), step_s) == []  # not yet: it must last
+    [found] = watch.window(window(world, {1: extra}, seed=9), step_s)
+    assert found.rank == 1
+    assert found.slower == pytest.approx(extra, rel=0.35)
+    assert found.cost == pytest.approx(extra / (1 + extra), rel=0.35)  # the others wait its extra time each step
+
+
+def test_a_balanced_job_names_nobody() -> None:
+    watch = StragglerWatch()
+    for i in range(50):
+        assert watch.window(window(8, seed=i), STEP) == []
+
+
+def test_a_one_off_slow_step_is_ignored() -> None:
+    """A checkpoint: one step of one rank takes 20 times as long, window after window."""
+    watch = StragglerWatch()
+    for i in range(10):
+        times = window(4, seed=i)
+        times[2][i % 20] = STEP * 20
+        assert watch.window(times, STEP) == []
+
+
+def test_a_rank_that_recovers_is_named_no_longer() -> None:
+    watch = StragglerWatch()
+    for i in range(WINDOWS):
+        watch.window(window(4, {3: 0.5}, seed=i), STEP * 1.5)
+    assert [s.rank for s in watch.window(window(4, {3: 0.5}, seed=7), STEP * 1.5)] == [3]
+    assert watch.window(window(4, seed=8), STEP) == []
+
+
+def test_scores_need_two_ranks_with_times() -> None:
+    assert scores({0: [0.1]}) == {}
+    assert scores({0: [0.1], 1: []}) == {}
+    assert scores({0: [0.1], 1: [0.2], 2: [0.1]}) == pytest.approx({0: -1 / 3, 1: 1.0, 2: -1 / 3})
