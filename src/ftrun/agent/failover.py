@@ -1,4 +1,4 @@
-"""The agent's part in moving the embedded store when the node that hosted it is lost.
+"""The agent and the job's store: serving the embedded store, reaching it, and moving it when its host is lost.
 
 The rendezvous decides who takes over (:mod:`ftrun.rendezvous.succession`); this hosts the new store when the
 successor is this node, on its address and the endpoint's port, and points the job's store handle there.
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ftrun.config import LaunchConfig
 from ftrun.errors import FtrunError
 from ftrun.rendezvous.succession import Successor
+from ftrun.store.base import Store
 from ftrun.store.factory import open_store
 from ftrun.store.moving import MovingStore
 from ftrun.store.tcp import TcpStoreClient
@@ -19,6 +20,25 @@ from ftrun.store.url import tcp_url
 
 if TYPE_CHECKING:
     from ftrun.store.tcp_server import TcpStoreServer
+
+
+def serve_store(config: LaunchConfig, host: str, port: int) -> TcpStoreServer:
+    """The embedded store served here (over TLS when the job's store URL is ``tcps://``); raises OSError when
+    the address cannot be bound."""
+    from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
+    from ftrun.store.tls import server_context
+
+    r = config.rdzv
+    tls = server_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+    return TcpStoreServer(host, port, token=r.token, tls=tls).start()
+
+
+def open_job_store(config: LaunchConfig, url: str, retry_deadline_s: float, say: Callable[[str], None]) -> Store:
+    """A client of the job's store at ``url``, which says when a broken connection is back."""
+    store = open_store(url, token=config.rdzv.token, retry_deadline_s=retry_deadline_s)
+    if isinstance(store, TcpStoreClient):
+        store.on_reconnect = say
+    return store
 
 
 class StoreSuccession:
@@ -35,27 +55,17 @@ class StoreSuccession:
         self.server: TcpStoreServer | None = None  # the store this node took over, if it did
 
     def __call__(self, successor: Successor) -> None:
-        r = self._config.rdzv
-        options = dict(r.conf.etcd)
         where = f"{successor.addr}:{self._port}"
         if successor.node_id == self.me:
-            from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
-            from ftrun.store.tls import server_context
-
-            tls = server_context(options) if r.store_url.startswith("tcps://") else None
             try:
-                self.server = TcpStoreServer(successor.addr, self._port, token=r.token, tls=tls).start()
+                self.server = serve_store(self._config, successor.addr, self._port)
             except OSError as e:
                 raise FtrunError(f"the store's host was lost and this node cannot take over on {where}: {e}") from e
             self._say(f"the store's host was lost: this node hosts the store now, on {where}")
         else:
             self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
-        client = open_store(
-            tcp_url(successor.addr, self._port, options), token=r.token, retry_deadline_s=self._deadline_s
-        )
-        if isinstance(client, TcpStoreClient):
-            client.on_reconnect = self._say
-        self._store.move_to(client)
+        url = tcp_url(successor.addr, self._port, dict(self._config.rdzv.conf.etcd))
+        self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
 
     def close(self) -> None:
         if self.server is not None:

@@ -21,7 +21,7 @@ from ftrun.agent import elastic, static
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
-from ftrun.agent.failover import StoreSuccession
+from ftrun.agent.failover import StoreSuccession, open_job_store, serve_store
 from ftrun.agent.group import LocalGroup
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
@@ -44,9 +44,7 @@ from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.state import Keys, Me, Rules, Timing
 from ftrun.rendezvous.succession import Successor
 from ftrun.store.base import Store
-from ftrun.store.factory import open_store
 from ftrun.store.moving import MovingStore
-from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.url import tcp_url
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
@@ -183,9 +181,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
-    store = MovingStore(open_store(url, token=config.rdzv.token, retry_deadline_s=deadline))
-    if isinstance(store.current, TcpStoreClient):
-        store.current.on_reconnect = partial(group.say, always=True)
+    store = MovingStore(open_job_store(config, url, deadline, partial(group.say, always=True)))
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
     succession = StoreSuccession(config, store, port, deadline, partial(group.say, always=True))
     liveness = None if config.rdzv.embedded_store else start_liveness(config, group)
@@ -306,14 +302,10 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         wanted = config.standalone or not r.endpoint_host or is_local_address(r.endpoint_host)
     if not r.embedded_store or not wanted:
         return None
-    from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
-    from ftrun.store.tls import server_context
-
     host = r.endpoint_host or "127.0.0.1"
     port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
     try:
-        tls = server_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
-        server = TcpStoreServer(host, port, token=r.token, tls=tls).start()
+        server = serve_store(config, host, port)
     except OSError as e:
         if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
             group.say(f"{host}:{port} is taken, presumably by another agent's store: joining it as a client")
@@ -324,7 +316,7 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         ) from None
     group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
     group.say(f"hosting the rendezvous store on {host}:{server.port}")
-    if r.token is None and tls is None and not is_loopback(host):
+    if r.token is None and not r.store_url.startswith("tcps://") and not is_loopback(host):
         group.say(
             f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
             "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",

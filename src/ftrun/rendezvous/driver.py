@@ -181,9 +181,7 @@ class Rendezvous:
                 f"the store was unreachable for {now - self._cut_off_since:.0f} s, longer than join_timeout "
                 f"({self._rules.join_timeout_s:g} s): {e}"
             ) from None
-        if self._keeper is not None and (lost := self._keeper.lost(now)):
-            self._warn(f"rendezvous: {lost}; my node key is gone")
-            self._drop_lease()
+        self._notice_lost_lease(now)
         if local.running_round is not None and self._keeper is None:
             return Advice(self._fence(local.running_round), now)
         wake = now + RETRY_S if self._keeper is None else min(now + RETRY_S, self._keeper.fence_at)
@@ -294,10 +292,7 @@ class Rendezvous:
 
     def _absorb(self) -> None:
         """Drain the watches and notice a lost lease; everything else is read from these."""
-        lost = self._keeper.lost(self._clock.monotonic()) if self._keeper is not None else ""
-        if lost:
-            self._warn(f"rendezvous: {lost}; my node key is gone")
-            self._drop_lease()
+        self._notice_lost_lease(self._clock.monotonic())
         try:
             if self._shared_watch is None:  # it failed while the store was out of reach
                 self._follow_shared()
@@ -350,7 +345,7 @@ class Rendezvous:
             return
         seed, self._seed = self._seed, None
         self._store.compare_and_set(self._keys.round, state.encode_round(seed), 0)  # one survivor's stands
-        if self._move_store is not None and self._store_host == self._me.node_id:
+        if self._store_host == self._me.node_id:  # a seed comes only with a store that moved here
             self._store.put(self._keys.store_host, self._me.node_id.encode())
 
     def _forget_watches(self) -> None:
@@ -358,6 +353,12 @@ class Rendezvous:
         if self._shared_watch is not None:
             self._unwatch(self._shared_watch)
             self._shared_watch = None
+
+    def _notice_lost_lease(self, now: float) -> None:
+        """By this node's clock: a lease that may have lapsed is dropped (the workers stop next: fencing)."""
+        if self._keeper is not None and (lost := self._keeper.lost(now)):
+            self._warn(f"rendezvous: {lost}; my node key is gone")
+            self._drop_lease()
 
     def _drop_lease(self) -> None:
         """My lease is gone (or the store forgot it): no key, no leadership. No store call here: the workers
@@ -466,7 +467,7 @@ class Rendezvous:
         self._selector.unregister(watch.fileno())
         watch.close()
 
-    # --- job-wide values ----------------------------------------------------------------------
+    # --- records read from the store -----------------------------------------------------------
 
     def _decode(self, decoder: Callable[[bytes], T], key: str, raw: bytes) -> T | None:
         """A record read from the store, or None when it is not one of ftrun's: records are data, never commands,
