@@ -20,12 +20,16 @@ import ftrun
 rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 here = pathlib.Path(sys.argv[1])
 print(f"up rank={rank} restart={restart}", flush=True)
+beaten = False
 while not (here / "done").exists():
     if rank == 1 and restart == 0 and (here / "crash").exists():
         sys.exit(3)
     if rank == 1 and restart == 1 and (here / "hang").exists():
         time.sleep(600)
     ftrun.heartbeat()
+    if not beaten:
+        print(f"beating rank={rank} restart={restart}", flush=True)
+        beaten = True
     time.sleep(0.05)
 """
 
@@ -93,6 +97,8 @@ def test_metrics_follow_a_crash_and_a_hang(tmp_path: Path, live: list[LiveFtrun]
     assert value(crashed, "ftrun_attempt") == 1
     assert (value(crashed, "ftrun_downtime_seconds_total") or 0) > 0
 
+    # Rank 1 must have beaten in this attempt before it hangs: an age exists only after a first beat.
+    agent.wait_for_lines(r"beating rank=1 restart=1", 1)
     (tmp_path / "hang").touch()
     stale = until(
         port, lambda s: (value(s, "ftrun_heartbeat_age_seconds", rank="1") or 0) > 1.0, "rank 1's age growing"
