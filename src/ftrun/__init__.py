@@ -8,6 +8,7 @@ from ftrun.worker.calculated import calculate_timeouts, load_monitor_state, moni
 from ftrun.worker.client import end_all_sections, end_section, heartbeat, section, start_section
 from ftrun.worker.errorfile import record
 from ftrun.worker.nvidia import RankMonitorClient
+from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat
 from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 
@@ -29,4 +30,5 @@ __all__ = [
     "start_peer_heartbeat",
     "start_section",
     "stop_job",
+    "stragglers",
 ]

@@ -173,6 +173,28 @@ class HangSpec:
     learned_floor_s: float = LEARNED_FLOOR_S  # --learned-timeout-floor: the smallest heartbeat timeout learned
 
 
+STRAGGLER_THRESHOLD = 0.05  # 5% longer per step than the other ranks
+HEALTH_INTERVAL_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerSpec:
+    """Straggler detection (``--no-stragglers``, ``--straggler-threshold``, ``--straggler-action``)."""
+
+    enabled: bool = True
+    threshold: float = STRAGGLER_THRESHOLD  # named when this much longer per step than the others, window after window
+    exclude: bool = False  # --straggler-action exclude: its node leaves the job when a spare can take its place
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSpec:
+    """Node health checks (``--health-check``): run before the node joins each round and every ``interval_s``
+    while it trains; each is a shell command or ``builtin:NAME[=ARG]`` (:mod:`ftrun.node.health`)."""
+
+    checks: tuple[str, ...] = ()
+    interval_s: float = HEALTH_INTERVAL_S
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     entrypoint: Entrypoint
@@ -206,6 +228,8 @@ class LaunchConfig:
     launcher_error_file: Path | None = None  # ftrun's own TORCHELASTIC_ERROR_FILE: the root cause goes there
     hang: HangSpec = field(default_factory=HangSpec)
     warm: WarmSpec = field(default_factory=WarmSpec)
+    stragglers: StragglerSpec = field(default_factory=StragglerSpec)
+    health: HealthSpec = field(default_factory=HealthSpec)
     accelerators: bool = False  # visible to the workers: a stopped worker must be gone before the next start
     metrics: tuple[str, int] | None = None  # --metrics-port: (host, port) of /metrics; "" host: all addresses
 

@@ -25,6 +25,7 @@ def test_public_surface() -> None:
         "start_peer_heartbeat",
         "start_section",
         "stop_job",
+        "stragglers",
     ]
     for name in ftrun.__all__:
         assert hasattr(ftrun, name)

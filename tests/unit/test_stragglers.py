@@ -6,13 +6,17 @@ import random
 
 import pytest
 
-from ftrun.monitor.stragglers import WINDOWS, StragglerWatch, scores
+from ftrun.monitor.stragglers import WINDOWS, StragglerWatch, medians, scores
 
 STEP = 0.1  # seconds of compute per step on a balanced rank
 
 
-def window(world: int, slow: dict[int, float] | None = None, steps: int = 20, seed: int = 0) -> dict[int, list[float]]:
-    """A window of steps: each rank's compute time per step, with 2% noise; ``slow``: rank -> extra share."""
+def window(world: int, slow: dict[int, float] | None = None, steps: int = 20, seed: int = 0) -> dict[int, float]:
+    """A window of steps: each rank's median compute time per step, with 2% noise; ``slow``: rank -> extra."""
+    return medians(times(world, slow, steps, seed))
+
+
+def times(world: int, slow: dict[int, float] | None = None, steps: int = 20, seed: int = 0) -> dict[int, list[float]]:
     rng = random.Random(seed)
     return {
         r: [STEP * (1 + (slow or {}).get(r, 0.0)) * rng.uniform(0.98, 1.02) for _ in range(steps)] for r in range(world)
@@ -41,9 +45,9 @@ def test_a_one_off_slow_step_is_ignored() -> None:
     """A checkpoint: one step of one rank takes 20 times as long, window after window."""
     watch = StragglerWatch()
     for i in range(10):
-        times = window(4, seed=i)
-        times[2][i % 20] = STEP * 20
-        assert watch.window(times, STEP) == []
+        taken = times(4, seed=i)
+        taken[2][i % 20] = STEP * 20
+        assert watch.window(medians(taken), STEP) == []
 
 
 def test_a_rank_that_recovers_is_named_no_longer() -> None:
@@ -54,7 +58,7 @@ def test_a_rank_that_recovers_is_named_no_longer() -> None:
     assert watch.window(window(4, seed=8), STEP) == []
 
 
-def test_scores_need_two_ranks_with_times() -> None:
-    assert scores({0: [0.1]}) == {}
-    assert scores({0: [0.1], 1: []}) == {}
-    assert scores({0: [0.1], 1: [0.2], 2: [0.1]}) == pytest.approx({0: -1 / 3, 1: 1.0, 2: -1 / 3})
+def test_scores_need_two_ranks_with_enough_steps() -> None:
+    assert medians({0: [0.1, 0.1, 0.1], 1: [0.2, 0.2]}) == {0: 0.1}  # rank 1: too few steps to say
+    assert scores({0: 0.1}) == {}
+    assert scores({0: 0.1, 1: 0.2, 2: 0.1}) == pytest.approx({0: -1 / 3, 1: 1.0, 2: -1 / 3})

@@ -85,6 +85,8 @@ class LocalGroup:
         group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
         group._wakeup = SignalWakeup.install()
         group._watch = WorkerWatch.open(config, clock, group.emit, group.say)
+        group._watch.pace.node = host
+        group.status.pace = group._watch.pace
         group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
         group._begin()
         return group
@@ -183,7 +185,7 @@ class LocalGroup:
             self._pool.hold()  # until the refill after these spawns
         close_duplicates(self._duplicates)
         self._duplicates = open_duplicates(self.config.logs, attempt_dir)
-        self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}")
+        self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}", attempt_dir, self._round)
         if self._peers is not None:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
@@ -321,6 +323,7 @@ class LocalGroup:
         self._reports.board = board
         self._held.board = board
         self.status.board, self.status.node = board, board.node
+        self._watch.pace.share, self._watch.pace.node = board.pace_share(), board.node
 
     def report_failure(self, will_restart: bool) -> None:
         """Write and print the current attempt's failure report, root cause first (this node's, or when its

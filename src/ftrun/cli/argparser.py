@@ -146,7 +146,35 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a warm worker whose script ended may take to exit before it is ended, its result kept (30)",
     )
-    _flag(hang, "--config", default=None, help="TOML file with the hang settings (keys as the flags, underscored)")
+    _flag(
+        hang,
+        "--config",
+        default=None,
+        help="TOML or YAML file of hang, straggler and health check settings (keys as the flags, underscored)",
+    )
+    node = p.add_argument_group("stragglers and node health (flags override the --config file)")
+    _flag(node, "--no-stragglers", action="store_true", help="do not time the workers' steps nor name stragglers")
+    _flag(
+        node,
+        "--straggler-threshold",
+        default=None,
+        help="name a rank computing this share longer per step than the others, window after window (0.05)",
+    )
+    _flag(
+        node,
+        "--straggler-action",
+        default=None,
+        help="report (default), or exclude: a straggler's node leaves the job when a spare node waits",
+    )
+    _flag(
+        node,
+        "--health-check",
+        action="append",
+        default=None,
+        metavar="CMD",
+        help="before joining and while training, this node must pass CMD (exit 0) or builtin:gpu|nic[=IF]|writable=DIR",
+    )
+    _flag(node, "--health-check-interval", default=None, help="seconds between health checks while training (60)")
     ft = p.add_argument_group("NVIDIA ft_launcher's hang settings (ftrun's own flags win)")
     _flag(ft, "--ft-cfg-path", default=None, help="ft_launcher YAML with a fault_tolerance: section")
     for name in nvidia_ft.NAMES:

@@ -1,4 +1,4 @@
-"""Hang detection settings: the hang flags over the ``--config`` TOML file, into a HangSpec."""
+"""Hang detection settings: the hang flags over the ``--config`` file, into a HangSpec."""
 
 from __future__ import annotations
 
@@ -25,24 +25,6 @@ HANG_KEYS = {
 }
 
 
-def read_config_file(path: Path) -> dict[str, object]:
-    """The --config TOML file: the hang flags' names with underscores, plus a [section_timeouts] table."""
-    import tomllib
-
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError("--config", f"cannot read {path}: {e.strerror or e}", "pass an existing TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("--config", f"{path} is not valid TOML: {e}", "fix the file") from None
-    unknown = sorted(set(data) - set(HANG_KEYS))
-    if unknown:
-        raise ConfigError(
-            "--config", f"unknown key(s) in {path}: {', '.join(unknown)}", f"use only {', '.join(HANG_KEYS)}"
-        )
-    return data
-
-
 def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
     found: dict[str, float] = {}
     for item in items:
@@ -64,16 +46,16 @@ def parse_steps(flag: str, value: object) -> int:
 
 def parse_hang(
     flags: Mapping[str, object],
-    config_file: Path | None,
+    config_file: Mapping[str, object],
     nvidia_flags: Mapping[str, object] | None = None,
     nvidia_file: Path | None = None,
 ) -> tuple[HangSpec, list[str]]:
     """Hang settings, each from the first source that sets it: ftrun's flags (``flags`` maps HANG_KEYS to the
-    raw values, None if not given), NVIDIA's ``--ft-*`` flags (their names), the --config TOML file, NVIDIA's
+    raw values, None if not given), NVIDIA's ``--ft-*`` flags (their names), the --config file's keys, NVIDIA's
     YAML (``--ft-cfg-path``). Returns them and what to say about settings that were not applied."""
     layers: list[Mapping[str, object]] = [{k: v for k, v in flags.items() if v is not None}]
     layers.append(nvidia_ft.from_flags(nvidia_flags or {}))
-    layers.append(read_config_file(config_file) if config_file else {})
+    layers.append(config_file)
     notices: list[str] = []
     if nvidia_file is not None:
         from_yaml, ignored = nvidia_ft.read_yaml(nvidia_file)

@@ -16,7 +16,9 @@ from pathlib import Path
 from ftrun import config as cfg
 from ftrun.cli import flags, nvidia_ft, rdzv_flags
 from ftrun.cli.argparser import build_parser
+from ftrun.cli.config_file import read_config_file
 from ftrun.cli.hang_flags import HANG_KEYS, parse_hang
+from ftrun.cli.node_flags import NODE_KEYS, parse_health, parse_stragglers
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.node import addresses
 from ftrun.node.devices import accelerators_visible
@@ -70,9 +72,10 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     notices += flags.not_applied(logs_specs=a.logs_specs)
     numa_notices, cpu_affinity = flags.numa_binding(a.numa_binding, nproc, environ)
     notices += numa_notices
+    config_file = read_config_file(cwd / a.config, [*HANG_KEYS, *NODE_KEYS]) if a.config else {}
     hang, hang_notices = parse_hang(
         {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
-        cwd / a.config if a.config else None,
+        config_file,
         {name: getattr(a, f"ft_{name}") for name in nvidia_ft.NAMES},
         cwd / a.ft_cfg_path if a.ft_cfg_path else None,
     )
@@ -131,6 +134,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         else None,
         warm=flags.parse_warm(a.no_warm, a.warm, a.preload, environ),
         hang=hang,
+        stragglers=parse_stragglers(a.no_stragglers, a.straggler_threshold, a.straggler_action, config_file),
+        health=parse_health(a.health_check, a.health_check_interval, config_file),
         metrics=flags.parse_metrics(a.metrics_port),
         accelerators=accelerators_visible(environ),
     )

@@ -72,8 +72,9 @@ def _header(job: dict[str, Any]) -> Text:
 
 def _ranks(job: dict[str, Any]) -> Table:
     table = Table(expand=False, header_style="bold")
-    for column in ("node", "rank", "local", "pid", "state", "heartbeat", "step", "beats", "sections"):
-        table.add_column(column, justify="right" if column in ("rank", "local", "pid", "step", "beats") else "left")
+    right = ("rank", "local", "pid", "step", "beats", "slower")
+    for column in ("node", "rank", "local", "pid", "state", "heartbeat", "step", "beats", "slower", "sections"):
+        table.add_column(column, justify="right" if column in right else "left")
     now = float(job["now"])
     for node in job["nodes"]:
         for r in node.get("ranks", []):
@@ -83,6 +84,9 @@ def _ranks(job: dict[str, Any]) -> Table:
             age = r.get("heartbeat_age_s")
             heartbeat = "-" if age is None else f"{age:.1f} s ago"
             sections = ", ".join(f"{name} {now - float(since):.0f} s" for name, since in r.get("sections", []))
+            score = r.get("straggler_score")  # how much longer than the other ranks it computes per step
+            style = "bold red" if r.get("straggler") else ""
+            slower = Text("-") if score is None else Text(f"{score:+.0%}", style=style)
             table.add_row(
                 str(node.get("host")),
                 str(r.get("rank")),
@@ -92,6 +96,7 @@ def _ranks(job: dict[str, Any]) -> Table:
                 heartbeat,
                 "-" if r.get("step") is None else str(r["step"]),
                 str(r.get("beats", 0)),
+                slower,
                 sections or "-",
             )
     return table

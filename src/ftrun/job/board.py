@@ -26,6 +26,7 @@ from typing import Any
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
+from ftrun.job.pace_share import PaceShare
 from ftrun.jsonobject import object_or_none
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
@@ -74,6 +75,10 @@ class JobBoard:
                     return
             with contextlib.suppress(StoreError):
                 self._store.put(f"{self._root}status/{self._node}", record)
+
+    def pace_share(self) -> PaceShare:
+        """This node's side of the ranks' pace, shared for straggler detection."""
+        return PaceShare(self._store, self._root, self._node)
 
     def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
         """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""

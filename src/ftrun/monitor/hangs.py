@@ -162,6 +162,12 @@ class HangWatch:
         except CorruptSlot:
             return None
 
+    def pace(self, local_rank: int, seen: int) -> tuple[int, list[tuple[float, float]]]:
+        """The step times the worker wrote after its first ``seen`` (:func:`ftrun.worker.layout.read_pace`)."""
+        if self._table is None:
+            return seen, []
+        return self._table.pace(local_rank, seen)
+
     def quiet_for(self, w: Worker) -> float:
         """Seconds since the worker's last sign of progress (heartbeat, section change, start)."""
         return self._clock.monotonic() - last_activity(Watched(w.local_rank, w.spawn_mono, self.slot(w.local_rank)))

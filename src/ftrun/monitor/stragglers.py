@@ -17,19 +17,26 @@ from dataclasses import dataclass
 
 THRESHOLD = 0.05  # 5% slower than the others: below that, noise on a shared machine
 WINDOWS = 3  # in a row
+MIN_STEPS = 3  # of a rank in a window, for its median to count
 
 
 @dataclass(frozen=True, slots=True)
 class Straggler:
     rank: int
     slower: float  # its compute time over the other ranks' median, minus 1 (0.3: 30% slower)
+    extra_s: float  # how much longer it computes per step than the others (the time they wait for it)
     cost: float  # the share of each step the job loses to it (1 - the step rate it would have without it)
 
 
-def scores(compute_s: Mapping[int, Sequence[float]]) -> dict[int, float]:
-    """Each rank's median compute time in the window over that of the other ranks' median, minus 1 (the others:
-    with two ranks, the median of all would be their mean, and halve the slow one's score)."""
-    medians = {rank: statistics.median(times) for rank, times in compute_s.items() if times}
+def medians(compute_s: Mapping[int, Sequence[float]], min_steps: int = MIN_STEPS) -> dict[int, float]:
+    """Each rank's median compute time in a window of its steps; a rank with fewer than ``min_steps`` steps in
+    the window is left out (it says nothing yet)."""
+    return {rank: statistics.median(times) for rank, times in compute_s.items() if len(times) >= min_steps}
+
+
+def scores(medians: Mapping[int, float]) -> dict[int, float]:
+    """Each rank's median compute time over the other ranks' median, minus 1 (the others: with two ranks, the
+    median of all would be their mean, and halve the slow one's score)."""
     if len(medians) < 2:
         return {}
     found = {}
@@ -49,16 +56,16 @@ class StragglerWatch:
         self._streak: dict[int, int] = {}
         self.scores: dict[int, float] = {}
 
-    def window(self, compute_s: Mapping[int, Sequence[float]], step_s: float) -> list[Straggler]:
-        """The stragglers after this window of steps (``compute_s``: each rank's compute time per step;
-        ``step_s``: the job's median step time in the window), slowest first."""
-        self.scores = scores(compute_s)
+    def window(self, medians: Mapping[int, float], step_s: float) -> list[Straggler]:
+        """The stragglers after this window of steps (``medians``: each rank's median compute time per step in
+        it, :func:`medians`; ``step_s``: the job's median step time in the window), slowest first."""
+        self.scores = scores(medians)
         found = []
         for rank, score in self.scores.items():
             self._streak[rank] = self._streak.get(rank, 0) + 1 if score > self._threshold else 0
             if self._streak[rank] >= self._windows:
-                mine = statistics.median(compute_s[rank])
+                mine = medians[rank]
                 extra = mine - mine / (1 + score)  # seconds per step the others wait for it
                 cost = min(1.0, extra / step_s) if step_s > 0 else 0.0
-                found.append(Straggler(rank, score, cost))
+                found.append(Straggler(rank, score, extra, cost))
         return sorted(found, key=lambda s: s.slower, reverse=True)

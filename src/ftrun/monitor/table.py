@@ -26,6 +26,7 @@ from ftrun.worker.layout import (
     CorruptSlot,
     SlotView,
     parse_slot,
+    read_pace,
     slot_offset,
 )
 
@@ -59,6 +60,10 @@ class MonitorTable:
     def read(self, index: int, attempts: int = 100, *, confirm: bool = not TOTAL_STORE_ORDER) -> SlotView:
         """A consistent copy of slot ``index``; raises CorruptSlot if it does not parse."""
         return read_slot(self._map, index, attempts, confirm=confirm)
+
+    def pace(self, index: int, seen: int) -> tuple[int, list[tuple[float, float]]]:
+        """Slot ``index``'s step times after the first ``seen``, and how many there were in all."""
+        return read_pace(self._map, slot_offset(index), seen)
 
     def clear(self, index: int) -> None:
         """Zero a slot (a worker of a new attempt starts from nothing)."""

@@ -22,6 +22,7 @@ from ftrun.monitor.blame import suspect, waiting_in_collective
 from ftrun.monitor.dumps import StackDumps
 from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
+from ftrun.monitor.pace import PaceWatch
 from ftrun.monitor.watchdog import TEARDOWN
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -52,6 +53,8 @@ class WorkerWatch:
         self._say = say
         self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
         self.timer = timer  # torch's FileTimer
+        stragglers = config.stragglers
+        self.pace = PaceWatch(clock, emit, say, enabled=stragglers.enabled, threshold=stragglers.threshold)
         self.meeting = MeetingNotice(awaited(config))
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
         # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
@@ -62,21 +65,22 @@ class WorkerWatch:
         """Extra fds that wake the agent: a stack dump done, torch's timer pipe when served."""
         return (self._dumps.fileno(),) if self.timer is None else (self._dumps.fileno(), self.timer.fileno())
 
-    def new_attempt(self, previous: list[Worker], nproc: int, tag: str) -> None:
+    def new_attempt(self, previous: list[Worker], nproc: int, tag: str, attempt_dir: Path, round_: int | None) -> None:
         if self.timer is not None:
             self.timer.forget({w.pid for w in previous})
         self._dumps.forget()
         self.hangs.new_attempt(nproc, tag)
+        self.pace.new_attempt(round_, attempt_dir)
 
     def env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
-        env = self.hangs.env(local_rank, str(rank_dir / STACKS_FILE), spawned)
+        env = {**self.hangs.env(local_rank, str(rank_dir / STACKS_FILE), spawned), **self.pace.env()}
         if self.timer is not None:
             env["TORCHELASTIC_TIMER_FILE"] = str(self.timer.path)
         return env
 
     def seconds_to_next_check(self, running: bool) -> float | None:
         """How long the agent may sleep (None: nothing to watch)."""
-        checks = [self.hangs.seconds_to_next_check() if running else None]
+        checks = [self.hangs.seconds_to_next_check() if running else None, self.pace.seconds_to_next(running)]
         when = self.timer.next_expiration() if self.timer is not None else None
         checks.append(None if when is None else max(0.0, when - self._clock.wall()))
         return min((c for c in checks if c is not None), default=None)
@@ -104,6 +108,7 @@ class WorkerWatch:
         for w, why in self.hangs.corrupt_slots(judged):
             self._dumps.start({w.local_rank: w}, self._listens([w]), partial(self._unwatchable, w, why))
         self._expire_timers(running)
+        self.pace.check(judged, self.hangs.pace)
         if (now := self._clock.monotonic()) >= self._meeting_look_at:  # a wait of seconds: no need to look often
             self._meeting_look_at = now + MEETING_LOOK_S
             slots = [(w, self.hangs.slot(w.local_rank)) for w in judged]

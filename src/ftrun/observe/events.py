@@ -34,6 +34,7 @@ class EventKind(enum.Enum):
     TIMER_EXPIRED = "timer_expired"  # torch's FileTimer: a worker's timer expired; it gets the timer's signal
     REQUEST = "request"  # a worker asked ftrun to exclude its node, stop the job, or restart it (workload control)
     FIRST_STEP = "first_step"  # an attempt's first heartbeat (of any of its ranks): training begins
+    STRAGGLER = "straggler"  # a rank computes consistently longer per step than the others: it slows the job
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
     GROUP_STOPPING = "group_stopping"
@@ -136,6 +137,7 @@ class RunSummary:
     root_causes: tuple[Mapping[str, Any], ...]
     warm_restarts: int = 0  # restarts whose workers all came from the warm pool
     hangs: int = 0  # hangs found in this node's workers
+    stragglers: tuple[Mapping[str, Any], ...] = ()  # the ranks named straggler (their events' data), in order
 
     def render(self) -> str:
         restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
@@ -150,6 +152,8 @@ class RunSummary:
             line += f"; {self.downtime_s:.3f} s down {gap}; the failed attempts had run {self.failed_work_s:.1f} s"
         for cause in self.root_causes:
             line += f"\n  root cause: {cause.get('summary', cause)}"
+        for straggler in self.stragglers:
+            line += f"\n  {describe_straggler(straggler)}"
         return line
 
 
@@ -162,6 +166,7 @@ def summarize(events: Iterable[Event]) -> RunSummary:
     spawned_pending = 0
     root_causes: list[Mapping[str, Any]] = []
     warm: dict[int, bool] = {}  # attempt -> all its workers came from the pool
+    stragglers: list[Mapping[str, Any]] = []
     for e in events:
         if e.kind is EventKind.ATTEMPT_STARTED:
             attempts += 1
@@ -184,6 +189,8 @@ def summarize(events: Iterable[Event]) -> RunSummary:
             restarts += 1
         elif e.kind is EventKind.HANG:
             hangs += 1
+        elif e.kind is EventKind.STRAGGLER:
+            stragglers.append(e.data)
         elif e.kind is EventKind.RUN_FINISHED:
             outcome, exit_code = str(e.data.get("outcome")), int(e.data.get("exit_code", 1))
             if failed_at is not None:
@@ -191,7 +198,19 @@ def summarize(events: Iterable[Event]) -> RunSummary:
                 failed_at = None
     warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
     return RunSummary(
-        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts, hangs
+        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts, hangs,
+        tuple(stragglers),
+    )  # fmt: skip
+
+
+def describe_straggler(data: Mapping[str, Any]) -> str:
+    """A straggler event as a person reads it."""
+    node = f" (node {data['node']})" if data.get("node") else ""
+    slower, cost = float(data.get("slower", 0)), float(data.get("cost", 0))
+    extra_ms = float(data.get("extra_s", 0)) * 1000
+    return (
+        f"straggler: rank {data.get('rank')}{node} computes {extra_ms:.1f} ms longer per step than the other ranks "
+        f"({slower:.0%} longer); the job loses {cost:.0%} of its steps per second to it"
     )
 
 

@@ -88,6 +88,16 @@ class Metrics(Collector):
             if r.get("state") == "running" and r["rank"] in live and record.get("phase") == "running":
                 ages.add_metric([*labels, str(r["rank"])], max(0.0, now - live[r["rank"]]))
         yield ages
+        scores = GaugeMetricFamily(
+            "ftrun_straggler_score",
+            "How much longer each rank computes per step than the job's other ranks (0.3: 30%); above 0.05 for three"
+            " windows in a row, it is named a straggler",
+            labels=[*LABELS, "rank"],
+        )
+        for r in ranks:
+            if r.get("straggler_score") is not None:
+                scores.add_metric([*labels, str(r["rank"])], float(r["straggler_score"]))
+        yield scores
 
 
 def _counter(name: str, text: str, labels: list[str], value: float) -> CounterMetricFamily:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ftrun.clock import Clock
 from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
@@ -43,6 +43,24 @@ Emit = Callable[..., None]
 SlotOf = Callable[[int], SlotView | None]
 
 
+class Pace(Protocol):
+    """Straggler detection as the status shows it (:class:`ftrun.monitor.pace.PaceWatch`)."""
+
+    @property
+    def scores(self) -> Mapping[int, float]: ...  # rank -> how much longer it computes per step than the others
+
+    @property
+    def named(self) -> Mapping[int, object]: ...  # the ranks named straggler now
+
+
+class _NoPace:
+    scores: Mapping[int, float] = {}
+    named: Mapping[int, object] = {}
+
+
+NO_PACE = _NoPace()
+
+
 class NodeStatus:
     """Samples the workers when the agent wakes; writes the record when it is due."""
 
@@ -60,6 +78,7 @@ class NodeStatus:
         self._signature: object = None
         self._first_step_seen: set[int] = set()  # attempts whose first step is an event
         self.record: dict[str, Any] = {}  # the last one built (the metrics read it)
+        self.pace: Pace = NO_PACE  # the ranks' straggler scores (ftrun.monitor.pace)
         self._sampled: tuple[list[Worker], SlotOf] = ([], lambda index: None)  # the workers and their slots
 
     def seconds_to_next(self, running: bool) -> float | None:
@@ -96,7 +115,7 @@ class NodeStatus:
         self.notice_first_step(workers, slot_of)
         self._sampled = (list(workers), slot_of)
         now = self._clock.monotonic()
-        ranks = [self._rank(w, slot_of(w.local_rank)) for w in workers]
+        ranks = [self._rank(w, slot_of(w.local_rank), self.pace.scores) for w in workers]
         signature = (phase, round_, [(r["rank"], r["state"], r["pid"], [s[0] for s in r["sections"]]) for r in ranks])
         changed = signature != self._signature
         since = now - self._written_mono
@@ -113,7 +132,7 @@ class NodeStatus:
             self._published_mono, self._published_signature = now, signature
             self.board.publish_status(raw.encode())
 
-    def _rank(self, w: Worker, slot: SlotView | None) -> dict[str, Any]:
+    def _rank(self, w: Worker, slot: SlotView | None, scores: Mapping[int, float]) -> dict[str, Any]:
         to_wall = self._clock.wall() - self._clock.monotonic()  # slot times are CLOCK_MONOTONIC, as the agent's
         progress = slot_progress(slot if slot is not None and slot.pid == w.pid else None, to_wall)
         state = w.state.value
@@ -128,6 +147,8 @@ class NodeStatus:
             **progress,
             "exit_code": w.exit_code,
             "signal": w.signal_name,
+            "straggler_score": scores.get(w.rank),  # how much longer it computes per step than the others
+            "straggler": w.rank in self.pace.named,  # named straggler (its score stayed high)
         }
 
     def _record(

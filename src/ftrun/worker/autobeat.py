@@ -5,7 +5,8 @@ imports torch itself: when the job imports ``torch.optim`` (or already has it,
 forked from a warm pool), torch's global optimizer step hook
 (``register_optimizer_step_post_hook``) gets a tiny function that records a
 heartbeat in the worker's slot: a clock read and two stores, well under a
-microsecond per step. Every batch a ``DataLoader`` yields is progress too, so an
+microsecond per step; and the step's times, for straggler detection
+(:mod:`ftrun.worker.pace`). Every batch a ``DataLoader`` yields is progress too, so an
 evaluation loop (no optimizer step) is not a hang. A job that calls
 ``ftrun.heartbeat()`` or opens a section itself is in charge from then on: the
 automatic heartbeats stop.
@@ -20,18 +21,23 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ftrun.worker import client
+from ftrun.worker import client, pace
 from ftrun.worker.master_wait import hook_rendezvous
 
 
 def _hook_optimizer(module: ModuleType) -> None:
     register = getattr(module, "register_optimizer_step_post_hook", None)
     if register is not None:  # torch >= 2.0
-        register(_after_step)
+        register(_after_timed_step if pace.enabled() else _after_step)
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     client.auto_heartbeat()
+
+
+def _after_timed_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    client.auto_heartbeat()
+    pace.step_ends()
 
 
 def _hook_rendezvous(module: ModuleType) -> None:
@@ -57,8 +63,14 @@ def _hook_data_loader(module: ModuleType) -> None:
     iterator.__next__ = __next__  # type: ignore[union-attr]
 
 
+def _hook_backward(module: ModuleType) -> None:
+    if pace.enabled():
+        pace.hook_backward(module)
+
+
 HOOKS = {
     "torch.optim.optimizer": _hook_optimizer,
+    "torch.autograd": _hook_backward,
     "torch.utils.data.dataloader": _hook_data_loader,
     "torch.distributed.rendezvous": _hook_rendezvous,
 }

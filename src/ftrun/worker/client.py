@@ -80,6 +80,7 @@ class _Attached:
         self._beat_at = self._base + layout.OFF_BEAT
         self._idle_at = self._base + layout.OFF_IDLE
         self._step_at = self._base + layout.OFF_STEP
+        self._paced = 0  # steps timed (ftrun.worker.pace)
         self._seq = 0
         self._writing = threading.RLock()  # sections from several threads; a signal handler inside a write
         self._depth = 0  # nested writes on one thread: only the outermost bumps the sequence number
@@ -248,6 +249,13 @@ class _Attached:
         self._beats += 1
         layout.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
 
+    def paced(self, compute_s: float, step_s: float) -> None:
+        """A step timed (:mod:`ftrun.worker.pace`): into the ring first, then the count that shows it."""
+        n = self._paced
+        layout.PACE.pack_into(self._map, self._base + layout.pace_entry(n), compute_s, step_s)
+        self._paced = n + 1
+        layout.PACED.pack_into(self._map, self._base + layout.OFF_PACED, n + 1)
+
     def start_section(self, name: str) -> None:
         self.in_charge = True
         encoded = self._names.get(name) or self._encode(name)
@@ -368,6 +376,11 @@ def auto_heartbeat() -> None:
     _client.auto_heartbeat()
 
 
+def paced(compute_s: float, step_s: float) -> None:
+    """A step's times (ftrun's hooks, :mod:`ftrun.worker.pace`)."""
+    _client.paced(compute_s, step_s)
+
+
 def auto_progress() -> None:
     """ftrun's automatic progress beat (a DataLoader batch), ignored once the job beats on its own."""
     _client.auto_progress()
@@ -401,6 +414,8 @@ class _Unattached:
     def auto_heartbeat(self) -> None: ...
 
     def auto_progress(self) -> None: ...
+
+    def paced(self, compute_s: float, step_s: float) -> None: ...
 
     def start_section(self, name: str) -> None: ...
 

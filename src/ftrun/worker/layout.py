@@ -26,6 +26,10 @@ Layout (little endian)::
                              (step and beats are two stores a reader can see apart: no resumed step from them)
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
+             paced      u64  how many steps the worker has timed (below), bumped after each entry is written
+             pace       PACE_LEN x (compute f32, step f32): a ring of the last steps' times, entry n at n % PACE_LEN
+                        (compute: from the end of the previous optimizer step to the start of the backward pass;
+                        step: from the end of the previous optimizer step to the end of this one)
              r_seq      u64  bumped after the worker wrote a workload control request (below);
              r_len      u32  in the last REQUEST_AREA bytes of the slot
              request    JSON (ftrun.worker.requests)
@@ -40,9 +44,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12
+    from typing_extensions import Buffer
 
 MAGIC = b"FTRUNMON"
-VERSION = 5
+VERSION = 6
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
 SLOT_SIZE = 4096
@@ -70,7 +78,12 @@ REQUEST_HEAD = struct.Struct("<QI4x")  # r_seq, r_len
 OFF_REQUEST_HEAD = SLOT_SIZE - REQUEST_AREA
 OFF_REQUEST = OFF_REQUEST_HEAD + REQUEST_HEAD.size
 REQUEST_MAX = SLOT_SIZE - OFF_REQUEST
-TIMEOUTS_MAX = OFF_REQUEST_HEAD - OFF_TIMEOUTS
+PACE_LEN = 64  # steps: at a window's end the agent reads the last ones (a sample; the others were read before)
+PACED = struct.Struct("<Q")
+PACE = struct.Struct("<ff")
+OFF_PACED = OFF_REQUEST_HEAD - PACED.size - PACE_LEN * PACE.size
+OFF_PACE = OFF_PACED + PACED.size
+TIMEOUTS_MAX = OFF_PACED - OFF_TIMEOUTS
 _FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dqq")  # seq .. first_step, offsets as above
 
 
@@ -128,3 +141,21 @@ def parse_slot(raw: bytes) -> SlotView:
         pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, code,
         r_seq, request, first, step, step0,
     )  # fmt: skip
+
+
+def pace_entry(n: int) -> int:
+    """Where in a slot the ``n``-th step's times go."""
+    return OFF_PACE + n % PACE_LEN * PACE.size
+
+
+def read_pace(mapping: Buffer, base: int, since: int) -> tuple[int, list[tuple[float, float]]]:
+    """The step times a worker wrote into the slot at ``base`` after the first ``since`` (those the ring still
+    holds), and how many it wrote in all. Written outside the seqlock, like the heartbeat: an entry is complete
+    once the count covers it, and one the worker may be overwriting while it is read (the count moved past it
+    by the whole ring meanwhile) is dropped."""
+    (paced,) = PACED.unpack_from(mapping, base + OFF_PACED)
+    first = max(since, paced - PACE_LEN)
+    entries = [PACE.unpack_from(mapping, base + pace_entry(n)) for n in range(first, paced)]
+    (after,) = PACED.unpack_from(mapping, base + OFF_PACED)
+    overwritten = max(0, after - PACE_LEN + 1 - first)  # entries the writer may have reached while we read
+    return paced, entries[overwritten:]

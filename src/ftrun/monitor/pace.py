@@ -1,0 +1,130 @@
+"""Stragglers, watched by the agent: the workers' step times (:mod:`ftrun.worker.pace`) read from their slots,
+judged a window at a time by the rules of :mod:`ftrun.monitor.stragglers`, with the other nodes' ranks when the
+job has several (:mod:`ftrun.job.pace_share`).
+
+A rank named is an event (``straggler``) and a line on the console, once per attempt, with how much slower it
+is and what it costs the job; every rank's current score is in the node's status record, the metrics, and a
+file the job can read (``ftrun.stragglers()``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ftrun.clock import Clock
+from ftrun.monitor.stragglers import THRESHOLD, Straggler, StragglerWatch, medians
+from ftrun.observe.events import EventKind, describe_straggler
+from ftrun.private import write_atomically
+from ftrun.procs.workers import Worker
+from ftrun.worker.pace import ENV, SCORES_ENV
+
+WINDOW_S = 4.0  # three windows in a row name a straggler: about 12 s after its first steps
+SCORES_FILE = "stragglers.json"  # per attempt: every rank's score, for ftrun.stragglers()
+
+Read = Callable[[int, int], tuple[int, list[tuple[float, float]]]]  # (local rank, steps seen) -> (count, new)
+Emit = Callable[..., None]
+Say = Callable[..., None]
+
+
+class Share(Protocol):
+    """The other nodes' windows (:class:`ftrun.job.pace_share.PaceShare`)."""
+
+    def offer(self, round_: int, medians: dict[int, float], step_s: float | None, wall: float) -> None: ...
+
+    def others(self, round_: int, since_wall: float) -> dict[str, tuple[dict[int, float], float | None]]: ...
+
+
+class PaceWatch:
+    """One attempt at a time: samples the running workers' step times, judges each window."""
+
+    def __init__(
+        self, clock: Clock, emit: Emit, say: Say, *, enabled: bool = True, threshold: float = THRESHOLD,
+        window_s: float = WINDOW_S,
+    ) -> None:  # fmt: skip
+        self.enabled = enabled
+        self._clock = clock
+        self._emit = emit
+        self._say = say
+        self._threshold = threshold
+        self._window_s = window_s
+        self.share: Share | None = None  # set when the job has other nodes
+        self.node = ""
+        self._round: int | None = None
+        self._scores_file: Path | None = None
+        self._watch = StragglerWatch(threshold)
+        self._seen: dict[int, int] = {}  # local rank -> steps read from its slot
+        self._compute: dict[int, list[float]] = {}  # rank -> this window's compute times
+        self._steps: list[float] = []  # this window's step times (every local rank's)
+        self._window_end = 0.0
+        self.scores: dict[int, float] = {}  # rank -> the last window's score (0.3: 30% slower than the others)
+        self.named: dict[int, Straggler] = {}  # the ranks named straggler in this attempt, as last judged
+        self._nodes: dict[int, str] = {}  # rank -> its node, as of the last window
+
+    def new_attempt(self, round_: int | None, attempt_dir: Path) -> None:
+        self._round = round_
+        self._scores_file = attempt_dir / SCORES_FILE
+        self._watch = StragglerWatch(self._threshold)
+        self._seen, self._compute, self._steps = {}, {}, []
+        self._window_end = self._clock.monotonic() + self._window_s
+        self.scores, self.named = {}, {}
+
+    def env(self) -> dict[str, str]:
+        if not self.enabled:
+            return {ENV: "0"}
+        return {SCORES_ENV: str(self._scores_file)} if self._scores_file is not None else {}
+
+    def seconds_to_next(self, running: bool) -> float | None:
+        if not self.enabled or not running:
+            return None
+        return max(0.0, self._window_end - self._clock.monotonic())
+
+    def check(self, running: Sequence[Worker], read: Read) -> None:
+        """Read what the workers timed since the last look; at a window's end, judge it."""
+        if not self.enabled:
+            return
+        for w in running:
+            count, new = read(w.local_rank, self._seen.get(w.local_rank, 0))
+            self._seen[w.local_rank] = count
+            self._compute.setdefault(w.rank, []).extend(c for c, _ in new)
+            self._steps.extend(s for _, s in new)
+        now = self._clock.monotonic()
+        if now >= self._window_end:
+            self._window_end = now + self._window_s
+            self._judge()
+
+    def _judge(self) -> None:
+        mine = medians(self._compute)
+        step_s = statistics.median(self._steps) if self._steps else None
+        self._compute, self._steps = {}, []
+        every, steps = dict(mine), [step_s] if step_s else []
+        self._nodes = dict.fromkeys(mine, self.node)
+        if self.share is not None and self._round is not None:
+            wall = self._clock.wall()
+            self.share.offer(self._round, mine, step_s, wall)
+            for node, (theirs, their_step) in self.share.others(self._round, wall - 3 * self._window_s).items():
+                every.update((r, m) for r, m in theirs.items() if r not in mine)
+                self._nodes.update((r, node) for r in theirs if r not in mine)
+                if their_step:
+                    steps.append(their_step)
+        if len(every) < 2:
+            return
+        found = self._watch.window(every, max(steps, default=0.0))
+        self.scores = {rank: round(score, 4) for rank, score in sorted(self._watch.scores.items())}
+        for s in found:
+            if s.rank not in self.named:
+                self._tell(s, len(every))
+        self.named = {s.rank: s for s in found}
+        if self._scores_file is not None:
+            write_atomically(self._scores_file, json.dumps({str(r): v for r, v in self.scores.items()}))
+
+    def _tell(self, s: Straggler, ranks: int) -> None:
+        data = {
+            "rank": s.rank, "node": self._nodes.get(s.rank, ""), "slower": round(s.slower, 4),
+            "extra_s": round(s.extra_s, 6), "cost": round(s.cost, 4), "ranks": ranks,
+        }  # fmt: skip
+        self._emit(EventKind.STRAGGLER, **data)
+        self._say(describe_straggler(data), always=True)
