@@ -18,7 +18,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,11 +79,12 @@ def ftrun_argv(tmp_path: Path, *args: str, logs: str = "logs", run_id: str | Non
     return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / logs), *ids, *args]
 
 
-def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
-    """Run ftrun to its end; its workers' scripts are looked up in tmp_path."""
+def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[str, str] | None = None) -> Result:
+    """Run ftrun to its end; its workers' scripts are looked up in tmp_path; ``env``: added to the environment."""
     proc = subprocess.Popen(
         ftrun_argv(tmp_path, *args),
         cwd=tmp_path,
+        env={**os.environ, **env} if env else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -101,8 +102,12 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0) -> Result:
 class LiveFtrun:
     """ftrun running in the background; the test reads its stdout line by line."""
 
-    def __init__(self, tmp_path: Path, *args: str, name: str = "", run_id: str | None = RUN_ID) -> None:
-        """``name`` keeps several agents in one test apart (their logs and stderr)."""
+    def __init__(
+        self, tmp_path: Path, *args: str, name: str = "", run_id: str | None = RUN_ID,
+        env: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``name`` keeps several agents in one test apart (their logs and stderr); ``env``: added to the
+        environment."""
         suffix = f"-{name}" if name else ""
         self.stderr_path = tmp_path / f"ftrun{suffix}.stderr"
         self._stderr = self.stderr_path.open("w")
@@ -111,6 +116,7 @@ class LiveFtrun:
         self.proc = subprocess.Popen(
             ftrun_argv(tmp_path, *args, logs=f"logs{suffix}", run_id=run_id),
             cwd=tmp_path,
+            env={**os.environ, **env} if env else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,

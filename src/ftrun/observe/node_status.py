@@ -116,7 +116,10 @@ class NodeStatus:
         self._sampled = (list(workers), slot_of)
         now = self._clock.monotonic()
         ranks = [self._rank(w, slot_of(w.local_rank), self.pace.scores) for w in workers]
-        signature = (phase, round_, [(r["rank"], r["state"], r["pid"], [s[0] for s in r["sections"]]) for r in ranks])
+        named = sorted(self.pace.named)  # a straggler named is news
+        signature = (
+            phase, round_, named, [(r["rank"], r["state"], r["pid"], [s[0] for s in r["sections"]]) for r in ranks]
+        )  # fmt: skip
         changed = signature != self._signature
         since = now - self._written_mono
         if not force and not (changed and since >= MIN_GAP_S) and since < REFRESH_S:
