@@ -329,6 +329,52 @@ def test_a_bad_config_file_is_named(tmp_path: Path, script: Path, body: str, mes
         parse(tmp_path, "--config", str(tmp_path / "ft.toml"), "train.py")
 
 
+def test_straggler_and_health_settings_from_flags_over_a_toml_or_yaml_file(tmp_path: Path, script: Path) -> None:
+    default = parse(tmp_path, "train.py")
+    assert (default.stragglers.enabled, default.stragglers.threshold, default.stragglers.exclude) == (True, 0.05, False)
+    assert (default.health.checks, default.health.interval_s) == ((), 60.0)
+    (tmp_path / "ft.yaml").write_text(
+        "heartbeat_timeout: 30\nstraggler_action: exclude\nstraggler_threshold: 0.2\n"
+        "health_check: [./gpu-burn.sh, 'builtin:writable=/ckpt']\nhealth_check_interval: 300\n"
+    )
+    c = parse(tmp_path, "--config", str(tmp_path / "ft.yaml"), "--straggler-threshold", "0.1", "train.py")
+    assert (c.stragglers.enabled, c.stragglers.threshold, c.stragglers.exclude) == (True, 0.1, True)
+    assert (c.health.checks, c.health.interval_s) == (("./gpu-burn.sh", "builtin:writable=/ckpt"), 300.0)
+    assert c.hang.timeouts.heartbeat == 30.0
+    (tmp_path / "ft.toml").write_text('stragglers = false\nhealth_check = "builtin:gpu"\n')
+    c = parse(tmp_path, "--config", str(tmp_path / "ft.toml"), "--health-check", "./mine.sh", "train.py")
+    assert not c.stragglers.enabled
+    assert c.health.checks == ("./mine.sh",)  # the flags win over the file
+    assert not parse(tmp_path, "--no-stragglers", "train.py").stragglers.enabled
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--straggler-threshold", "0"], "--straggler-threshold: expected a share above 0"),
+        (["--straggler-threshold", "ten"], "--straggler-threshold: expected a share above 0"),
+        (["--straggler-action", "kill"], "--straggler-action: unknown action 'kill'"),
+        (["--health-check", "builtin:fan"], "--health-check: no built-in check 'fan'"),
+        (["--health-check", "builtin:writable"], "builtin:writable needs a directory"),
+        (["--health-check-interval", "0"], "--health-check-interval: must be a finite number of seconds > 0"),
+    ],
+)
+def test_bad_straggler_and_health_settings_are_named(
+    tmp_path: Path, script: Path, argv: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(tmp_path, *argv, "train.py")
+
+
+def test_a_bad_yaml_config_file_is_named(tmp_path: Path, script: Path) -> None:
+    (tmp_path / "ft.yml").write_text("- a list\n")
+    with pytest.raises(ConfigError, match="holds a YAML list, not a mapping"):
+        parse(tmp_path, "--config", str(tmp_path / "ft.yml"), "train.py")
+    (tmp_path / "ft.yml").write_text("health_check: [1, 2]\n")
+    with pytest.raises(ConfigError, match="--health-check: expected commands"):
+        parse(tmp_path, "--config", str(tmp_path / "ft.yml"), "train.py")
+
+
 def test_warm_pool_flags(tmp_path: Path, script: Path) -> None:
     default = parse(tmp_path, "train.py").warm
     assert (default.enabled, default.auto, default.preload) == (True, True, ())

@@ -19,11 +19,16 @@ from ftrun.procs.workers import Hang, Worker
 from ftrun.worker.peers import read_address
 from ftrun.worker.requests import Action, Request
 
+LeaveReason = Callable[[Sequence[Worker]], str | None]
+
 
 class Asked:
     def __init__(self, host: str, clock: Clock, emit: Callable[..., None], say: Callable[[str], None]) -> None:
         self._host, self._clock, self._emit, self._say = host, clock, emit, say
         self.excluded_because = ""  # a worker excluded this node (ftrun.exclude_this_node): its reason
+        # What else may make this node leave the job while its workers run (a failed health check, a straggler
+        # with a spare to take its place): each gives the reason once, or None.
+        self.leave_reasons: list[LeaveReason] = []
 
     def take(
         self, found: Sequence[tuple[Worker, Request | str]], running: Sequence[Worker], peer_dir: Path | None
@@ -44,7 +49,22 @@ class Asked:
                     self.excluded_because = f"rank {w.rank}: {request.reason}"
                 self._say(f"{w.who} {w.request}")
             happened.append(Requested(w.local_rank, request, f"rank {w.rank} on {self._host}"))
+        for reason_of in self.leave_reasons:
+            reason = reason_of(running)
+            if reason and running and not self.excluded_because:
+                happened.append(self._leave(reason, running[0]))
         return happened
+
+    def _leave(self, reason: str, w: Worker) -> Requested:
+        """This node leaves the job for ``reason``, as if ``w`` (its first running worker, which stands for the
+        node in the failure report) had called ftrun.exclude_this_node()."""
+        request = Request(Action.EXCLUDE_NODE, reason)
+        self._emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=reason, by="ftrun")
+        w.request = f"was stopped: its node left the job ({reason})"
+        w.blame()
+        self.excluded_because = reason
+        self._say(f"{reason}: {self._host} leaves the job")
+        return Requested(w.local_rank, request, self._host)
 
     def _peer_failed(
         self, reporter: Worker, request: Request, running: Sequence[Worker], peer_dir: Path | None

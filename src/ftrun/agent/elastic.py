@@ -195,7 +195,8 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
         stopping = replace(state, phase=Phase.STOPPING, local=replace(state.local, stop_job=reason), failed=True)
         return Transition(replace(stopping, report_owed=True), (StopWorkers(),), f"{reason}; stopping the workers")
     ending = replace(state, phase=Phase.ENDING, failed=True)
-    return Transition(ending, (StopWorkers(),), f"local rank {rank} excluded this node; stopping the workers")
+    who = happening.who or f"local rank {rank}"
+    return Transition(ending, (StopWorkers(),), f"{who} excluded this node; stopping the workers")
 
 
 def _stopped(state: State) -> Transition[State]:

@@ -83,7 +83,7 @@ class LocalGroup:
         group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
         echo = group._echo_event if config.echo_events else None
         group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
-        group._wakeup = SignalWakeup.install()
+        group.wakeup = SignalWakeup.install()
         group._watch = WorkerWatch.open(config, clock, group.emit, group.say)
         group._watch.pace.node = host
         group.status.pace = group._watch.pace
@@ -104,7 +104,7 @@ class LocalGroup:
         self._console = console
         self.run_dir = run_dir
         self.events: EventLog
-        self._wakeup: SignalWakeup
+        self.wakeup: SignalWakeup
         self._processes: AttemptProcesses
         self._watch: WorkerWatch
         self._reports = Reports(
@@ -125,7 +125,7 @@ class LocalGroup:
         self._round: int | None = None
         self._nodes = 1  # in the current round
         self._held: HeldHangs[Worker] = HeldHangs(clock)
-        self._asked = Asked(host, clock, self.emit, partial(self.say, always=True))
+        self.asked = Asked(host, clock, self.emit, partial(self.say, always=True))  # .leave_reasons: launch's
 
     def _begin(self) -> None:
         c = self.config
@@ -314,12 +314,12 @@ class LocalGroup:
     @property
     def excluded_because(self) -> str:
         """A worker excluded this node (ftrun.exclude_this_node): its reason; "" if none did."""
-        return self._asked.excluded_because
+        return self.asked.excluded_because
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
         elsewhere, or a hang whose quiet ranks here only waited."""
-        board.interrupted = self._wakeup.arrived
+        board.interrupted = self.wakeup.arrived
         self._reports.board = board
         self._held.board = board
         self.status.board, self.status.node = board, board.node
@@ -370,7 +370,7 @@ class LocalGroup:
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
             self.events.close()
         finally:
-            self._wakeup.close()
+            self.wakeup.close()
 
     @property
     def calculated_timeouts(self) -> Timeouts:
@@ -446,12 +446,12 @@ class LocalGroup:
 
     @property
     def _wake_fds(self) -> tuple[int, ...]:
-        return (self._wakeup.fd, *self._watch.fds)
+        return (self.wakeup.fd, *self._watch.fds)
 
     def _signals(self) -> list[Interrupted]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
         self._watch.drain()
-        found = self._wakeup.drain()
+        found = self.wakeup.drain()
         self._signals_seen += len(found)
         handled = self.config.signals_to_handle
         for s in found:
@@ -464,7 +464,7 @@ class LocalGroup:
     def _requests(self) -> list[Happening]:
         """Workload control requests from the workers (they wake the agent after writing one)."""
         found = self._watch.requests(self._processes.running)
-        return self._asked.take(found, self._processes.running, self._peers.dir if self._peers else None)
+        return self.asked.take(found, self._processes.running, self._peers.dir if self._peers else None)
 
     def _hangs(self) -> list[Happening]:
         """Hangs found, published to the other nodes, and acted on (see :mod:`ftrun.job.crosscheck`)."""

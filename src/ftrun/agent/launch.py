@@ -23,6 +23,7 @@ from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
 from ftrun.agent.failover import StoreSuccession, open_job_store, serve_store
 from ftrun.agent.group import LocalGroup
+from ftrun.agent.health import HealthWatch
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
 from ftrun.errors import ConfigError, FtrunError
@@ -33,6 +34,7 @@ from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.peer_relay import job_key
 from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
+from ftrun.node.health import Verdict
 from ftrun.node.ports import in_use, is_local_address, reserve_port
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -80,9 +82,14 @@ def _launch(config: LaunchConfig) -> int:
     if metrics is not None:
         metrics.watch(group.events, group.status, config.run_id)
         group.say(f"Prometheus metrics at {metrics.url}")
+    health = HealthWatch.start(config.health, group.host, group.emit, partial(group.say, always=True))
     try:
-        server = host_store(config, group)
+        server = host_store(config, group)  # hosted even by a node that fails its checks: the others meet there
         try:
+            kept_out = health.gate(clock, config.rdzv.conf.join_timeout_s, group.wakeup.fd, group.wakeup.arrived)
+            if kept_out is not None:
+                return keep_out(group, kept_out)
+            group.asked.leave_reasons.append(health.reason_to_leave)
             if config.elastic:
                 return run_elastic(config, group, clock, server)
             return run_static(config, group, clock)
@@ -90,6 +97,7 @@ def _launch(config: LaunchConfig) -> int:
             if server is not None:
                 server.stop()
     finally:
+        health.close()
         group.close()
         if metrics is not None:
             metrics.close()
@@ -146,6 +154,15 @@ def check_master_port(config: LaunchConfig) -> None:
 def fresh_port_on(clock: Clock) -> int:
     """A free port no other ftrun on this machine took recently (MASTER_PORT)."""
     return reserve_port("", clock.wall())
+
+
+def keep_out(group: LocalGroup, failed: Verdict) -> int:
+    """The node never joined: a signal to ftrun ended its wait, or its health checks kept failing."""
+    signals = group.wakeup.drain()
+    if signals:
+        return group.finish(Finish(Outcome.INTERRUPTED, signals[0]))
+    group.say(f"{group.host} did not join: {failed.describe()} until the join timeout", always=True)
+    return group.finish(Finish(Outcome.FAILED))
 
 
 def static_plan(config: LaunchConfig) -> static.Plan:

@@ -167,7 +167,7 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
     return Transition(
         replace(state, phase=Phase.ENDING, failed=True, ending=ending),
         (StopWorkers(),),
-        f"local rank {rank} {what} ({request.reason}); stopping the workers, no restart",
+        f"{happening.who or f'local rank {rank}'} {what} ({request.reason}); stopping the workers, no restart",
     )
 
 

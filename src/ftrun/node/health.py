@@ -39,10 +39,13 @@ class Verdict:
     healthy: bool
     output: str  # what the check said (the end of a command's output)
     seconds: float
+    ended: str = ""  # how a command that failed ended: "exit 3", "killed by signal 9", "no answer within 120 s"
 
     def describe(self) -> str:
-        said = f": {self.output.strip().splitlines()[-1]}" if self.output.strip() else ""
-        return f"health check {self.check!r} {'passed' if self.healthy else 'failed'}{said}"
+        """One line: the check, whether it passed, and the last thing it said (or how it ended)."""
+        lines = [line.strip() for line in self.output.splitlines() if line.strip()]
+        said = lines[-1] if lines else self.ended
+        return f"health check {self.check!r} {'passed' if self.healthy else 'failed'}" + (f": {said}" if said else "")
 
 
 def check_spec(check: str) -> None:
@@ -59,6 +62,7 @@ def check_spec(check: str) -> None:
 def run_check(check: str, timeout_s: float = TIMEOUT_S, env: Mapping[str, str] | None = None) -> Verdict:
     """Run one check now (blocking, at most ``timeout_s``)."""
     started = time.monotonic()
+    ended = ""
     if check.startswith(BUILTIN):
         name, _, arg = check[len(BUILTIN) :].partition("=")
         try:
@@ -66,12 +70,14 @@ def run_check(check: str, timeout_s: float = TIMEOUT_S, env: Mapping[str, str] |
         except Exception as e:  # a check that breaks says the node is not known to be healthy
             healthy, output = False, f"the check itself failed: {e!r}"
     else:
-        healthy, output = _command(check, timeout_s, env)
-    return Verdict(check, healthy, output[-MAX_OUTPUT_CHARS:], time.monotonic() - started)
+        output, ended = _command(check, timeout_s, env)
+        healthy = not ended
+    return Verdict(check, healthy, output[-MAX_OUTPUT_CHARS:], time.monotonic() - started, ended)
 
 
-def _command(command: str, timeout_s: float, env: Mapping[str, str] | None) -> tuple[bool, str]:
-    """A shell command, in its own process group (killed whole on timeout), stdin closed."""
+def _command(command: str, timeout_s: float, env: Mapping[str, str] | None) -> tuple[str, str]:
+    """Its output, and how it failed ("" if it exited 0)."""
+    # A shell command, in its own process group (killed whole on timeout), stdin closed.
     with subprocess.Popen(  # noqa: S602 (the user's own command line, as --health-check gave it)
         command, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True, env=None if env is None else dict(env),
@@ -82,12 +88,11 @@ def _command(command: str, timeout_s: float, env: Mapping[str, str] | None) -> t
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             out, _ = p.communicate()
-            return False, f"{out.decode(errors='replace')}\nno answer within {timeout_s:g} s"
+            return out.decode(errors="replace"), f"no answer within {timeout_s:g} s"
     text = out.decode(errors="replace")
     if p.returncode:
-        how = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
-        return False, f"{text}\n({how})" if text.strip() else f"({how})"
-    return True, text
+        return text, f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
+    return text, ""
 
 
 def gpus(_: str, nvml: Any = None) -> tuple[bool, str]:

@@ -34,6 +34,7 @@ class EventKind(enum.Enum):
     TIMER_EXPIRED = "timer_expired"  # torch's FileTimer: a worker's timer expired; it gets the timer's signal
     REQUEST = "request"  # a worker asked ftrun to exclude its node, stop the job, or restart it (workload control)
     FIRST_STEP = "first_step"  # an attempt's first heartbeat (of any of its ranks): training begins
+    HEALTH_CHECK = "health_check"  # this node's health checks ran (before joining; a failure while training)
     STRAGGLER = "straggler"  # a rank computes consistently longer per step than the others: it slows the job
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading

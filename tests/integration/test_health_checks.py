@@ -1,0 +1,90 @@
+"""Node health checks (--health-check): a node that fails one before joining stays out, and one that fails while
+it trains leaves the job, the others going on; several agents (separate processes) on the embedded store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun
+
+JOB = """
+import os, sys, time
+env = os.environ
+print(f"up rank={env['RANK']} world={env['WORLD_SIZE']} restart={env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+time.sleep(600)
+"""
+SICK = "echo 'GPU 2: 3 uncorrectable ECC errors'; exit 1"
+
+
+def events(run_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_node_that_fails_its_check_never_starts_a_worker(tmp_path: Path) -> None:
+    (tmp_path / "w.py").write_text("print('ran', flush=True)\n")
+    r = run_ftrun(
+        tmp_path, "--health-check", "true", "--health-check", SICK, "--health-check-interval", "0.5",
+        "--rdzv-conf", "join_timeout=2", "w.py",
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "ran" not in r.stdout
+    assert f"failed its health check {SICK!r} before joining (exit 1):\nGPU 2: 3 uncorrectable ECC errors" in r.stderr
+    assert "stays out of the job; its health checks run again in" in r.stderr
+    assert f"did not join: health check {SICK!r} failed: GPU 2: 3 uncorrectable ECC errors" in r.stderr
+    checks = [e for e in r.events() if e["kind"] == "health_check"]
+    assert [e["healthy"] for e in checks[:2]] == [True, False]  # each round of checks: both, in order
+    assert len(checks) >= 4  # checked again while it waited
+    assert not [e for e in r.events() if e["kind"] == "attempt_started"]
+
+
+def agents(tmp_path: Path, store: str) -> list[str]:
+    (tmp_path / "w.py").write_text(JOB)
+    return [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", store,
+        "--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2",
+    ]  # fmt: skip
+
+
+def test_a_sick_node_stays_out_and_the_healthy_one_trains_alone(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    flags = agents(tmp_path, own_tcp_server)
+    conf = ["--rdzv-conf", f"{CONF},is_host=false"]
+    healthy = LiveFtrun(tmp_path, *flags, *conf, "w.py", name="a", run_id="health")
+    live.append(healthy)
+    short = CONF.replace("join_timeout=60", "join_timeout=4")
+    sick = LiveFtrun(
+        tmp_path, *flags, "--rdzv-conf", f"{short},is_host=false", "--health-check", SICK,
+        "--health-check-interval", "1", "w.py", name="b", run_id="health",
+    )  # fmt: skip
+    live.append(sick)
+    assert sick.wait(WAIT_S) == 1, sick.stderr()
+    assert "did not join" in sick.stderr()
+    assert sick.lines == []  # no worker of its own
+    healthy.wait_for_lines(r"up rank=0 world=1 restart=0", 1)
+    assert not [line for line in healthy.lines if "world=2" in line]
+
+
+def test_a_node_failing_its_check_while_training_leaves_and_the_other_goes_on(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    flags = [*agents(tmp_path, own_tcp_server), "--rdzv-conf", f"{CONF},is_host=false"]
+    trigger = tmp_path / "nic-down"
+    check = f"test ! -e {trigger} || {{ echo 'ib0: link down'; exit 1; }}"
+    a = LiveFtrun(tmp_path, *flags, "w.py", name="a", run_id="health")
+    b = LiveFtrun(
+        tmp_path, *flags, "--health-check", check, "--health-check-interval", "0.5", "w.py", name="b",
+        run_id="health",
+    )  # fmt: skip
+    live.extend([a, b])
+    for agent in (a, b):
+        agent.wait_for_lines(r"up rank=\d world=2", 1)
+    trigger.touch()
+    assert b.wait(WAIT_S) == 3, b.stderr()
+    assert f"failed its health check {check!r} while training (exit 1):\nib0: link down" in b.stderr()
+    report = json.loads(next(b.run_dir.glob("attempt_*/failure_report.json")).read_text())
+    assert "ib0: link down" in report["root_cause"]["request"]
+    failed = [e for e in events(b.run_dir) if e["kind"] == "health_check" and not e["healthy"]]
+    assert [(e["when"], e["ended"]) for e in failed] == [("while training", "exit 1")]
+    a.wait_for_lines(r"up rank=0 world=1", 1)  # the other goes on alone, in a new round
