@@ -5,6 +5,7 @@ silent."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,15 +13,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun
 
 pytestmark = pytest.mark.torch
 T = TypeVar("T")
 
 # A DDP job that never imports ftrun. It trains until rank 0 sees `done` (or DURATION seconds pass); the ranks
-# agree to stop through an all-reduce, so that none is left alone in a collective. SLOW_RANK spins SLOW_MS before
-# every forward pass; PAUSE_RANK sleeps PAUSE_S once at step 30 (a checkpoint); every rank pauses 1 s at step 60
-# (an evaluation).
+# agree to stop through an all-reduce, so that none is left alone in a collective. SLOW_RANK (or every rank of a
+# node started with SLOW_NODE=1) spins SLOW_MS before every forward pass; PAUSE_RANK sleeps PAUSE_S once at
+# step 30 (a checkpoint); every rank pauses 1 s at step 60 (an evaluation).
 DDP_JOB = """
 import os, sys, time, pathlib
 import torch, torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+print(f"up rank={rank} world={dist.get_world_size()}", flush=True)
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
@@ -44,7 +46,7 @@ while True:
         dist.all_reduce(stop)
         if stop.item():
             break
-    if rank == slow_rank:
+    if rank == slow_rank or os.environ.get("SLOW_NODE"):
         end = time.perf_counter() + slow_ms / 1000
         while time.perf_counter() < end:
             pass
@@ -159,3 +161,36 @@ def test_a_job_can_ask_for_the_scores(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "rank 0 sees scores [(0, " in r.stdout
     assert "rank 1 sees scores [(0, " in r.stdout
+
+
+def test_exclude_a_straggler_node_for_a_hot_spare(tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str) -> None:
+    """Three agents, two nodes wanted: the slow node leaves at its next step, the spare takes its place."""
+    (tmp_path / "job.py").write_text(DDP_JOB)
+    flags = [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false",
+        "--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "2",
+        "--straggler-action", "exclude", "job.py", str(tmp_path),
+    ]  # fmt: skip
+
+    def start(name: str, **env: str) -> LiveFtrun:
+        agent = LiveFtrun(tmp_path, *flags, name=name, run_id="slow", env={"SLOW_MS": "8", **env})
+        live.append(agent)
+        return agent
+
+    slow, fast = start("slow", SLOW_NODE="1"), start("fast")
+    for agent in (slow, fast):
+        agent.wait_for_lines(r"up rank=\d world=2", 1)
+    spare = start("spare")
+    spare.wait_for_stderr(r"hot spare")
+    assert slow.wait(WAIT_S) == 3, slow.stderr()  # excluded, as exclude_this_node() would
+    assert re.search(
+        r"rank \d is a straggler and a spare node waits: \S+ leaves the job at its next step", slow.stderr()
+    )
+    assert "is a straggler (" in slow.stderr()
+    assert "and a spare can take its place" in slow.stderr()
+    spare.wait_for_lines(r"up rank=\d world=2", 1)  # in the slow node's place
+    fast.wait_for_lines(r"up rank=\d world=2", 2)
+    (tmp_path / "done").touch()
+    assert fast.wait(WAIT_S) == 0, fast.stderr()
+    assert spare.wait(WAIT_S) == 0, spare.stderr()
+    assert "leaves the job" not in fast.stderr()

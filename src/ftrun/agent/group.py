@@ -87,6 +87,7 @@ class LocalGroup:
         group._watch = WorkerWatch.open(config, clock, group.emit, group.say)
         group._watch.pace.node = host
         group.status.pace = group._watch.pace
+        group.asked.leave_reasons.append(group._watch.pace.reason_to_leave)  # --straggler-action exclude
         group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
         group._begin()
         return group
@@ -310,11 +311,6 @@ class LocalGroup:
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         self._reports.publish_root_cause(self._this_attempt)
         return [*exits, *late, WorkersStopped()]
-
-    @property
-    def excluded_because(self) -> str:
-        """A worker excluded this node (ftrun.exclude_this_node): its reason; "" if none did."""
-        return self.asked.excluded_because
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure

@@ -239,7 +239,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
             )
             code = executor.run()
             if code == EXIT_EXCLUDED:
-                exclusions.mark(group.host, group.excluded_because)
+                exclusions.mark(group.host, group.asked.excluded_because)
             return code
         finally:
             if code in (0, 1) and (server is not None or succession.server is not None):

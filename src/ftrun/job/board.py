@@ -41,6 +41,7 @@ class JobBoard:
 
     def __init__(self, store: Store, run_id: str, node: str, clock: Clock) -> None:
         self._store = store
+        self._run_id = run_id
         self._root = f"/ftrun/{run_id}/"
         self._node = node
         self._clock = clock
@@ -78,7 +79,7 @@ class JobBoard:
 
     def pace_share(self) -> PaceShare:
         """This node's side of the ranks' pace, shared for straggler detection."""
-        return PaceShare(self._store, self._root, self._node)
+        return PaceShare(self._store, self._run_id, self._node)
 
     def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
         """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""

@@ -4,7 +4,8 @@ ranks, most of which run on other nodes.
 At the end of each window every node puts its ranks' median compute times under
 ``/ftrun/<run_id>/pace/<round>/<node>`` and reads the others'. Off the agent's loop, in a thread: a store that
 does not answer costs only the comparison with other nodes, never the agent's clock (fencing depends on it).
-What the thread last read is used at the next window's end: one window late, which the rules allow for.
+What the thread last read is used at the next window's end: one window late, which the rules allow for. It
+also counts the hot spares, for ``--straggler-action exclude``.
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ from typing import Any
 
 from ftrun.errors import StoreError
 from ftrun.jsonobject import object_or_none
+from ftrun.rendezvous.state import Keys, RecordError, decode_round
 from ftrun.store.base import Store
 
 MAX_RECORD_BYTES = 1 << 20
 
 
 class PaceShare:
-    """This node's side, in ``store`` under the job's ``root`` (``/ftrun/<run_id>/``)."""
+    """This node's side, in ``store`` for run ``run_id``."""
 
-    def __init__(self, store: Store, root: str, node: str) -> None:
+    def __init__(self, store: Store, run_id: str, node: str) -> None:
         self._store = store
-        self._root = f"{root}pace/"
+        self._root = f"/ftrun/{run_id}/pace/"
+        self._rdzv = Keys.of(run_id)
+        self.spares = 0  # nodes registered for the job but in no round (as of the last exchange)
         self._node = node
         self._lock = threading.Lock()
         self._next: tuple[int, bytes] | None = None  # the newest record not yet written, with its round
@@ -69,6 +73,18 @@ class PaceShare:
                 }
                 with self._lock:
                     self._others = others
+                self.spares = self._count_spares()
+
+    def _count_spares(self) -> int:
+        """Nodes registered but not members of the current round: hot spares (a straggler's node may leave for
+        one). Two reads per window, in this thread."""
+        kvs, _ = self._store.list_prefix(self._rdzv.nodes)
+        current = self._store.get(self._rdzv.round)
+        try:
+            members = set(decode_round(current.value).members) if current is not None else set()
+        except RecordError:
+            return 0
+        return sum(1 for kv in kvs if kv.key.removeprefix(self._rdzv.nodes) not in members)
 
 
 def _window(record: dict[str, Any], round_: int, since_wall: float) -> tuple[dict[int, float], float | None] | None:

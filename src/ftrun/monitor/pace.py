@@ -33,6 +33,8 @@ Say = Callable[..., None]
 class Share(Protocol):
     """The other nodes' windows (:class:`ftrun.job.pace_share.PaceShare`)."""
 
+    spares: int  # hot spares waiting, as last counted
+
     def offer(self, round_: int, medians: dict[int, float], step_s: float | None, wall: float) -> None: ...
 
     def others(self, round_: int, since_wall: float) -> dict[str, tuple[dict[int, float], float | None]]: ...
@@ -43,9 +45,10 @@ class PaceWatch:
 
     def __init__(
         self, clock: Clock, emit: Emit, say: Say, *, enabled: bool = True, threshold: float = THRESHOLD,
-        window_s: float = WINDOW_S,
+        exclude: bool = False, window_s: float = WINDOW_S,
     ) -> None:  # fmt: skip
         self.enabled = enabled
+        self._exclude = exclude  # --straggler-action exclude
         self._clock = clock
         self._emit = emit
         self._say = say
@@ -63,6 +66,9 @@ class PaceWatch:
         self.scores: dict[int, float] = {}  # rank -> the last window's score (0.3: 30% slower than the others)
         self.named: dict[int, Straggler] = {}  # the ranks named straggler in this attempt, as last judged
         self._nodes: dict[int, str] = {}  # rank -> its node, as of the last window
+        self._leaving: Straggler | None = None  # a straggler of this node's, leaving for a spare at its next step
+        self._leave_now = False
+        self._kept: set[int] = set()  # stragglers said to stay (no spare): said once
 
     def new_attempt(self, round_: int | None, attempt_dir: Path) -> None:
         self._round = round_
@@ -71,6 +77,7 @@ class PaceWatch:
         self._seen, self._compute, self._steps = {}, {}, []
         self._window_end = self._clock.monotonic() + self._window_s
         self.scores, self.named = {}, {}
+        self._leaving, self._kept = None, set()
 
     def env(self) -> dict[str, str]:
         if not self.enabled:
@@ -88,6 +95,8 @@ class PaceWatch:
             return
         for w in running:
             count, new = read(w.local_rank, self._seen.get(w.local_rank, 0))
+            if new and self._leaving is not None and self._leaving.rank == w.rank:
+                self._leave_now = True  # it finished a step since it was named: leave at this step boundary
             self._seen[w.local_rank] = count
             self._compute.setdefault(w.rank, []).extend(c for c, _ in new)
             self._steps.extend(s for _, s in new)
@@ -117,9 +126,36 @@ class PaceWatch:
         for s in found:
             if s.rank not in self.named:
                 self._tell(s, len(every))
+            if self._exclude and s.rank in mine:
+                self._plan_leaving(s)
         self.named = {s.rank: s for s in found}
         if self._scores_file is not None:
             write_atomically(self._scores_file, json.dumps({str(r): v for r, v in self.scores.items()}))
+
+    def _plan_leaving(self, s: Straggler) -> None:
+        """--straggler-action exclude: a straggler here leaves the job when a spare can take its node's place."""
+        if self._leaving is not None:
+            return
+        if self.share is not None and self.share.spares > 0:
+            self._leaving = s
+            self._say(
+                f"rank {s.rank} is a straggler and a spare node waits: {self.node} leaves the job at its next step",
+                always=True,
+            )
+        elif s.rank not in self._kept:
+            self._kept.add(s.rank)
+            self._say(
+                f"rank {s.rank} is a straggler, but no spare node waits to take {self.node}'s place: it stays",
+                always=True,
+            )
+
+    def reason_to_leave(self, running: Sequence[Worker]) -> str | None:
+        """The straggler's node leaves now (once): the straggler finished a step since it was named."""
+        if not self._leave_now or self._leaving is None or not running:
+            return None
+        s, self._leave_now = self._leaving, False
+        cost = f"{s.slower:.0%} longer per step; it costs the job {s.cost:.0%}"
+        return f"rank {s.rank} is a straggler ({cost}) and a spare can take its place"
 
     def _tell(self, s: Straggler, ranks: int) -> None:
         data = {

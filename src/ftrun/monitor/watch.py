@@ -54,7 +54,9 @@ class WorkerWatch:
         self.hangs = HangWatch(config.hang, clock, say, self._timeouts_changed)
         self.timer = timer  # torch's FileTimer
         stragglers = config.stragglers
-        self.pace = PaceWatch(clock, emit, say, enabled=stragglers.enabled, threshold=stragglers.threshold)
+        self.pace = PaceWatch(
+            clock, emit, say, enabled=stragglers.enabled, threshold=stragglers.threshold, exclude=stragglers.exclude
+        )
         self.meeting = MeetingNotice(awaited(config))
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
         # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
