@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
+from ftrun.job.offloop import Newest
 from ftrun.job.pace_share import PaceShare
 from ftrun.jsonobject import object_or_none
 from ftrun.store.base import Store
@@ -48,9 +48,7 @@ class JobBoard:
         # Set by the agent: a signal to ftrun came. A wait for another node's record ends then (within LOOK_UP_S):
         # the report goes without it, and the signal is acted on.
         self.interrupted: Callable[[], bool] = lambda: False
-        self._status_lock = threading.Lock()
-        self._status_next: bytes | None = None  # the newest status record not yet written
-        self._status_writer: threading.Thread | None = None
+        self._status = Newest(self._write_status, "ftrun-status")
 
     @property
     def node(self) -> str:
@@ -58,24 +56,11 @@ class JobBoard:
 
     def publish_status(self, record: bytes) -> None:
         """This node's status record (:mod:`ftrun.observe.node_status`), for ``ftrun status`` through the store.
-        Written from a thread: a store that does not answer never holds up the agent, whose loop must stay on
-        its own clock (a node cut off stops its workers when its lease may lapse, not when a call returns). Only
-        the newest record is written."""
-        with self._status_lock:
-            self._status_next = record
-            if self._status_writer is None:
-                self._status_writer = threading.Thread(target=self._write_status, name="ftrun-status", daemon=True)
-                self._status_writer.start()
+        Written off the agent's loop (:class:`ftrun.job.offloop.Newest`)."""
+        self._status.offer(record)
 
-    def _write_status(self) -> None:
-        while True:
-            with self._status_lock:
-                record, self._status_next = self._status_next, None
-                if record is None:
-                    self._status_writer = None
-                    return
-            with contextlib.suppress(StoreError):
-                self._store.put(f"{self._root}status/{self._node}", record)
+    def _write_status(self, record: bytes) -> None:
+        self._store.put(f"{self._root}status/{self._node}", record)
 
     def pace_share(self) -> PaceShare:
         """This node's side of the ranks' pace, shared for straggler detection."""

@@ -10,12 +10,11 @@ also counts the hot spares, for ``--straggler-action exclude``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from typing import Any
 
-from ftrun.errors import StoreError
+from ftrun.job.offloop import Newest
 from ftrun.jsonobject import object_or_none
 from ftrun.rendezvous.state import Keys, RecordError, decode_round
 from ftrun.store.base import Store
@@ -33,19 +32,13 @@ class PaceShare:
         self.spares = 0  # nodes registered for the job but in no round (as of the last exchange)
         self._node = node
         self._lock = threading.Lock()
-        self._next: tuple[int, bytes] | None = None  # the newest record not yet written, with its round
         self._others: dict[str, dict[str, Any]] = {}  # node -> its last record in this node's round
-        self._busy = False
+        self._exchanges = Newest(self._exchange, "ftrun-pace")
 
     def offer(self, round_: int, medians: dict[int, float], step_s: float | None, wall: float) -> None:
         """This node's window (``medians``: rank -> median compute seconds), written from a thread."""
         record = json.dumps({"round": round_, "medians": medians, "step_s": step_s, "wall": wall}).encode()
-        with self._lock:
-            self._next = (round_, record)
-            if self._busy:
-                return
-            self._busy = True
-        threading.Thread(target=self._exchange, name="ftrun-pace", daemon=True).start()
+        self._exchanges.offer((round_, record))
 
     def others(self, round_: int, since_wall: float) -> dict[str, tuple[dict[int, float], float | None]]:
         """The other nodes' last windows of ``round_`` written after ``since_wall``: node -> (medians, step
@@ -54,26 +47,19 @@ class PaceShare:
             records = dict(self._others)
         return {node: parsed for node, r in records.items() if (parsed := _window(r, round_, since_wall)) is not None}
 
-    def _exchange(self) -> None:
-        while True:
-            with self._lock:
-                pending, self._next = self._next, None
-                if pending is None:
-                    self._busy = False
-                    return
-            round_, record = pending
-            prefix = f"{self._root}{round_}/"
-            with contextlib.suppress(StoreError):
-                self._store.put(prefix + self._node, record)
-                kvs, _ = self._store.list_prefix(prefix)
-                others = {
-                    kv.key[len(prefix) :]: v
-                    for kv in kvs
-                    if kv.key != prefix + self._node and (v := object_or_none(kv.value, limit=MAX_RECORD_BYTES))
-                }
-                with self._lock:
-                    self._others = others
-                self.spares = self._count_spares()
+    def _exchange(self, pending: tuple[int, bytes]) -> None:
+        round_, record = pending
+        prefix = f"{self._root}{round_}/"
+        self._store.put(prefix + self._node, record)
+        kvs, _ = self._store.list_prefix(prefix)
+        others = {
+            kv.key[len(prefix) :]: v
+            for kv in kvs
+            if kv.key != prefix + self._node and (v := object_or_none(kv.value, limit=MAX_RECORD_BYTES))
+        }
+        with self._lock:
+            self._others = others
+        self.spares = self._count_spares()
 
     def _count_spares(self) -> int:
         """Nodes registered but not members of the current round: hot spares (a straggler's node may leave for
