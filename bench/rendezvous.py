@@ -1,11 +1,14 @@
-"""Rendezvous at scale: N simulated nodes in one process, each a thread with its own store connection.
+"""Rendezvous at scale: N simulated nodes, each a thread with its own store connection, spread over --procs
+harness processes (the simulated nodes are the harness's cost, not the store's).
 
 For N in --sizes, on the embedded tcp store (a separate `ftrun store` process) and on
 a real etcd (when installed):
 
 - join: every node starts at once; the time until the last one knows its rank
   (one round, min = max = N; torch's handler gets the same);
-- ops/node: store calls and watch notifications per node for that round;
+- ops/node: store calls and watch notifications per node for that round (and for the next);
+- store: the store process's CPU seconds for each round, the bytes it wrote to its sockets per node, and its
+  CPU share while the nodes only keep their leases alive (steady training);
 - rejoin: one node leaves (its lease revoked, as on a clean exit); the time until
   every survivor runs in the next round. A node that dies silently adds the
   keep-alive TTL (interval x max attempts) on top, the detection time.
@@ -13,12 +16,14 @@ a real etcd (when installed):
 torch's DynamicRendezvousHandler (c10d backend over a TCPStore) runs in the same
 harness for N up to --torch-max.
 
-    python bench/rendezvous.py --sizes 16,64,256,1024
+    python bench/rendezvous.py --sizes 64,1024,4096,16384 --backends tcp
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
 import selectors
@@ -30,6 +35,8 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from ftrun.clock import SystemClock
 from ftrun.rendezvous.driver import Rendezvous
@@ -140,6 +147,56 @@ class SimNode:
             store.close()
 
 
+def child(url: str, run_id: str, first: int, count: int, n: int) -> None:
+    """One harness process: ``count`` simulated nodes (threads), driven by the parent through stdin/stdout."""
+    sys.setswitchinterval(0.5)
+    rules = Rules(max(1, n - 1), n, last_call_s=30.0, join_timeout_s=TIMEOUT_S, max_restarts=10)
+    nodes = [SimNode(f"node{i:05d}", url, run_id, rules) for i in range(first, first + count)]
+    go = threading.Event()
+    leaving = {x.name: threading.Event() for x in nodes}
+    started = threading.Barrier(count + 1)
+
+    def run(x: SimNode) -> None:
+        started.wait()
+        go.wait()
+        x.run(threading.Barrier(1), leaving[x.name])
+
+    threads = [threading.Thread(target=run, args=(x,), daemon=True) for x in nodes]
+    for t in threads:
+        t.start()
+    started.wait()
+    say({"ready": count})
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "go":
+            go.set()
+        elif command == "round":  # report when every node here (but those that left) ran round ARG
+            k = int(arg)
+            here = [x for x in nodes if not leaving[x.name].is_set()]
+            try:
+                last = wait_round(here, k, time.monotonic() + TIMEOUT_S)
+                say({"round": k, "last": last, "ops": [x.counts["ops"] for x in here],
+                     "events": [x.counts["events"] for x in here]})  # fmt: skip
+            except (RuntimeError, TimeoutError) as e:
+                say({"round": k, "error": str(e)})
+        elif command == "leave":
+            x = next(x for x in nodes if x.name == arg)
+            leaving[x.name].set()
+            x.stop.set()
+            threads[nodes.index(x)].join(TIMEOUT_S)
+            say({"left": x.left_at})
+        elif command == "stop":
+            break
+    for x in nodes:
+        x.stop.set()
+    for t in threads:
+        t.join(30)
+
+
+def say(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc), flush=True)
+
+
 def wait_round(nodes: list[SimNode], round_: int, deadline: float) -> float:
     """The time the last node learned its rank in ``round_``."""
     last = 0.0
@@ -155,43 +212,105 @@ def wait_round(nodes: list[SimNode], round_: int, deadline: float) -> float:
     return last
 
 
-def bench_ftrun(url: str, n: int) -> dict[str, float]:
-    run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    # min = max = N for the first round; survivors may continue with N - 1.
-    rules = Rules(max(1, n - 1), n, last_call_s=30.0, join_timeout_s=TIMEOUT_S, max_restarts=10)
-    nodes = [SimNode(f"node{i:04d}", url, run_id, rules) for i in range(n)]
-    started: list[float] = []  # stamped as the barrier trips, before any node is let go
-    ready = threading.Barrier(n + 1, action=lambda: started.append(time.monotonic()))
-    leaving = [threading.Event() for _ in nodes]
-    threads = [threading.Thread(target=x.run, args=(ready, leaving[i]), daemon=True) for i, x in enumerate(nodes)]
-    for t in threads:
-        t.start()
+class Harness:
+    """The simulated nodes of one job, spread over ``procs`` processes (their cost is the harness's)."""
+
+    def __init__(self, url: str, n: int, procs: int) -> None:
+        run_id = f"bench-{uuid.uuid4().hex[:8]}"
+        per = -(-n // procs)
+        self.children = []
+        for first in range(0, n, per):
+            argv = [sys.executable, __file__, "--child", url, run_id, str(first), str(min(per, n - first)), str(n)]
+            self.children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for c in self.children:
+            self.read(c)  # ready
+
+    def read(self, c: subprocess.Popen[str]) -> dict[str, Any]:
+        assert c.stdout is not None
+        line = c.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a harness process ended (exit {c.wait()})")
+        doc: dict[str, Any] = json.loads(line)
+        if "error" in doc:
+            raise RuntimeError(doc["error"])
+        return doc
+
+    def tell(self, c: subprocess.Popen[str], command: str) -> None:
+        assert c.stdin is not None
+        c.stdin.write(command + "\n")
+        c.stdin.flush()
+
+    def round(self, k: int) -> tuple[float, list[int], list[int]]:
+        """When the last node ran round ``k``, and every node's store calls and watch events so far."""
+        for c in self.children:
+            self.tell(c, f"round {k}")
+        docs = [self.read(c) for c in self.children]
+        return max(d["last"] for d in docs), [o for d in docs for o in d["ops"]], [e for d in docs for e in d["events"]]
+
+    def close(self) -> None:
+        for c in self.children:
+            with contextlib.suppress(OSError):
+                self.tell(c, "stop")
+        for c in self.children:
+            try:
+                c.wait(60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+
+
+class StoreMeter:
+    """The store process's CPU seconds and bytes written (to its sockets: /proc/<pid>/io wchar) since mark()."""
+
+    def __init__(self, pid: int) -> None:
+        self._proc = psutil.Process(pid)
+        self.mark()
+
+    def _now(self) -> tuple[float, int]:
+        t = self._proc.cpu_times()
+        return t.user + t.system, self._proc.io_counters().write_chars
+
+    def mark(self) -> None:
+        self._cpu, self._bytes = self._now()
+
+    def since(self) -> tuple[float, int]:
+        cpu, written = self._now()
+        return cpu - self._cpu, written - self._bytes
+
+
+def bench_ftrun(url: str, n: int, procs: int, meter: StoreMeter | None, idle_s: float) -> dict[str, float]:
+    harness = Harness(url, n, procs)
     try:
-        ready.wait(TIMEOUT_S)
-        t0 = started[0]
-        join_s = wait_round(nodes, 1, t0 + TIMEOUT_S) - t0
-        ops = [x.counts["ops"] for x in nodes]
-        events = [x.counts["events"] for x in nodes]
-        victim = n - 1
-        leaving[victim].set()
-        nodes[victim].stop.set()
-        threads[victim].join(TIMEOUT_S)  # its lease is revoked when its loop ends
-        t1 = nodes[victim].left_at
-        survivors = nodes[:victim]
-        rejoin_s = (wait_round(survivors, 2, t1 + TIMEOUT_S) - t1) if survivors else float("nan")
+        if meter is not None:
+            meter.mark()
+        t0 = time.monotonic()
+        for c in harness.children:
+            harness.tell(c, "go")
+        last, ops, events = harness.round(1)
+        join_cpu, join_bytes = meter.since() if meter is not None else (float("nan"), 0)
+        victim = harness.children[-1]
+        harness.tell(victim, f"leave node{n - 1:05d}")
+        t1 = float(harness.read(victim)["left"])
+        if meter is not None:
+            meter.mark()
+        last2, ops2, events2 = harness.round(2)
+        survivors = n - 1
+        rejoin_cpu, rejoin_bytes = meter.since() if meter is not None else (float("nan"), 0)
+        idle_cpu = float("nan")
+        if meter is not None and idle_s > 0:
+            meter.mark()
+            time.sleep(idle_s)  # steady training: only the keep-alives go on
+            idle_cpu = meter.since()[0] / idle_s
         return {
-            "join_s": join_s,
-            "ops_mean": sum(ops) / n,
-            "ops_max": max(ops),
-            "events_mean": sum(events) / n,
-            "events_max": max(events),
-            "rejoin_s": rejoin_s,
-        }
+            "join_s": last - t0, "ops_mean": sum(ops) / n, "ops_max": max(ops), "events_mean": sum(events) / n,
+            "events_max": max(events), "rejoin_s": last2 - t1,
+            "ops2_mean": (sum(ops2) - sum(ops[:survivors])) / survivors,
+            "events2_mean": (sum(events2) - sum(events[:survivors])) / survivors,
+            "store_cpu_join": join_cpu, "bytes_join": join_bytes / n, "store_cpu_rejoin": rejoin_cpu,
+            "bytes_rejoin": rejoin_bytes / survivors, "idle_cpu": idle_cpu,
+        }  # fmt: skip
     finally:
-        for x in nodes:
-            x.stop.set()
-        for t in threads:
-            t.join(30)
+        harness.close()
 
 
 def bench_torch(n: int) -> float | None:
@@ -245,47 +364,57 @@ def start_tcp_store() -> tuple[subprocess.Popen[str], str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        url, run_id, first, count, n = sys.argv[2:7]
+        child(url, run_id, int(first), int(count), int(n))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="16,64,256,1024")
+    p.add_argument("--sizes", default="64,1024,4096,16384")
     p.add_argument("--backends", default="tcp,etcd")
+    p.add_argument("--procs", type=int, default=8, help="harness processes the simulated nodes are spread over")
+    p.add_argument("--idle", type=float, default=10.0, help="seconds of steady state to measure keep-alives")
     p.add_argument("--torch-max", type=int, default=64, help="largest N to run torch's handler for (it is slow)")
     a = p.parse_args()
-    # A thousand simulated nodes are a thousand I/O-bound threads sharing one GIL. With the default
-    # 5 ms switch interval every thread waiting for the GIL wakes each 5 ms to ask for it, and the
-    # kernel time of those futex storms dominates (seen with perf: ~80 % of the CPU at N = 1,024).
-    # The nodes give the GIL up whenever they wait on I/O, so a long interval loses nothing; real
-    # nodes are separate machines and never pay this.
-    sys.setswitchinterval(0.5)
+    sys.setswitchinterval(0.5)  # see child(): a thousand I/O-bound threads share one GIL per process
     sizes = [int(x) for x in a.sizes.split(",")]
     backends = a.backends.split(",")
-    print(f"rendezvous, {os.cpu_count()} cores; times in s, one round, min = max = N")
-    header = f"{'backend':8} {'N':>5} {'join':>7} {'ops/node':>9} {'events/node':>12} {'rejoin':>7}"
-    header += f" {'torch join':>11} {'ratio':>6}"
+    print(f"rendezvous, {os.cpu_count()} cores, nodes spread over {a.procs} processes; one round, min = max = N")
+    print("join/rejoin: s until the last node knows its rank; ops, events: per node per round (mean/max);")
+    print(
+        "store: its CPU s for the round and bytes it sent per node; idle: its CPU share while N nodes only keep alive"
+    )
+    header = f"{'backend':8} {'N':>6} {'join':>7} {'ops':>9} {'events':>10} {'rejoin':>7} {'ops2':>5} {'ev2':>5}"
+    header += f" {'store cpu':>10} {'B/node':>7} {'idle cpu':>9} {'torch join':>11} {'ratio':>6}"
     print(header)
     etcd = EtcdHarness().start() if "etcd" in backends else None
-    proc, tcp_url = start_tcp_store()
     try:
         for backend in backends:
-            url = tcp_url if backend == "tcp" else etcd.url  # type: ignore[union-attr]
             for n in sizes:
-                r = bench_ftrun(url, n)
+                proc, url = start_tcp_store() if backend == "tcp" else (None, etcd.url)  # type: ignore[union-attr]
+                try:
+                    meter = StoreMeter(proc.pid if proc is not None else etcd.pid)  # type: ignore[union-attr]
+                    r = bench_ftrun(url, n, a.procs, meter, a.idle)
+                finally:
+                    if proc is not None:
+                        proc.kill()
+                        proc.wait()
                 torch_s = bench_torch(n) if backend == "tcp" and n <= a.torch_max else None
                 torch_col = "-" if n > a.torch_max or backend != "tcp" else "timeout"
                 if torch_s is not None:
                     torch_col = f"{torch_s:.2f}"
                 ratio = f"{r['join_s'] / torch_s:.3f}" if torch_s else "-"
                 print(
-                    f"{backend:8} {n:>5} {r['join_s']:>7.2f} {r['ops_mean']:>5.1f}/{r['ops_max']:<3.0f} "
-                    f"{r['events_mean']:>7.1f}/{r['events_max']:<4.0f} {r['rejoin_s']:>7.2f}"
-                    f" {torch_col:>11} {ratio:>6}",
+                    f"{backend:8} {n:>6} {r['join_s']:>7.2f} {r['ops_mean']:>5.1f}/{r['ops_max']:<3.0f} "
+                    f"{r['events_mean']:>5.1f}/{r['events_max']:<4.0f} {r['rejoin_s']:>7.2f}"
+                    f" {r['ops2_mean']:>5.1f} {r['events2_mean']:>5.1f}"
+                    f" {r['store_cpu_join']:>4.1f}/{r['store_cpu_rejoin']:<4.1f} {r['bytes_join']:>7.0f}"
+                    f" {r['idle_cpu']:>8.1%} {torch_col:>11} {ratio:>6}",
                     flush=True,
                 )
     finally:
-        proc.kill()
-        proc.wait()
         if etcd is not None:
             etcd.stop()
-    print("ops/node and events/node: mean/max over nodes (the max is the leader, which watches every node key)")
+    print("the max of ops/events is the leader's (it watches every node key and writes every member's place)")
     print("rejoin: a node leaves (lease revoked) -> every survivor runs the next round; a silent death adds the TTL")
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from ftrun.clock import SystemClock
 from ftrun.rendezvous.driver import Rendezvous
-from ftrun.rendezvous.state import Action, Advice, Keys, Local, Me, Rules, Timing
+from ftrun.rendezvous.records import Keys
+from ftrun.rendezvous.state import Action, Advice, Local, Me, Rules, Timing
 from tests.contract.conftest import OpenClient
 
 BOUND_S = 30.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.rendezvous.state import Keys
+from ftrun.rendezvous.records import Keys
 from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdCluster, EtcdHarness
 from tests.integration.conftest import LiveFtrun, until

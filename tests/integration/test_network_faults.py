@@ -190,7 +190,7 @@ def test_a_malformed_record_in_the_store_is_said_and_ignored(
 ) -> None:
     """Anyone who can reach the store (no token) writes garbage over the round record and a node record: both
     agents say so once, with the key, and train on; the store's host does not exit."""
-    from ftrun.rendezvous.state import Keys
+    from ftrun.rendezvous.records import Keys
     from ftrun.store.factory import open_store
 
     _, agents = job

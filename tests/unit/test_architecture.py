@@ -29,6 +29,7 @@ PURE = [
     "ftrun.worker.requests",
     "ftrun.warm.policy",
     "ftrun.rendezvous.succession",
+    "ftrun.rendezvous.records",
     "ftrun.monitor.stragglers",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
@@ -187,7 +188,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "ftrun",
         *BASICS,
     },
-    "testing": {"procs", "node", "store", "clock", "errors"},
+    "testing": {"procs", "node", "store", "rendezvous", "clock", "errors"},
     "ftrun": {"worker"},  # the package itself is the worker API
     "__main__": {"cli"},
 }

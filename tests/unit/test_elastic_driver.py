@@ -27,7 +27,8 @@ from ftrun.agent.driver import (
 )
 from ftrun.agent.elastic import Phase, State, initial, step
 from ftrun.agent.env import Placement
-from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment, RoundRecord, Status
+from ftrun.rendezvous.records import RoundRecord, Status
+from ftrun.rendezvous.state import Action, Decision, Local, NodeAssignment
 from ftrun.worker.requests import Action as Ask
 from ftrun.worker.requests import Request
 

@@ -3,25 +3,30 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ftrun.rendezvous.state import (
-    Action,
+from ftrun.rendezvous.records import (
+    Assignment,
     NodeInfo,
     RecordError,
+    Roster,
     RoundRecord,
-    Rules,
     Status,
-    View,
-    decide,
+    assignments,
+    decode_assignment,
     decode_node,
+    decode_roster,
     decode_round,
+    encode_assignment,
     encode_node,
+    encode_roster,
     encode_round,
 )
+from ftrun.rendezvous.state import Action, Decision, Rules, View, decide
 
 RULES = Rules(min_nodes=2, max_nodes=3, last_call_s=30.0, join_timeout_s=600.0, max_restarts=2)
 
@@ -30,20 +35,58 @@ def nodes(*ids: str, round_: int = 1, nproc: int = 2) -> dict[str, NodeInfo]:
     return {n: NodeInfo(n, f"10.0.0.{i}", nproc, 29500 + i, round_, float(i)) for i, n in enumerate(ids, 1)}
 
 
+# The store's rosters, as the driver writes them when a round closes (roster id -> roster).
+ROSTERS: dict[str, Roster] = {}
+
+
+def roster(*members: str, round_: int = 1, nproc: tuple[int, ...] = ()) -> str:
+    """A roster as a close writes it; returns its id."""
+    rid = f"{round_}:{','.join(members)}:{','.join(map(str, nproc))}"
+    counts = nproc or (2,) * len(members)
+    ROSTERS[rid] = Roster(round_, rid, members, counts, tuple(f"10.0.0.{i}" for i in range(1, len(members) + 1)))
+    return rid
+
+
+def closed(*members: str, round_: int = 1, failures: int = 0, nproc: tuple[int, ...] = ()) -> RoundRecord:
+    rid = roster(*members, round_=round_, nproc=nproc)
+    world = sum(ROSTERS[rid].nproc)
+    heads = tuple((m, f"10.0.0.{i}") for i, m in enumerate(members[:2], 1))
+    return RoundRecord(round_, Status.CLOSED, failures, "10.0.0.1", 29501, "", "", len(members), world, rid, heads)
+
+
+def reopened(round_: int, previous: tuple[str, ...], failures: int) -> RoundRecord:
+    """An open round, after one whose members were ``previous``."""
+    return RoundRecord(round_, Status.OPEN, failures, roster_id=roster(*previous, round_=round_ - 1))
+
+
+def named(d: Decision) -> RoundRecord:
+    """The record a CLOSE decision wrote, named as the driver names it (its roster registered)."""
+    assert d.record is not None
+    assert d.roster is not None
+    return replace(d.record, roster_id=roster(*d.roster.members, round_=d.record.round, nproc=d.roster.nproc))
+
+
+def place(record: RoundRecord | None, me: str) -> Assignment | None:
+    """My assignment key, as the driver reads it."""
+    if record is None or record.status is Status.OPEN or record.roster_id not in ROSTERS:
+        return None
+    return dict(assignments(ROSTERS[record.roster_id])).get(me)
+
+
 def view(record: RoundRecord | None, live: dict[str, NodeInfo], me: str = "a", now: float = 0.0, **kw: object) -> View:
-    """The leader's view (it sees every node key); ``registered`` follows my key unless given."""
+    """The leader's view (it sees every node key and reads the roster); ``registered`` follows my key unless
+    given."""
     kw.setdefault("registered", live[me].round if me in live else None)
+    kw.setdefault("roster", ROSTERS.get(record.roster_id) if record is not None else None)
+    kw.setdefault("assignment", place(record, me))
     return View(record, live, me, now=now, changed_at=0.0, waiting_since=0.0, **kw)  # type: ignore[arg-type]
 
 
 def follower(record: RoundRecord | None, registered: int | None, me: str = "a", **kw: object) -> View:
-    """A node that is not the leader: it knows the round record and its own key, not the others'."""
+    """A node that is not the leader: it knows the round record, its own key and its own place, not the others'."""
     kw.setdefault("now", 0.0)
+    kw.setdefault("assignment", place(record, me))
     return View(record, None, me, registered=registered, changed_at=0.0, waiting_since=0.0, **kw)  # type: ignore[arg-type]
-
-
-def closed(*members: str, round_: int = 1, failures: int = 0) -> RoundRecord:
-    return RoundRecord(round_, Status.CLOSED, members, (), failures, "10.0.0.1", 29501, (2,) * len(members))
 
 
 def test_an_unregistered_node_registers_first() -> None:
@@ -68,23 +111,27 @@ def test_min_nodes_close_after_the_last_call() -> None:
     d = decide(view(None, live, now=30.0), RULES)
     assert d.action is Action.CLOSE
     assert d.record is not None
-    assert d.record.members == ("a", "b")
-    assert (d.record.master_addr, d.record.master_port, d.record.nproc) == ("10.0.0.1", 29501, (2, 2))
+    assert d.roster is not None
+    assert (d.roster.members, d.roster.nproc, d.roster.addrs) == (("a", "b"), (2, 2), ("10.0.0.1", "10.0.0.2"))
+    r = d.record
+    assert (r.master_addr, r.master_port, r.size, r.world_size) == ("10.0.0.1", 29501, 2, 4)
+    assert r.heads == (("a", "10.0.0.1"), ("b", "10.0.0.2"))  # where a lost store's successor is
+    assert len(encode_round(r)) < 400  # what every node reads: small, whatever the job's size
 
 
 def test_max_nodes_close_at_once_and_the_rest_are_spares() -> None:
     live = nodes("a", "b", "c", "d")
     d = decide(view(None, live), RULES)
     assert d.action is Action.CLOSE
-    assert d.record is not None
-    assert d.record.members == ("a", "b", "c")
-    spare = decide(view(d.record, live, me="d"), RULES)
+    assert d.roster is not None
+    assert d.roster.members == ("a", "b", "c")
+    spare = decide(view(named(d), live, me="d"), RULES)
     assert spare.action is Action.STANDBY
 
 
 def test_members_run_with_ranks_from_per_node_worker_counts() -> None:
-    record = RoundRecord(1, Status.CLOSED, ("a", "b", "c"), (), 0, "10.0.0.1", 29501, (4, 2, 8))
-    d = decide(view(record, nodes("a", "b", "c"), me="c"), RULES)
+    record = closed("a", "b", "c", nproc=(4, 2, 8))
+    d = decide(follower(record, 1, me="c"), RULES)
     assert d.action is Action.RUN
     assert d.assignment is not None
     a = d.assignment
@@ -95,35 +142,35 @@ def test_a_lost_member_reopens_and_spends_the_budget() -> None:
     d = decide(view(closed("a", "b"), nodes("a")), RULES)
     assert d.action is Action.REOPEN
     assert d.record is not None
-    assert (d.record.round, d.record.status, d.record.previous, d.record.failures) == (2, Status.OPEN, ("a", "b"), 1)
+    assert (d.record.round, d.record.status, d.record.failures) == (2, Status.OPEN, 1)
+    assert ROSTERS[d.record.roster_id].members == ("a", "b")  # the open round names the round before's roster
     assert "node(s) b left" in d.reason
 
 
 def test_survivors_close_a_reopened_round_without_waiting_for_the_last_call() -> None:
-    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b", "c"), failures=1)
     live = nodes("a", "c", round_=2)
-    d = decide(view(reopened, live, now=0.1), RULES)
+    d = decide(view(reopened(2, ("a", "b", "c"), 1), live, now=0.1), RULES)
     assert d.action is Action.CLOSE
     assert d.record is not None
-    assert d.record.members == ("a", "c")
+    assert d.roster is not None
+    assert d.roster.members == ("a", "c")
     assert d.record.failures == 1
 
 
 def test_a_survivor_still_registered_for_the_old_round_is_awaited() -> None:
-    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b"), failures=1)
     live = {**nodes("a", round_=2), "b": NodeInfo("b", "10.0.0.2", 2, 29502, 1, 2.0)}  # b still stopping
-    d = decide(view(reopened, live), Rules(1, 3, 30.0, 600.0, 2))  # a alone would be enough (min 1)
+    d = decide(view(reopened(2, ("a", "b"), 1), live), Rules(1, 3, 30.0, 600.0, 2))  # a alone would be enough (min 1)
     assert d.action is Action.WAIT
     assert d.wake_at == 30.0  # the last call bounds the wait for a survivor that never comes back
 
 
 def test_spares_newcomers_and_survivors_still_registered_for_the_old_round_are_all_awaited() -> None:
-    reopened = RoundRecord(3, Status.OPEN, previous=("a", "b"), failures=1)
+    third = reopened(3, ("a", "b"), 1)
     live = {**nodes("a", "b", round_=3), **nodes("spare", round_=2)}  # the spare registered while round 2 ran
-    d = decide(view(reopened, live), RULES)
+    d = decide(view(third, live), RULES)
     assert d.action is Action.WAIT
     live = nodes("a", "b", "spare", round_=3)
-    d = decide(view(reopened, live), RULES)
+    d = decide(view(third, live), RULES)
     assert d.action is Action.CLOSE
     assert "maximum" in d.reason  # 3 of max 3
 
@@ -194,8 +241,7 @@ def test_a_newcomer_scales_up_a_job_below_max_without_spending_the_budget() -> N
 
 
 def test_workers_of_a_superseded_round_stop() -> None:
-    reopened = RoundRecord(2, Status.OPEN, previous=("a", "b"), failures=1)
-    d = decide(view(reopened, nodes("a", "b"), running_round=1), RULES)
+    d = decide(view(reopened(2, ("a", "b"), 1), nodes("a", "b"), running_round=1), RULES)
     assert d.action is Action.STOP
     assert "round 2 is open" in d.reason
 
@@ -225,11 +271,10 @@ def test_a_member_that_had_not_started_when_the_others_finished_still_runs_its_r
 
 
 def test_previous_members_keep_their_order() -> None:
-    reopened = RoundRecord(2, Status.OPEN, previous=("c", "a"), failures=0)
     live = nodes("a", "new", "c", round_=2)
-    d = decide(view(reopened, live), RULES)
-    assert d.record is not None
-    assert d.record.members == ("c", "a", "new")
+    d = decide(view(reopened(2, ("c", "a"), 0), live), RULES)
+    assert d.roster is not None
+    assert d.roster.members == ("c", "a", "new")
 
 
 @given(
@@ -243,17 +288,17 @@ def test_closing_rules_properties(ids: set[str], lo: int, extra: int, now: float
     max; ranks are a permutation."""
     rules = Rules(lo, lo + extra, 30.0, 600.0, 3)
     live = nodes(*sorted(ids))
-    outcomes = {decide(view(None, live, me=m, now=now), rules) for m in live}
-    records = {d.record for d in outcomes if d.action is Action.CLOSE}
+    outcomes = [decide(view(None, live, me=m, now=now), rules) for m in live]
+    closes = {(d.record, d.roster) for d in outcomes if d.action is Action.CLOSE}
     full = len(ids) >= rules.max_nodes
     enough_and_last_call_over = len(ids) >= rules.min_nodes and now >= rules.last_call_s
-    assert len(records) == (1 if full or enough_and_last_call_over else 0)
-    for record in records:
-        assert record is not None
-        assert len(record.members) <= rules.max_nodes
-        assert len(record.members) >= rules.min_nodes
-        ranks = sorted(decide(view(record, live, me=m), rules).assignment.group_rank for m in record.members)  # type: ignore[union-attr]
-        assert ranks == list(range(len(record.members)))
+    assert len(closes) == (1 if full or enough_and_last_call_over else 0)
+    for d in (d for d in outcomes if d.action is Action.CLOSE):
+        record, members = named(d), d.roster.members  # type: ignore[union-attr]
+        assert rules.min_nodes <= len(members) == record.size <= rules.max_nodes
+        placed = [decide(follower(record, 1, me=m), rules).assignment for m in members]
+        assert sorted(a.group_rank for a in placed) == list(range(len(members)))  # type: ignore[union-attr]
+        assert all(a.world_size == record.world_size for a in placed)  # type: ignore[union-attr]
 
 
 def test_records_round_trip() -> None:
@@ -261,6 +306,10 @@ def test_records_round_trip() -> None:
     assert decode_round(encode_round(r)) == r
     n = nodes("a")["a"]
     assert decode_node(encode_node(n)) == n
+    roster_ = ROSTERS[r.roster_id]
+    assert decode_roster(encode_roster(roster_)) == roster_
+    for _, a in assignments(roster_):
+        assert decode_assignment(encode_assignment(a)) == a
 
 
 @pytest.mark.parametrize(
@@ -268,16 +317,16 @@ def test_records_round_trip() -> None:
     [
         b"not json",
         b"[]",
-        b'{"v": 2}',
-        b'{"v": 1, "round": 1, "status": "bogus"}',
-        b'{"v":1,"round":1,"status":"closed","members":["a","a"],"previous":[],"failures":0,'
-        b'"master_addr":"x","master_port":1,"nproc":[1,1],"reason":""}',
-        b'{"v":1,"round":0,"status":"open","members":[],"previous":[],"failures":0,'
-        b'"master_addr":"","master_port":0,"nproc":[],"reason":""}',
-        b'{"v":1,"round":1,"status":"closed","members":["a"],"previous":[],"failures":0,'
-        b'"master_addr":"x","master_port":1,"nproc":[true],"reason":""}',
-        b'{"v":1,"round":1,"status":"closed","members":[],"previous":[],"failures":0,'
-        b'"master_addr":"x","master_port":1,"nproc":[],"reason":""}',
+        b'{"v": 1}',
+        b'{"v": 2, "round": 1, "status": "bogus"}',
+        b'{"v":2,"round":0,"status":"open","failures":0,"master_addr":"","master_port":0,"reason":"",'
+        b'"failed_node":"","size":0,"world_size":0,"roster_id":"","heads":[],"awaited":0}',
+        b'{"v":2,"round":1,"status":"closed","failures":0,"master_addr":"x","master_port":1,"reason":"",'
+        b'"failed_node":"","size":0,"world_size":0,"roster_id":"r","heads":[],"awaited":0}',
+        b'{"v":2,"round":1,"status":"closed","failures":-1,"master_addr":"x","master_port":1,"reason":"",'
+        b'"failed_node":"","size":1,"world_size":1,"roster_id":"r","heads":[],"awaited":0}',
+        b'{"v":2,"round":1,"status":"closed","failures":0,"master_addr":"x","master_port":1,"reason":"",'
+        b'"failed_node":"","size":1,"world_size":1,"roster_id":"r","heads":[["a"]],"awaited":0}',
     ],
 )
 def test_corrupt_round_records_are_named_errors(raw: bytes) -> None:
@@ -287,7 +336,7 @@ def test_corrupt_round_records_are_named_errors(raw: bytes) -> None:
 
 @given(st.binary(max_size=300))
 def test_no_bytes_crash_the_decoders(raw: bytes) -> None:
-    for decode in (decode_round, decode_node):
+    for decode in (decode_round, decode_node, decode_roster, decode_assignment):
         with contextlib.suppress(RecordError):
             decode(raw)
 

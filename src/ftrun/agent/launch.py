@@ -43,7 +43,8 @@ from ftrun.procs.warden import Warden
 from ftrun.procs.workers import ProcessSpawner, Spawner
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.liveness import Liveness
-from ftrun.rendezvous.state import Keys, Me, Rules, Timing
+from ftrun.rendezvous.records import Keys
+from ftrun.rendezvous.state import Me, Rules, Timing
 from ftrun.rendezvous.succession import Successor
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore

@@ -83,7 +83,7 @@ class JobStore:
         self._store = open_store(url, token=token, retry_deadline_s=3.0)
 
     def snapshot(self) -> dict[str, Any]:
-        from ftrun.rendezvous.state import Keys, decode_round
+        from ftrun.rendezvous.records import Keys, RecordError, decode_roster, decode_round
 
         records = read_statuses(self._store, self.run_id)
         if not records:
@@ -91,11 +91,12 @@ class JobStore:
         keys = Keys.of(self.run_id)
         round_kv = self._store.get(keys.round)
         members: tuple[str, ...] = ()
-        if round_kv is not None:
-            try:
-                members = decode_round(round_kv.value).members
-            except ValueError:
-                members = ()
+        try:  # the round's roster (a person's view may read the O(N) record: the agents never do but the leader)
+            roster_id = decode_round(round_kv.value).roster_id if round_kv is not None else ""
+            roster_kv = self._store.get(keys.roster(roster_id)) if roster_id else None
+            members = decode_roster(roster_kv.value).members if roster_kv is not None else ()
+        except RecordError:
+            members = ()
         registered = sorted(kv.key.rsplit("/", 1)[-1] for kv in self._store.list_prefix(keys.nodes)[0])
         job = _job(records, source=self.url)
         job["spares"] = [n for n in registered if members and n not in members]

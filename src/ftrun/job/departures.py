@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ftrun.clock import Clock
-from ftrun.rendezvous.state import Keys
+from ftrun.rendezvous.records import Keys
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
 

@@ -2,14 +2,15 @@
 
 The first node whose workers all succeed finishes the job; the others may still
 be running theirs. Each member writes how its run ended under the job's key, and a
-node whose workers succeeded waits (bounded) for every other member's: if one
-failed after this node's workers had succeeded, the job failed, and this node
-says so and exits 1 too, so that no node reports a success the job did not have.
+node whose workers succeeded waits (bounded) until every member of the round has
+written: if one failed after this node's workers had succeeded, the job failed, and
+this node says so and exits 1 too, so that no node reports a success the job did
+not have. Once per job, not per round: each node follows the others' records (O(N)).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
@@ -24,32 +25,33 @@ class ExitBarrier:
         self._node = node_id
         self._clock = clock
 
-    def settle(self, code: int, members: Sequence[str], timeout_s: float, say: Callable[[str], None]) -> int:
-        """Tell the others how this node ended (``code``); with 0, wait for theirs. Returns the exit code."""
+    def settle(self, code: int, members: int, timeout_s: float, say: Callable[[str], None]) -> int:
+        """Tell the others how this node ended (``code``); with 0, wait for the other ``members - 1`` of the
+        round's members. Returns the exit code."""
         try:
             self._store.put(self._root + self._node, str(code).encode())
             if code != 0 or timeout_s <= 0:
                 return code
-            ended = self._wait(set(members) - {self._node}, timeout_s)
+            ended = self._wait(members, timeout_s)
         except StoreError as e:
             say(f"exit barrier: the store is unreachable ({e}); exiting with this node's own result")
             return code
         failed = sorted(node for node, theirs in ended.items() if theirs != "0")
-        missing = sorted(set(members) - {self._node} - set(ended))
         if failed:
             say(f"the workers of {', '.join(failed)} failed after this node's succeeded: the job failed")
             return 1
-        if missing:
-            say(f"exit barrier: {', '.join(missing)} not done after {timeout_s:g} s (exit_barrier_timeout); exiting")
+        if len(ended) < members:
+            missing = members - len(ended)
+            say(f"exit barrier: {missing} node(s) not done after {timeout_s:g} s (exit_barrier_timeout); exiting")
         return 0
 
-    def _wait(self, others: set[str], timeout_s: float) -> dict[str, str]:
-        """How each of ``others`` ended, as far as known when all told or ``timeout_s`` passed."""
+    def _wait(self, members: int, timeout_s: float) -> dict[str, str]:
+        """How each member ended, as far as known when all ``members`` told or ``timeout_s`` passed."""
         now, later = follow(self._store, self._root, self._clock, timeout_s)
         ended = {c.key.removeprefix(self._root): (c.value or b"").decode(errors="replace") for c in now}
-        if not others <= set(ended):
+        if len(ended) < members:
             for change in later:
                 ended[change.key.removeprefix(self._root)] = (change.value or b"").decode(errors="replace")
-                if others <= set(ended):
+                if len(ended) >= members:
                     break
-        return {node: theirs for node, theirs in ended.items() if node in others}
+        return ended

@@ -16,7 +16,7 @@ from typing import Any
 
 from ftrun.job.offloop import Newest
 from ftrun.jsonobject import object_or_none
-from ftrun.rendezvous.state import Keys, RecordError, decode_round
+from ftrun.rendezvous.records import Keys, RecordError, decode_round
 from ftrun.store.base import Store
 
 MAX_RECORD_BYTES = 1 << 20
@@ -29,7 +29,8 @@ class PaceShare:
         self._store = store
         self._root = f"/ftrun/{run_id}/pace/"
         self._rdzv = Keys.of(run_id)
-        self.spares = 0  # nodes registered for the job but in no round (as of the last exchange)
+        self.spares: int | None = None  # nodes registered beyond the round's members, as last counted (None: never)
+        self.count_spares = False  # set when a straggler here may leave for a spare: counting lists every node
         self._node = node
         self._lock = threading.Lock()
         self._others: dict[str, dict[str, Any]] = {}  # node -> its last record in this node's round
@@ -59,18 +60,19 @@ class PaceShare:
         }
         with self._lock:
             self._others = others
-        self.spares = self._count_spares()
+        if self.count_spares:
+            self.spares = self._count_spares()
 
     def _count_spares(self) -> int:
-        """Nodes registered but not members of the current round: hot spares (a straggler's node may leave for
-        one). Two reads per window, in this thread."""
+        """Nodes registered beyond the members of the current round: hot spares (a straggler's node may leave
+        for one). Two reads, only while a straggler here might leave (the node keys are O(N))."""
         kvs, _ = self._store.list_prefix(self._rdzv.nodes)
         current = self._store.get(self._rdzv.round)
         try:
-            members = set(decode_round(current.value).members) if current is not None else set()
+            members = decode_round(current.value).size if current is not None else len(kvs)
         except RecordError:
             return 0
-        return sum(1 for kv in kvs if kv.key.removeprefix(self._rdzv.nodes) not in members)
+        return max(0, len(kvs) - members)
 
 
 def _window(record: dict[str, Any], round_: int, since_wall: float) -> tuple[dict[int, float], float | None] | None:

@@ -33,7 +33,8 @@ Say = Callable[..., None]
 class Share(Protocol):
     """The other nodes' windows (:class:`ftrun.job.pace_share.PaceShare`)."""
 
-    spares: int  # hot spares waiting, as last counted
+    spares: int | None  # hot spares waiting, as last counted (None: not counted yet)
+    count_spares: bool  # count them from now on
 
     def offer(self, round_: int, medians: dict[int, float], step_s: float | None, wall: float) -> None: ...
 
@@ -136,7 +137,10 @@ class PaceWatch:
         """--straggler-action exclude: a straggler here leaves the job when a spare can take its node's place."""
         if self._leaving is not None:
             return
-        if self.share is not None and self.share.spares > 0:
+        if self.share is not None and self.share.spares is None:
+            self.share.count_spares = True  # counted in the next exchange: decided at a later window
+            return
+        if self.share is not None and (self.share.spares or 0) > 0:
             self._leaving = s
             self._say(
                 f"rank {s.rank} is a straggler and a spare node waits: {self.node} leaves the job at its next step",

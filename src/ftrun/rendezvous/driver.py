@@ -1,16 +1,10 @@
-"""Runs the pure rules of :mod:`ftrun.rendezvous.state` against a real Store.
+"""Runs the pure rules of :mod:`ftrun.rendezvous.state` against a real Store (the keys:
+:mod:`ftrun.rendezvous.records`).
 
-Keys of one job (``/ftrun/<run id>/rdzv/...``)::
-
-    r/round     the round record, written only by compare-and-set
-    r/leader    the id of the node that watches the membership (bound to its lease)
-    r/v/<name>  small job-wide values every node may merge into (compare-and-set), e.g. the
-                agreed hang timeouts; they ride on the watch every node has anyway
-    n/<node>    one small record per node (bound to that node's lease)
-
-Every node watches ``r/`` (two keys: O(1) notifications per round); only the
-leader also watches ``n/``. When the leader's lease lapses its key vanishes,
-every node sees that on ``r/`` and one of them wins the compare-and-set to lead.
+Every node watches ``r/`` (a few small keys: O(1) notifications per round) and reads its own place once per
+round (:mod:`ftrun.rendezvous.places`); only the leader also watches ``n/`` and reads the roster. When the
+leader's lease lapses its key vanishes, every node sees that on ``r/`` and one of them wins the
+compare-and-set to lead.
 
 The agent calls :meth:`Rendezvous.next` whenever something may have changed (a
 store event made :meth:`fileno` readable, ``wake_at`` passed, its workers
@@ -31,20 +25,19 @@ from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreGone,
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.liveness import Liveness
-from ftrun.rendezvous.state import (
-    Action,
-    Advice,
-    Decision,
+from ftrun.rendezvous.places import Places
+from ftrun.rendezvous.records import (
     Keys,
-    Local,
-    Me,
     NodeInfo,
     RecordError,
     RoundRecord,
-    Rules,
     Status,
-    Timing,
+    decode_node,
+    decode_round,
+    encode_node,
+    encode_round,
 )
+from ftrun.rendezvous.state import Action, Advice, Decision, Local, Me, Rules, Timing
 from ftrun.rendezvous.succession import Successor, successor
 from ftrun.rendezvous.values import JobValues
 from ftrun.store.base import EventType, Store, Watch
@@ -105,6 +98,7 @@ class Rendezvous:
         self._waiting_since = 0.0
         self._joined_wall = clock.wall()
         self._bad_keys: set[str] = set()  # malformed records already reported
+        self._places = Places(store, self._keys, me.node_id, self._decode)
         self._cut_off_since: float | None = None  # monotonic: since when store calls fail
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -126,12 +120,12 @@ class Rendezvous:
     def node_id(self) -> str:
         return self._me.node_id
 
-    def finished_with(self) -> tuple[str, ...]:
-        """The members of the round the job finished in, if this node was one of them (else ())."""
+    def finished_with(self) -> int:
+        """How many nodes the round the job finished in had, if this node was one of them (else 0)."""
         r = self._record
-        if r is None or r.status is not state.Status.FINISHED or self._me.node_id not in r.members:
-            return ()
-        return r.members
+        if r is None or r.status is not Status.FINISHED or self._places.mine(r) is None:
+            return 0
+        return r.size
 
     @property
     def leading(self) -> bool:
@@ -204,6 +198,7 @@ class Rendezvous:
         why = f"the store's host {lost} was lost; {found.node_id} hosts the store now"
         self._seed = state.after_lost_store(last, self._rules, lost, why)
         self._record, self._record_rev, self._leader = None, 0, None
+        self._places.forget()
         now = self._clock.monotonic()
         if local.running_round is not None:
             stop = f"my workers run in round {local.running_round}, but {why}: stopping them; the job re-forms there"
@@ -240,8 +235,11 @@ class Rendezvous:
         raise FtrunError(f"rendezvous did not settle after {MAX_STEPS} store actions; the store may be misbehaving")
 
     def _view(self, local: Local, now: float, nodes: dict[str, NodeInfo] | None) -> state.View:
+        roster = self._places.read_roster(self._record) if nodes is not None else None
         return state.View(
             record=self._record,
+            roster=roster,
+            assignment=self._places.mine(self._record),
             nodes=nodes,
             me=self._me.node_id,
             registered=self._registered,
@@ -267,7 +265,7 @@ class Rendezvous:
         alive = self._liveness.port if self._liveness is not None else 0
         me = self._me
         info = NodeInfo(me.node_id, me.addr, me.nproc, self._offer_port(), round_, self._joined_wall, alive)
-        self._store.put(self._keys.node(self._me.node_id), state.encode_node(info), lease=self._keeper.lease)
+        self._store.put(self._keys.node(self._me.node_id), encode_node(info), lease=self._keeper.lease)
         self._registered = round_
         if self.leading:  # no need to wait for my own key to come back on the watch
             self._nodes[self._me.node_id] = info
@@ -277,7 +275,10 @@ class Rendezvous:
     def _write_round(self, decision: Decision) -> None:
         record = decision.record
         assert record is not None
-        won, rev = self._store.compare_and_set(self._keys.round, state.encode_round(record), self._record_rev)
+        if decision.roster is not None:  # closing: every member's place first
+            won, rev, record = self._places.close(record, decision.roster, self._record_rev)
+        else:
+            won, rev = self._store.compare_and_set(self._keys.round, encode_round(record), self._record_rev)
         if won:
             self._set_record(record, rev)
             self._log(f"rendezvous: {decision.reason}")
@@ -331,7 +332,7 @@ class Rendezvous:
         elif self._leader is not None and self._leader != self._me.node_id:
             if self._leader_alive is None or self._leader_alive[0] != self._leader:
                 found = self._store.get(self._keys.node(self._leader))
-                info = self._decode(state.decode_node, self._keys.node(self._leader), found.value) if found else None
+                info = self._decode(decode_node, self._keys.node(self._leader), found.value) if found else None
                 self._leader_alive = (self._leader, info.addr, info.alive_port) if info else None
             leader = self._leader_alive
             peers = {leader[0]: (leader[1], leader[2])} if leader is not None and leader[2] else {}
@@ -344,7 +345,7 @@ class Rendezvous:
         if self._seed is None:
             return
         seed, self._seed = self._seed, None
-        self._store.compare_and_set(self._keys.round, state.encode_round(seed), 0)  # one survivor's stands
+        self._store.compare_and_set(self._keys.round, encode_round(seed), 0)  # one survivor's stands
         if self._store_host == self._me.node_id:  # a seed comes only with a store that moved here
             self._store.put(self._keys.store_host, self._me.node_id.encode())
 
@@ -391,7 +392,7 @@ class Rendezvous:
     def _apply_round(self, value: bytes | None, revision: int) -> None:
         if value is None:
             self._set_record(None, 0)
-        elif (record := self._decode(state.decode_round, self._keys.round, value)) is not None:
+        elif (record := self._decode(decode_round, self._keys.round, value)) is not None:
             self._set_record(record, revision)
         else:  # garbage over the round: the last good round stands, and the leader's next write replaces it
             self._record_rev = revision
@@ -410,7 +411,7 @@ class Rendezvous:
             node_id = event.key[len(self._keys.nodes) :]
             if event.type is EventType.DELETE:
                 changed |= self._nodes.pop(node_id, None) is not None
-            elif (info := self._decode(state.decode_node, event.key, event.value)) is not None:
+            elif (info := self._decode(decode_node, event.key, event.value)) is not None:
                 self._nodes[node_id] = info
                 changed = True
         if changed:
@@ -419,6 +420,7 @@ class Rendezvous:
     def _follow_shared(self) -> None:
         kvs, rev = self._store.list_prefix(self._keys.shared)
         self._record, self._record_rev, self._leader = None, 0, None
+        self._places.forget()
         self.values.clear()
         for kv in kvs:
             self._apply_shared(kv.key, kv.value, kv.revision)
@@ -446,7 +448,7 @@ class Rendezvous:
     def _list_nodes(self) -> tuple[dict[str, NodeInfo], int]:
         """Every registered node, and the store revision of the read (to watch from)."""
         kvs, rev = self._store.list_prefix(self._keys.nodes)
-        found = {kv.key[len(self._keys.nodes) :]: self._decode(state.decode_node, kv.key, kv.value) for kv in kvs}
+        found = {kv.key[len(self._keys.nodes) :]: self._decode(decode_node, kv.key, kv.value) for kv in kvs}
         return {node: info for node, info in found.items() if info is not None}, rev
 
     def _new_lease(self) -> None:

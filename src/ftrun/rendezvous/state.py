@@ -5,16 +5,19 @@ The shared truth lives in the store as small records (DESIGN.md):
 - one key per node, bound to that node's lease: :class:`NodeInfo` (address,
   workers, a fresh MASTER_PORT candidate, and the round it registered for);
 - one round record, written only by compare-and-set: :class:`RoundRecord`.
-  Its ``round`` number grows by one per rendezvous and fences stale nodes.
+  Its ``round`` number grows by one per rendezvous and fences stale nodes;
+- the roster (the members of the last closed round, the leader's) and each
+  member's assignment (its place in the round): :mod:`ftrun.rendezvous.records`.
 
 A round is OPEN while nodes gather, CLOSED once its members are fixed (they
 train), FINISHED when the job succeeded. Any node may apply a rule; the
 compare-and-set decides which writer wins, and everyone else re-reads.
 
-Only one node, the leader, watches the node keys (``View.nodes``); the others
-see ``nodes=None`` and follow the round record alone. That keeps every node's
-store traffic O(1) per round however large the job: N nodes watching N keys
-would be N*N notifications. The rules that need the membership (closing a
+Only one node, the leader, watches the node keys (``View.nodes``) and reads the
+roster (``View.roster``); the others see ``None`` and follow the round record
+(O(1) in size) and their own assignment (``View.assignment``) alone. That keeps
+every node's store traffic O(1) per round however large the job: N nodes
+watching N keys, or reading a record of N members, would be N*N. The rules that need the membership (closing a
 round, noticing a lost member) are the leader's; the rules about oneself
 (register, run, fail, finish, scale up) are everybody's. No
 clock is read here: ``now`` (monotonic, this node's) and ``changed_at`` (when
@@ -25,68 +28,10 @@ decision depends on clocks agreeing across machines.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
-from ftrun.errors import FtrunError
-from ftrun.jsonobject import load_object
-
-SCHEMA_VERSION = 1
-MAX_RECORD_BYTES = 1024 * 1024
-
-
-class RecordError(FtrunError):
-    """A rendezvous record in the store is corrupt or hostile; the message names the field."""
-
-
-class Status(enum.Enum):
-    """OPEN --close--> CLOSED --member lost / worker failed / scale-up--> OPEN (round + 1) ... --> FINISHED | FAILED"""
-
-    OPEN = "open"
-    CLOSED = "closed"
-    FINISHED = "finished"
-    FAILED = "failed"  # the restart budget is spent: every node stops
-
-
-@dataclass(frozen=True, slots=True)
-class Keys:
-    """Where the rendezvous keeps its records in the store."""
-
-    root: str
-
-    @classmethod
-    def of(cls, run_id: str) -> Keys:
-        return cls(f"/ftrun/{run_id}/rdzv/")
-
-    @property
-    def shared(self) -> str:
-        return self.root + "r/"
-
-    @property
-    def round(self) -> str:
-        return self.root + "r/round"
-
-    @property
-    def leader(self) -> str:
-        return self.root + "r/leader"
-
-    @property
-    def values(self) -> str:
-        return self.root + "r/v/"
-
-    @property
-    def store_host(self) -> str:
-        """The node that hosts the embedded store (its successor's, after a failover)."""
-        return self.root + "r/store_host"
-
-    @property
-    def nodes(self) -> str:
-        return self.root + "n/"
-
-    def node(self, node_id: str) -> str:
-        return self.nodes + node_id
+from ftrun.rendezvous.records import Assignment, NodeInfo, Roster, RoundRecord, Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,33 +60,6 @@ class Advice:
 
     decision: Decision
     wake_at: float  # monotonic: call next() again by then even if nothing is readable
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    node_id: str
-    addr: str
-    nproc: int
-    port: int  # the MASTER_PORT this node offers, should it become group rank 0
-    round: int  # the round this node registered for
-    joined_wall: float  # for a stable order of newcomers only; never compared with another clock
-    alive_port: int = 0  # where its agent listens for the connections that tell it is alive (0: none)
-
-
-@dataclass(frozen=True, slots=True)
-class RoundRecord:
-    round: int
-    status: Status
-    members: tuple[str, ...] = ()  # CLOSED: node ids in group-rank order
-    previous: tuple[str, ...] = ()  # OPEN: the members of the round before, in order (kept first)
-    failures: int = 0  # rounds opened because of a failure (the job-wide restart budget)
-    master_addr: str = ""
-    master_port: int = 0
-    nproc: tuple[int, ...] = ()  # workers per member, aligned with ``members``
-    reason: str = ""  # why this round was opened or closed, for humans and logs
-    failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
-    addrs: tuple[str, ...] = ()  # CLOSED: each member's address, aligned with ``members`` (where a successor is)
-    awaited: tuple[str, ...] = ()  # OPEN: nodes known alive that it waits for before closing early (up to last call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +105,7 @@ class Decision:
     action: Action
     reason: str
     record: RoundRecord | None = None
+    roster: Roster | None = None  # CLOSE: the members of the round closed (the leader writes it, and their places)
     assignment: NodeAssignment | None = None
     round: int = 0  # REGISTER: the round to register for
     wake_at: float | None = None  # WAIT: when the decision may change without a store event
@@ -217,6 +136,14 @@ class View:
     local_failure: bool = False
     job_done: bool = False
     stop_job: str = ""
+    roster: Roster | None = None  # the leader's: the members of the last closed round
+    assignment: Assignment | None = None  # my place in the record's round, if I am a member of it
+
+
+def member(view: View, r: RoundRecord) -> bool:
+    """Whether this node is a member of round ``r`` (its assignment, read from the store, says so)."""
+    a = view.assignment
+    return a is not None and a.round == r.round and a.roster_id == r.roster_id
 
 
 def decide(view: View, rules: Rules) -> Decision:
@@ -241,7 +168,7 @@ def _fenced(view: View) -> Decision | None:
     mine = view.running_round
     if view.registered is None:
         return Decision(Action.STOP, f"my workers run in round {mine}, but my node key is gone (store lease lost)")
-    if r is None or r.round != mine or r.status is not Status.CLOSED or view.me not in r.members:
+    if r is None or r.round != mine or r.status is not Status.CLOSED or not member(view, r):
         now = "gone" if r is None else f"round {r.round} is {r.status.value}"
         why = f" ({r.reason})" if r is not None and r.reason and r.round != mine else ""
         return Decision(Action.STOP, f"my workers run in round {mine}, but {now}{why}", record=r)
@@ -263,7 +190,7 @@ def _gather(view: View, rules: Rules) -> Decision:  # noqa: PLR0911 - one return
     have, need, most = len(ready), rules.min_nodes, rules.max_nodes
     if have >= most:
         return _close(view, rules, round_, ready, f"{have} nodes registered, the maximum of {most}")
-    if have >= need and reopened and ready == set(view.nodes) and set(r.awaited if r else ()) <= ready:
+    if have >= need and reopened and ready == set(view.nodes) and have >= (r.awaited if r else 0):
         # Every live node (survivors, spares, newcomers) is back: no one else is coming.
         return _close(view, rules, round_, ready, f"every live node rejoined ({have} nodes, min {need})")
     # The last call counts from the latest arrival, and never from before this round opened.
@@ -284,61 +211,64 @@ def _gather(view: View, rules: Rules) -> Decision:  # noqa: PLR0911 - one return
 def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) -> Decision:
     assert view.nodes is not None  # only the leader closes
     r = view.record
-    previous = r.previous if r is not None else ()
+    previous = view.roster.members if view.roster is not None else ()
     ordered = order(ready, previous, view.nodes)
     members = tuple(ordered[: rules.max_nodes])
-    head = view.nodes[members[0]]
+    infos = [view.nodes[m] for m in members]
+    roster = Roster(round_, "", members, tuple(i.nproc for i in infos), tuple(i.addr for i in infos))
     record = RoundRecord(
         round=round_,
         status=Status.CLOSED,
-        members=members,
         failures=r.failures if r is not None else 0,
-        master_addr=head.addr,
-        master_port=head.port,
-        nproc=tuple(view.nodes[m].nproc for m in members),
+        master_addr=infos[0].addr,
+        master_port=infos[0].port,
         reason=reason,
-        addrs=tuple(view.nodes[m].addr for m in members),
-    )
-    return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record)
+        size=len(members),
+        world_size=sum(roster.nproc),
+        heads=tuple((i.node_id, i.addr) for i in infos[:2]),
+    )  # roster_id: the driver names this close (a compare-and-set it may lose)
+    return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record, roster=roster)
 
 
 def _finished(view: View, r: RoundRecord) -> Decision:
     if view.job_done or view.running_round == r.round:  # this node took part: nothing to warn about
         return Decision(Action.FINISHED, f"the job finished in round {r.round}")
-    if view.me in r.members:  # under load a member may see the round only once the others are done: its ranks
-        assignment = node_assignment(r, view.me)  # are part of the job all the same
+    if member(view, r) and view.assignment is not None:  # under load a member may see the round only once the
+        assignment = node_assignment(r, view.assignment)  # others are done: its ranks are part of the job all the same
         return Decision(Action.RUN, f"member of round {r.round}, which the others finished", assignment=assignment)
     return Decision(Action.FINISHED, f"job already finished (round {r.round}; a new job needs a new --rdzv-id)")
 
 
 def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0911 - one return per rule
     # A member whose key is gone, or came back for a later round (its lease lapsed: it rejoins as a newcomer).
-    lost = [m for m in r.members if view.nodes is not None and (m not in view.nodes or view.nodes[m].round > r.round)]
+    roster = view.roster if view.roster is not None and view.roster.roster_id == r.roster_id else None
+    members = roster.members if view.nodes is not None and roster is not None else ()  # the leader's
+    lost = [m for m in members if view.nodes is not None and (m not in view.nodes or view.nodes[m].round > r.round)]
     if lost:
-        return _reopen(r, rules, f"node(s) {', '.join(lost)} left round {r.round}", failure=True)
-    if view.me in r.members and view.registered != r.round:
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""  # every node reads the reason: keep it short
+        return _reopen(r, rules, f"node(s) {', '.join(lost[:3])}{more} left round {r.round}", failure=True)
+    mine = member(view, r)
+    if mine and view.registered != r.round:
         # My key lapsed (fenced: my workers are stopped): never back into the round I was cut out of.
         if view.registered is None:
             why = f"my node key was gone: rejoining as a newcomer after round {r.round}"
             return Decision(Action.REGISTER, why, round=r.round + 1)
         return Decision(Action.WAIT, f"rejoining as a newcomer: waiting for round {r.round} to be reopened")
-    if view.me in r.members:
+    if mine and view.assignment is not None:
         if view.running_round == r.round and view.job_done:
-            done = RoundRecord(**{**_fields(r), "status": Status.FINISHED, "reason": f"{view.me} finished"})
+            done = replace(r, status=Status.FINISHED, reason=f"{view.me} finished")
             return Decision(Action.COMPLETE, f"round {r.round} succeeded", record=done)
         if view.running_round == r.round and view.stop_job:
-            stopped = RoundRecord(
-                **{**_fields(r), "status": Status.FAILED, "reason": view.stop_job, "failed_node": view.me}
-            )
+            stopped = replace(r, status=Status.FAILED, reason=view.stop_job, failed_node=view.me)
             return Decision(Action.ABORT, view.stop_job, record=stopped)
         if view.running_round == r.round and view.local_failure:
             return _reopen(r, rules, f"workers of {view.me} failed in round {r.round}", failure=True, by=view.me)
-        return Decision(Action.RUN, f"member of round {r.round}", assignment=node_assignment(r, view.me))
+        return Decision(Action.RUN, f"member of round {r.round}", assignment=node_assignment(r, view.assignment))
     if view.registered != r.round:
         # A key first, so that the leader counts this node when the next round opens.
         return Decision(Action.REGISTER, f"registering while round {r.round} runs", round=r.round)
-    if len(r.members) < rules.max_nodes:
-        return _reopen(r, rules, f"{view.me} is waiting and the job has {len(r.members)} < {rules.max_nodes} nodes")
+    if r.size < rules.max_nodes:
+        return _reopen(r, rules, f"{view.me} is waiting and the job has {r.size} < {rules.max_nodes} nodes")
     return Decision(Action.STANDBY, f"hot spare: round {r.round} is full ({rules.max_nodes} nodes)")
 
 
@@ -347,9 +277,9 @@ def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str) -> Ro
     lost node (a failure of the round, as any lost node: FAILED when that spends the budget)."""
     record = _reopen(r, rules, reason, failure=True).record
     assert record is not None
-    survivors = tuple(m for m in record.previous if m != lost)
     # They re-register one by one in the new store: the round waits for them all, not for the first few.
-    return replace(record, previous=survivors, awaited=survivors if record.status is Status.OPEN else ())
+    survivors = max(0, r.size - 1)
+    return replace(record, awaited=survivors if record.status is Status.OPEN else 0)
 
 
 def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "") -> Decision:
@@ -357,11 +287,11 @@ def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False,
     failures = r.failures + (1 if failure else 0)
     if failures > rules.max_restarts:
         spent = f"{reason}; restart budget spent ({rules.max_restarts} restarts)"
-        failed = RoundRecord(**{**_fields(r), "status": Status.FAILED, "reason": spent, "failed_node": by})
+        failed = replace(r, status=Status.FAILED, reason=spent, failed_node=by)
         return Decision(Action.ABORT, spent, record=failed)
     record = RoundRecord(
-        round=r.round + 1, status=Status.OPEN, previous=r.members, failures=failures, reason=reason, failed_node=by
-    )
+        round=r.round + 1, status=Status.OPEN, failures=failures, reason=reason, failed_node=by, roster_id=r.roster_id
+    )  # roster_id: the round before's members, kept first
     return Decision(Action.REOPEN, f"opening round {r.round + 1}: {reason}", record=record)
 
 
@@ -372,116 +302,14 @@ def order(ready: set[str], previous: tuple[str, ...], nodes: Mapping[str, NodeIn
     return kept + newcomers
 
 
-def node_assignment(r: RoundRecord, me: str) -> NodeAssignment:
-    i = r.members.index(me)
+def node_assignment(r: RoundRecord, a: Assignment) -> NodeAssignment:
     return NodeAssignment(
         round=r.round,
-        group_rank=i,
-        group_world_size=len(r.members),
-        rank_offset=sum(r.nproc[:i]),
-        world_size=sum(r.nproc),
+        group_rank=a.group_rank,
+        group_world_size=r.size,
+        rank_offset=a.rank_offset,
+        world_size=r.world_size,
         master_addr=r.master_addr,
         master_port=r.master_port,
         restarts=r.failures,
     )
-
-
-# --- JSON: everything read from the store is validated; nothing is executed -------------------
-
-
-def _fields(r: RoundRecord) -> dict[str, Any]:
-    return {name: getattr(r, name) for name in RoundRecord.__slots__}
-
-
-def encode_round(r: RoundRecord) -> bytes:
-    doc = {**_fields(r), "v": SCHEMA_VERSION, "status": r.status.value}
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def encode_node(n: NodeInfo) -> bytes:
-    doc = {name: getattr(n, name) for name in NodeInfo.__slots__}
-    return json.dumps({**doc, "v": SCHEMA_VERSION}, separators=(",", ":")).encode()
-
-
-def _load(raw: bytes, what: str) -> dict[str, Any]:
-    doc = load_object(raw, limit=MAX_RECORD_BYTES, what=what, error=RecordError)
-    if doc.get("v") != SCHEMA_VERSION:
-        raise RecordError(f"{what}: schema version {doc.get('v')!r}, expected {SCHEMA_VERSION} (mixed ftrun versions?)")
-    return doc
-
-
-def _get(doc: dict[str, Any], what: str, name: str, kind: type) -> Any:
-    value = doc.get(name)
-    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok:
-        raise RecordError(f"{what}: field {name!r} missing or not {kind.__name__}")
-    return value
-
-
-def _ids(doc: dict[str, Any], what: str, name: str) -> tuple[str, ...]:
-    value = _get(doc, what, name, list)
-    if not all(isinstance(x, str) and x for x in value) or len(set(value)) != len(value):
-        raise RecordError(f"{what}: field {name!r} must list distinct node ids")
-    return tuple(value)
-
-
-def decode_round(raw: bytes) -> RoundRecord:
-    what = "rendezvous round record"
-    doc = _load(raw, what)
-    try:
-        status = Status(doc.get("status"))
-    except ValueError:
-        raise RecordError(f"{what}: unknown status {doc.get('status')!r}") from None
-    nproc = _get(doc, what, "nproc", list)
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in nproc):
-        raise RecordError(f"{what}: field 'nproc' must list positive integers")
-    members = _ids(doc, what, "members")
-    if len(nproc) != len(members):
-        raise RecordError(f"{what}: 'nproc' and 'members' differ in length")
-    record = RoundRecord(
-        round=_get(doc, what, "round", int),
-        status=status,
-        members=members,
-        previous=_ids(doc, what, "previous"),
-        failures=_get(doc, what, "failures", int),
-        master_addr=_get(doc, what, "master_addr", str),
-        master_port=_get(doc, what, "master_port", int),
-        nproc=tuple(nproc),
-        reason=_get(doc, what, "reason", str),
-        failed_node=str(doc.get("failed_node") or ""),
-        addrs=tuple(_get(doc, what, "addrs", list)) if "addrs" in doc else (),
-        awaited=_ids(doc, what, "awaited") if "awaited" in doc else (),
-    )
-    if not all(isinstance(a, str) and a for a in record.addrs) or len(record.addrs) not in (0, len(members)):
-        raise RecordError(f"{what}: field 'addrs' must list one address per member")
-    if record.round < 1 or record.failures < 0 or not 0 <= record.master_port <= 65535:
-        raise RecordError(f"{what}: round, failures or master_port out of range")
-    if status is not Status.OPEN and not members:
-        raise RecordError(f"{what}: a {status.value} round must have members")
-    return record
-
-
-def decode_node(raw: bytes) -> NodeInfo:
-    what = "rendezvous node record"
-    doc = _load(raw, what)
-    info = NodeInfo(
-        node_id=_get(doc, what, "node_id", str),
-        addr=_get(doc, what, "addr", str),
-        nproc=_get(doc, what, "nproc", int),
-        port=_get(doc, what, "port", int),
-        round=_get(doc, what, "round", int),
-        joined_wall=float(_get(doc, what, "joined_wall", float)),
-        alive_port=_get(doc, what, "alive_port", int) if "alive_port" in doc else 0,
-    )
-    if (
-        not info.node_id
-        or not info.addr
-        or info.nproc < 1
-        or not 0 < info.port <= 65535
-        or info.round < 1
-        or (not 0 <= info.alive_port <= 65535)
-    ):
-        raise RecordError(f"{what}: node_id, addr, nproc, port or round out of range")
-    return info

@@ -1,9 +1,9 @@
 """Who hosts the embedded store after its host is lost: decided alike by every survivor, with no store to ask.
 
-Every agent knows the last round it saw (its members in group-rank order, and their addresses) and which node
-hosted the store. The successor is the first member of that round, in group-rank order, other than the lost
-host: each survivor computes the same answer from the same record, and the clients find the new store at the
-successor's address on the endpoint's port. PURE.
+Every agent knows the last round it saw (its first two members in group-rank order, and their addresses: the
+round record's ``heads``) and which node hosted the store. The successor is the first member of that round, in
+group-rank order, other than the lost host: each survivor computes the same answer from the same record, and
+the clients find the new store at the successor's address on the endpoint's port. PURE.
 
 Whether the survivors may fail over at all: only on proof that the host is gone, not merely unreachable. A
 host whose machine refuses the connection (its kernel answers, nothing listens: the agent died) is gone; one
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.rendezvous.state import RoundRecord
+from ftrun.rendezvous.records import RoundRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,10 +26,8 @@ class Successor:
 
 def successor(last: RoundRecord, lost_host: str) -> Successor | None:
     """The node that hosts the store after ``lost_host`` (the node id that hosted it), or None when the last
-    round leaves nobody, or carries no addresses (a record from an older ftrun)."""
-    if len(last.addrs) != len(last.members):
-        return None
-    for node, addr in zip(last.members, last.addrs, strict=True):
+    round leaves nobody (it had no members, or only the lost host)."""
+    for node, addr in last.heads:
         if node != lost_host:
             return Successor(node, addr)
     return None

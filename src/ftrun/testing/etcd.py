@@ -81,6 +81,12 @@ class EtcdHarness:
         self.certs = make_certificates(Path(tempfile.mkdtemp(prefix="ftrun-etcd-certs-"))) if tls else {}
 
     @property
+    def pid(self) -> int:
+        """The etcd server's process id (a benchmark measures its CPU)."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
+    @property
     def url(self) -> str:
         if self.certs:
             c = self.certs

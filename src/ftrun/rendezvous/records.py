@@ -1,0 +1,276 @@
+"""PURE: the rendezvous' records in the store, and their JSON (everything read back is validated, never run).
+
+Keys of one job (``/ftrun/<run id>/rdzv/...``)::
+
+    r/round          the round record, written only by compare-and-set: small, whatever the job's size
+    r/leader         the id of the node that watches the membership (bound to its lease)
+    r/v/<name>       small job-wide values every node may merge into (compare-and-set)
+    r/store_host     the node that hosts the embedded store
+    n/<node>         one small record per node (bound to that node's lease)
+    roster/<id>      a closed round's members in group-rank order (the leader's: O(N)); <id> names the close
+    a/<round>/<id>/<node>   each member's place in the round (group rank, first global rank)
+
+Every node watches ``r/``, so what lies there stays O(1) in the job's size: a node learns the round, the
+world size and the master from the round record and its own place from its one assignment key; only the
+leader reads the roster and the node keys. Nobody else ever reads a record that grows with N.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ftrun.errors import FtrunError
+from ftrun.jsonobject import load_object
+
+SCHEMA_VERSION = 2
+MAX_RECORD_BYTES = 16 * 1024 * 1024  # a roster of 100,000 nodes is a few MiB; every other record is small
+
+
+class RecordError(FtrunError):
+    """A rendezvous record in the store is corrupt or hostile; the message names the field."""
+
+
+class Status(enum.Enum):
+    """OPEN --close--> CLOSED --member lost / worker failed / scale-up--> OPEN (round + 1) ... --> FINISHED | FAILED"""
+
+    OPEN = "open"
+    CLOSED = "closed"
+    FINISHED = "finished"
+    FAILED = "failed"  # the restart budget is spent: every node stops
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Where the rendezvous keeps its records in the store."""
+
+    root: str
+
+    @classmethod
+    def of(cls, run_id: str) -> Keys:
+        return cls(f"/ftrun/{run_id}/rdzv/")
+
+    @property
+    def shared(self) -> str:
+        return self.root + "r/"
+
+    @property
+    def round(self) -> str:
+        return self.root + "r/round"
+
+    @property
+    def leader(self) -> str:
+        return self.root + "r/leader"
+
+    @property
+    def values(self) -> str:
+        return self.root + "r/v/"
+
+    @property
+    def store_host(self) -> str:
+        """The node that hosts the embedded store (its successor's, after a failover)."""
+        return self.root + "r/store_host"
+
+    @property
+    def nodes(self) -> str:
+        return self.root + "n/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def roster(self, roster_id: str) -> str:
+        return f"{self.root}roster/{roster_id}"
+
+    def assignment(self, round_: int, roster_id: str, node_id: str) -> str:
+        return f"{self.root}a/{round_}/{roster_id}/{node_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    addr: str
+    nproc: int
+    port: int  # the MASTER_PORT this node offers, should it become group rank 0
+    round: int  # the round this node registered for
+    joined_wall: float  # for a stable order of newcomers only; never compared with another clock
+    alive_port: int = 0  # where its agent listens for the connections that tell it is alive (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """The round every node follows. O(1) in the job's size: the members are in the roster."""
+
+    round: int
+    status: Status
+    failures: int = 0  # rounds opened because of a failure (the job-wide restart budget)
+    master_addr: str = ""
+    master_port: int = 0
+    reason: str = ""  # why this round was opened or closed, for humans and logs
+    failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
+    size: int = 0  # CLOSED (and after): how many nodes are members
+    world_size: int = 0  # CLOSED: how many ranks in all
+    roster_id: str = ""  # names the roster and the assignment keys of the close that made this round (CLOSED and
+    # after), or of the round before (OPEN): a close that lost its compare-and-set never misleads a reader
+    heads: tuple[tuple[str, str], ...] = ()  # CLOSED: the first two members (node id, address): where a lost
+    # store's successor is, without the roster
+    awaited: int = 0  # OPEN, after a lost store: how many nodes it waits for before closing early (up to last call)
+
+
+@dataclass(frozen=True, slots=True)
+class Roster:
+    """A closed round's members in group-rank order, with their workers and addresses: the leader's."""
+
+    round: int
+    roster_id: str
+    members: tuple[str, ...]
+    nproc: tuple[int, ...]
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """One member's place in a closed round."""
+
+    round: int
+    roster_id: str
+    group_rank: int
+    rank_offset: int  # the global rank of its local rank 0
+
+
+def assignments(roster: Roster) -> list[tuple[str, Assignment]]:
+    """Each member's place, in group-rank order."""
+    placed, offset = [], 0
+    for rank, (node, nproc) in enumerate(zip(roster.members, roster.nproc, strict=True)):
+        placed.append((node, Assignment(roster.round, roster.roster_id, rank, offset)))
+        offset += nproc
+    return placed
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in type(record).__slots__}
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    return json.dumps({**doc, "v": SCHEMA_VERSION}, separators=(",", ":")).encode()
+
+
+def encode_round(r: RoundRecord) -> bytes:
+    return _encode({**_fields(r), "status": r.status.value})
+
+
+def encode_node(n: NodeInfo) -> bytes:
+    return _encode(_fields(n))
+
+
+def encode_roster(r: Roster) -> bytes:
+    return _encode(_fields(r))
+
+
+def encode_assignment(a: Assignment) -> bytes:
+    return _encode(_fields(a))
+
+
+def _load(raw: bytes, what: str) -> dict[str, Any]:
+    doc = load_object(raw, limit=MAX_RECORD_BYTES, what=what, error=RecordError)
+    if doc.get("v") != SCHEMA_VERSION:
+        raise RecordError(f"{what}: schema version {doc.get('v')!r}, expected {SCHEMA_VERSION} (mixed ftrun versions?)")
+    return doc
+
+
+def _get(doc: dict[str, Any], what: str, name: str, kind: type) -> Any:
+    value = doc.get(name)
+    ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        raise RecordError(f"{what}: field {name!r} missing or not {kind.__name__}")
+    return value
+
+
+def _counts(doc: dict[str, Any], what: str, names: tuple[str, ...]) -> list[int]:
+    values = [_get(doc, what, name, int) for name in names]
+    if any(v < 0 for v in values):
+        raise RecordError(f"{what}: {', '.join(names)} must not be negative")
+    return values
+
+
+def decode_round(raw: bytes) -> RoundRecord:
+    what = "rendezvous round record"
+    doc = _load(raw, what)
+    try:
+        status = Status(doc.get("status"))
+    except ValueError:
+        raise RecordError(f"{what}: unknown status {doc.get('status')!r}") from None
+    heads = _get(doc, what, "heads", list)
+    if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) and x for x in h) for h in heads):
+        raise RecordError(f"{what}: field 'heads' must list [node id, address] pairs")
+    failures, size, world_size, awaited = _counts(doc, what, ("failures", "size", "world_size", "awaited"))
+    record = RoundRecord(
+        round=_get(doc, what, "round", int),
+        status=status,
+        failures=failures,
+        master_addr=_get(doc, what, "master_addr", str),
+        master_port=_get(doc, what, "master_port", int),
+        reason=_get(doc, what, "reason", str),
+        failed_node=_get(doc, what, "failed_node", str),
+        size=size,
+        world_size=world_size,
+        roster_id=_get(doc, what, "roster_id", str),
+        heads=tuple((h[0], h[1]) for h in heads),
+        awaited=awaited,
+    )
+    if record.round < 1 or not 0 <= record.master_port <= 65535:
+        raise RecordError(f"{what}: round or master_port out of range")
+    if status is not Status.OPEN and not (record.size and record.world_size >= record.size and record.roster_id):
+        raise RecordError(f"{what}: a {status.value} round must have members")
+    return record
+
+
+def decode_roster(raw: bytes) -> Roster:
+    what = "rendezvous roster"
+    doc = _load(raw, what)
+    members, nproc, addrs = (_get(doc, what, name, list) for name in ("members", "nproc", "addrs"))
+    if not all(isinstance(m, str) and m for m in members) or len(set(members)) != len(members):
+        raise RecordError(f"{what}: field 'members' must list distinct node ids")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in nproc):
+        raise RecordError(f"{what}: field 'nproc' must list positive integers")
+    if not all(isinstance(a, str) and a for a in addrs) or not len(members) == len(nproc) == len(addrs) > 0:
+        raise RecordError(f"{what}: 'members', 'nproc' and 'addrs' must be as long, and not empty")
+    return Roster(_get(doc, what, "round", int), _get(doc, what, "roster_id", str), tuple(members), tuple(nproc),
+                  tuple(addrs))  # fmt: skip
+
+
+def decode_assignment(raw: bytes) -> Assignment:
+    what = "rendezvous assignment"
+    doc = _load(raw, what)
+    round_, group_rank, rank_offset = _counts(doc, what, ("round", "group_rank", "rank_offset"))
+    return Assignment(round_, _get(doc, what, "roster_id", str), group_rank, rank_offset)
+
+
+def decode_node(raw: bytes) -> NodeInfo:
+    what = "rendezvous node record"
+    doc = _load(raw, what)
+    info = NodeInfo(
+        node_id=_get(doc, what, "node_id", str),
+        addr=_get(doc, what, "addr", str),
+        nproc=_get(doc, what, "nproc", int),
+        port=_get(doc, what, "port", int),
+        round=_get(doc, what, "round", int),
+        joined_wall=float(_get(doc, what, "joined_wall", float)),
+        alive_port=_get(doc, what, "alive_port", int) if "alive_port" in doc else 0,
+    )
+    if (
+        not info.node_id
+        or not info.addr
+        or info.nproc < 1
+        or not 0 < info.port <= 65535
+        or info.round < 1
+        or (not 0 <= info.alive_port <= 65535)
+    ):
+        raise RecordError(f"{what}: node_id, addr, nproc, port or round out of range")
+    return info
