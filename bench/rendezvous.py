@@ -36,8 +36,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from ftrun.clock import SystemClock
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.state import Action, Local, Me, Rules, Timing
@@ -139,6 +137,7 @@ class SimNode:
                     sel.select(max(0.0, min(step.wake_at - time.monotonic(), 1.0)))
         except BaseException as e:  # reported by the harness
             self.error = e
+            print(f"{self.name}: {e!r}", file=sys.stderr, flush=True)
             with self.changed:
                 self.changed.notify_all()
         finally:
@@ -150,6 +149,7 @@ class SimNode:
 def child(url: str, run_id: str, first: int, count: int, n: int) -> None:
     """One harness process: ``count`` simulated nodes (threads), driven by the parent through stdin/stdout."""
     sys.setswitchinterval(0.5)
+    threading.stack_size(512 * 1024)  # thousands of threads per process: small stacks
     rules = Rules(max(1, n - 1), n, last_call_s=30.0, join_timeout_s=TIMEOUT_S, max_restarts=10)
     nodes = [SimNode(f"node{i:05d}", url, run_id, rules) for i in range(first, first + count)]
     go = threading.Event()
@@ -260,25 +260,50 @@ class Harness:
 
 
 class StoreMeter:
-    """The store process's CPU seconds and bytes written (to its sockets: /proc/<pid>/io wchar) since mark()."""
+    """The store process's CPU seconds (/proc/<pid>/stat), and the bytes through the loopback interface (both
+    directions, everything on it: the benchmark talks only to 127.0.0.1) since mark()."""
 
     def __init__(self, pid: int) -> None:
-        self._proc = psutil.Process(pid)
+        self._pid = pid
         self.mark()
 
     def _now(self) -> tuple[float, int]:
-        t = self._proc.cpu_times()
-        return t.user + t.system, self._proc.io_counters().write_chars
+        with open(f"/proc/{self._pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        with open("/proc/net/dev") as f:
+            lo = next(line for line in f if line.strip().startswith("lo:"))
+        return cpu, int(lo.split(":", 1)[1].split()[8])  # transmitted bytes
 
     def mark(self) -> None:
         self._cpu, self._bytes = self._now()
 
     def since(self) -> tuple[float, int]:
-        cpu, written = self._now()
-        return cpu - self._cpu, written - self._bytes
+        cpu, sent = self._now()
+        return cpu - self._cpu, sent - self._bytes
+
+
+def enough_thread_ids(n: int) -> None:
+    """Each simulated node runs three threads (its loop, its lease keeper, its store client's reader), and every
+    thread takes a process id: 16,384 nodes need more than Linux's default kernel.pid_max of 32,768. Raised when
+    this runs as root (said), else the benchmark stops and says how."""
+    path = "/proc/sys/kernel/pid_max"
+    with open(path) as f:
+        have = int(f.read())
+    need = 4 * n + 10_000
+    if have >= need:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(str(need))
+        print(f"(raised kernel.pid_max from {have} to {need}: {n} simulated nodes run {3 * n} threads)")
+    except OSError as e:
+        raise SystemExit(f"{n} simulated nodes need kernel.pid_max >= {need} (it is {have}: {e}); as root: "
+                         f"sysctl -w kernel.pid_max={need}") from None  # fmt: skip
 
 
 def bench_ftrun(url: str, n: int, procs: int, meter: StoreMeter | None, idle_s: float) -> dict[str, float]:
+    enough_thread_ids(n)
     harness = Harness(url, n, procs)
     try:
         if meter is not None:
@@ -379,10 +404,10 @@ def main() -> None:
     sizes = [int(x) for x in a.sizes.split(",")]
     backends = a.backends.split(",")
     print(f"rendezvous, {os.cpu_count()} cores, nodes spread over {a.procs} processes; one round, min = max = N")
-    print("join/rejoin: s until the last node knows its rank; ops, events: per node per round (mean/max);")
-    print(
-        "store: its CPU s for the round and bytes it sent per node; idle: its CPU share while N nodes only keep alive"
-    )
+    print("join/rejoin: s until the last node knows its rank; ops, events: store calls and watch events per node")
+    print("(mean/max) for the join, and per survivor for the rejoin (ops2, ev2); store cpu: the store process's CPU")
+    print("s for the join/rejoin; B/node: loopback bytes per node for the join; idle: the store's CPU share while")
+    print("the N nodes only keep their leases alive (steady training, keep-alive every 5 s)")
     header = f"{'backend':8} {'N':>6} {'join':>7} {'ops':>9} {'events':>10} {'rejoin':>7} {'ops2':>5} {'ev2':>5}"
     header += f" {'store cpu':>10} {'B/node':>7} {'idle cpu':>9} {'torch join':>11} {'ratio':>6}"
     print(header)

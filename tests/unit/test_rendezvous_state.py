@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ftrun.rendezvous.records import (
+    PER_CHUNK,
     Assignment,
     NodeInfo,
     RecordError,
@@ -17,12 +18,15 @@ from ftrun.rendezvous.records import (
     RoundRecord,
     Status,
     assignments,
-    decode_assignment,
+    chunk_count,
+    chunk_of,
+    chunked,
     decode_node,
+    decode_place,
     decode_roster,
     decode_round,
-    encode_assignment,
     encode_node,
+    encode_places,
     encode_roster,
     encode_round,
 )
@@ -51,7 +55,9 @@ def closed(*members: str, round_: int = 1, failures: int = 0, nproc: tuple[int, 
     rid = roster(*members, round_=round_, nproc=nproc)
     world = sum(ROSTERS[rid].nproc)
     heads = tuple((m, f"10.0.0.{i}") for i, m in enumerate(members[:2], 1))
-    return RoundRecord(round_, Status.CLOSED, failures, "10.0.0.1", 29501, "", "", len(members), world, rid, heads)
+    return RoundRecord(
+        round_, Status.CLOSED, failures, "10.0.0.1", 29501, "", "", len(members), world, rid, heads, chunks=1
+    )
 
 
 def reopened(round_: int, previous: tuple[str, ...], failures: int) -> RoundRecord:
@@ -308,8 +314,22 @@ def test_records_round_trip() -> None:
     assert decode_node(encode_node(n)) == n
     roster_ = ROSTERS[r.roster_id]
     assert decode_roster(encode_roster(roster_)) == roster_
-    for _, a in assignments(roster_):
-        assert decode_assignment(encode_assignment(a)) == a
+    raw = encode_places(r.round, r.roster_id, dict(assignments(roster_)))
+    for node, a in assignments(roster_):
+        assert decode_place(raw, node) == a
+    assert decode_place(raw, "stranger") is None  # not a member
+
+
+def test_a_node_finds_its_place_in_one_chunk_of_bounded_size() -> None:
+    members = tuple(f"node-{i}" for i in range(10_000))
+    big = Roster(1, "r", members, (8,) * len(members), ("a",) * len(members))
+    chunks = chunk_count(len(members))
+    by_chunk = chunked(big, chunks)
+    assert chunks == 79
+    assert sum(len(c) for c in by_chunk.values()) == len(members)  # every member placed once
+    assert max(len(c) for c in by_chunk.values()) < 2 * PER_CHUNK  # what one node reads stays bounded
+    n = members[4321]
+    assert by_chunk[chunk_of(n, chunks)][n] == Assignment(1, "r", 4321, 8 * 4321)
 
 
 @pytest.mark.parametrize(
@@ -336,7 +356,7 @@ def test_corrupt_round_records_are_named_errors(raw: bytes) -> None:
 
 @given(st.binary(max_size=300))
 def test_no_bytes_crash_the_decoders(raw: bytes) -> None:
-    for decode in (decode_round, decode_node, decode_roster, decode_assignment):
+    for decode in (decode_round, decode_node, decode_roster, lambda raw: decode_place(raw, "a")):
         with contextlib.suppress(RecordError):
             decode(raw)
 

@@ -21,7 +21,15 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ftrun.clock import Clock
-from ftrun.errors import FtrunError, StoreConnectionLost, StoreError, StoreGone, StoreUnavailable, WatchLost
+from ftrun.errors import (
+    FtrunError,
+    LeaseExpired,
+    StoreConnectionLost,
+    StoreError,
+    StoreGone,
+    StoreUnavailable,
+    WatchLost,
+)
 from ftrun.rendezvous import state
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.liveness import Liveness
@@ -225,13 +233,17 @@ class Rendezvous:
             if decision.action is Action.COUNT:
                 listed, _ = self._list_nodes()
                 decision = state.decide(self._view(local, now, listed), self._rules)
-            if decision.action is Action.REGISTER:
-                self._register(decision.round)
-            elif decision.action in (Action.CLOSE, Action.REOPEN, Action.COMPLETE, Action.ABORT):
-                assert decision.record is not None
-                self._write_round(decision)
-            else:
-                return Advice(decision, self._wake_at(decision))
+            try:
+                if decision.action is Action.REGISTER:
+                    self._register(decision.round)
+                elif decision.action in (Action.CLOSE, Action.REOPEN, Action.COMPLETE, Action.ABORT):
+                    assert decision.record is not None
+                    self._write_round(decision)
+                else:
+                    return Advice(decision, self._wake_at(decision))
+            except LeaseExpired as e:  # the store dropped my lease before my keeper knew: lost, as by my clock
+                self._warn(f"rendezvous: {e}; my node key is gone")
+                self._drop_lease()
         raise FtrunError(f"rendezvous did not settle after {MAX_STEPS} store actions; the store may be misbehaving")
 
     def _view(self, local: Local, now: float, nodes: dict[str, NodeInfo] | None) -> state.View:

@@ -1,9 +1,10 @@
-"""Who is where in a closed round: the roster (the leader's) and each member's assignment, in the store.
+"""Who is where in a closed round: the roster (the leader's) and each member's place, in the store.
 
 Closing a round, the leader names the close (a random ``roster_id``), writes the roster and every member's
-assignment under that name, and only then compare-and-sets the round record: a node that sees the round closed
-finds its place already written, and a close the leader lost (another wrote the round first) leaves keys under a
-name no round record carries, which nobody reads. Each node reads its own assignment once per round: one get,
+place under that name (in chunks of about 128 members: a few puts, not one per member), and only then
+compare-and-sets the round record: a node that sees the round closed finds its place already written, and a
+close the leader lost (another wrote the round first) leaves keys under a name no round record carries, which
+nobody reads. Each node reads the one chunk its id hashes to, once per round: one get of a bounded size,
 whatever the job's size; only the leader reads the roster.
 """
 
@@ -20,10 +21,11 @@ from ftrun.rendezvous.records import (
     Roster,
     RoundRecord,
     Status,
-    assignments,
-    decode_assignment,
+    chunk_of,
+    chunked,
+    decode_place,
     decode_roster,
-    encode_assignment,
+    encode_places,
     encode_roster,
     encode_round,
 )
@@ -51,9 +53,9 @@ class Places:
         if record is None or record.status is Status.OPEN or not record.roster_id:
             return None
         if self._mine is None or self._mine[:2] != (record.round, record.roster_id):
-            key = self._keys.assignment(record.round, record.roster_id, self._me)
+            key = self._keys.places(record.round, record.roster_id, chunk_of(self._me, record.chunks))
             found = self._store.get(key)
-            place = self._decode(decode_assignment, key, found.value) if found is not None else None
+            place = self._decode(lambda raw: decode_place(raw, self._me), key, found.value) if found else None
             self._mine = (record.round, record.roster_id, place if isinstance(place, Assignment) else None)
         return self._mine[2]
 
@@ -74,9 +76,9 @@ class Places:
         roster, record = replace(roster, roster_id=name), replace(record, roster_id=name)
         self._store.put(self._keys.roster(name), encode_roster(roster))
         mine = None
-        for node, place in assignments(roster):
-            self._store.put(self._keys.assignment(roster.round, name, node), encode_assignment(place))
-            mine = place if node == self._me else mine
+        for chunk, places in chunked(roster, record.chunks).items():
+            self._store.put(self._keys.places(roster.round, name, chunk), encode_places(roster.round, name, places))
+            mine = places.get(self._me, mine)
         won, rev = self._store.compare_and_set(self._keys.round, encode_round(record), record_rev)
         if won:
             self.roster, self._mine = roster, (record.round, name, mine)

@@ -8,17 +8,19 @@ Keys of one job (``/ftrun/<run id>/rdzv/...``)::
     r/store_host     the node that hosts the embedded store
     n/<node>         one small record per node (bound to that node's lease)
     roster/<id>      a closed round's members in group-rank order (the leader's: O(N)); <id> names the close
-    a/<round>/<id>/<node>   each member's place in the round (group rank, first global rank)
+    a/<round>/<id>/<chunk>  the members' places in the round (group rank, first global rank), in chunks of
+                     about PER_CHUNK members: a node reads the one its id hashes to
 
 Every node watches ``r/``, so what lies there stays O(1) in the job's size: a node learns the round, the
-world size and the master from the round record and its own place from its one assignment key; only the
-leader reads the roster and the node keys. Nobody else ever reads a record that grows with N.
+world size and the master from the round record and its own place from one chunk of places (of bounded size,
+whatever N); only the leader reads the roster and the node keys. Nobody else ever reads a record that grows with N.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +85,8 @@ class Keys:
     def roster(self, roster_id: str) -> str:
         return f"{self.root}roster/{roster_id}"
 
-    def assignment(self, round_: int, roster_id: str, node_id: str) -> str:
-        return f"{self.root}a/{round_}/{roster_id}/{node_id}"
+    def places(self, round_: int, roster_id: str, chunk: int) -> str:
+        return f"{self.root}a/{round_}/{roster_id}/{chunk}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,7 @@ class RoundRecord:
     heads: tuple[tuple[str, str], ...] = ()  # CLOSED: the first two members (node id, address): where a lost
     # store's successor is, without the roster
     awaited: int = 0  # OPEN, after a lost store: how many nodes it waits for before closing early (up to last call)
+    chunks: int = 0  # CLOSED: how many chunks the members' places are written in
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,26 @@ class Assignment:
     roster_id: str
     group_rank: int
     rank_offset: int  # the global rank of its local rank 0
+
+
+PER_CHUNK = 128  # members per chunk of places: what one node reads to find its own place
+
+
+def chunk_count(members: int) -> int:
+    return max(1, -(-members // PER_CHUNK))
+
+
+def chunk_of(node_id: str, chunks: int) -> int:
+    """The chunk a node's place is written in: a hash every node computes alike (not Python's, salted)."""
+    return zlib.crc32(node_id.encode()) % chunks
+
+
+def chunked(roster: Roster, chunks: int) -> dict[int, dict[str, Assignment]]:
+    """The members' places, by chunk."""
+    found: dict[int, dict[str, Assignment]] = {}
+    for node, place in assignments(roster):
+        found.setdefault(chunk_of(node, chunks), {})[node] = place
+    return found
 
 
 def assignments(roster: Roster) -> list[tuple[str, Assignment]]:
@@ -171,8 +194,9 @@ def encode_roster(r: Roster) -> bytes:
     return _encode(_fields(r))
 
 
-def encode_assignment(a: Assignment) -> bytes:
-    return _encode(_fields(a))
+def encode_places(round_: int, roster_id: str, places: dict[str, Assignment]) -> bytes:
+    rows = {node: [a.group_rank, a.rank_offset] for node, a in places.items()}
+    return _encode({"round": round_, "roster_id": roster_id, "places": rows})
 
 
 def _load(raw: bytes, what: str) -> dict[str, Any]:
@@ -209,7 +233,8 @@ def decode_round(raw: bytes) -> RoundRecord:
     heads = _get(doc, what, "heads", list)
     if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) and x for x in h) for h in heads):
         raise RecordError(f"{what}: field 'heads' must list [node id, address] pairs")
-    failures, size, world_size, awaited = _counts(doc, what, ("failures", "size", "world_size", "awaited"))
+    counts = ("failures", "size", "world_size", "awaited", "chunks")
+    failures, size, world_size, awaited, chunks = _counts(doc, what, counts)
     record = RoundRecord(
         round=_get(doc, what, "round", int),
         status=status,
@@ -223,10 +248,12 @@ def decode_round(raw: bytes) -> RoundRecord:
         roster_id=_get(doc, what, "roster_id", str),
         heads=tuple((h[0], h[1]) for h in heads),
         awaited=awaited,
+        chunks=chunks,
     )
     if record.round < 1 or not 0 <= record.master_port <= 65535:
         raise RecordError(f"{what}: round or master_port out of range")
-    if status is not Status.OPEN and not (record.size and record.world_size >= record.size and record.roster_id):
+    if status is not Status.OPEN and not (record.size and record.world_size >= record.size and record.roster_id
+                                          and record.chunks):  # fmt: skip
         raise RecordError(f"{what}: a {status.value} round must have members")
     return record
 
@@ -245,11 +272,19 @@ def decode_roster(raw: bytes) -> Roster:
                   tuple(addrs))  # fmt: skip
 
 
-def decode_assignment(raw: bytes) -> Assignment:
-    what = "rendezvous assignment"
+def decode_place(raw: bytes, node_id: str) -> Assignment | None:
+    """``node_id``'s place in a chunk of places (None: it is not there, so not a member)."""
+    what = "rendezvous places"
     doc = _load(raw, what)
-    round_, group_rank, rank_offset = _counts(doc, what, ("round", "group_rank", "rank_offset"))
-    return Assignment(round_, _get(doc, what, "roster_id", str), group_rank, rank_offset)
+    rows = _get(doc, what, "places", dict)
+    row = rows.get(node_id)
+    if row is None:
+        return None
+    if not (isinstance(row, list) and len(row) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                          for x in row)):  # fmt: skip
+        raise RecordError(f"{what}: the place of {node_id!r} must be [group rank, first global rank]")
+    round_, roster_id = _get(doc, what, "round", int), _get(doc, what, "roster_id", str)
+    return Assignment(round_, roster_id, row[0], row[1])
 
 
 def decode_node(raw: bytes) -> NodeInfo:

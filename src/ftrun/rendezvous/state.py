@@ -31,7 +31,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ftrun.rendezvous.records import Assignment, NodeInfo, Roster, RoundRecord, Status
+from ftrun.rendezvous.records import Assignment, NodeInfo, Roster, RoundRecord, Status, chunk_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +226,7 @@ def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) 
         size=len(members),
         world_size=sum(roster.nproc),
         heads=tuple((i.node_id, i.addr) for i in infos[:2]),
+        chunks=chunk_count(len(members)),
     )  # roster_id: the driver names this close (a compare-and-set it may lose)
     return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record, roster=roster)
 

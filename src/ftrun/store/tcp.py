@@ -297,6 +297,10 @@ class TcpStoreClient:
         conn: Conn = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Connected: the store is there. A whole job connects at once when it starts, and a store greeting
+            # thousands of clients may take longer than a connect: giving up on it early (and connecting again)
+            # would only add to its queue.
+            sock.settimeout(max(self._connect_timeout_s, self._call_timeout_s))
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: connect's
                 store_id = self._tls_handshake(sock)

@@ -28,7 +28,9 @@ from ftrun.store.kv import KeyValueState
 
 log = logging.getLogger("ftrun.store")
 
-HANDSHAKE_TIMEOUT_S = 5.0
+# A connection that never completes its handshake is dropped after this (a stray or a slow squatter holds no fd
+# for long); generous, because a whole job connects at once and the store greets thousands before it hears back.
+HANDSHAKE_TIMEOUT_S = 30.0
 MAX_WATCHES = 256  # per connection
 MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
