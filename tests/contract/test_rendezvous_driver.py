@@ -151,6 +151,14 @@ def test_a_node_that_leaves_starts_a_round_without_it(job: Callable[..., Job]) -
     assert a is not None
     assert (a.round, a.group_rank, a.group_world_size) == (2, 0, 1)
     assert j.nodes[survivor].leading
+    keys = Keys.of(j.run_id)
+    store = j.open_client()  # round 1's roster and places were deleted when round 2 closed
+    try:
+        left = [kv.key.removeprefix(keys.root) for kv in store.list_prefix(keys.root)[0]]
+    finally:
+        store.close()
+    assert sorted(k.split("/")[1] for k in left if k.startswith("a/")) == ["2"]
+    assert len([k for k in left if k.startswith("roster/")]) == 1
 
 
 def test_a_vanished_node_is_found_by_its_lapsed_lease(job: Callable[..., Job]) -> None:

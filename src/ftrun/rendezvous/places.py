@@ -5,22 +5,25 @@ place under that name (in chunks of about 128 members: a few puts, not one per m
 compare-and-sets the round record: a node that sees the round closed finds its place already written, and a
 close the leader lost (another wrote the round first) leaves keys under a name no round record carries, which
 nobody reads. Each node reads the one chunk its id hashes to, once per round: one get of a bounded size,
-whatever the job's size; only the leader reads the roster.
+whatever the job's size; only the leader reads the roster. A new close deletes the round before's keys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
+from ftrun.errors import StoreError
 from ftrun.rendezvous.records import (
     Assignment,
     Keys,
     Roster,
     RoundRecord,
     Status,
+    chunk_count,
     chunk_of,
     chunked,
     decode_place,
@@ -81,5 +84,15 @@ class Places:
             mine = places.get(self._me, mine)
         won, rev = self._store.compare_and_set(self._keys.round, encode_round(record), record_rev)
         if won:
-            self.roster, self._mine = roster, (record.round, name, mine)
+            before, self.roster, self._mine = self.roster, roster, (record.round, name, mine)
+            if before is not None:
+                self._forget_close(before)
         return won, rev, record
+
+    def _forget_close(self, old: Roster) -> None:
+        """The round before's roster and places: nobody reads them once a new round closed (best effort: left
+        behind, they are only unread keys)."""
+        with contextlib.suppress(StoreError):
+            for chunk in range(chunk_count(len(old.members))):
+                self._store.delete(self._keys.places(old.round, old.roster_id, chunk))
+            self._store.delete(self._keys.roster(old.roster_id))
