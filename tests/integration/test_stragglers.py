@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
-from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun, until
 
 pytestmark = pytest.mark.torch
-T = TypeVar("T")
 
 # A DDP job that never imports ftrun. It trains until rank 0 sees `done` (or DURATION seconds pass); the ranks
 # agree to stop through an all-reduce, so that none is left alone in a collective. SLOW_RANK (or every rank of a
@@ -68,15 +65,6 @@ def ranks_of(run_dir: Path) -> dict[int, dict[str, Any]]:
     return {r["rank"]: r for r in json.loads((run_dir / "status.json").read_text())["ranks"]}
 
 
-def until(read: Callable[[], T], holds: Callable[[T], bool], what: str) -> T:
-    """Read ``read()`` until ``holds`` (status.json is rewritten by the agent as it goes), at most WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not holds(found := read()):
-        assert time.monotonic() < deadline, f"{what}: not seen in {WAIT_S} s; last: {found}"
-        time.sleep(0.1)
-    return found
-
-
 def stragglers(events: list[dict[str, object]]) -> list[dict[str, object]]:
     return [e for e in events if e["kind"] == "straggler"]
 
@@ -87,7 +75,7 @@ def test_a_slow_rank_is_named_with_its_cost_in_every_place(tmp_path: Path, live:
     agent = LiveFtrun(tmp_path, "--nproc-per-node", "3", "job.py", str(tmp_path), env=slow)
     live.append(agent)
     agent.wait_for_stderr(r"straggler: rank 2 \(node [^)]+\) computes [0-9.]+ ms longer per step")
-    ranks = until(lambda: ranks_of(agent.run_dir), lambda rs: rs[2]["straggler"], "rank 2 a straggler in status.json")
+    ranks = until(lambda: (rs := ranks_of(agent.run_dir))[2]["straggler"] and rs, "rank 2 a straggler in status.json")
     assert ranks[2]["straggler"]
     assert ranks[2]["straggler_score"] > 0.05
     assert not ranks[0]["straggler"]
