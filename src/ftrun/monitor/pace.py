@@ -78,7 +78,7 @@ class PaceWatch:
         self._seen, self._compute, self._steps = {}, {}, []
         self._window_end = self._clock.monotonic() + self._window_s
         self.scores, self.named = {}, {}
-        self._leaving, self._kept = None, set()
+        self._leaving, self._leave_now, self._kept = None, False, set()
 
     def env(self) -> dict[str, str]:
         if not self.enabled:
