@@ -1,5 +1,8 @@
-"""Rendezvous at scale: N simulated nodes, each a thread with its own store connection, spread over --procs
-harness processes (the simulated nodes are the harness's cost, not the store's).
+"""Rendezvous at scale: N simulated nodes spread over --procs harness processes (the simulated nodes are the
+harness's cost, not the store's). In each process a few threads (--steppers) step its nodes as each agent's main
+loop would, every node with its own Rendezvous, lease and watches; the nodes share one store connection per
+64 (an agent has its own: thousands of connections would need as many reader threads here, and the threads,
+not the store, would set the pace), and their leases are renewed by 4 threads per process.
 
 For N in --sizes, on the embedded tcp store (a separate `ftrun store` process) and on
 a real etcd (when installed):
@@ -23,9 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
+import itertools
 import json
 import os
+import queue
 import re
+import resource
 import selectors
 import subprocess
 import sys
@@ -33,11 +40,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ftrun.clock import SystemClock
 from ftrun.rendezvous.driver import Rendezvous
+from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.state import Action, Local, Me, Rules, Timing
 from ftrun.store.base import Store, Watch
 from ftrun.store.factory import open_store
@@ -86,141 +94,237 @@ class CountedWatch:
         self._inner.close()
 
 
-@dataclass
+NODES_PER_CONNECTION = 64  # the store allows 256 watches per connection; a node holds one, the leader two
+
+
 class SimNode:
-    """One simulated node: the agent's loop without workers (RUN = remember the round)."""
+    """One simulated node: the agent's loop without workers (RUN = remember the round), stepped by a Stepper."""
 
-    name: str
-    url: str
-    run_id: str
-    rules: Rules
-    counts: Counter[str] = field(default_factory=Counter)
-    ran: dict[int, float] = field(default_factory=dict)  # round -> when this node learned its rank
-    changed: threading.Condition = field(default_factory=threading.Condition)
-    stop: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    left_at: float = 0.0  # when this node's lease was revoked (it left)
-
-    def run(self, ready: threading.Barrier, leave: threading.Event) -> None:
-        store = Counted(open_store(self.url, retry_deadline_s=60.0), self.counts)
-        r = Rendezvous(
-            store,  # type: ignore[arg-type]
-            self.run_id,
-            Me(self.name, "127.0.0.1", 1),
-            self.rules,
+    def __init__(self, name: str, store: Store, run_id: str, rules: Rules, renewals: Renewals) -> None:
+        self.name = name
+        self.counts: Counter[str] = Counter()
+        self.ran: dict[int, float] = {}  # round -> when this node learned its rank
+        self.error: BaseException | None = None
+        self.left_at = 0.0  # when this node's lease was revoked (it left)
+        self.wake_at = 0.0  # when the node next wants a step (its heap entries for other times are stale)
+        self._local = Local()
+        self.r = Rendezvous(
+            Counted(store, self.counts),
+            run_id,
+            Me(name, "127.0.0.1", 1),
+            rules,
             Timing(5.0, 3),
             clock=SystemClock(),
             offer_port=lambda: 29500,
             log=lambda text: None,
+            renewals=renewals.add,
         )
-        local = Local()
+
+    def step(self) -> float:
+        """One turn of the agent's loop; when it next wants one (it may be woken earlier by its fd)."""
+        while True:
+            advice = self.r.next(self._local)
+            d = advice.decision
+            if d.action is Action.RUN and d.assignment is not None and d.assignment.round not in self.ran:
+                self._local = Local(running_round=d.assignment.round)
+                self.ran[d.assignment.round] = time.monotonic()
+            elif d.action is Action.STOP:
+                self._local = Local()
+                continue
+            elif d.action is Action.FAIL:
+                raise RuntimeError(d.reason)
+            return advice.wake_at
+
+    def leave(self) -> None:
+        self.r.close(leave=True)
+        self.left_at = time.monotonic()
+
+
+class Renewals:
+    """The lease keepers of one harness process's nodes, renewed by a few threads (an agent gives its own keeper a
+    thread; thousands of threads per process would starve each other, so the harness shares them)."""
+
+    def __init__(self, threads: int) -> None:
+        self._due: list[tuple[float, int, LeaseKeeper]] = []
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def add(self, keeper: LeaseKeeper) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (time.monotonic() + keeper.interval_s, next(self._ids), keeper))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._due or self._due[0][0] > time.monotonic()):
+                    self._cond.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                if self._stopped:
+                    return
+                _, _, keeper = heapq.heappop(self._due)
+            if keeper.renew():
+                self.add(keeper)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+
+class Stepper:
+    """One thread stepping many simulated nodes, as each agent's main loop would: a node is stepped when its
+    rendezvous fd is readable or its wake time passed. Commands from other threads come through a queue."""
+
+    def __init__(self, nodes: list[SimNode], changed: threading.Condition) -> None:
+        self.nodes = nodes
+        self._changed = changed
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopped = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def call(self, command: Callable[[], None]) -> None:
+        """Run ``command`` on the stepping thread (a Rendezvous is not thread-safe)."""
+        self._commands.put(command)
+        os.write(self._wake_w, b"x")
+
+    def stop(self) -> None:
+        def stop() -> None:
+            self._stopped = True
+
+        self.call(stop)
+
+    def leave(self, node: SimNode) -> None:
+        def leave() -> None:
+            node.leave()
+            with self._changed:
+                self._changed.notify_all()
+
+        self.call(leave)
+
+    def _step(self, node: SimNode, sel: selectors.BaseSelector, wake: list[tuple[float, int, SimNode]]) -> None:
+        rounds = len(node.ran)
         try:
-            ready.wait()
-            r.start()
-            with selectors.DefaultSelector() as sel:
-                sel.register(r.fileno(), selectors.EVENT_READ)
-                while not self.stop.is_set():
-                    if leave.is_set():
-                        return
-                    step = r.next(local)
-                    d = step.decision
-                    if d.action is Action.RUN and d.assignment is not None and d.assignment.round not in self.ran:
-                        local = Local(running_round=d.assignment.round)
-                        with self.changed:
-                            self.ran[d.assignment.round] = time.monotonic()
-                            self.changed.notify_all()
-                    elif d.action is Action.STOP:
-                        local = Local()
-                        continue
-                    elif d.action is Action.FAIL:
-                        raise RuntimeError(d.reason)
-                    sel.select(max(0.0, min(step.wake_at - time.monotonic(), 1.0)))
+            node.wake_at = node.step()
+            heapq.heappush(wake, (node.wake_at, id(node), node))
         except BaseException as e:  # reported by the harness
-            self.error = e
-            print(f"{self.name}: {e!r}", file=sys.stderr, flush=True)
-            with self.changed:
-                self.changed.notify_all()
-        finally:
-            r.close(leave=True)
-            self.left_at = time.monotonic()
-            store.close()
+            node.error = e
+            print(f"{node.name}: {e!r}", file=sys.stderr, flush=True)
+            sel.unregister(node.r.fileno())
+        if node.error is not None or len(node.ran) != rounds:
+            with self._changed:
+                self._changed.notify_all()
+
+    def _run(self) -> None:
+        wake: list[tuple[float, int, SimNode]] = []
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            for node in self.nodes:
+                try:
+                    node.r.start()
+                except BaseException as e:  # reported by the harness
+                    node.error = e
+                    continue
+                sel.register(node.r.fileno(), selectors.EVENT_READ, node)
+                self._step(node, sel, wake)
+            while not self._stopped:
+                timeout = max(0.0, min(wake[0][0] - time.monotonic(), 1.0)) if wake else 1.0
+                for key, _ in sel.select(timeout):
+                    if key.data is None:
+                        os.read(self._wake_r, 4096)
+                        while not self._commands.empty():
+                            self._commands.get()()
+                    elif key.data.left_at == 0.0 and key.data.error is None:
+                        self._step(key.data, sel, wake)
+                now = time.monotonic()
+                while wake and wake[0][0] <= now:
+                    at, _, node = heapq.heappop(wake)
+                    if at == node.wake_at and node.left_at == 0.0 and node.error is None:  # else stale
+                        self._step(node, sel, wake)
 
 
-def child(url: str, run_id: str, first: int, count: int, n: int) -> None:
-    """One harness process: ``count`` simulated nodes (threads), driven by the parent through stdin/stdout."""
-    sys.setswitchinterval(0.5)
-    threading.stack_size(512 * 1024)  # thousands of threads per process: small stacks
+def child(url: str, run_id: str, first: int, count: int, n: int, steppers: int) -> None:
+    """One harness process: ``count`` simulated nodes stepped by ``steppers`` threads over shared connections,
+    driven by the parent through stdin/stdout."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a node holds a few fds (epoll, eventfds)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     rules = Rules(max(1, n - 1), n, last_call_s=30.0, join_timeout_s=TIMEOUT_S, max_restarts=10)
-    nodes = [SimNode(f"node{i:05d}", url, run_id, rules) for i in range(first, first + count)]
-    go = threading.Event()
-    leaving = {x.name: threading.Event() for x in nodes}
-    started = threading.Barrier(count + 1)
-
-    def run(x: SimNode) -> None:
-        started.wait()
-        go.wait()
-        x.run(threading.Barrier(1), leaving[x.name])
-
-    threads = [threading.Thread(target=run, args=(x,), daemon=True) for x in nodes]
-    for t in threads:
-        t.start()
-    started.wait()
+    stores = [open_store(url, retry_deadline_s=60.0) for _ in range(-(-count // NODES_PER_CONNECTION))]
+    renewals = Renewals(threads=4)
+    nodes = [SimNode(f"node{i:05d}", stores[(i - first) % len(stores)], run_id, rules, renewals)
+             for i in range(first, first + count)]  # fmt: skip
+    changed = threading.Condition()
+    groups = [Stepper(nodes[k::steppers], changed) for k in range(min(steppers, count))]
+    owner = {x.name: g for g in groups for x in g.nodes}
     say({"ready": count})
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
         if command == "go":
-            go.set()
+            for g in groups:
+                g.thread.start()
         elif command == "round":  # report when every node here (but those that left) ran round ARG
             k = int(arg)
-            here = [x for x in nodes if not leaving[x.name].is_set()]
+            here = [x for x in nodes if x.left_at == 0.0]
             try:
-                last = wait_round(here, k, time.monotonic() + TIMEOUT_S)
+                last = wait_round(here, k, changed, time.monotonic() + TIMEOUT_S)
                 say({"round": k, "last": last, "ops": [x.counts["ops"] for x in here],
                      "events": [x.counts["events"] for x in here]})  # fmt: skip
             except (RuntimeError, TimeoutError) as e:
                 say({"round": k, "error": str(e)})
         elif command == "leave":
             x = next(x for x in nodes if x.name == arg)
-            leaving[x.name].set()
-            x.stop.set()
-            threads[nodes.index(x)].join(TIMEOUT_S)
+            owner[x.name].leave(x)
+            with changed:
+                changed.wait_for(lambda x=x: x.left_at > 0.0, TIMEOUT_S)  # type: ignore[misc]
             say({"left": x.left_at})
         elif command == "stop":
             break
-    for x in nodes:
-        x.stop.set()
-    for t in threads:
-        t.join(30)
+    for g in groups:  # the nodes need not leave one by one: closing the connections ends their leases
+        g.stop()
+    for g in groups:
+        g.thread.join(60)
+    renewals.stop()
+    for store in stores:
+        store.close()
 
 
 def say(doc: dict[str, Any]) -> None:
     print(json.dumps(doc), flush=True)
 
 
-def wait_round(nodes: list[SimNode], round_: int, deadline: float) -> float:
+def wait_round(nodes: list[SimNode], round_: int, changed: threading.Condition, deadline: float) -> float:
     """The time the last node learned its rank in ``round_``."""
-    last = 0.0
-    for n in nodes:
-        with n.changed:
-            left = max(0.0, deadline - time.monotonic())
-            n.changed.wait_for(lambda n=n: round_ in n.ran or n.error is not None, left)  # type: ignore[misc]
-        if n.error is not None:
-            raise RuntimeError(f"{n.name}: {n.error}")
-        if round_ not in n.ran:
-            raise TimeoutError(f"{n.name} never ran round {round_}")
-        last = max(last, n.ran[round_])
-    return last
+    pending = list(nodes)
+
+    def done() -> bool:  # checks each node once, not all of them on every notification
+        while pending and (round_ in pending[-1].ran or pending[-1].error is not None):
+            pending.pop()
+        return not pending
+
+    with changed:
+        changed.wait_for(done, max(0.0, deadline - time.monotonic()))
+    for x in nodes:
+        if x.error is not None:
+            raise RuntimeError(f"{x.name}: {x.error}")
+        if round_ not in x.ran:
+            raise TimeoutError(f"{x.name} never ran round {round_}")
+    return max(x.ran[round_] for x in nodes)
 
 
 class Harness:
     """The simulated nodes of one job, spread over ``procs`` processes (their cost is the harness's)."""
 
-    def __init__(self, url: str, n: int, procs: int) -> None:
+    def __init__(self, url: str, n: int, procs: int, steppers: int) -> None:
         run_id = f"bench-{uuid.uuid4().hex[:8]}"
         per = -(-n // procs)
         self.children = []
         for first in range(0, n, per):
             argv = [sys.executable, __file__, "--child", url, run_id, str(first), str(min(per, n - first)), str(n)]
+            argv.append(str(steppers))
             self.children.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for c in self.children:
             self.read(c)  # ready
@@ -283,28 +387,10 @@ class StoreMeter:
         return cpu - self._cpu, sent - self._bytes
 
 
-def enough_thread_ids(n: int) -> None:
-    """Each simulated node runs three threads (its loop, its lease keeper, its store client's reader), and every
-    thread takes a process id: 16,384 nodes need more than Linux's default kernel.pid_max of 32,768. Raised when
-    this runs as root (said), else the benchmark stops and says how."""
-    path = "/proc/sys/kernel/pid_max"
-    with open(path) as f:
-        have = int(f.read())
-    need = 4 * n + 10_000
-    if have >= need:
-        return
-    try:
-        with open(path, "w") as f:
-            f.write(str(need))
-        print(f"(raised kernel.pid_max from {have} to {need}: {n} simulated nodes run {3 * n} threads)")
-    except OSError as e:
-        raise SystemExit(f"{n} simulated nodes need kernel.pid_max >= {need} (it is {have}: {e}); as root: "
-                         f"sysctl -w kernel.pid_max={need}") from None  # fmt: skip
-
-
-def bench_ftrun(url: str, n: int, procs: int, meter: StoreMeter | None, idle_s: float) -> dict[str, float]:
-    enough_thread_ids(n)
-    harness = Harness(url, n, procs)
+def bench_ftrun(
+    url: str, n: int, procs: int, steppers: int, meter: StoreMeter | None, idle_s: float
+) -> dict[str, float]:
+    harness = Harness(url, n, procs, steppers)
     try:
         if meter is not None:
             meter.mark()
@@ -390,17 +476,18 @@ def start_tcp_store() -> tuple[subprocess.Popen[str], str]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        url, run_id, first, count, n = sys.argv[2:7]
-        child(url, run_id, int(first), int(count), int(n))
+        url, run_id, *numbers = sys.argv[2:8]
+        first, count, n, steppers = (int(x) for x in numbers)
+        child(url, run_id, first, count, n, steppers)
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="64,1024,4096,16384")
     p.add_argument("--backends", default="tcp,etcd")
     p.add_argument("--procs", type=int, default=8, help="harness processes the simulated nodes are spread over")
+    p.add_argument("--steppers", type=int, default=4, help="threads per harness process stepping its nodes")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of steady state to measure keep-alives")
     p.add_argument("--torch-max", type=int, default=64, help="largest N to run torch's handler for (it is slow)")
     a = p.parse_args()
-    sys.setswitchinterval(0.5)  # see child(): a thousand I/O-bound threads share one GIL per process
     sizes = [int(x) for x in a.sizes.split(",")]
     backends = a.backends.split(",")
     print(f"rendezvous, {os.cpu_count()} cores, nodes spread over {a.procs} processes; one round, min = max = N")
@@ -418,7 +505,7 @@ def main() -> None:
                 proc, url = start_tcp_store() if backend == "tcp" else (None, etcd.url)  # type: ignore[union-attr]
                 try:
                     meter = StoreMeter(proc.pid if proc is not None else etcd.pid)  # type: ignore[union-attr]
-                    r = bench_ftrun(url, n, a.procs, meter, a.idle)
+                    r = bench_ftrun(url, n, a.procs, a.steppers, meter, a.idle)
                 finally:
                     if proc is not None:
                         proc.kill()

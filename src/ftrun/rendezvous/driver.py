@@ -72,10 +72,13 @@ class Rendezvous:
         warn: Callable[[str], None] | None = None,
         move_store: Callable[[Successor], None] | None = None,
         liveness: Liveness | None = None,
+        renewals: Callable[[LeaseKeeper], None] | None = None,
     ) -> None:
         """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``);
         ``move_store``: when the store's host is gone, host the store here or point the store handle at the
-        successor (:mod:`ftrun.rendezvous.succession`); None: a store that cannot move (etcd's survives)."""
+        successor (:mod:`ftrun.rendezvous.succession`); None: a store that cannot move (etcd's survives);
+        ``renewals``: who renews the lease (:meth:`LeaseKeeper.start`; default: a thread of its own)."""
+        self._renewals = renewals
         self._move_store = move_store
         # With a store whose leases outlive a dead agent by their TTL (etcd): the leader holds a connection to
         # every member, the others one to the leader; one that ends is a node gone (see rendezvous.liveness).
@@ -469,7 +472,7 @@ class Rendezvous:
             ttl_s=self._timing.ttl_s,
             interval_s=self._timing.keep_alive_interval_s,
             clock=self._clock,
-        ).start()
+        ).start(self._renewals)
         self._selector.register(self._keeper.fileno(), selectors.EVENT_READ)
 
     def _watch(self, prefix: str, start_revision: int) -> Watch:
