@@ -17,7 +17,8 @@ def test_a_keeper_handed_to_renewals_starts_no_thread_and_renews_when_asked() ->
     handed: list[LeaseKeeper] = []
     keeper = LeaseKeeper.grant(store, ttl_s=15.0, interval_s=5.0, clock=clock).start(handed.append)
     try:
-        assert handed == [keeper] and keeper.interval_s == 5.0
+        assert handed == [keeper]
+        assert keeper.interval_s == 5.0
         assert not [t for t in threading.enumerate() if t.name.startswith("ftrun-lease")]
         first = keeper.valid_until
         clock.advance(5.0)
