@@ -363,6 +363,16 @@ class Harness:
                 c.wait()
 
 
+def cpu_seconds(*pids: int) -> float:
+    """The CPU seconds (user + system) these processes used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class StoreMeter:
     """The store process's CPU seconds (/proc/<pid>/stat), and the bytes through the loopback interface (both
     directions, everything on it: the benchmark talks only to 127.0.0.1) since mark()."""
@@ -372,9 +382,7 @@ class StoreMeter:
         self.mark()
 
     def _now(self) -> tuple[float, int]:
-        with open(f"/proc/{self._pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        cpu = cpu_seconds(self._pid)
         with open("/proc/net/dev") as f:
             lo = next(line for line in f if line.strip().startswith("lo:"))
         return cpu, int(lo.split(":", 1)[1].split()[8])  # transmitted bytes
@@ -395,9 +403,11 @@ def bench_ftrun(
         if meter is not None:
             meter.mark()
         t0 = time.monotonic()
+        harness_cpu = cpu_seconds(*(c.pid for c in harness.children))
         for c in harness.children:
             harness.tell(c, "go")
         last, ops, events = harness.round(1)
+        harness_cpu = cpu_seconds(*(c.pid for c in harness.children)) - harness_cpu
         join_cpu, join_bytes = meter.since() if meter is not None else (float("nan"), 0)
         victim = harness.children[-1]
         harness.tell(victim, f"leave node{n - 1:05d}")
@@ -419,6 +429,7 @@ def bench_ftrun(
             "events2_mean": (sum(events2) - sum(events[:survivors])) / survivors,
             "store_cpu_join": join_cpu, "bytes_join": join_bytes / n, "store_cpu_rejoin": rejoin_cpu,
             "bytes_rejoin": rejoin_bytes / survivors, "idle_cpu": idle_cpu,
+            "harness_cpu_join": harness_cpu,
         }  # fmt: skip
     finally:
         harness.close()
@@ -493,10 +504,12 @@ def main() -> None:
     print(f"rendezvous, {os.cpu_count()} cores, nodes spread over {a.procs} processes; one round, min = max = N")
     print("join/rejoin: s until the last node knows its rank; ops, events: store calls and watch events per node")
     print("(mean/max) for the join, and per survivor for the rejoin (ops2, ev2); store cpu: the store process's CPU")
-    print("s for the join/rejoin; B/node: loopback bytes per node for the join; idle: the store's CPU share while")
-    print("the N nodes only keep their leases alive (steady training, keep-alive every 5 s)")
+    print("s for the join/rejoin; harness: the harness processes' CPU s for the join (the simulated nodes' own")
+    print("work: with the store's, it shares this machine's cores); B/node: loopback bytes per node for the join;")
+    print("idle: the store's CPU share while the N nodes only keep their leases alive (steady training,")
+    print("a keep-alive per node every 5 s)")
     header = f"{'backend':8} {'N':>6} {'join':>7} {'ops':>9} {'events':>10} {'rejoin':>7} {'ops2':>5} {'ev2':>5}"
-    header += f" {'store cpu':>10} {'B/node':>7} {'idle cpu':>9} {'torch join':>11} {'ratio':>6}"
+    header += f" {'store cpu':>10} {'harness':>8} {'B/node':>7} {'idle cpu':>9} {'torch join':>11} {'ratio':>6}"
     print(header)
     etcd = EtcdHarness().start() if "etcd" in backends else None
     try:
@@ -519,7 +532,8 @@ def main() -> None:
                     f"{backend:8} {n:>6} {r['join_s']:>7.2f} {r['ops_mean']:>5.1f}/{r['ops_max']:<3.0f} "
                     f"{r['events_mean']:>5.1f}/{r['events_max']:<4.0f} {r['rejoin_s']:>7.2f}"
                     f" {r['ops2_mean']:>5.1f} {r['events2_mean']:>5.1f}"
-                    f" {r['store_cpu_join']:>4.1f}/{r['store_cpu_rejoin']:<4.1f} {r['bytes_join']:>7.0f}"
+                    f" {r['store_cpu_join']:>4.1f}/{r['store_cpu_rejoin']:<4.1f} {r['harness_cpu_join']:>8.1f}"
+                    f" {r['bytes_join']:>7.0f}"
                     f" {r['idle_cpu']:>8.1%} {torch_col:>11} {ratio:>6}",
                     flush=True,
                 )
