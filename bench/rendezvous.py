@@ -252,7 +252,9 @@ def child(url: str, run_id: str, first: int, count: int, n: int, steppers: int) 
     driven by the parent through stdin/stdout."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a node holds a few fds (epoll, eventfds)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    rules = Rules(max(1, n - 1), n, last_call_s=30.0, join_timeout_s=TIMEOUT_S, max_restarts=10)
+    # The first round closes when all N came (a late node must not be left a spare); the next when every
+    # survivor is back (the rules close a reopened round then, without a last call).
+    rules = Rules(max(1, n - 1), n, last_call_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S, max_restarts=10)
     stores = [open_store(url, retry_deadline_s=60.0) for _ in range(-(-count // NODES_PER_CONNECTION))]
     renewals = Renewals(threads=4)
     nodes = [SimNode(f"node{i:05d}", stores[(i - first) % len(stores)], run_id, rules, renewals)
