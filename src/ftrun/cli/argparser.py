@@ -158,7 +158,8 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
         node,
         "--straggler-threshold",
         default=None,
-        help="name a rank computing this share longer per step than the others, window after window (0.05)",
+        help="name a rank computing this share longer per step than the others, and costing the job this share "
+        "of its step time, window after window (0.05)",
     )
     _flag(
         node,

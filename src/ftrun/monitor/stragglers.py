@@ -5,8 +5,8 @@ gradient all-reduce. What tells the ranks apart is the time each spends *computi
 for its peers): the straggler's is the longest. Each window of steps, a rank's score is how much longer its
 median compute time is than the other ranks' median (0.3: 30% slower); the median of a window ignores a one-off slow
 step (a checkpoint, an evaluation) that every rank, or one, takes now and then. A rank is named a straggler
-once its score stayed above the threshold for ``windows`` windows in a row, with what it costs the job: the
-share of the step time the others spend waiting for it (steps per second lost).
+once its score stayed above the threshold for ``windows`` windows in a row, and so did what it costs the job:
+the share of the step time the others spend waiting for it (steps per second lost).
 """
 
 from __future__ import annotations
@@ -62,10 +62,14 @@ class StragglerWatch:
         self.scores = scores(medians)
         found = []
         for rank, score in self.scores.items():
-            self._streak[rank] = self._streak.get(rank, 0) + 1 if score > self._threshold else 0
+            mine = medians[rank]
+            extra = mine - mine / (1 + score)  # seconds per step the others wait for it
+            cost = min(1.0, extra / step_s) if step_s > 0 else 0.0
+            # Both: slower by a share of its compute, and by a share of the job's step. A job that computes
+            # for a millisecond of a longer step is 10% slower on one rank from a tenth of a millisecond of
+            # noise, which costs it nothing worth naming.
+            stands_out = score > self._threshold and cost > self._threshold
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if stands_out else 0
             if self._streak[rank] >= self._windows:
-                mine = medians[rank]
-                extra = mine - mine / (1 + score)  # seconds per step the others wait for it
-                cost = min(1.0, extra / step_s) if step_s > 0 else 0.0
                 found.append(Straggler(rank, score, extra, cost))
         return sorted(found, key=lambda s: s.slower, reverse=True)
