@@ -8,6 +8,7 @@ its workers die with it (parent-death signal). Every wait is bounded.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -242,6 +243,26 @@ def until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"not seen in {timeout} s: {what}")
         time.sleep(0.1)
+
+
+def write_gate(fifo: Path, text: str, timeout: float = WAIT_S) -> None:
+    """Write ``text`` into a FIFO a worker reads, once it has it open: a bounded wait (opening a FIFO to write
+    blocks until a reader comes, and a worker that died never comes)."""
+
+    def opened() -> int | None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:  # ENXIO: no reader yet
+            if e.errno != errno.ENXIO:
+                raise
+            return None
+
+    fd = until(opened, f"a reader of {fifo.name}", timeout)
+    try:
+        os.set_blocking(fd, True)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:

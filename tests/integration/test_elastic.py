@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     run_ftrun,
     wait_gone,
     with_free_port,
+    write_gate,
 )
 
 # Fast detection for tests: a node is dead 1 s after its last keep-alive (etcd rounds TTLs up to its minimum).
@@ -241,21 +242,20 @@ for _ in range(3):
         time.sleep(0.05 if rank == "0" else 0.2)  # rank 1 (the other node) is slower
     ftrun.heartbeat()
 ftrun.calculate_timeouts(safety_factor=40)
-open(f"release-{rank}", "rb").close()  # until the test saw the nodes agree
+deadline = time.monotonic() + 120
+while not os.path.exists("release") and time.monotonic() < deadline:  # until the test saw the nodes agree
+    ftrun.heartbeat()  # alive: rank 0's own timeout (40 x 0.05 s) is in force until it hears rank 1's
+    time.sleep(0.01)
 """
 
 
 def test_nodes_agree_on_calculated_timeouts_through_the_store(nodes: Nodes, script: WriteScript) -> None:
     script("c.py", CALCULATES)
-    for rank in (0, 1):
-        os.mkfifo(nodes.tmp_path / f"release-{rank}")
     agents = [nodes.start(name, "--nnodes", "2", "--nproc-per-node", "1", "c.py") for name in "ab"]
     ranks = {int(a.wait_for_lines(r"up rank=(\d)", 1)[0].group(1)): a for a in agents}
     # The node of the fast rank hears the slow one's wider timeouts through the store.
     ranks[0].wait_for_stderr("the job's nodes calculated timeouts; in force now")
-    for rank in (0, 1):
-        with open(nodes.tmp_path / f"release-{rank}", "wb"):
-            pass
+    (nodes.tmp_path / "release").touch()
     for a in agents:
         assert a.wait() == 0, a.stderr()
     in_force = [[e for e in a.events() if e["kind"] == "timeouts"][-1]["sections"] for a in agents]
@@ -326,7 +326,7 @@ def test_a_node_whose_workers_fail_after_the_job_finished_fails_the_job_on_every
     first = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
     other = b if first is a else a
     first.wait_for_stderr("the job finished in round 1")  # in the store: "every worker exited 0" comes before
-    gate.write_text("fail now\n")
+    write_gate(gate, "fail now\n")
     assert other.wait() == 1, other.stderr()
     assert first.wait() == 1, first.stderr()
     assert "failed after this node's succeeded: the job failed" in first.stderr()

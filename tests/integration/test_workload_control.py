@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun, write_gate
 
 ASKS = """
 import os, sys, time
@@ -130,7 +130,7 @@ def test_an_excluded_node_leaves_for_good_and_a_spare_takes_its_place(
     for agent in members:
         agent.wait_for_lines(UP, 1)
     b, a = members if re.search(r"up rank=1", "\n".join(members[0].lines)) else reversed(members)
-    gate.write_text("go\n")  # rank 1 excludes its node now, with the spare waiting
+    write_gate(gate, "go\n")  # rank 1 excludes its node now, with the spare waiting
     assert b.wait(WAIT_S) == 3, b.stderr()  # rank 1 (on b) excluded its node
     assert "excluded its node from the job: loss is NaN at step 7" in b.stderr()
     spare.wait_for_lines(r"up rank=1 world=2", 1)  # the others went on in a new round, the spare in b's place
@@ -153,7 +153,7 @@ def test_an_excluded_node_without_a_spare_leaves_the_others_going_on(
     for agent in agents:  # both in a round of two (maybe after one of one, until the other came)
         agent.wait_for_lines(r"up rank=\d world=2", 1)
     leaving, staying = agents if re.search(r"up rank=1 world=2", "\n".join(agents[0].lines)) else reversed(agents)
-    gate.write_text("go\n")  # only now: rank 0 could otherwise be stopped before it said it was up
+    write_gate(gate, "go\n")  # only now: rank 0 could otherwise be stopped before it said it was up
     assert leaving.wait(WAIT_S) == 3, leaving.stderr()
     alone = len([line for line in staying.lines if "world=1" in line]) + 1
     staying.wait_for_lines(r"up rank=0 world=1", alone)  # the other goes on alone, in a new round
