@@ -302,7 +302,7 @@ class TcpStoreClient:
             # would only add to its queue.
             sock.settimeout(max(self._connect_timeout_s, self._call_timeout_s))
             if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: connect's
+                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: the greeting's
                 store_id = self._tls_handshake(sock)
                 conn = TlsChannel(sock)
             else:
