@@ -85,7 +85,10 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
     proc = subprocess.Popen(
         ftrun_argv(tmp_path, *args),
         cwd=tmp_path,
-        env={**os.environ, **env} if env else None,
+        env={
+            **os.environ,
+            **(env or {}),
+        },  # explicit: C-level changes to this process's environment (readline sets LINES) stay out
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -117,7 +120,10 @@ class LiveFtrun:
         self.proc = subprocess.Popen(
             ftrun_argv(tmp_path, *args, logs=f"logs{suffix}", run_id=run_id),
             cwd=tmp_path,
-            env={**os.environ, **env} if env else None,
+            env={
+                **os.environ,
+                **(env or {}),
+            },  # explicit: C-level changes to this process's environment (readline sets LINES) stay out
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -231,6 +237,40 @@ def script(tmp_path: Path) -> WriteScript:
         return name
 
     return write
+
+
+# A worker never waits for the warm pool: the first attempt starts fresh unless a zygote is ready. A test of warm
+# workers has its first attempt wait (in the job, bounded) until the agent saw a zygote with a preload ready, then
+# fail, so that the body runs warm at attempt 1. Under --no-warm (no pool), run it with WAIT_FOR_POOL unset.
+WAITS_FOR_THE_POOL = """
+def wait_for_the_pool():
+    import json as _json, os as _os, pathlib as _pathlib, time as _time
+    events = _pathlib.Path(_os.environ["TORCHELASTIC_ERROR_FILE"]).parents[2] / "events.jsonl"
+    deadline = _time.monotonic() + 60
+    while _time.monotonic() < deadline:
+        for line in events.read_text().splitlines():
+            event = _json.loads(line)
+            if event["kind"] == "pool_ready" and event["preload"]:
+                return
+        _time.sleep(0.02)
+    raise SystemExit("the test's warm pool was not ready in 60 s")
+"""
+FAILS_ONCE_THE_POOL_IS_READY = (
+    WAITS_FOR_THE_POOL
+    + """
+import os as _os
+if _os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if _os.environ.get("WAIT_FOR_POOL"):
+        wait_for_the_pool()
+    raise SystemExit(3)
+"""
+)
+POOL = {"WAIT_FOR_POOL": "1"}  # run_ftrun(..., env=POOL): FAILS_ONCE_THE_POOL_IS_READY waits for the pool
+
+
+def restarted_warm(body: str) -> str:
+    """A script whose first attempt fails (with env POOL: once the warm pool is ready), then runs ``body``."""
+    return FAILS_ONCE_THE_POOL_IS_READY + textwrap.dedent(body)
 
 
 def until(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:

@@ -9,15 +9,19 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
 
 pytestmark = pytest.mark.torch
 
-TRAINS = """
+TRAINS = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, sys, time
 import torch
 
 rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "0" and os.environ.get("WAIT_FOR_POOL"):
+    wait_for_the_pool()  # the restart is warm
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(40):
@@ -30,6 +34,7 @@ for step in range(40):
         time.sleep(120)
 print("done", rank, flush=True)
 """
+)
 
 
 def hangs(r: Result) -> list[dict[str, Any]]:
@@ -40,11 +45,12 @@ def hangs(r: Result) -> list[dict[str, Any]]:
 def test_an_unmodified_script_that_stops_stepping_is_a_hang(tmp_path: Path, script: WriteScript, warm: str) -> None:
     script("w.py", TRAINS)
     flags = [warm, "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "2"]
-    r = run_ftrun(tmp_path, *flags, "w.py")
+    r = run_ftrun(tmp_path, *flags, "w.py", env=POOL if warm != "--no-warm" else {})
     assert r.returncode == 0, r.stderr
-    [hang] = hangs(r)
+    [hang] = hangs(r)  # in fresh workers (the first attempt's)
     assert (hang["rank"], hang["timeout"]) == (1, "heartbeat")
-    assert all(e["warm"] == (warm != "--no-warm") for e in r.events() if e["kind"] == "worker_spawned")
+    restarted = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+    assert restarted == [warm != "--no-warm"] * 2
     assert r.log(1, 1).splitlines()[-1] == "done 1"
 
 

@@ -13,7 +13,7 @@ from ftrun.monitor import stacks
 from ftrun.monitor.hangs import HangWatch
 from ftrun.monitor.table import MonitorTable
 from ftrun.worker.signals import STACK_SIGNAL
-from tests.integration.conftest import LiveFtrun, Result, WriteScript, run_ftrun, until
+from tests.integration.conftest import POOL, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun, until
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
 # finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).
@@ -268,25 +268,30 @@ def test_a_hang_in_an_import_has_stacks_without_py_spy(
     tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch, warm: str
 ) -> None:
     """Before any heartbeat and with no py-spy on PATH: the worker's client was attached before the job's code
-    (warm: by the zygote; fresh: by ftrun's sitecustomize), so its fault handler writes the stacks."""
+    (warm: by the zygote; fresh: by ftrun's sitecustomize), so its fault handler writes the stacks. Attempt 1
+    hangs: under --warm=auto its workers are forked once the pool is ready."""
     script(
         "slow_module.py",
         """
         import os, time
-        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
             def importing_forever():
                 time.sleep(120)
             importing_forever()
         """,
     )
-    script("w.py", "import slow_module\nprint('imported', flush=True)\n")
+    script("w.py", restarted_warm("import slow_module\nprint('imported', flush=True)\n"))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # py-spy sits beside the interpreter, not here
-    r = run_ftrun(tmp_path, warm, "--max-restarts", "1", "--initial-heartbeat-timeout", "2", "w.py")
+    flags = [warm, "--preload", "json", "--max-restarts", "2", "--initial-heartbeat-timeout", "5"]
+    r = run_ftrun(tmp_path, *flags, "w.py", env=POOL if warm != "--no-warm" else {})
     assert r.returncode == 0, r.stderr
-    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [
+        warm != "--no-warm"
+    ]
+    root: dict[str, Any] = r.report(1)["root_cause"]  # type: ignore[assignment]
     assert root["stacks"].startswith("(faulthandler)")
     assert "importing_forever" in root["stacks"]
-    assert r.log(1, 0) == "imported\n"
+    assert r.log(2, 0) == "imported\n"
 
 
 CORRUPTIONS = {

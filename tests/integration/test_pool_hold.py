@@ -68,15 +68,6 @@ def test_a_zygote_still_preloading_stands_still_from_a_failure_to_the_refill(
     until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
 
 
-def test_waiting_for_a_held_zygote_lets_it_go_on(pool: WarmPool, tmp_path: Path) -> None:
-    until((tmp_path / "started").exists, "the zygote started preloading")
-    preloading = max(pool._zygotes, key=lambda z: len(z.preload))
-    pool.hold()
-    until(lambda: state(preloading.proc.pid) == "T", "the preloading zygote stopped")
-    assert not preloading.poll(0.05)  # waited for in vain (its import sleeps), but no longer stopped
-    assert state(preloading.proc.pid) != "T"
-
-
 def test_a_hold_ends_when_the_agent_waits_with_nothing_to_start(pool: WarmPool, tmp_path: Path) -> None:
     """An elastic job waits for its rendezvous between the stop and the start: preloading goes on meanwhile."""
     until((tmp_path / "started").exists, "the zygote started preloading")

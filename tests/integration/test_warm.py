@@ -4,16 +4,16 @@ the job's fate (a refused module, a dead zygote: fresh processes take over)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, restarted_warm, run_ftrun
 
 WARM = ["--preload", "json,decimal", "--max-restarts", "1"]  # a pool (restarts to come) with a preload
-COLD = ["--no-warm"]
+COLD = ["--no-warm", "--max-restarts", "1"]
+RUNS = (("warm", WARM, POOL), ("cold", COLD, {}))  # warm: attempt 1 runs once the pool was ready (restarted_warm)
 
 FACTS = """
 import json, os, signal, sys, warnings
@@ -45,20 +45,22 @@ def spawned(r: Result) -> list[dict[str, Any]]:
     return [e for e in r.events() if e["kind"] == "worker_spawned"]
 
 
-def facts(r: Result, attempt: int = 0, rank: int = 0) -> dict[str, Any]:
+def facts(r: Result, attempt: int = 1, rank: int = 0) -> dict[str, Any]:
     found: dict[str, Any] = json.loads(r.log(attempt, rank).splitlines()[0])
     return found
 
 
 def test_a_warm_script_sees_what_a_fresh_one_sees(tmp_path: Path, script: WriteScript) -> None:
-    script("sub/w.py", FACTS)
+    script("sub/w.py", restarted_warm(FACTS))
     runs = {}
-    for name, flags in (("warm", WARM), ("cold", COLD)):
-        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "--nproc-per-node", "2", "sub/w.py", "a b")
+    for name, flags, env in RUNS:
+        r = run_ftrun(
+            tmp_path, "--log-dir", str(tmp_path / name), *flags, "--nproc-per-node", "2", "sub/w.py", "a b", env=env
+        )
         r.run_dir = tmp_path / name / "t"
         assert r.returncode == 0, r.stderr
-        assert [e["warm"] for e in spawned(r)] == [name == "warm"] * 2
-        assert r.log(0, 1, "stderr") == "to stderr\n"
+        assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [name == "warm"] * 2
+        assert r.log(1, 1, "stderr") == "to stderr\n"
         runs[name] = facts(r, rank=1)
     assert runs["warm"] == runs["cold"]
     assert runs["warm"]["name"] == "__main__"
@@ -72,13 +74,14 @@ def test_a_warm_script_sees_what_a_fresh_one_sees(tmp_path: Path, script: WriteS
 def test_a_warm_module_with_relative_imports(tmp_path: Path, script: WriteScript) -> None:
     script("pkg/__init__.py", "")
     script("pkg/helper.py", "WHO = 'helper'\n")
-    script("pkg/main.py", "from .helper import WHO\n" + FACTS + "print(WHO, __package__)\n")
+    script("pkg/main.py", "from .helper import WHO\n" + restarted_warm(FACTS) + "print(WHO, __package__)\n")
     runs = {}
-    for name, flags in (("warm", WARM), ("cold", COLD)):
-        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "-m", "pkg.main", "x")
+    for name, flags, env in RUNS:
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "-m", "pkg.main", "x", env=env)
         r.run_dir = tmp_path / name / "t"
         assert r.returncode == 0, r.stderr
-        lines = r.log(0, 0).splitlines()
+        assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [name == "warm"]
+        lines = r.log(1, 0).splitlines()
         assert lines[1] == "helper pkg"
         runs[name] = json.loads(lines[0])
     assert runs["warm"] == runs["cold"]
@@ -115,13 +118,14 @@ def _a_thread(line: str) -> bool:
 
 @pytest.mark.parametrize("how", ["exit3", "exit-message", "raise-recorded", "raise-plain", "segv"])
 def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, how: str) -> None:
-    script("w.py", ENDINGS)
+    script("w.py", restarted_warm(ENDINGS))
     roots = {}
-    for name, flags in (("warm", WARM), ("cold", COLD)):
-        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "w.py", how)
+    for name, flags, env in RUNS:
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "w.py", how, env=env)
         r.run_dir = tmp_path / name / "t"
         assert r.returncode == 1
-        root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+        assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [name == "warm"]
+        root: dict[str, Any] = r.report(1)["root_cause"]  # type: ignore[assignment]
         error = root["error"]
         roots[name] = (
             root["exit_code"],
@@ -130,7 +134,7 @@ def test_endings_are_the_same_warm_or_cold(tmp_path: Path, script: WriteScript, 
             # file paths, lines and the fault handler's other threads aside
             [ln for ln in root["stderr_tail"] if ln.strip() and "line" not in ln and not _a_thread(ln)],
         )
-        stderr = r.log(0, 0, "stderr")
+        stderr = r.log(1, 0, "stderr")
         traceback, _, fault = stderr.partition("Fatal Python error")
         assert "zygote" not in traceback  # the traceback starts in the user's code
         if fault:  # the fault handler's stack of the crashing thread, most recent call first: the user's frame
@@ -145,47 +149,21 @@ def test_a_preloaded_module_that_starts_a_thread_is_left_out_and_the_rest_stays_
     script(
         "threaded.py", "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
-    script(
-        "w.py", "import os, sys\nprint('ran', flush=True)\nsys.exit(os.environ['TORCHELASTIC_RESTART_COUNT'] == '0')\n"
-    )
+    script("w.py", restarted_warm("print('ran', flush=True)\n"))
     r = run_ftrun(
-        tmp_path, "--preload", "json,threaded,decimal", "--nproc-per-node", "2", "--max-restarts", "1", "w.py"
+        tmp_path, "--preload", "json,threaded,decimal", "--nproc-per-node", "2", "--max-restarts", "1", "w.py", env=POOL
     )
     assert r.returncode == 0, r.stderr
-    assert "warm pool: preloading 'threaded' started a thread" in r.stderr
-    assert "preloading the rest without it" in r.stderr
+    assert "warm pool: importing 'threaded' started a thread" in r.stderr
+    assert "the rest is preloaded" in r.stderr
     assert "warm pool off" not in r.stderr
     assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True, True]
     assert r.log(1, 1) == "ran\n"
 
 
-GPU_DRIVER_STUB = "int cuInit(unsigned int flags) { return 0; }\n"
-LOADS_THE_DRIVER = """
-import ctypes, os
-ctypes.CDLL(os.path.join(os.environ["STUB_DIR"], "libcuda.so.1"))  # as cudaGetDeviceCount would
-"""
-
-
-def test_a_preloaded_module_that_loads_the_gpu_driver_is_left_out(
-    tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A GPU node, with a stub driver: a library that initialises the CUDA driver at import would make every
-    warm worker fail its first CUDA call; the zygote finds the driver mapped and leaves that module out."""
-    stub = tmp_path / "stub"
-    stub.mkdir()
-    (stub / "cuda.c").write_text(GPU_DRIVER_STUB)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), str(stub / "cuda.c")], check=True)
-    monkeypatch.setenv("STUB_DIR", str(stub))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
-    script("lib/gpulib.py", LOADS_THE_DRIVER)
-    script("w.py", "import os, sys\nimport gpulib\nsys.exit(os.environ['TORCHELASTIC_RESTART_COUNT'] == '0')\n")
-    r = run_ftrun(tmp_path, "--preload", "json,gpulib", "--max-restarts", "1", "w.py")
-    assert r.returncode == 0, r.stderr
-    assert "warm pool: preloading 'gpulib' loaded the GPU driver (libcuda.so.1)" in r.stderr
-    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True]  # from a zygote without it
-
-
-KILLS_THE_POOL = """
+KILLS_THE_POOL = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, signal, sys, time
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     agent = os.getppid()
@@ -203,8 +181,10 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
                 print("killed the pool", flush=True)
         time.sleep(0.02)
     sys.exit(3)
+wait_for_the_pool()  # a new zygote took the killed ones' place
 print("attempt 1 ran", flush=True)
 """
+)
 
 
 def test_a_dead_zygote_is_replaced_and_the_job_goes_on(tmp_path: Path, script: WriteScript) -> None:
@@ -246,10 +226,12 @@ sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
 def test_a_teardown_stuck_after_the_script_ended_keeps_the_scripts_result(
     tmp_path: Path, script: WriteScript, code: int
 ) -> None:
-    script("w.py", STUCK_AT_TEARDOWN)
-    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--teardown-timeout", "1", "w.py", str(code))
+    """Warm workers (the pool's zygote marks the script's end; a fresh worker's teardown is the interpreter's)."""
+    script("w.py", restarted_warm(STUCK_AT_TEARDOWN))
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--teardown-timeout", "1", "w.py", str(code), env=POOL)
     assert r.returncode == (0 if code == 0 else 1), r.stderr
-    exits = {e["rank"]: e["state"] for e in r.events() if e["kind"] == "worker_exited" and e["attempt"] == 0}
+    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True, True]
+    exits = {e["rank"]: e["state"] for e in r.events() if e["kind"] == "worker_exited" and e["attempt"] == 1}
     assert exits[1] == ("succeeded" if code == 0 else "failed")  # the script's result, not the kill's
     assert not [e for e in r.events() if e["kind"] == "hang"]  # not a training hang
     if code:  # a failed script counts as exited at once; its teardown is left to finish, then ended
@@ -258,20 +240,25 @@ def test_a_teardown_stuck_after_the_script_ended_keeps_the_scripts_result(
     stuck = next(e for e in r.events() if e["kind"] == "teardown_stuck")
     assert (stuck["rank"], stuck["end_code"]) == (1, code)
     assert "the interpreter's teardown is stuck" in r.stderr
-    assert "stuck in interpreter teardown" in r.log(0, 1, "stderr")
+    assert "stuck in interpreter teardown" in r.log(1, 1, "stderr")
 
 
-FAILS_AT_ONCE = """
+FAILS_AT_ONCE = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, sys
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    wait_for_the_pool()
 sys.exit(0 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "3" else 3)
 """
+)
 
 
 def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_path: Path, script: WriteScript) -> None:
     """The standbys taken by a restart are forked again only once its workers had time to start; a failure
     before then forks them on the spot, from the same zygote."""
     script("w.py", FAILS_AT_ONCE)
-    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--max-restarts", "3", "w.py")
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--max-restarts", "3", "w.py", env=POOL)
     assert r.returncode == 0, r.stderr
     restarts = [e for e in spawned(r) if e["attempt"] > 0]
     assert len(restarts) == 6
@@ -280,60 +267,81 @@ def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_pa
 
 
 # Each worker notes when its process began (the fork, by the kernel's count) and, on attempt 0, when it failed.
-NOTES_ITS_FORK = """
+NOTES_ITS_FORK = (
+    WAITS_FOR_THE_POOL
+    + """
 import json, os, sys, time
 with open("/proc/self/stat") as f:
     forked = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # since boot
 note = {"forked": forked}
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    wait_for_the_pool()
     time.sleep(0.2)
     note["failed"] = time.clock_gettime(time.CLOCK_BOOTTIME)
 print(json.dumps(note), flush=True)
 sys.exit(3 if "failed" in note else 0)
 """
+)
 
 
 def test_a_failure_before_the_refill_finds_standbys_forked_ahead(tmp_path: Path, script: WriteScript) -> None:
     """Each zygote keeps twice the node's workers forked ahead: a restart takes half, and a failure that comes
     before the refill (its workers' first step, say) still forks none on the spot."""
     script("w.py", NOTES_ITS_FORK)
-    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "w.py")
+    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "w.py", env=POOL)
     assert r.returncode == 0, r.stderr
-    assert all(e["warm"] for e in spawned(r))
+    assert all(e["warm"] for e in spawned(r) if e["attempt"] == 1)
     # The first rank to fail has the other stopped, perhaps before it wrote its note.
     failed = min(json.loads(log)["failed"] for rank in (0, 1) if (log := r.log(0, rank)))
     for rank in (0, 1):
         assert json.loads(r.log(1, rank))["forked"] < failed - 0.1  # ten ticks of margin: forked before it
 
 
-REWRITES_ITSELF = """
+REWRITES_ITSELF = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, sys
 print("version 1", flush=True)
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    wait_for_the_pool()  # the zygote compiled this version
     with open(__file__, "a") as f:
         f.write("print('version 2, longer', flush=True)\\n")
     sys.exit(3)
 """
+)
 
 
 def test_the_script_precompiled_by_the_zygote_is_the_one_on_disk(tmp_path: Path, script: WriteScript) -> None:
     """The zygote compiles the entry script once for all its workers; a script changed since runs as changed."""
     script("w.py", REWRITES_ITSELF)
-    r = run_ftrun(tmp_path, *WARM, "w.py")
+    r = run_ftrun(tmp_path, *WARM, "w.py", env=POOL)
     assert r.returncode == 0, r.stderr
-    assert all(e["warm"] for e in spawned(r))
+    assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [True]
     assert r.log(0, 0) == "version 1\n"
     assert r.log(1, 0) == "version 1\nversion 2, longer\n"
 
 
+BREAKS_ITSELF = (
+    WAITS_FOR_THE_POOL
+    + """
+import os
+if os.environ.get("WAIT_FOR_POOL"):
+    wait_for_the_pool()  # the zygote compiled this version
+with open(__file__, "a") as f:
+    f.write("print('never')\\ndef broken(:\\n")
+raise SystemExit(3)
+"""
+)
+
+
 def test_a_script_that_does_not_compile_fails_warm_as_it_does_cold(tmp_path: Path, script: WriteScript) -> None:
-    script("w.py", "print('never')\ndef broken(:\n")
     tails = {}
-    for name, flags in (("warm", WARM), ("cold", COLD)):
-        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "--max-restarts", "1", "w.py")
+    for name, flags, env in RUNS:
+        script("w.py", BREAKS_ITSELF)  # attempt 0 breaks it, for attempt 1
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), *flags, "w.py", env=env)
         r.run_dir = tmp_path / name / "t"
         assert r.returncode == 1
-        assert [e["warm"] for e in spawned(r)] == [name == "warm"] * 2
+        assert [e["warm"] for e in spawned(r) if e["attempt"] == 1] == [name == "warm"]
         tails[name] = [ln for ln in r.log(1, 0, "stderr").splitlines() if "line" not in ln]
     assert tails["warm"] == tails["cold"]
     assert tails["warm"][-1].startswith("SyntaxError")

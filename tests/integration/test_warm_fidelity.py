@@ -1,5 +1,5 @@
 """A warm worker is a fresh worker: everything a job can observe of how it was started, field by field, with
-torch and numpy preloaded, in the first attempt and after a restart, against workers started fresh.
+torch and numpy preloaded, in two attempts forked from the same zygote, against workers started fresh.
 
 The allow-list below is the whole of the difference, each entry with its reason (the README repeats it).
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.conftest import POOL, WriteScript, restarted_warm, run_ftrun
 
 PROBE = """
 import gc, json, logging, os, random, resource, signal, sys, threading, time, warnings
@@ -28,7 +28,7 @@ facts = {
     "str_hash": hash("ftrun"),
     "pools": sorted((i["internal_api"], i["num_threads"]) for i in threadpool_info()),
     "torch_threads": [torch.get_num_threads(), torch.get_num_interop_threads()],
-    "environment": sorted(k for k in os.environ if not k.startswith("FTRUN_")),
+    "environment": sorted(k for k in os.environ if not k.startswith("FTRUN_") and k != "WAIT_FOR_POOL"),  # the test's
     "ftrun_environment": sorted(k for k in os.environ if k.startswith("FTRUN_")),
     "flags": repr(sys.flags),
     "path": sys.path,
@@ -58,7 +58,7 @@ open(f"printed-{attempt}-{os.environ['RANK']}", "w").close()
 deadline = time.monotonic() + 60  # both ranks have printed before the first one fails (and the other is stopped)
 while not all(os.path.exists(f"printed-{attempt}-{r}") for r in (0, 1)) and time.monotonic() < deadline:
     time.sleep(0.01)
-sys.exit(3 if attempt == "0" else 0)
+sys.exit(3 if attempt == "1" else 0)
 """
 
 # Drawn from the OS per process: they must differ between every two workers, warm or fresh.
@@ -77,13 +77,13 @@ ALLOWED = {
 def facts_of(tmp_path: Path, how: str, flags: list[str]) -> dict[tuple[int, int], dict[str, Any]]:
     for marker in tmp_path.glob("printed-*"):  # the previous run's: they would let a rank fail before the other printed
         marker.unlink()
-    r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--nproc-per-node", "2", "--max-restarts", "1", *flags,
-                  "probe.py", timeout=300)  # fmt: skip
+    r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--nproc-per-node", "2", "--max-restarts", "2", *flags,
+                  "probe.py", timeout=300, env=POOL if how == "warm" else {})  # fmt: skip
     r.run_dir = tmp_path / how / "t"
     assert r.returncode == 0, r.stderr
-    spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"]
+    spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] > 0]
     assert spawned == [how == "warm"] * 4, spawned
-    return {(a, rank): json.loads(r.log(a, rank).splitlines()[0]) for a in (0, 1) for rank in (0, 1)}
+    return {(a, rank): json.loads(r.log(a, rank).splitlines()[0]) for a in (1, 2) for rank in (0, 1)}
 
 
 @pytest.mark.torch
@@ -91,7 +91,7 @@ def test_a_warm_worker_observes_what_a_fresh_one_does(
     tmp_path: Path, script: WriteScript, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # thread pools the zygote pinned to 1 must come back at 2
-    script("probe.py", PROBE)
+    script("probe.py", restarted_warm(PROBE))
     warm = facts_of(tmp_path, "warm", ["--preload", "numpy,torch"])
     fresh = facts_of(tmp_path, "fresh", ["--no-warm"])
     for name in RANDOM:
@@ -104,8 +104,8 @@ def test_a_warm_worker_observes_what_a_fresh_one_does(
         if name not in RANDOM and name not in ALLOWED and warm[worker][name] != fresh[worker][name]
     }
     assert differences == {}
-    assert warm[0, 0]["pools"] == fresh[0, 0]["pools"]
-    assert ["openblas", 2] in warm[0, 0]["pools"]  # (JSON makes the pairs lists)
+    assert warm[1, 0]["pools"] == fresh[1, 0]["pools"]
+    assert ["openblas", 2] in warm[1, 0]["pools"]  # (JSON makes the pairs lists)
 
 
 AT_FORK = """
@@ -117,10 +117,9 @@ os.register_at_fork(after_in_child=lambda: ran.__setitem__("python", ran["python
 """
 
 USES_AT_FORK = """
-import json, os, sys
+import json
 import at_fork
 print(json.dumps(at_fork.ran), flush=True)
-sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
 """
 
 
@@ -129,15 +128,14 @@ def test_the_at_fork_handlers_of_preloaded_libraries_run_in_a_warm_worker(
 ) -> None:
     """A library that fixes its state after a fork (C or Python handlers) finds it fixed in every warm worker."""
     script("lib/at_fork.py", AT_FORK)
-    script("w.py", USES_AT_FORK)
+    script("w.py", restarted_warm(USES_AT_FORK))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
-    r = run_ftrun(tmp_path, "--max-restarts", "1", "--preload", "at_fork", "w.py")
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "--preload", "at_fork", "w.py", env=POOL)
     assert r.returncode == 0, r.stderr
-    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"] == [True, True]
-    for attempt in (0, 1):
-        ran = json.loads(r.log(attempt, 0))
-        assert ran["c"] >= 1, ran
-        assert ran["python"] >= 1, ran
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"] == [False, True]
+    ran = json.loads(r.log(1, 0))
+    assert ran["c"] >= 1, ran
+    assert ran["python"] >= 1, ran
 
 
 LOADED = """
@@ -151,9 +149,9 @@ WORKER_SIDE = {"ftrun", "ftrun.errors", "ftrun.jsonobject"}
 
 @pytest.mark.parametrize("how", ["warm", "fresh"])
 def test_a_worker_process_loads_only_worker_side_ftrun_modules(tmp_path: Path, script: WriteScript, how: str) -> None:
-    script("w.py", LOADED)
-    flags = ["--max-restarts", "1"] if how == "warm" else ["--no-warm"]
-    r = run_ftrun(tmp_path, *flags, "w.py")
+    script("w.py", restarted_warm(LOADED))
+    flags = ["--max-restarts", "1"] + (["--preload", "json"] if how == "warm" else ["--no-warm"])
+    r = run_ftrun(tmp_path, *flags, "w.py", env=POOL if how == "warm" else {})
     assert r.returncode == 0, r.stderr
     loaded = set(r.stdout.split())
     assert "ftrun.worker.client" in loaded  # the walk sees what it should: the client attached before the job

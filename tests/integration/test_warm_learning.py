@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import Result, WriteScript, run_ftrun
+from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
 
 
 def kinds(r: Result, kind: str) -> list[dict[str, Any]]:
@@ -21,17 +21,21 @@ def cached(tmp_path: Path) -> list[str]:
     return modules
 
 
-IMPORTS_THEN_DIES = """
+IMPORTS_THEN_DIES = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, signal, sys
 import decimal, fractions
 import statistics  # never calls ftrun
 import torch.distributed as dist
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    wait_for_the_pool()  # this test's story is what the pool preloads, not whether it is ready before a failure
     dist.init_process_group("gloo")  # the job meets its peers: its imports have settled
     os.kill(os.getpid(), signal.SIGKILL)  # before its first step, and no report at exit
 print("restarted", flush=True)
 os._exit(0)  # no report at exit: all that is learned comes from attempt 0
 """
+)
 
 
 @pytest.mark.torch
@@ -39,7 +43,7 @@ def test_imports_are_known_before_a_worker_is_killed_and_kept_for_the_next_run(
     tmp_path: Path, script: WriteScript
 ) -> None:
     script("w.py", IMPORTS_THEN_DIES)
-    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py")
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py", timeout=240)
     assert r.returncode == 0, r.stderr
     # Before any worker ran, the entry script's top-level imports were being preloaded.
     assert "statistics" in cached(tmp_path)
@@ -49,19 +53,25 @@ def test_imports_are_known_before_a_worker_is_killed_and_kept_for_the_next_run(
     assert "numbers" in learned  # fractions imports it
     assert "torch.distributed.distributed_c10d" in learned
     # A rerun of the same job starts its preloading zygote with what the last run learned.
-    again = run_ftrun(tmp_path, "--log-dir", str(tmp_path / "again"), "--max-restarts", "1", "w.py")
+    again = run_ftrun(tmp_path, "--log-dir", str(tmp_path / "again"), "--max-restarts", "1", "w.py", timeout=240)
     again.run_dir = tmp_path / "again" / "t"
     assert again.returncode == 0, again.stderr
     preloads = [e["preload"] for e in kinds(again, "pool_ready")]
     assert max(preloads) >= len(learned), preloads
 
 
-TORCH_THREADS = """
+TORCH_THREADS = (
+    WAITS_FOR_THE_POOL
+    + """
 import os, sys
 import torch
 print(torch.get_num_threads(), flush=True)
-sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    if os.environ.get("WAIT_FOR_POOL"):
+        wait_for_the_pool()
+    sys.exit(3)
 """
+)
 
 
 @pytest.mark.torch
@@ -74,7 +84,8 @@ def test_one_worker_with_torch_restarts_warm_with_its_own_threads(
     script("w.py", TORCH_THREADS)
     threads = {}
     for name, flags in (("warm", []), ("cold", ["--no-warm"])):
-        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), "--max-restarts", "1", *flags, "w.py")
+        env = POOL if name == "warm" else {}
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / name), "--max-restarts", "1", *flags, "w.py", env=env)
         r.run_dir = tmp_path / name / "t"
         assert r.returncode == 0, r.stderr
         assert "warm pool off" not in r.stderr

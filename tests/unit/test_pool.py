@@ -83,13 +83,21 @@ class Z:
 
 def test_a_worker_forks_from_the_biggest_ready_zygote() -> None:
     base, small, big = Z([], {}), Z(["json"], {}), Z(["json", "numpy"], {})
-    assert policy.fork_order([base, small, big]) == [big]
+    assert policy.fork_from([base, small, big]) is big
+    assert policy.fork_from([base, small, Z(["json", "numpy"])]) is small  # the bigger one still preloading
 
 
-def test_with_none_ready_the_preloading_ones_are_waited_for_biggest_first_then_the_base() -> None:
-    base, small, big = Z([], {}), Z(["json"]), Z(["json", "numpy"])
-    assert policy.fork_order([base, small, big]) == [big, small, base]
-    assert policy.fork_order([base]) == [base]  # the base zygote alone is never "the biggest ready"
+def test_with_no_preload_ready_the_base_serves_and_with_none_ready_no_one_is_waited_for() -> None:
+    assert policy.fork_from([base := Z([], {}), Z(["json"])]) is base  # the base zygote: a bare Python, ready
+    assert policy.fork_from([Z([]), Z(["json"]), Z(["json", "numpy"])]) is None  # a fresh worker at once
+
+
+def test_a_refused_module_and_what_lies_inside_it_are_never_preloaded() -> None:
+    never = {"gpuhelper"}
+    assert policy.refused("gpuhelper", never)
+    assert policy.refused("gpuhelper.kernels", never)  # importing it imports the package
+    assert not policy.refused("gpuhelpers", never)
+    assert policy.worth_preloading([], ["torch", "gpuhelper.kernels", "gpuhelpers"], never) == ["torch", "gpuhelpers"]
 
 
 def test_a_bigger_ready_zygote_retires_the_others_but_not_during_a_restart() -> None:

@@ -153,7 +153,7 @@ def test_a_process_that_is_not_the_agents_child_has_no_status_to_reap() -> None:
     out = subprocess.run(["sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
     pid = int(out.stdout)
     try:
-        handle = AdoptedHandle(pid)
+        handle = AdoptedHandle(pid, warm=True)
         assert handle.reap() is None
     finally:
         os.kill(pid, signal.SIGKILL)

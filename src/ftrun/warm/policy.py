@@ -39,15 +39,18 @@ def biggest_ready(zygotes: Sequence[Z]) -> Z | None:
     return max(ready, key=lambda z: len(z.preload)) if ready else None
 
 
-def fork_order(zygotes: Sequence[Z]) -> list[Z]:
-    """Which zygotes to try, in order, for a worker: the biggest ready one; with none ready, the ones still
-    preloading, biggest first (each started before a fresh worker would, and preloads only what the workers
-    import anyway: waiting for it beats a fresh start); the base zygote (a bare Python start) last."""
+def fork_from(zygotes: Sequence[Z]) -> Z | None:
+    """The zygote a worker is forked from: the biggest ready one, else the base zygote if it is ready, else none
+    (the worker starts fresh at once, as under torchrun: a worker never waits for a zygote still preloading)."""
     best = biggest_ready(zygotes)
     if best is not None:
-        return [best]
-    preloading = sorted((z for z in zygotes if z.preload), key=lambda z: len(z.preload), reverse=True)
-    return [*preloading, *(z for z in zygotes if not z.preload)]
+        return best
+    return next((z for z in zygotes if not z.preload and z.ready is not None), None)
+
+
+def refused(module: str, never: set[str]) -> bool:
+    """Whether ``module`` is one a zygote refused, or inside one (importing it imports the refused package)."""
+    return any(module == bad or module.startswith(bad + ".") for bad in never)
 
 
 def retired(zygotes: Sequence[Z], holding: bool) -> list[Z]:
@@ -63,7 +66,7 @@ def worth_preloading(current: Sequence[str], imported: Sequence[str], never: set
     """The bigger preload the workers' imports call for, or None when they add too little to be worth a zygote
     (preloading costs a core for seconds; a few stragglers are not worth it)."""
     have = set(current)
-    wanted = [m for m in imported if m not in have and m not in never]
+    wanted = [m for m in imported if m not in have and not refused(m, never)]
     if len(wanted) <= len(current) // GROWTH:
         return None
     return list(dict.fromkeys([*current, *wanted]))

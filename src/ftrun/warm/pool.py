@@ -4,23 +4,24 @@ At start the pool launches a *base* zygote that preloads nothing (ready as soon
 as Python is: forking from it is as fast as a fresh start) and, when something
 is known to preload (``--preload``, the job's cache, its entry script's
 imports), a second one that preloads it. Each spawn forks from the biggest
-*ready* zygote: a restart never waits for one still preloading when another is
-ready. With none ready, it waits for the one preloading (it started before a
-fresh worker would, and imports only what a worker imports anyway), else uses
-the base. Each zygote keeps twice as many standby workers forked ahead of time as
-the node runs workers: a spawn hands a standby its work in one message, and a
-failure that comes before the standbys taken are forked again (half a second
-later, when the new workers have started) still finds enough. When the workers
-report more imports, a bigger zygote is started beside the others, at idle CPU
-priority so that it never slows the training (and stopped while a restart is
-under way); smaller ones are closed only once a bigger one is ready. Workers come
-out as the agent's own children (a pidfd and the real exit status, as for a fresh
-process).
+*ready* zygote; with none ready the worker starts fresh at once, as under
+torchrun: the pool is never on a worker's critical path. Zygotes preload at idle
+CPU priority (they use the cores the workers leave, never slow them down) and
+stand still while a restart is under way. Each zygote keeps twice as many
+standby workers forked ahead of time as the node runs workers: a spawn hands a
+standby its work in one message, and a failure that comes before the standbys
+taken are forked again (half a second later, when the new workers have started)
+still finds enough. When the workers report more imports, a bigger zygote is
+started beside the others; smaller ones are closed only once a bigger one is
+ready. Workers come out as the agent's own children (a pidfd and the real exit
+status, as for a fresh process); they count as warm when their zygote preloaded
+the job's imports (not the base zygote's bare Python).
 
 Whatever goes wrong with a zygote (it died, or does not answer), the worker is
 started fresh and the pool goes on without it; a module that makes a zygote unsafe
-to fork (it starts a thread, loads the GPU driver) is left out of every preload and
-the rest preloaded without it: the job's result never depends on the pool.
+to fork (it starts a thread, initialises CUDA) is left out of every preload and
+the rest preloaded without it: the job's result never depends on the pool. The
+first trouble is said on the console, the others only with --verbose.
 """
 
 from __future__ import annotations
@@ -39,10 +40,6 @@ from ftrun.warm import policy
 from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, read_modules_report
 from ftrun.warm.zygotes import PoolError, Zygote
-
-BASE_READY_TIMEOUT_S = 30.0  # the base zygote is a bare Python start: seconds only on a machine in trouble
-PRELOAD_TIMEOUT_S = 120.0  # a zygote importing torch and more on a loaded machine
-
 
 Say = Callable[[str], None]
 
@@ -84,6 +81,7 @@ class WarmPool:
         self.holding = False  # a restart is under way: see hold()
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
         self._never: set[str] = set()  # modules a zygote refused: never preloaded again
+        self._troubled = False  # a trouble of the pool's was said on the console (the others go to --verbose)
         self._reports: dict[Path, int] = {}  # each worker's report of its imports, by its mtime
 
     def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
@@ -92,7 +90,7 @@ class WarmPool:
         self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
         self._launch([])
         if self._known:
-            self._launch(self._known)
+            self._launch(self._known, idle=True)
 
     def add(self, modules: Sequence[str]) -> None:
         """More modules known before any worker ran (the entry script's imports)."""
@@ -158,20 +156,9 @@ class WarmPool:
             self._zygotes.remove(z)
 
     def _best(self) -> Zygote | None:
-        """The zygote to fork from (see :func:`policy.fork_order`), waiting for it to be ready if need be."""
+        """The zygote to fork from now (see :func:`policy.fork_from`); None: the worker starts fresh."""
         self.tend()
-        if self._off:
-            return None
-        for z in policy.fork_order(self._zygotes):
-            if z.ready is not None:
-                return z
-            if z.poll(PRELOAD_TIMEOUT_S if z.preload else BASE_READY_TIMEOUT_S):
-                self._ready(z)
-                return z
-            self._drop(z, z.failed or "it did not start")
-            if self._off:
-                return None
-        return None
+        return None if self._off else policy.fork_from(self._zygotes)
 
     def _ready(self, z: Zygote) -> None:
         assert z.ready is not None
@@ -189,8 +176,10 @@ class WarmPool:
             self._zygotes.remove(z)
         if z.culprit:  # one module cannot be forked after: the rest is preloaded without it
             self._never.add(z.culprit)
-            self._say(f"warm pool: {why}; preloading the rest without it")
-            rest = [m for m in z.preload if m not in self._never]
+            self._trouble(
+                f"warm pool: importing {z.culprit!r} {why}; the workers import it themselves, the rest is preloaded"
+            )
+            rest = [m for m in z.preload if not policy.refused(m, self._never)]
             if self._cache is not None:
                 self._cache.save(rest, self._import_s)  # the next run does not try it again
             if rest:
@@ -200,10 +189,16 @@ class WarmPool:
             for other in self._zygotes:
                 other.close()
             self._zygotes.clear()
-            self._say(f"warm pool off: {why}; workers start as fresh processes")
+            self._trouble(f"warm pool off: {why}; workers start as fresh processes")
         else:
             self._detail(f"warm pool: {why}; a new zygote is on its way")
             self._launch(z.preload, idle=True)
+
+    def _trouble(self, text: str) -> None:
+        """The pool's first trouble of the run on the console; the others (a chain of refused modules, say)
+        only with --verbose: none of them changes the job's result."""
+        (self._detail if self._troubled else self._say)(text)
+        self._troubled = True
 
     def learn_reports(self, paths: Sequence[Path], *, run_ends: bool = False) -> None:
         """--warm auto: learn from the workers' reports of what they imported, each time one changed (the workers

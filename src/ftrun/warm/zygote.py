@@ -2,8 +2,9 @@
 
 Run by the agent as ``python -m ftrun.warm.zygote FD`` with the JSON list of
 modules to preload on stdin; FD is its end of a SOCK_SEQPACKET socket pair. It answers once with ``ready`` (or
-``refused`` if preloading started a thread: fork would copy a process whose
-other threads vanish, with their locks held), then serves standby requests.
+``refused``, naming the module, if importing it started a thread: fork would copy a process whose other threads
+vanish, with their locks held; or initialised CUDA: a forked child cannot use it), then serves standby
+requests.
 
 A standby is a worker forked ahead of time, before anyone knows its rank: each
 request passes one end of a socket pair, the standby keeps it and sleeps on it
@@ -55,11 +56,6 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def cuda_initialised() -> bool:
-    cuda = sys.modules.get("torch.cuda")
-    return bool(cuda is not None and getattr(cuda, "is_initialized", lambda: False)())
-
-
 def rss_kb() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -96,35 +92,47 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, st
         loaded.append(name)
         refusal = unforkable()
         if refusal:
-            return loaded, failed, f"preloading {name!r} {refusal}", name
+            return loaded, failed, refusal, name
     return loaded, failed, None, ""
 
 
 def unforkable() -> str:
     """Why this process can no longer be forked into workers ("": it can)."""
-    if cuda_initialised():
-        return "initialised CUDA, which does not survive fork (CUDA belongs in the workers)"
-    driver = gpu_driver()
-    if driver:
-        return f"loaded the GPU driver ({driver}), which does not survive fork"
+    if torch_cuda_initialised() or cuda_driver_initialised():
+        return "initialised CUDA, which a forked worker cannot use (initialise it in the job, not at import)"
     if threads() > 1:
         return "started a thread (forking a process with threads is unsafe: OpenMP/BLAS pools are pinned to 1)"
     return ""
 
 
-GPU_DRIVERS = ("libcuda.so",)  # the CUDA driver; NVML (libnvidia-ml) and the runtime (libcudart) are fine
+CUDA_DRIVER = "libcuda.so.1"  # the driver's soname, whatever its file is called (libcuda.so.580.95.05)
+CUDA_ERROR_NOT_INITIALIZED = 3
 
 
-def gpu_driver() -> str:
-    """The GPU driver library this process has mapped, if any: a library that calls cudaGetDeviceCount (as
-    torch.cuda.is_available() does without PYTORCH_NVML_BASED_CUDA_CHECK) loads and initialises it, without
-    torch.cuda.is_initialized() saying so, and a process forked after that fails its first CUDA call."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            name = line.rpartition("/")[2].strip()
-            if name.startswith(GPU_DRIVERS):
-                return name
-    return ""
+def cuda_driver_initialised() -> bool:
+    """Whether the CUDA driver in this process was initialised (``cuInit`` ran), asked of the driver itself.
+
+    A CUDA build of torch maps the driver into every process at ``import torch``: mapped is not initialised,
+    and a child forked then uses CUDA as a fresh process would. After ``cuInit`` (a library asking the device
+    count, even when torch does not know), a forked child cannot initialise it. Before ``cuInit`` every driver
+    call answers CUDA_ERROR_NOT_INITIALIZED; the library is looked up among those already loaded (never loaded
+    here: a node without the driver has nothing to initialise)."""
+    try:
+        driver = ctypes.CDLL(CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return int(driver.cuDeviceGetCount(ctypes.byref(count))) != CUDA_ERROR_NOT_INITIALIZED
+
+
+def torch_cuda_initialised() -> bool:
+    """Torch's own word, where torch.cuda is loaded: it initialised CUDA, or this process is a child of one
+    that had (whose driver answers as if never initialised, and cannot be)."""
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is None:
+        return False
+    bad_fork = getattr(cuda, "_is_in_bad_fork", lambda: False)
+    return bool(getattr(cuda, "_initialized", False) or bad_fork())
 
 
 def main() -> int:

@@ -39,12 +39,12 @@ class NotYet(PoolError):
 
 
 class AdoptedHandle:
-    """A worker forked by a zygote and re-parented to the agent: the agent's child from then on."""
+    """A worker forked by a zygote and re-parented to the agent: the agent's child from then on. ``warm``: its
+    zygote had preloaded the job's imports (the base zygote's workers import everything themselves)."""
 
-    warm = True
-
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, warm: bool) -> None:
         self.pid = pid
+        self.warm = warm
         self._pidfd = os.pidfd_open(pid)
 
     def fileno(self) -> int:
@@ -70,9 +70,9 @@ class AdoptedHandle:
 class Standby:
     """A worker forked ahead of time, asleep on its socket until it is told what to run."""
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
+    def __init__(self, pid: int, sock: socket.socket, *, warm: bool) -> None:
         self.sock = sock
-        self.handle = AdoptedHandle(pid)
+        self.handle = AdoptedHandle(pid, warm=warm)
 
     def alive(self) -> bool:
         return not select.select([self.handle], [], [], 0)[0]  # a pidfd is readable once the process exited
@@ -154,16 +154,12 @@ class Zygote:
         self.owed = 0  # standbys taken and not yet asked for again
         self.paused = False
 
-    def poll(self, timeout_s: float = 0.0) -> bool:
-        """Whether it is ready, waiting at most ``timeout_s`` for its answer; a refusal or death is recorded."""
-        if timeout_s > 0:
-            self.pause(False)  # waited for: it must go on
+    def poll(self) -> bool:
+        """Whether it is ready, without waiting (nobody waits for a zygote); a refusal or death is recorded."""
         if self.ready is None and not self.failed:
             try:
-                answer = self._receive(timeout_s, "to finish preloading")
-            except NotYet as e:
-                if timeout_s > 0:  # waited for in vain
-                    self.failed = str(e)
+                answer = self._receive(0.0, "to finish preloading")
+            except NotYet:
                 return False
             except PoolError as e:  # gone
                 self.failed = str(e)
@@ -216,7 +212,7 @@ class Zygote:
                 sock.close()
                 raise PoolError(str(answer.get("error", answer)))
             try:
-                self._standbys.append(Standby(int(answer["pid"]), sock))
+                self._standbys.append(Standby(int(answer["pid"]), sock, warm=bool(self.preload)))
             except OSError:  # it died before it was watched
                 sock.close()
         while self._standbys:
