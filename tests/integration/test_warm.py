@@ -345,3 +345,38 @@ def test_a_script_that_does_not_compile_fails_warm_as_it_does_cold(tmp_path: Pat
         tails[name] = [ln for ln in r.log(1, 0, "stderr").splitlines() if "line" not in ln]
     assert tails["warm"] == tails["cold"]
     assert tails["warm"][-1].startswith("SyntaxError")
+
+
+HOLDS_A_BIG_HEAP = """
+import os, warnings
+import torch.distributed  # its deprecated attributes warn when read (reduce_op)
+warnings.simplefilter("error")  # a warning of ftrun's making would raise in the job
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+if attempt == "2":
+    print("attempt 1 wrote:", open("out.txt").read(), flush=True)
+    raise SystemExit(0)
+heap = [(i,) for i in range(10_000_000)]  # ten million objects of the job's own
+out = open("out.txt", "w")
+out.write("its last line")  # buffered: still in the file object when the script fails
+def fail():
+    raise RuntimeError("boom")
+fail()
+"""
+
+
+@pytest.mark.torch
+def test_a_failure_flushes_the_jobs_files_silently_whatever_its_heap(tmp_path: Path, script: WriteScript) -> None:
+    """The warm worker marks its script's end and flushes its files before the agent restarts (beside the
+    interpreter's teardown): the next attempt reads what the failed one wrote, and nothing of ftrun's appears
+    in the job's output though it holds ten million objects and a module whose attributes warn."""
+    script("w.py", restarted_warm(HOLDS_A_BIG_HEAP))
+    r = run_ftrun(
+        tmp_path, "--preload", "json", "--max-restarts", "2", "w.py", env=POOL, timeout=240
+    )  # torch: the job's
+    assert r.returncode == 0, r.stderr
+    assert [e["warm"] for e in spawned(r) if e["attempt"] in (1, 2)] == [True, True]
+    assert r.log(2, 0) == "attempt 1 wrote: its last line\n"
+    stderr = r.log(1, 0, "stderr").splitlines()
+    assert stderr[0] == "Traceback (most recent call last):"
+    assert stderr[-1] == "RuntimeError: boom"
+    assert not [line for line in stderr if "Warning" in line]

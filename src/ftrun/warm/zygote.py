@@ -379,6 +379,9 @@ def run(kind: str, target: str, args: list[str]) -> int:
             tb = tb.tb_next  # the traceback starts where the user's code does, as with a fresh python
         if value is not None:
             value.__traceback__ = tb  # the hook prints the exception's own traceback, not its argument
+        sys.last_type, sys.last_value, sys.last_traceback = kind_, value, tb  # as the interpreter keeps them
+        if sys.version_info >= (3, 12):
+            sys.last_exc = value  # type: ignore[attr-defined,unused-ignore]
         sys.excepthook(kind_, value, tb)  # type: ignore[arg-type]
         return 1
     return 0

@@ -20,8 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
-import gc
-import io
 import json
 import mmap
 import os
@@ -34,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from ftrun.worker import layout
+from ftrun.worker.flush import flush_open_files
 from ftrun.worker.imports import report_modules
 from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled
@@ -149,10 +148,7 @@ class _Attached:
         self._write_flags()
         self._end_code = code
         if code:
-            for obj in gc.get_objects():  # the job's own objects: the zygote's are frozen out of this list
-                if isinstance(obj, io.BufferedWriter | io.BufferedRandom | io.TextIOWrapper):
-                    with contextlib.suppress(Exception):
-                        obj.flush()
+            flush_open_files()
             self._wake_agent()  # before its peers notice the exit
 
     def _wake_agent(self) -> None:
