@@ -103,3 +103,25 @@ def test_no_pool_when_no_restart_can_come(tmp_path: Path, script: WriteScript) -
     assert not kinds(r, "pool_ready")
     assert [e["warm"] for e in kinds(r, "worker_spawned")] == [False, False]
     assert "warm pool" not in r.stderr
+
+
+IMPORTS_LAZILY = """
+import os, signal
+import ftrun
+for step in range(1, 20):
+    if step == 3:
+        import fractions  # a lazy import after the first steps (DDP's, the optimizer's, torch._dynamo are such)
+    ftrun.heartbeat(step=step)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and step == 10:
+        os.kill(os.getpid(), signal.SIGKILL)  # no report at exit
+os._exit(0)  # nor here: all that is learned comes from attempt 0's steps
+"""
+
+
+def test_what_the_job_imports_after_its_first_step_is_learned_before_a_crash(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", IMPORTS_LAZILY)
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "fractions" in cached(tmp_path)

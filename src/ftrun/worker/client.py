@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -95,6 +96,7 @@ class _Attached:
         self._agent = int(environ.get("FTRUN_AGENT_PID") or os.getppid())
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
+        self._modules_told = 0  # len(sys.modules) at the last report
         # --learn-timeouts: every this many automatic steps, the heartbeat timeout is learned from the gaps seen.
         self._learn_after = _int(environ.get("FTRUN_LEARN_AFTER"))
         self._learned_floor = float(environ.get("FTRUN_LEARNED_FLOOR") or LEARNED_FLOOR_S)
@@ -139,10 +141,8 @@ class _Attached:
 
     def script_ended(self, code: int) -> None:
         """The script itself is over with ``code``; what comes next is the interpreter's teardown. After a
-        failure (its traceback printed, its error file written) the agent may restart at once, beside the
-        teardown (atexit handlers, torch's finalizers: 30-100 ms), which it leaves to finish unkilled. What the
-        job left unwritten in open files, the teardown would flush: flushed now, before the next attempt may
-        open the same files."""
+        failure the agent may restart at once, beside the teardown (atexit handlers, torch's finalizers: 30-100
+        ms), which it leaves to finish unkilled: the job's open files are flushed first (:mod:`.flush`)."""
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
@@ -164,6 +164,7 @@ class _Attached:
     def report_imports(self) -> None:
         """--warm auto: what the job imported, for the warm pool; from the job's thread (see worker.imports)."""
         if self._modules_file:
+            self._modules_told = len(sys.modules)
             report_modules(self._modules_file)
 
     def meeting(self, on: bool) -> None:
@@ -240,9 +241,12 @@ class _Attached:
             # Before first_beat, which tells the agent it is there: the step the attempt resumed at.
             layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1 if step is None else step)
             layout.FIRST_BEAT.pack_into(self._map, self._base + layout.OFF_FIRST_BEAT, now)
-            self.report_imports()  # the job is running: what it imported is what a warm pool should preload
         self._last_beat = now
         self._beats += 1
+        if not self._beats & (self._beats - 1) and len(sys.modules) != self._modules_told:
+            # Steps 1, 2, 4, 8...: what the job imported at its first steps (lazily: DDP's, the optimizer's,
+            # torch._dynamo) is what a warm pool should preload; told again only when it grew, never per step.
+            self.report_imports()
         layout.BEAT.pack_into(self._map, self._beat_at, now, self._beats)
 
     def paced(self, compute_s: float, step_s: float) -> None:
