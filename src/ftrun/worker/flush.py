@@ -4,7 +4,7 @@ The interpreter's teardown flushes them (it finalises every object), but the age
 teardown, and the next attempt may open the same files first. A walk of the whole heap would find them all, at
 a cost that grows with the job (ten million objects: about a second) and touching every object (a deprecated
 module attribute warns into the job's output). This walk starts where jobs keep their files (the frames of the
-uncaught exception, ``__main__`` and the other modules' globals, logging's handlers), follows references a few
+uncaught exception, ``__main__`` and the job's other modules' globals, logging's handlers), follows references a few
 steps within a fixed number of objects, and looks at each object only through its type: bounded whatever the
 heap, silent. A file beyond its reach is flushed by the teardown, as in a fresh process.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 BUFFERED = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
-MAX_VISITS = 200_000  # objects looked at: a few tens of milliseconds at most
+MAX_VISITS = 20_000  # objects looked at (a few microseconds each): tens of milliseconds at most
 MAX_DEPTH = 4  # references followed from a root (a frame's local -> its object -> a field -> the file)
 MAX_ITEMS = 1_000  # of one container (a list of a million numbers holds no file worth the time)
 
@@ -52,9 +52,12 @@ def roots() -> Iterator[Any]:
             yield ref()
     yield sys.stdout
     yield sys.stderr
-    for module in list(sys.modules.values()):
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})  # the stdlib and site-packages
+    for module in list(sys.modules.values()):  # the job's own modules: torch's globals hold no file of the job's
         with contextlib.suppress(Exception):
-            yield object.__getattribute__(module, "__dict__")
+            where = object.__getattribute__(module, "__dict__").get("__file__") or ""
+            if where and not where.startswith(installed):
+                yield object.__getattribute__(module, "__dict__")
 
 
 def walk(start: Iterable[Any]) -> tuple[list[Any], int]:

@@ -1,0 +1,247 @@
+"""ftrun against torchrun on a GPU node: cold start, every kind of fault, and where a restarted worker's seconds go.
+
+One prepared call on a GPU machine (one H100 was lent for 15 minutes; no network there: torch, NCCL and
+transformers preinstalled), and a dry run on a machine without a GPU (the cases that need one are skipped):
+
+    python bench/gpu.py [--budget-s 330] [--cases crash,sigkill,...] [--out DIR] [--cuda-standin]
+
+The job (bench/gpu_job.py) never imports ftrun: 2 ranks share GPU 0 over gloo with CUDA tensors (NCCL refuses
+two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the first attempt. Cases:
+
+    crash     os._exit(1)                sigkill    SIGKILL                      raise     an uncaught exception
+    hang      rank 1 sleeps in Python    gpu-hang   rank 1's GPU kernel spins while its host waits in synchronize()
+    transformers  the job imports transformers and accelerate (SIGKILL)
+    helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
+    nccl      one rank on NCCL (SIGKILL)
+
+Launchers alternate case by case: ftrun as it comes (with --heartbeat-timeout 10: hangs found), and torchrun
+with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here). Per run:
+cold start (launch -> every rank stepped), recovery (the fault -> every rank stepping again), the restarted
+workers' phases (process start, imports, CUDA context, process group, DDP, first step; the slowest rank's),
+whether ftrun's restart was warm, and whether the final checksum equals a fault-free run's. --cuda-standin
+preloads the stand-in CUDA driver (ftrun.testing.cuda_driver) into every run, for a dry run of a GPU node's
+driver on a CPU machine. Prints figures (and writes results.json to --out); asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "gpu_job.py"
+FTRUN = [sys.executable, "-m", "ftrun", "--heartbeat-timeout", "10"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+PHASES = ("start", "imported", "cuda", "pg", "ddp", "step")
+CASES: dict[str, dict[str, object]] = {
+    "crash": {"fault": "exit"},
+    "sigkill": {"fault": "sigkill"},
+    "raise": {"fault": "raise"},
+    "hang": {"fault": "hang"},
+    "gpu-hang": {"fault": "gpu-hang", "gpu": True},
+    "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
+    "helper": {"fault": "sigkill", "helper": True},
+    "nccl": {"fault": "sigkill", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0},
+}
+
+
+@dataclass
+class Run:
+    case: str
+    launcher: str
+    cold_start_s: float | None = None
+    recovery_s: float | None = None
+    phases_s: dict[str, float] = field(default_factory=dict)  # the restarted workers: phase -> seconds it took
+    warm: bool | None = None
+    checksum: str | None = None
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def job_args(case: dict[str, object], workdir: Path, fault: bool) -> list[str]:
+    args = [str(JOB), "--timeline", str(workdir / "timeline.jsonl"), "--checkpoint", str(workdir / "ckpt.pt")]
+    args += [
+        "--checksum",
+        str(workdir / "checksum"),
+        "--pg-timeout",
+        "20",
+        "--backend",
+        str(case.get("backend", "gloo")),
+    ]
+    if fault:
+        args += ["--fault", str(case["fault"]), "--fault-rank", str(case.get("fault_rank", 1))]
+    if case.get("imports"):
+        args += ["--imports", str(case["imports"])]
+    if case.get("helper"):
+        args.append("--helper")
+    return args
+
+
+def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s: float, fault: bool = True) -> Run:
+    case = CASES[name]
+    workdir.mkdir(parents=True)
+    nproc = str(case.get("nproc", 2))
+    cmd = [*FTRUN, "--log-dir", str(workdir / "logs"), "--event-log", str(workdir / "events.jsonl")]
+    if case.get("helper"):
+        cmd += ["--preload", "gpuhelper"]  # as if ftrun had learned it: the module the pool must leave out
+    if launcher == "torchrun":
+        cmd = list(TORCHRUN)
+    cmd += ["--nproc-per-node", nproc, "--max-restarts", "2", *job_args(case, workdir, fault)]
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    result = Run(name, launcher)
+    launched = time.time()
+    with (workdir / "launcher.log").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            result.error = f"killed after {timeout_s:.0f} s"
+        finally:
+            with_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result.wall_s = time.time() - launched
+    timeline = workdir / "timeline.jsonl"
+    records = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
+    measure(result, records, launched, int(nproc))
+    if (workdir / "checksum").exists():
+        result.checksum = (workdir / "checksum").read_text()
+    events = workdir / "events.jsonl"
+    if launcher == "ftrun" and events.exists():
+        spawned = [json.loads(line) for line in events.read_text().splitlines() if '"worker_spawned"' in line]
+        again = [e for e in spawned if e["attempt"] == 1]
+        result.warm = bool(again) and all(e["warm"] for e in again)
+    if proc.returncode != 0 and not result.error:
+        result.error = f"exit {proc.returncode}: see {workdir / 'launcher.log'}"
+    return result
+
+
+def measure(result: Run, records: list[dict[str, object]], launched: float, nproc: int) -> None:
+    def first(event: str, attempt: int) -> dict[object, float]:
+        found: dict[object, float] = {}
+        for r in records:
+            if r["event"] == event and r["attempt"] == attempt:
+                found.setdefault(r["rank"], float(r["wall"]))  # type: ignore[arg-type]
+        return found
+
+    stepped = first("step", 0)
+    if len(stepped) == nproc:
+        result.cold_start_s = max(stepped.values()) - launched
+    fault = [float(r["wall"]) for r in records if r["event"] == "fault"]  # type: ignore[arg-type]
+    again = {phase: first(phase, 1) for phase in PHASES}
+    if fault and len(again["step"]) == nproc:
+        result.recovery_s = max(again["step"].values()) - fault[0]
+        previous = fault[0]
+        for phase in PHASES:
+            if len(again[phase]) == nproc:
+                at = max(again[phase].values())
+                result.phases_s[phase] = at - previous
+                previous = at
+
+
+def with_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def describe(runs: list[Run], reference: str | None) -> str:
+    r = runs[-1]
+    rec = f"{r.recovery_s:6.2f} s" if r.recovery_s is not None else "  never"
+    cold = f"{r.cold_start_s:6.2f} s" if r.cold_start_s is not None else "    n/a"
+    phases = " ".join(f"{p} {s:.2f}" for p, s in r.phases_s.items())
+    warm = "" if r.warm is None else (" warm" if r.warm else " COLD")
+    same = (
+        ""
+        if reference is None or r.checksum is None
+        else (" checksum ok" if r.checksum == reference else " CHECKSUM DIFFERS")
+    )
+    return f"  {r.launcher:8s} cold start {cold}  fault -> stepping {rec}{warm}{same}  [{phases}]{' ' + r.error if r.error else ''}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--budget-s", type=float, default=330.0, help="start no run that may end after this")
+    p.add_argument("--run-timeout-s", type=float, default=90.0)
+    p.add_argument("--out", default=os.environ.get("OUT"), help="where results.json goes (default: $OUT)")
+    p.add_argument("--cuda-standin", action="store_true", help="preload the stand-in CUDA driver (a CPU dry run)")
+    args = p.parse_args()
+    began = time.monotonic()
+    import torch
+
+    gpu = torch.cuda.is_available()
+    print(f"torch {torch.__version__}, {'GPU: ' + torch.cuda.get_device_name(0) if gpu else 'no GPU: a dry run'}")
+    env = dict(os.environ)
+    cases = [c for c in args.cases.split(",") if c]
+    skipped = [c for c in cases if CASES[c].get("gpu") and not gpu]
+    skipped += [c for c in cases if CASES[c].get("imports") and not all(
+        importlib.util.find_spec(m) for m in str(CASES[c]["imports"]).split(","))]  # fmt: skip
+    if skipped:
+        print(f"skipped (nothing to run them on here): {', '.join(skipped)}")
+    cases = [c for c in cases if c not in skipped]
+    results: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="ftrun-gpu-") as tmp:
+        if args.cuda_standin:
+            from ftrun.testing import cuda_driver
+
+            env["LD_PRELOAD"] = str(cuda_driver.build(Path(tmp) / "driver"))
+        references: dict[tuple[object, object], str | None] = {}
+        longest = 30.0  # a guess until the first runs tell
+        for i, name in enumerate(cases):
+            key = (CASES[name].get("nproc", 2), CASES[name].get("backend", "gloo"))
+            if key not in references:  # the fault-free run whose checksum the others must equal
+                ref = run(name, "ftrun", Path(tmp) / f"reference-{len(references)}", env, args.run_timeout_s, False)
+                references[key] = ref.checksum
+                print(f"fault-free reference ({key[0]} ranks, {key[1]}): checksum {ref.checksum}, "
+                      f"cold start {ref.cold_start_s or float('nan'):.2f} s", flush=True)  # fmt: skip
+                longest = max(longest, ref.wall_s * 2)
+            print(f"{name}:", flush=True)
+            order = ["ftrun", "torchrun"] if i % 2 == 0 else ["torchrun", "ftrun"]
+            for launcher in order:
+                if time.monotonic() - began + longest > args.budget_s:
+                    print(f"  {launcher}: not run, the budget ({args.budget_s:.0f} s) would be spent", flush=True)
+                    continue
+                results.append(run(name, launcher, Path(tmp) / f"{name}-{launcher}", env, args.run_timeout_s))
+                longest = max(longest, results[-1].wall_s)
+                print(describe(results, references[key]), flush=True)
+        summary(results)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+
+
+def summary(results: list[Run]) -> None:
+    print("\nftrun / torchrun, fault -> every rank stepping again (and cold start):")
+    for name in dict.fromkeys(r.case for r in results):
+        mine = {r.launcher: r for r in results if r.case == name}
+        ours, peer = mine.get("ftrun"), mine.get("torchrun")
+        if ours is None or peer is None:
+            continue
+        parts = []
+        if ours.recovery_s and peer.recovery_s:
+            parts.append(
+                f"recovery {ours.recovery_s:.2f} / {peer.recovery_s:.2f} s = {ours.recovery_s / peer.recovery_s:.2f}"
+            )
+        if ours.cold_start_s and peer.cold_start_s:
+            parts.append(f"cold start {ours.cold_start_s:.2f} / {peer.cold_start_s:.2f} s = "
+                         f"{ours.cold_start_s / peer.cold_start_s:.2f}")  # fmt: skip
+        print(f"  {name:13s} " + "; ".join(parts))
+    cold = [r.cold_start_s for r in results if r.launcher == "ftrun" and r.cold_start_s]
+    if cold:
+        print(f"  ftrun cold start over all runs: median {statistics.median(cold):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
