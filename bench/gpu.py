@@ -167,7 +167,8 @@ def describe(runs: list[Run], reference: str | None) -> str:
         if reference is None or r.checksum is None
         else (" checksum ok" if r.checksum == reference else " CHECKSUM DIFFERS")
     )
-    return f"  {r.launcher:8s} cold start {cold}  fault -> stepping {rec}{warm}{same}  [{phases}]{' ' + r.error if r.error else ''}"
+    error = f" {r.error}" if r.error else ""
+    return f"  {r.launcher:8s} cold start {cold}  fault -> stepping {rec}{warm}{same}  [{phases}]{error}"
 
 
 def main() -> None:
