@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--checksum", default=None, help="rank 0 writes a digest of the final parameters here")
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
+    p.add_argument("--cuinit", action="store_true", help="initialise the CUDA driver first, as every GPU job does")
     a = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -47,6 +48,11 @@ def main() -> None:
             f.write(json.dumps(line) + "\n")
 
     record("start", STARTED, pid=os.getpid())
+    if a.cuinit:  # on a CPU machine, the stand-in driver bench/recovery.py --cuda-standin preloads
+        import ctypes
+
+        if ctypes.CDLL("libcuda.so.1").cuInit(0) != 0:
+            raise RuntimeError("the CUDA driver could not be initialised (a process forked after cuInit?)")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))

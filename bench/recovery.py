@@ -15,7 +15,10 @@ Figures, from the job's own timeline (wall-clock lines written by every rank): r
 every rank having finished its first step after the restart; how many recovered on the first restart;
 and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
 
-    python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise]
+    python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise] [--cuda-standin]
+
+--cuda-standin: a GPU node's driver on this machine: the stand-in CUDA driver (ftrun.testing.cuda_driver)
+preloaded into every launcher and worker, and every worker initialises it first (cuInit), as GPU jobs do.
 
 Prints figures; asserts nothing about time.
 """
@@ -59,17 +62,21 @@ class Trial:
     start_s: float | None  # launcher started -> every rank finished its first step (the first attempt)
 
 
-def run_once(launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float, fault: str) -> Trial:
+def run_once(
+    launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float, fault: str, driver: str | None
+) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
     env = {**os.environ, "FTRUN_CACHE_DIR": str(cache)}
+    if driver:
+        env["LD_PRELOAD"] = driver
     if launcher.startswith("ftrun"):
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     steps = crash_at + 5
     job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
-    job += ["--checkpoint", str(workdir / "ckpt.pt")]
+    job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if driver else [])
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(
@@ -139,11 +146,18 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run that hangs is killed")
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--fault", choices=["crash", "raise"], default="crash", help="SIGKILL, or an uncaught exception")
+    p.add_argument("--cuda-standin", action="store_true", help="a GPU node's CUDA driver, stood in for (see above)")
     args = p.parse_args()
     launchers = args.launchers.split(",")
     crash_points = [int(c) for c in args.crash_at.split(",")]
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as tmp:
+        driver = None
+        if args.cuda_standin:
+            from ftrun.testing import cuda_driver
+
+            driver = str(cuda_driver.build(Path(tmp) / "driver"))
+            print(f"the stand-in CUDA driver preloaded: {driver}", flush=True)
         for rep in range(args.reps):
             for crash_at in crash_points:
                 cache = Path(tmp) / f"cache-{rep}-{crash_at}"  # ftrun-warm starts it empty, ftrun-rerun reuses it
@@ -154,7 +168,7 @@ def main() -> None:
                 for launcher in order:
                     workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
                     workdir.mkdir()
-                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault)
+                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver)
                     trials.append(t)
                     rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
                     how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")

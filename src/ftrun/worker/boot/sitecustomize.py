@@ -1,7 +1,8 @@
 """ftrun's start-up in a worker started fresh (no warm pool), as a warm worker has it.
 
 Before the job's code runs, ftrun's client is attached (a hang in an import gets its
-stacks without py-spy) and every optimizer step becomes a heartbeat. Python imports
+stacks without py-spy), every optimizer step becomes a heartbeat, and an uncaught
+exception tells the agent the script is over once Python has printed it. Python imports
 ``sitecustomize`` at start-up from the first directory of ``sys.path`` that has one;
 the agent puts this directory first on the worker's PYTHONPATH. The job then sees its
 PYTHONPATH as it gave it (so the worker's own children never pass through here), and
@@ -30,8 +31,23 @@ def _boot() -> None:
 
             client.attach()
             autobeat.install()
+            sys.excepthook = _tells_the_agent(sys.excepthook)
         except Exception as e:  # the job runs as it would have, only without ftrun's early help
             sys.stderr.write(f"ftrun: could not attach the hang monitor before the job's code: {e!r}\n")
+
+
+def _tells_the_agent(hook):  # type: ignore[no-untyped-def]
+    """An uncaught exception ends the script: once Python printed it, the agent hears of the end at once (as a
+    warm worker's zygote tells it), flushes the job's files and may restart beside the interpreter's teardown,
+    before the other ranks see this one's sockets close and print their own tracebacks."""
+
+    def excepthook(kind, value, tb):  # type: ignore[no-untyped-def]
+        hook(kind, value, tb)
+        from ftrun.worker import client
+
+        client.script_ended(1)
+
+    return excepthook
 
 
 def _hand_over() -> None:
