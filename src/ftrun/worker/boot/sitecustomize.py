@@ -11,8 +11,15 @@ the environment's own ``sitecustomize``, if any, still runs.
 Deliberately plain: it runs in every fresh worker, before anything else.
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False  # nothing more imported in every fresh worker than Python itself does
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import TracebackType
 
 
 def _boot() -> None:
@@ -36,12 +43,12 @@ def _boot() -> None:
             sys.stderr.write(f"ftrun: could not attach the hang monitor before the job's code: {e!r}\n")
 
 
-def _tells_the_agent(hook):  # type: ignore[no-untyped-def]
+def _tells_the_agent(hook: Callable[..., object]) -> Callable[..., None]:
     """An uncaught exception ends the script: once Python printed it, the agent hears of the end at once (as a
     warm worker's zygote tells it), flushes the job's files and may restart beside the interpreter's teardown,
     before the other ranks see this one's sockets close and print their own tracebacks."""
 
-    def excepthook(kind, value, tb):  # type: ignore[no-untyped-def]
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         hook(kind, value, tb)
         from ftrun.worker import client
 
