@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, Result, WriteScript, run_ftrun
+from tests.integration.conftest import POOL, WAIT_S, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -103,16 +103,18 @@ def test_a_hung_rank_is_found_blamed_with_its_stack_and_the_job_ends_as_without_
 def test_a_rank_that_stops_at_exit_is_a_stuck_teardown_not_a_hang(
     tmp_path: Path, script: WriteScript, failure_free: str
 ) -> None:
-    """Its script ended (warm worker): the wait for a thread at exit is the interpreter's teardown, ended after
-    --teardown-timeout with the script's own result; no restart."""
-    script("w.py", DDP)
-    flags = [*FLAGS, "--teardown-timeout", "2"]
-    r = run_ftrun(tmp_path, *flags, "w.py", "at_exit", str(tmp_path / "ckpt.pt"), timeout=240)
+    """Its script ended (a warm worker, which the zygote tells the agent of: attempt 1, once the pool is ready):
+    the wait for a thread at exit is the interpreter's teardown, ended after --teardown-timeout with the
+    script's own result; no restart. A fresh worker's end is known only at an uncaught exception."""
+    script("w.py", restarted_warm(DDP.replace("faulty = attempt == 0 and", "faulty = attempt == 1 and")))
+    flags = [*FLAGS, "--preload", "json", "--teardown-timeout", "2"]
+    r = run_ftrun(tmp_path, *flags, "w.py", "at_exit", str(tmp_path / "ckpt.pt"), timeout=240, env=POOL)
     assert r.returncode == 0, r.stderr
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True, True]
     [stuck] = [e for e in r.events() if e["kind"] == "teardown_stuck"]
     assert stuck["rank"] == 1
     assert [e for e in r.events() if e["kind"] == "hang"] == []
-    assert checksums(r, 0) == {failure_free}
+    assert checksums(r, 1) == {failure_free}
 
 
 def test_on_two_nodes_each_agent_blames_the_rank_that_hung_on_the_other(
