@@ -16,6 +16,7 @@ import io
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 BUFFERED = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
@@ -86,15 +87,16 @@ def walk(start: Iterable[Any]) -> tuple[list[Any], int]:
     return found, visits
 
 
-def children(obj: Any, kind: type) -> list[Any]:
+def children(obj: Any, kind: type) -> Iterator[Any]:
+    """The first :data:`MAX_ITEMS` objects ``obj`` refers to (never a copy of a big container: only those)."""
     if kind is dict:
-        return list(obj.values())[:MAX_ITEMS]
+        return islice(obj.values(), MAX_ITEMS)
     if kind in (list, tuple, set, frozenset, deque):
-        return list(obj)[:MAX_ITEMS]
+        return islice(obj, MAX_ITEMS)
     if kind in (str, bytes, int, float, bool, type(None)) or issubclass(kind, type):
-        return []
+        return iter(())
     try:
         attributes = object.__getattribute__(obj, "__dict__")
     except Exception:
-        return []
-    return list(attributes.values())[:MAX_ITEMS] if type(attributes) is dict else []
+        return iter(())
+    return islice(attributes.values(), MAX_ITEMS) if type(attributes) is dict else iter(())
