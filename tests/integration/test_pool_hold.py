@@ -96,3 +96,36 @@ def test_no_zygote_is_retired_while_a_restart_is_under_way(tmp_path: Path, clock
         assert p._zygotes == [bigger]
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_after_cold_spawns_a_preloading_zygote_waits_for_the_first_step_unless_a_core_is_spare(
+    tmp_path: Path, clock: FakeClock, spare: bool
+) -> None:
+    """Restarted workers that started without a preloaded zygote import what it imports: on a node with no core
+    to spare it stands still past the refill, until the agent sees the attempt's first step (go_on)."""
+    (tmp_path / "slowmod.py").write_text(SLOW_MODULE)
+    (tmp_path / "w.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SLOW_STARTED": str(tmp_path / "started")}
+    cores = len(os.sched_getaffinity(0))
+    p = WarmPool(sys.executable, ["slowmod"], env, auto=False, standbys=1, workers=0 if spare else cores, clock=clock)
+    p.start(tmp_path / "pool.log", lambda text: None, lambda info: None, lambda text: None)
+    try:
+        until((tmp_path / "started").exists, "the zygote started preloading")
+        preloading = max(p._zygotes, key=lambda z: len(z.preload))
+        p.workers_started()  # the first attempt's: beside it the zygotes must get ready, for the restarts
+        p.hold()  # a restart
+        with open(os.devnull, "wb") as out:
+            handle = p.spawn([sys.executable, "-u", str(tmp_path / "w.py")], env, tmp_path, out.fileno(), out.fileno())
+        assert not getattr(handle, "warm", False)  # the base zygote's, or fresh: cold
+        p.workers_started()
+        clock.advance(p.seconds_to_refill() or 0.0)
+        p.tend()
+        assert p.holding is not spare
+        if not spare:
+            assert state(preloading.proc.pid) == "T"
+            p.go_on()  # the agent saw the first step
+        until(lambda: state(preloading.proc.pid) != "T", "the preloading zygote went on")
+        handle.reap()
+    finally:
+        p.close()

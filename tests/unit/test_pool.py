@@ -124,3 +124,10 @@ def test_the_refill_is_due_once_its_delay_after_the_workers_started() -> None:
     assert not refill.due(10.0 + policy.REFILL_DELAY_S / 2)
     assert refill.due(10.0 + policy.REFILL_DELAY_S)
     assert not refill.due(20.0)  # once
+
+
+def test_cold_workers_keep_the_preloading_zygotes_still_when_no_core_is_spare() -> None:
+    assert policy.held_for_cold_workers(cold=True, cores=2, workers=2, preloading=1)
+    assert not policy.held_for_cold_workers(cold=True, cores=16, workers=8, preloading=2)  # a GPU node: cores spare
+    assert not policy.held_for_cold_workers(cold=False, cores=2, workers=2, preloading=1)  # warm: none competes
+    assert not policy.held_for_cold_workers(cold=True, cores=2, workers=2, preloading=0)

@@ -262,8 +262,8 @@ class LocalGroup:
         happened += self._requests()
         happened += self._hangs()
         if not happened and self._pool is not None:  # a failure is answered first (learning may start a zygote)
-            if self._pool.holding and not running:  # waiting (for a rendezvous), not starting: preloading goes on
-                self._pool.go_on()
+            if self._pool.holding and (not running or self.status.stepped(self._attempt)):
+                self._pool.go_on()  # waiting (for a rendezvous), or the workers stepped: preloading goes on
             self._pool.tend()  # a zygote that became ready replaces a smaller one now, not at a restart
             if not self._pool.holding:
                 self._learn_modules([*self._unlearned, *self._processes.workers])

@@ -126,6 +126,7 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
         {**config.worker_base_env, **startup_env(config.worker_base_env)},
         auto=w.auto,
         standbys=2 * config.nproc_per_node,  # a restart takes half; a failure right after finds the rest
+        workers=config.nproc_per_node,
         cache=cache,
         script=script,
     )

@@ -87,6 +87,10 @@ class NodeStatus:
             return None
         return max(0.0, self._written_mono + REFRESH_S - self._clock.monotonic())
 
+    def stepped(self, attempt: int) -> bool:
+        """Whether a worker of ``attempt`` has stepped (seen by :meth:`notice_first_step`)."""
+        return attempt in self._first_step_seen
+
     def notice_first_step(self, workers: Sequence[Worker], slot_of: SlotOf) -> None:
         """An event for the attempt's first step, once (cheap: reads the slots; called before a stop too)."""
         if not workers or workers[0].attempt in self._first_step_seen:

@@ -55,12 +55,13 @@ class WarmPool:
         *,
         auto: bool,
         standbys: int,
+        workers: int | None = None,
         cache: Cache | None = None,
         script: str | None = None,
         clock: Clock | None = None,
     ) -> None:
-        """``standbys``: how many workers each zygote keeps forked ahead of time (the node's workers);
-        ``script``: the entry script's absolute path, compiled once in each zygote."""
+        """``standbys``: how many workers each zygote keeps forked ahead of time; ``workers``: the node's workers
+        (default: ``standbys``); ``script``: the entry script's absolute path, compiled once in each zygote."""
         self._clock = clock or SystemClock()
         self._python = python
         self._script = script
@@ -78,7 +79,11 @@ class WarmPool:
         self._zygotes: list[Zygote] = []
         self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
         self._refill = policy.Refill()
+        self._workers = standbys if workers is None else workers
+        self._cores = len(os.sched_getaffinity(0))
         self.holding = False  # a restart is under way: see hold()
+        self._cold = False  # a worker of this attempt started without a preloaded zygote
+        self._restarted = False  # workers were started more than once
         self._off = ""  # why the pool is no longer used (a refusal is not retried)
         self._never: set[str] = set()  # modules a zygote refused: never preloaded again
         self._troubled = False  # a trouble of the pool's was said on the console (the others go to --verbose)
@@ -121,6 +126,7 @@ class WarmPool:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         request = worker_request(argv, self._python)
         if request is None or self._off:
+            self._cold = True
             return self._fresh.spawn(argv, env, cwd, stdout, stderr)
         request.update(env=dict(env), cwd=str(cwd))
         while (zygote := self._best()) is not None:
@@ -131,7 +137,9 @@ class WarmPool:
                 continue
             if zygote.failed:  # it could not fork a standby in place of this one
                 self._drop(zygote, zygote.failed)
+            self._cold = self._cold or not handle.warm
             return handle
+        self._cold = True
         return self._fresh.spawn(argv, env, cwd, stdout, stderr)
 
     def tend(self) -> None:
@@ -139,7 +147,10 @@ class WarmPool:
         replaces. Called when the agent is idle too, so that a restart finds this done."""
         self._retired = [proc for proc in self._retired if proc.poll() is None]
         if self._refill.due(self._clock.monotonic()):
-            self.go_on()
+            preloading = sum(1 for z in self._zygotes if z.preload and z.ready is None)
+            cold = self._cold and self._restarted  # the first start is when a zygote must get ready for a restart
+            if not policy.held_for_cold_workers(cold, self._cores, self._workers, preloading):
+                self.go_on()  # else at the attempt's first step (the agent's call)
             for z in self._zygotes:
                 z.refill()
         for z in list(self._zygotes):
@@ -230,17 +241,20 @@ class WarmPool:
 
     def hold(self) -> None:
         """A failure, or workers about to start: the zygotes still preloading stand still (SIGSTOP) until the
-        refill after the spawns (see go_on); meanwhile the agent learns nothing new and retires no zygote. At
-        idle CPU priority they should yield at once, but a kernel that defers wakeup preemption to its tick
-        (PREEMPT_NONE, lazy) lets them run on for up to 4 ms at a time (seen with perf sched), taken from the
-        agent and the new workers."""
+        refill after the spawns, or, when workers started cold on a node with no core to spare, until the
+        attempt's first step (see go_on, :func:`policy.held_for_cold_workers`); meanwhile the agent learns
+        nothing new and retires no zygote. At idle CPU priority they should yield at once, but a kernel that
+        defers wakeup preemption to its tick (PREEMPT_NONE, lazy) lets them run on for up to 4 ms at a time
+        (seen with perf sched), taken from the agent and the new workers."""
         self.holding = True
+        self._cold = False  # the next attempt's spawns say
         for z in self._zygotes:
-            if z.ready is None:
+            if z.preload and z.ready is None:  # the base zygote, a bare Python start, gets ready meanwhile
                 z.pause(True)
 
     def go_on(self) -> None:
-        """The hold ends: at the refill, or when the agent waits with no workers to start (a rendezvous)."""
+        """The hold ends: at the refill, at the attempt's first step, or when the agent waits with no workers to
+        start (a rendezvous)."""
         self.holding = False
         for z in self._zygotes:
             z.pause(False)
@@ -249,6 +263,7 @@ class WarmPool:
         """An attempt's workers were just started: the standbys they took are forked again once they had time
         to start (see :class:`policy.Refill`; a failure before then takes the spare standbys, and one more forks
         them on the spot: still warm)."""
+        self._restarted = self._refill.started
         self._refill.workers_started(self._clock.monotonic())
 
     def seconds_to_refill(self) -> float | None:
