@@ -9,6 +9,7 @@ The job (bench/gpu_job.py) never imports ftrun: 2 ranks share GPU 0 over gloo wi
 two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the first attempt. Cases:
 
     crash     os._exit(1)                sigkill    SIGKILL                      raise     an uncaught exception
+    crash-late  os._exit(1) at step 400 (about 10 s in: the warm pool is ready, as for most real failures)
     hang      rank 1 sleeps in Python    gpu-hang   rank 1's GPU kernel spins while its host waits in synchronize()
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
@@ -46,6 +47,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PHASES = ("start", "imported", "cuda", "pg", "ddp", "step")
 CASES: dict[str, dict[str, object]] = {
     "crash": {"fault": "exit"},
+    "crash-late": {"fault": "exit", "fault_at": 400, "steps": 410},
     "sigkill": {"fault": "sigkill"},
     "raise": {"fault": "raise"},
     "hang": {"fault": "hang"},
@@ -81,6 +83,9 @@ def job_args(case: dict[str, object], workdir: Path, fault: bool) -> list[str]:
     ]
     if fault:
         args += ["--fault", str(case["fault"]), "--fault-rank", str(case.get("fault_rank", 1))]
+        args += ["--fault-at", str(case.get("fault_at", 20))]
+    if case.get("steps"):
+        args += ["--steps", str(case["steps"])]
     if case.get("imports"):
         args += ["--imports", str(case["imports"])]
     if case.get("helper"):
@@ -124,7 +129,10 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
         again = [e for e in spawned if e["attempt"] == 1]
         result.warm = bool(again) and all(e["warm"] for e in again)
     if proc.returncode != 0 and not result.error:
-        result.error = f"exit {proc.returncode}: see {workdir / 'launcher.log'}"
+        result.error = f"exit {proc.returncode}"
+    if result.error:  # the temporary directory goes with the run: its console's end is kept here
+        tail = (workdir / "launcher.log").read_text(errors="replace").splitlines()[-15:]
+        result.error += "; the launcher's last lines:\n" + "\n".join("      " + line for line in tail)
     return result
 
 
@@ -198,14 +206,14 @@ def main() -> None:
             from ftrun.testing import cuda_driver
 
             env["LD_PRELOAD"] = str(cuda_driver.build(Path(tmp) / "driver"))
-        references: dict[tuple[object, object], str | None] = {}
+        references: dict[tuple[object, ...], str | None] = {}
         longest = 30.0  # a guess until the first runs tell
         for i, name in enumerate(cases):
-            key = (CASES[name].get("nproc", 2), CASES[name].get("backend", "gloo"))
+            key = (CASES[name].get("nproc", 2), CASES[name].get("backend", "gloo"), CASES[name].get("steps", 30))
             if key not in references:  # the fault-free run whose checksum the others must equal
                 ref = run(name, "ftrun", Path(tmp) / f"reference-{len(references)}", env, args.run_timeout_s, False)
                 references[key] = ref.checksum
-                print(f"fault-free reference ({key[0]} ranks, {key[1]}): checksum {ref.checksum}, "
+                print(f"fault-free reference ({key[0]} ranks, {key[1]}, {key[2]} steps): checksum {ref.checksum}, "
                       f"cold start {ref.cold_start_s or float('nan'):.2f} s", flush=True)  # fmt: skip
                 longest = max(longest, ref.wall_s * 2)
             print(f"{name}:", flush=True)
