@@ -148,7 +148,10 @@ def measure(result: Run, records: list[dict[str, object]], launched: float, npro
     if len(stepped) == nproc:
         result.cold_start_s = max(stepped.values()) - launched
     fault = [float(r["wall"]) for r in records if r["event"] == "fault"]  # type: ignore[arg-type]
-    again = {phase: first(phase, 1) for phase in PHASES}
+    # the first later attempt in which every rank stepped (a launcher's restart may itself fail once)
+    attempts = sorted({int(r["attempt"]) for r in records if r["attempt"]})  # type: ignore[call-overload]
+    stepping = [a for a in attempts if len(first("step", a)) == nproc]
+    again = {phase: first(phase, stepping[0] if stepping else 1) for phase in PHASES}
     if fault and len(again["step"]) == nproc:
         result.recovery_s = max(again["step"].values()) - fault[0]
         previous = fault[0]
@@ -227,8 +230,11 @@ def main() -> None:
                 print(describe(results, references[key]), flush=True)
         summary(results)
         if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+            # each run's console, events and timeline, to read what the figures do not say
+            subprocess.run(["tar", "czf", str(out / "runs.tgz"), "-C", tmp, "--exclude=*.pt", "."], check=False)
 
 
 def summary(results: list[Run]) -> None:
