@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,3 +131,55 @@ def test_after_cold_spawns_a_preloading_zygote_waits_for_the_first_step_unless_a
         handle.reap()
     finally:
         p.close()
+
+
+# Run in a process of its own: forked workers are adopted by a child subreaper, as the agent is (pytest is not).
+HEARD_LATE = """
+import json, os, select, sys, time
+from pathlib import Path
+from ftrun.procs import proctree
+from ftrun.testing.clock import FakeClock
+from ftrun.warm.pool import WarmPool
+
+def state(pid):
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
+
+def until(check):
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+proctree.become_subreaper()
+tmp = Path(sys.argv[1])
+p = WarmPool(sys.executable, ["json"], dict(os.environ), auto=False, standbys=1, clock=FakeClock())
+p.start(tmp / "pool.log", print, lambda info: None, print)
+bigger = max(p._zygotes, key=lambda z: len(z.preload))
+until(lambda: select.select([bigger._sock], [], [], 0)[0])  # it said it is ready
+time.sleep(0.2)  # and forked its standby
+p.hold()  # the failure: the agent has not read that yet
+until(lambda: state(bigger.proc.pid) == "T")
+warm = []
+with open(os.devnull, "wb") as out:
+    for _ in range(2):  # more workers than standbys forked ahead: the zygote must fork one now
+        h = p.spawn([sys.executable, "-u", str(tmp / "w.py")], dict(os.environ), tmp, out.fileno(), out.fileno())
+        warm.append(getattr(h, "warm", False))
+        h.reap()
+kept = bigger in p._zygotes
+print(json.dumps({"warm": warm, "kept": kept, "state": state(bigger.proc.pid) if kept else "gone"}))
+p.close()
+"""
+
+
+def test_a_zygote_ready_but_not_yet_heard_from_is_not_held_and_serves_the_restart(tmp_path: Path) -> None:
+    """Seen on an H100: the zygote's "ready" sat unread in its socket when a failure came, so the hold stopped
+    it (SIGSTOP); the restart then read "ready", asked the stopped zygote for a second worker, waited 10 s for
+    the fork and dropped it: both workers started cold, 10 s late. A zygote heard to be ready goes on."""
+    (tmp_path / "w.py").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-c", HEARD_LATE, str(tmp_path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result == {"warm": [True, True], "kept": True, "state": "S"}, done.stdout

@@ -169,6 +169,9 @@ class Zygote:
                 self.culprit = str(answer.get("module", ""))
                 return False
             self.ready = answer
+            # A hold may have stopped it after it said so and before the agent read it: a ready zygote only
+            # waits for work, and the restart's workers are forked from it now.
+            self.pause(False)
         return self.ready is not None
 
     def pause(self, paused: bool) -> None:
