@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ftrun.rendezvous.records import (
     PER_CHUNK,
     Assignment,
+    Head,
     NodeInfo,
     RecordError,
     Roster,
@@ -54,7 +55,7 @@ def roster(*members: str, round_: int = 1, nproc: tuple[int, ...] = ()) -> str:
 def closed(*members: str, round_: int = 1, failures: int = 0, nproc: tuple[int, ...] = ()) -> RoundRecord:
     rid = roster(*members, round_=round_, nproc=nproc)
     world = sum(ROSTERS[rid].nproc)
-    heads = tuple((m, f"10.0.0.{i}") for i, m in enumerate(members[:2], 1))
+    heads = tuple(Head(m, f"10.0.0.{i}") for i, m in enumerate(members[:2], 1))
     return RoundRecord(
         round_, Status.CLOSED, failures, "10.0.0.1", 29501, "", "", len(members), world, rid, heads, chunks=1
     )
@@ -121,7 +122,7 @@ def test_min_nodes_close_after_the_last_call() -> None:
     assert (d.roster.members, d.roster.nproc, d.roster.addrs) == (("a", "b"), (2, 2), ("10.0.0.1", "10.0.0.2"))
     r = d.record
     assert (r.master_addr, r.master_port, r.size, r.world_size) == ("10.0.0.1", 29501, 2, 4)
-    assert r.heads == (("a", "10.0.0.1"), ("b", "10.0.0.2"))  # where a lost store's successor is
+    assert r.heads == (("a", "10.0.0.1", 0), ("b", "10.0.0.2", 0))  # where a lost store's successors are
     assert len(encode_round(r)) < 400  # what every node reads: small, whatever the job's size
 
 

@@ -4,26 +4,43 @@ from __future__ import annotations
 
 import itertools
 
-from ftrun.rendezvous.records import RoundRecord, Status
-from ftrun.rendezvous.succession import Successor, may_reform, successor
+from ftrun.rendezvous.records import Head, RoundRecord, Status
+from ftrun.rendezvous.state import HEADS, Rules, after_lost_store
+from ftrun.rendezvous.succession import may_reform, successor
 
 
 def closed(*members: str) -> RoundRecord:
-    """A closed round as every node sees it: its first two members (the heads) and their addresses."""
-    heads = tuple((m, f"10.0.0.{i}") for i, m in enumerate(members[:2], 1))
+    """A closed round as every node sees it: its first members (the heads), their addresses and listeners."""
+    heads = tuple(Head(m, f"10.0.0.{i}", 7000 + i) for i, m in enumerate(members[:HEADS], 1))
     return RoundRecord(1, Status.CLOSED, 0, heads[0][1], 29501, size=len(members), world_size=len(members),
                        roster_id="r", heads=heads)  # fmt: skip
 
 
 def test_the_successor_is_the_first_member_in_rank_order_other_than_the_lost_host() -> None:
     last = closed("a", "b", "c")
-    assert successor(last, "a") == Successor("b", "10.0.0.2")
-    assert successor(last, "b") == Successor("a", "10.0.0.1")
+    assert successor(last, {"a"}) == Head("b", "10.0.0.2", 7002)
+    assert successor(last, {"b"}) == Head("a", "10.0.0.1", 7001)
+
+
+def test_a_successor_lost_during_its_takeover_is_passed_over_for_the_next_in_line() -> None:
+    last = closed("a", "b", "c", "d", "e")
+    assert successor(last, {"a", "b"}) == Head("c", "10.0.0.3", 7003)
+    assert successor(last, {"a", "b", "c", "d"}) is None  # past the heads: nobody named is left
+
+
+def test_a_round_opened_after_a_close_carries_its_successors() -> None:
+    """The host may be lost while the next round is open (a node's workers fail, then the node goes)."""
+    reopened = after_lost_store(closed("a", "b", "c"), Rules(1, 3, 1.0, 60.0, 3), "a", "a was lost")
+    assert reopened.status is Status.OPEN
+    assert successor(reopened, {"a"}) == Head("b", "10.0.0.2", 7002)
+    again = after_lost_store(reopened, Rules(1, 3, 1.0, 60.0, 3), "b", "b was lost")  # the successor lost too
+    assert successor(again, {"a", "b"}) == Head("c", "10.0.0.3", 7003)
+    assert (again.round, again.failures) == (3, 2)
 
 
 def test_no_successor_without_survivors() -> None:
-    assert successor(closed("a"), "a") is None
-    assert successor(RoundRecord(1, Status.OPEN), "a") is None
+    assert successor(closed("a"), {"a"}) is None
+    assert successor(RoundRecord(1, Status.OPEN), {"a"}) is None  # no round closed yet
 
 
 def test_a_node_proven_gone_no_longer_counts_so_a_lone_survivor_of_two_reforms() -> None:

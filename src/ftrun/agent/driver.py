@@ -136,6 +136,8 @@ class ReportFailure:
     """Write the failure report of the current attempt, root cause first."""
 
     will_restart: bool
+    lost: tuple[str, ...] = ()  # the nodes whose loss failed the round (the root cause), when that is why
+    lost_why: str = ""  # as the rendezvous said it (which node hosted the store, who took over)
 
 
 @dataclass(frozen=True, slots=True)

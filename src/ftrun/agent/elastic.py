@@ -73,6 +73,8 @@ class State:
     attempts: int = 0  # attempts started on this node (their log directories)
     failed: bool = False  # a worker of the current attempt failed or hung
     report_owed: bool = False  # ...and its report waits for the rendezvous to say whether the job restarts
+    lost: tuple[str, ...] = ()  # nodes whose loss the rendezvous told since the last report: its root cause
+    lost_why: str = ""
     signal: int | None = None
     signal_name: str = ""  # SIGTERM
     joined: bool = False  # the rendezvous said something other than "finished": this node took part
@@ -112,9 +114,11 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
     if state.phase not in (Phase.FOLLOWING, Phase.RUNNING):
         return Transition(state, (), f"rendezvous: {d.reason} (ignored while {state.phase.value})")
     report: tuple[Command, ...] = ()
+    if d.record is not None and d.record.lost_nodes and (state.running or state.report_owed):
+        state = replace(state, lost=d.record.lost_nodes, lost_why=d.record.reason)  # the round failed for it
     if state.report_owed:  # now it is known whether the job goes on
-        report = (ReportFailure(will_restart=d.action is not Action.FAIL),)
-        state = replace(state, report_owed=False)
+        report = (ReportFailure(d.action is not Action.FAIL, state.lost, state.lost_why),)
+        state = replace(state, report_owed=False, lost=(), lost_why="")
     if d.action is Action.FINISHED and not state.joined:  # torchrun's RendezvousClosedError: exit 1
         return _done(state, (*report, Finish(Outcome.LATE)), f"{d.reason}; this node came too late to take part")
     state = replace(state, joined=True)
@@ -135,7 +139,7 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
         if state.running:
             # A round reopened for a failure elsewhere: this node reports it too (read from the store), once
             # the rendezvous says whether the job goes on.
-            elsewhere = d.record is not None and bool(d.record.failed_node) and not state.failed
+            elsewhere = d.record is not None and bool(d.record.failed_node or state.lost) and not state.failed
             stopping = replace(state, phase=Phase.STOPPING, local=Local(), report_owed=state.report_owed or elsewhere)
             return Transition(stopping, (*report, StopWorkers()), d.reason)
         return Transition(replace(state, local=Local()), (*report, AskRendezvous(Local())), d.reason)
@@ -143,7 +147,7 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
         return _finishing(replace(state, phase=Phase.FINISHING), report, d.reason)
     if d.action is Action.FAIL:
         if state.running:  # the job failed elsewhere while my workers ran: say so once they are stopped
-            elsewhere = d.record is not None and bool(d.record.failed_node) and not state.failed
+            elsewhere = d.record is not None and bool(d.record.failed_node or state.lost) and not state.failed
             failing = replace(state, phase=Phase.FAILING, report_owed=state.report_owed or elsewhere)
             return Transition(failing, (*report, StopWorkers()), d.reason)
         return _done(state, (*report, Finish(Outcome.FAILED)), d.reason)

@@ -106,7 +106,7 @@ class Executor(Generic[S]):
         if isinstance(command, StopWorkers):
             return self._group.stop(command.signal)
         if isinstance(command, ReportFailure):
-            self._group.report_failure(command.will_restart)
+            self._group.report_failure(command.will_restart, command.lost, command.lost_why)
             return []
         assert isinstance(command, AskRendezvous), command
         assert self._rendezvous is not None, "a static job has no rendezvous to ask"

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from ftrun.config import LaunchConfig
 from ftrun.errors import FtrunError
-from ftrun.rendezvous.succession import Successor
+from ftrun.rendezvous.liveness import refuses
+from ftrun.rendezvous.records import Head
 from ftrun.store.base import Store
 from ftrun.store.factory import open_store
 from ftrun.store.moving import MovingStore
@@ -33,11 +34,19 @@ def serve_store(config: LaunchConfig, host: str, port: int) -> TcpStoreServer:
     return TcpStoreServer(host, port, token=r.token, tls=tls).start()
 
 
-def open_job_store(config: LaunchConfig, url: str, retry_deadline_s: float, say: Callable[[str], None]) -> Store:
-    """A client of the job's store at ``url``, which says when a broken connection is back."""
+def open_job_store(
+    config: LaunchConfig,
+    url: str,
+    retry_deadline_s: float,
+    say: Callable[[str], None],
+    host_dead: Callable[[], bool] | None = None,
+) -> Store:
+    """A client of the job's store at ``url``, which says when a broken connection is back; ``host_dead``: asked
+    while a store that never answered refuses connections (a successor lost before it served: gone)."""
     store = open_store(url, token=config.rdzv.token, retry_deadline_s=retry_deadline_s)
     if isinstance(store, TcpStoreClient):
         store.on_reconnect = say
+        store.host_dead = host_dead
     return store
 
 
@@ -54,7 +63,14 @@ class StoreSuccession:
         self.me = ""  # this node's id, once the rendezvous named it
         self.server: TcpStoreServer | None = None  # the store this node took over, if it did
 
-    def __call__(self, successor: Successor) -> None:
+    def __call__(self, successor: Head | None) -> None:
+        """Host the store here, or go to ``successor``'s; None: no successor is known (no round closed yet, or
+        every one named is lost): wait for a store at the endpoint, as a node that starts early does."""
+        if successor is None:
+            url = self._config.rdzv.store_url
+            self._say(f"no successor is known for the store's lost host: waiting for a store at {url}")
+            self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
+            return
         where = f"{successor.addr}:{self._port}"
         if successor.node_id == self.me:
             try:
@@ -65,7 +81,9 @@ class StoreSuccession:
         else:
             self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
         url = tcp_url(successor.addr, self._port, dict(self._config.rdzv.conf.etcd))
-        self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
+        port = successor.alive_port
+        dead = (lambda: refuses(successor.addr, port)) if port else None
+        self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say, dead))
 
     def close(self) -> None:
         if self.server is not None:

@@ -321,10 +321,10 @@ class LocalGroup:
         self.status.board, self.status.node = board, board.node
         self._watch.pace.share, self._watch.pace.node = board.pace_share(), board.node
 
-    def report_failure(self, will_restart: bool) -> None:
-        """Write and print the current attempt's failure report, root cause first (this node's, or when its
-        workers were only stopped, the one another node published)."""
-        self._reports.report(self._this_attempt, will_restart)
+    def report_failure(self, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
+        """Write and print the current attempt's failure report, root cause first (this node's, the one another
+        node published when its workers were only stopped, or the nodes ``lost``)."""
+        self._reports.report(self._this_attempt, will_restart, lost, lost_why)
 
     @property
     def _this_attempt(self) -> Attempt:

@@ -43,9 +43,8 @@ from ftrun.procs.warden import Warden
 from ftrun.procs.workers import ProcessSpawner, Spawner
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.liveness import Liveness
-from ftrun.rendezvous.records import Keys
+from ftrun.rendezvous.records import Head, Keys
 from ftrun.rendezvous.state import Me, Rules, Timing
-from ftrun.rendezvous.succession import Successor
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore
 from ftrun.store.url import tcp_url
@@ -203,12 +202,13 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     store = MovingStore(open_job_store(config, url, deadline, partial(group.say, always=True)))
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
     succession = StoreSuccession(config, store, port, deadline, partial(group.say, always=True))
-    liveness = None if config.rdzv.embedded_store else start_liveness(config, group)
+    liveness = start_liveness(config, group)  # its port tells a dead agent from a slow one (a lost successor too)
     try:
         say = group.say
         rendezvous = rendezvous_for(
             config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True),
             move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
+            watch_peers=not config.rdzv.embedded_store,
         )  # fmt: skip
         succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
@@ -258,13 +258,17 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
 
 
 def start_liveness(config: LaunchConfig, group: LocalGroup) -> Liveness | None:
-    """With a store whose leases outlive a dead agent by their TTL (etcd), the connections that tell at once
-    (:mod:`ftrun.rendezvous.liveness`); None, said, when this node cannot listen for them."""
+    """This agent's listener (:mod:`ftrun.rendezvous.liveness`): a connection refused there proves it dead. With a
+    store whose leases outlive a dead agent by their TTL (etcd), the agents also hold connections to each other,
+    which tell at once; with the embedded store, it tells a lost successor from a slow one. None, said, when this
+    node cannot listen."""
     addr = config.local_addr or socket.getfqdn()
     try:
         return Liveness().start(addr)
     except OSError as e:
-        group.say(f"cannot listen on {addr} for the other agents ({e}): a lost node is noticed by its lease's TTL")
+        lost = "a lost node is noticed by its lease's TTL" if not config.rdzv.embedded_store else (
+            "should this node be lost while it takes the store over, the others cannot pass it over")  # fmt: skip
+        group.say(f"cannot listen on {addr} for the other agents ({e}): {lost}")
         return None
 
 
@@ -288,15 +292,17 @@ def rendezvous_for(
     host: str,
     log: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
-    move_store: Callable[[Successor], None] | None = None,
+    move_store: Callable[[Head | None], None] | None = None,
     liveness: Liveness | None = None,
+    watch_peers: bool = False,
 ) -> Rendezvous:
     """This node's side of the rendezvous of ``config``'s job (not started)."""
     conf = config.rdzv.conf
     rules = Rules(
         config.nnodes.min, config.nnodes.max, conf.last_call_timeout_s, conf.join_timeout_s, config.max_restarts
     )
-    me = Me(node_id(host), config.local_addr or socket.getfqdn(), config.nproc_per_node)
+    alive_port = liveness.port if liveness is not None else 0
+    me = Me(node_id(host), config.local_addr or socket.getfqdn(), config.nproc_per_node, alive_port)
     timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
 
     def offer_port() -> int:
@@ -305,7 +311,7 @@ def rendezvous_for(
 
     return Rendezvous(
         store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
-        move_store=move_store, liveness=liveness,
+        move_store=move_store, liveness=liveness if watch_peers else None,
     )  # fmt: skip
 
 

@@ -310,6 +310,10 @@ def render(report: FailureReport) -> str:
 def _root_lines(report: FailureReport) -> list[str]:
     """Who is to blame and why, with the stacks it was found with; another node's rank when ours waited for it."""
     r = report.root_cause
+    lost = lost_summary(report.elsewhere)
+    if lost:
+        after = "FAILED AFTER IT" if r.state == WorkerState.FAILED.value else "STOPPED FOR IT"
+        return [f"ROOT CAUSE  {lost}", f"{after} {_who(r)} on {r.host}: {r.how}"]
     if report.elsewhere is not None:
         label = "NOTICED IT" if report.elsewhere.get("noticed") else "WAITED FOR IT"
         lines = [*_elsewhere(report.elsewhere), f"{label} {_who(r)} on {r.host}: {r.how}"]
@@ -322,6 +326,14 @@ def _root_lines(report: FailureReport) -> list[str]:
         lines.append(f"  stacks of all threads when it was found {found}:")
         lines += ["    " + line for line in r.stacks.rstrip().splitlines()]
     return lines
+
+
+def lost_summary(elsewhere: Mapping[str, Any] | None) -> str:
+    """The root cause when nodes were lost ("" when that is not why): which, and what the rendezvous said."""
+    if not elsewhere or not elsewhere.get("lost"):
+        return ""
+    nodes = ", ".join(str(n) for n in elsewhere["lost"])
+    return f"node {nodes} lost: {elsewhere.get('what')}"
 
 
 def _elsewhere(v: Mapping[str, Any]) -> list[str]:

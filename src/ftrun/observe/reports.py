@@ -18,7 +18,9 @@ from ftrun.observe.events import EventKind
 from ftrun.observe.reporting import (
     FailureReport,
     build_report,
+    lost_summary,
     oom_kills,
+    outcome,
     outcome_from_json,
     outcome_json,
     render,
@@ -60,10 +62,18 @@ class Reports:
         self.last: FailureReport | None = None
         self._published: tuple[int, int] | None = None  # (round, attempt) whose root cause the board has
 
-    def report(self, a: Attempt, will_restart: bool) -> None:
-        """Write and print the attempt's failure report: this node's root cause, or (when its workers were only
-        stopped) the one another node published."""
-        if not any(w.state is WorkerState.FAILED for w in a.workers):
+    def report(self, a: Attempt, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
+        """Write and print the attempt's failure report: this node's root cause, the one another node published
+        (when its workers were only stopped), or the nodes ``lost`` (whatever the workers here did after)."""
+        failed = any(w.state is WorkerState.FAILED for w in a.workers)
+        if lost:
+            node = {"lost": list(lost), "node": lost[0], "what": lost_why, "noticed": True}
+            stopped = next((w for w in a.workers if w.state is WorkerState.STOPPED), None)
+            if failed or stopped is not None:
+                root = outcome(stopped, self._host, a.oom_killed) if stopped is not None and not failed else None
+                self._tell(a, self._build(a, will_restart, elsewhere=node, root=root), will_restart)
+                return
+        if not failed:
             self._report_elsewhere(a, will_restart)
             return
         report = self._build(a, will_restart, elsewhere=_peer_lost(a) or self._suspect_elsewhere(a))
@@ -151,10 +161,10 @@ class Reports:
                 "signal": root.signal,
                 "exit_mono": root.exit_mono,
                 "exit_wall": root.exit_wall,
-                "summary": root.summary(),
+                "summary": lost_summary(report.elsewhere) or root.summary(),
             },
             elsewhere=report.elsewhere
-            and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why")},
+            and {k: report.elsewhere.get(k) for k in ("node", "host", "rank", "what", "why", "lost")},
         )
 
 

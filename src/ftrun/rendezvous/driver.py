@@ -35,6 +35,7 @@ from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.places import Places
 from ftrun.rendezvous.records import (
+    Head,
     Keys,
     NodeInfo,
     RecordError,
@@ -46,7 +47,7 @@ from ftrun.rendezvous.records import (
     encode_round,
 )
 from ftrun.rendezvous.state import Action, Advice, Decision, Local, Me, Rules, Timing
-from ftrun.rendezvous.succession import Successor, successor
+from ftrun.rendezvous.succession import takeover
 from ftrun.rendezvous.values import JobValues
 from ftrun.store.base import EventType, Store, Watch
 
@@ -70,14 +71,13 @@ class Rendezvous:
         offer_port: Callable[[], int],
         log: Callable[[str], None],
         warn: Callable[[str], None] | None = None,
-        move_store: Callable[[Successor], None] | None = None,
+        move_store: Callable[[Head | None], None] | None = None,
         liveness: Liveness | None = None,
         renewals: Callable[[LeaseKeeper], None] | None = None,
     ) -> None:
         """``log``: how the rendezvous goes (--verbose); ``warn``: what a user must hear (default: ``log``);
-        ``move_store``: when the store's host is gone, host the store here or point the store handle at the
-        successor (:mod:`ftrun.rendezvous.succession`); None: a store that cannot move (etcd's survives);
-        ``renewals``: who renews the lease (:meth:`LeaseKeeper.start`; default: a thread of its own)."""
+        ``move_store``: host the store here or go to the successor (None: to the endpoint) when the host is gone;
+        None: a store that cannot move (etcd's survives); ``renewals``: who renews the lease (default: a thread)."""
         self._renewals = renewals
         self._move_store = move_store
         # With a store whose leases outlive a dead agent by their TTL (etcd): the leader holds a connection to
@@ -85,6 +85,7 @@ class Rendezvous:
         self._liveness = liveness
         self._leader_alive: tuple[str, str, int] | None = None  # the leader's node id, address and alive port
         self._store_host = ""  # the node that hosts the store, as it said in the store
+        self._lost_hosts: set[str] = set()  # hosts of the store lost so far: never a successor again
         self._seed: RoundRecord | None = None  # the round to open in a store that took over from a lost one
         self._store = store
         self._keys = Keys.of(run_id)
@@ -194,27 +195,29 @@ class Rendezvous:
         return Advice(Decision(Action.WAIT, f"the store is unreachable: {what}", wake_at=wake), wake)
 
     def _store_lost(self, local: Local, e: StoreGone) -> Advice:
-        """The store's host is gone (its machine refuses the connection: the agent died): the first surviving
-        member of the last round hosts a new store; every survivor goes there and the job re-forms in the
-        next round, with the lost node counted as lost (a failure of the round, as any lost node)."""
-        last, lost = self._record, self._store_host
-        found = successor(last, lost) if last is not None and lost else None
-        if self._move_store is None or last is None or found is None:
+        """The store's host is gone (its machine refuses the connection: the agent died), in whatever state the
+        rendezvous is: every survivor goes to the successor (:func:`succession.takeover`) and the job re-forms in
+        the next round, the lost node counted as lost (a failure of the round, as any lost node)."""
+        lost = self._store_host
+        if self._move_store is None or not lost:
             raise e
-        self._warn(f"rendezvous: the store's host {lost} is lost ({e}); {found.node_id} takes over")
-        self._store_host = found.node_id
-        self._forget_watches()
+        self._lost_hosts.add(lost)
+        plan = takeover(self._record or self._seed, lost, self._lost_hosts, self._rules)  # the seed: a takeover
+        self._forget_watches()  # under way, whose successor is lost too
         self._drop_lease()
-        self._move_store(found)
-        why = f"the store's host {lost} was lost; {found.node_id} hosts the store now"
-        self._seed = state.after_lost_store(last, self._rules, lost, why)
         self._record, self._record_rev, self._leader = None, 0, None
         self._places.forget()
+        if plan.host is None:
+            self._warn(f"rendezvous: {plan.why} ({e}); waiting for a store at the endpoint, as early nodes do")
+        else:
+            self._warn(f"rendezvous: the store's host {lost} is lost ({e}); {plan.host.node_id} takes over")
+        self._store_host, self._seed, why = plan.host.node_id if plan.host else "", plan.seed, plan.why
+        self._move_store(plan.host)
         now = self._clock.monotonic()
         if local.running_round is not None:
             stop = f"my workers run in round {local.running_round}, but {why}: stopping them; the job re-forms there"
-            return Advice(Decision(Action.STOP, stop), now)
-        return Advice(Decision(Action.WAIT, why, wake_at=now), now)
+            return Advice(Decision(Action.STOP, stop, record=plan.seed), now)
+        return Advice(Decision(Action.WAIT, why, record=plan.seed, wake_at=now), now)
 
     def _fence(self, round_: int) -> Decision:
         return Decision(
@@ -277,9 +280,8 @@ class Rendezvous:
 
     def _register(self, round_: int) -> None:
         assert self._keeper is not None
-        alive = self._liveness.port if self._liveness is not None else 0
         me = self._me
-        info = NodeInfo(me.node_id, me.addr, me.nproc, self._offer_port(), round_, self._joined_wall, alive)
+        info = NodeInfo(me.node_id, me.addr, me.nproc, self._offer_port(), round_, self._joined_wall, me.alive_port)
         self._store.put(self._keys.node(self._me.node_id), encode_node(info), lease=self._keeper.lease)
         self._registered = round_
         if self.leading:  # no need to wait for my own key to come back on the watch

@@ -124,3 +124,15 @@ class Liveness:
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+def refuses(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether the agent listening on ``addr:port`` is proven dead: its machine refuses the connection (its
+    kernel answers and nothing listens). No answer proves nothing (a partition): never dead by silence."""
+    try:
+        socket.create_connection((addr, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -22,7 +22,7 @@ import enum
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ftrun.errors import FtrunError
 from ftrun.jsonobject import load_object
@@ -100,6 +100,14 @@ class NodeInfo:
     alive_port: int = 0  # where its agent listens for the connections that tell it is alive (0: none)
 
 
+class Head(NamedTuple):
+    """One of a round's first members in group-rank order: who hosts the store when its host is lost."""
+
+    node_id: str
+    addr: str  # a successor serves the store there, on the endpoint's port
+    alive_port: int = 0  # its agent's listener: refused there, the agent is proven dead (0: none to ask)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
     """The round every node follows. O(1) in the job's size: the members are in the roster."""
@@ -115,9 +123,10 @@ class RoundRecord:
     world_size: int = 0  # CLOSED: how many ranks in all
     roster_id: str = ""  # names the roster and the assignment keys of the close that made this round (CLOSED and
     # after), or of the round before (OPEN): a close that lost its compare-and-set never misleads a reader
-    heads: tuple[tuple[str, str], ...] = ()  # CLOSED: the first two members (node id, address): where a lost
-    # store's successor is, without the roster
+    heads: tuple[Head, ...] = ()  # CLOSED, and every round opened after one: the last closed round's first members
+    # (up to HEADS), where a lost store's successors are, in turn, without the roster
     awaited: int = 0  # OPEN, after a lost store: how many nodes it waits for before closing early (up to last call)
+    lost_nodes: tuple[str, ...] = ()  # OPEN (or FAILED): the nodes whose loss opened it, the job's root cause
     chunks: int = 0  # CLOSED: how many chunks the members' places are written in
 
 
@@ -223,6 +232,14 @@ def _counts(doc: dict[str, Any], what: str, names: tuple[str, ...]) -> list[int]
     return values
 
 
+def _is_head(h: object) -> bool:
+    if not isinstance(h, list) or len(h) not in (2, 3):  # 2: written before alive ports were carried
+        return False
+    port = h[2] if len(h) == 3 else 0
+    ok_port = isinstance(port, int) and not isinstance(port, bool) and 0 <= port <= 65535
+    return all(isinstance(x, str) and x for x in h[:2]) and ok_port
+
+
 def decode_round(raw: bytes) -> RoundRecord:
     what = "rendezvous round record"
     doc = _load(raw, what)
@@ -231,8 +248,8 @@ def decode_round(raw: bytes) -> RoundRecord:
     except ValueError:
         raise RecordError(f"{what}: unknown status {doc.get('status')!r}") from None
     heads = _get(doc, what, "heads", list)
-    if not all(isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) and x for x in h) for h in heads):
-        raise RecordError(f"{what}: field 'heads' must list [node id, address] pairs")
+    if not all(_is_head(h) for h in heads):
+        raise RecordError(f"{what}: field 'heads' must list [node id, address, alive port] entries")
     counts = ("failures", "size", "world_size", "awaited", "chunks")
     failures, size, world_size, awaited, chunks = _counts(doc, what, counts)
     record = RoundRecord(
@@ -246,10 +263,13 @@ def decode_round(raw: bytes) -> RoundRecord:
         size=size,
         world_size=world_size,
         roster_id=_get(doc, what, "roster_id", str),
-        heads=tuple((h[0], h[1]) for h in heads),
+        heads=tuple(Head(*h) for h in heads),
         awaited=awaited,
         chunks=chunks,
+        lost_nodes=tuple(_get(doc, what, "lost_nodes", list)) if "lost_nodes" in doc else (),
     )
+    if not all(isinstance(n, str) for n in record.lost_nodes):
+        raise RecordError(f"{what}: field 'lost_nodes' must list node ids")
     if record.round < 1 or not 0 <= record.master_port <= 65535:
         raise RecordError(f"{what}: round or master_port out of range")
     if status is not Status.OPEN and not (record.size and record.world_size >= record.size and record.roster_id

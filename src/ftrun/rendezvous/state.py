@@ -31,7 +31,11 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ftrun.rendezvous.records import Assignment, NodeInfo, Roster, RoundRecord, Status, chunk_count
+from ftrun.rendezvous.records import Assignment, Head, NodeInfo, Roster, RoundRecord, Status, chunk_count
+
+# A closed round names this many first members as the store's successors, in turn: its host and as many more
+# can be lost before the next round closes (each record stays small at any job size).
+HEADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class Me:
     node_id: str  # unique even for several agents on one host: hostname, pid and a random part
     addr: str  # where the other nodes reach this one (MASTER_ADDR if it becomes group rank 0)
     nproc: int
+    alive_port: int = 0  # the agent's listener (rendezvous.liveness): a refused connection there proves it dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +230,7 @@ def _close(view: View, rules: Rules, round_: int, ready: set[str], reason: str) 
         reason=reason,
         size=len(members),
         world_size=sum(roster.nproc),
-        heads=tuple((i.node_id, i.addr) for i in infos[:2]),
+        heads=tuple(Head(i.node_id, i.addr, i.alive_port) for i in infos[:HEADS]),
         chunks=chunk_count(len(members)),
     )  # roster_id: the driver names this close (a compare-and-set it may lose)
     return Decision(Action.CLOSE, f"closing round {round_}: {reason}", record=record, roster=roster)
@@ -247,7 +252,8 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
     lost = [m for m in members if view.nodes is not None and (m not in view.nodes or view.nodes[m].round > r.round)]
     if lost:
         more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""  # every node reads the reason: keep it short
-        return _reopen(r, rules, f"node(s) {', '.join(lost[:3])}{more} left round {r.round}", failure=True)
+        why = f"node(s) {', '.join(lost[:3])}{more} left round {r.round}"
+        return _reopen(r, rules, why, failure=True, lost=tuple(lost[:3]))
     mine = member(view, r)
     if mine and view.registered != r.round:
         # My key lapsed (fenced: my workers are stopped): never back into the round I was cut out of.
@@ -276,23 +282,32 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
 def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str) -> RoundRecord:
     """The record a store that took over from a lost one starts with: the round after ``r`` opened without the
     lost node (a failure of the round, as any lost node: FAILED when that spends the budget)."""
-    record = _reopen(r, rules, reason, failure=True).record
+    record = _reopen(r, rules, reason, failure=True, lost=(lost,)).record
     assert record is not None
     # They re-register one by one in the new store: the round waits for them all, not for the first few.
     survivors = max(0, r.size - 1)
     return replace(record, awaited=survivors if record.status is Status.OPEN else 0)
 
 
-def _reopen(r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "") -> Decision:
-    """``by``: the node whose workers failed (the others read its root cause)."""
+def _reopen(
+    r: RoundRecord, rules: Rules, reason: str, *, failure: bool = False, by: str = "", lost: tuple[str, ...] = ()
+) -> Decision:
+    """``by``: the node whose workers failed (the others read its root cause); ``lost``: the nodes lost."""
     failures = r.failures + (1 if failure else 0)
     if failures > rules.max_restarts:
         spent = f"{reason}; restart budget spent ({rules.max_restarts} restarts)"
-        failed = replace(r, status=Status.FAILED, reason=spent, failed_node=by)
+        failed = replace(r, status=Status.FAILED, reason=spent, failed_node=by, lost_nodes=lost)
         return Decision(Action.ABORT, spent, record=failed)
     record = RoundRecord(
-        round=r.round + 1, status=Status.OPEN, failures=failures, reason=reason, failed_node=by, roster_id=r.roster_id
-    )  # roster_id: the round before's members, kept first
+        round=r.round + 1,
+        status=Status.OPEN,
+        failures=failures,
+        reason=reason,
+        failed_node=by,
+        roster_id=r.roster_id,  # the round before's members, kept first
+        heads=r.heads,  # the store's successors while this round is open: its host may be lost now too
+        lost_nodes=lost,
+    )
     return Decision(Action.REOPEN, f"opening round {r.round + 1}: {reason}", record=record)
 
 

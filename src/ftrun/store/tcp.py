@@ -118,6 +118,8 @@ class TcpStoreClient:
         self._client_id = secrets.token_hex(16)  # the same on every connection: the server keeps its leases
         self._lost_why = ""
         self.on_reconnect: Callable[[str], None] = lambda text: None  # told when a broken connection is back
+        # Asked while a store that never answered refuses connections: its host proven dead, it is gone too.
+        self.host_dead: Callable[[], bool] | None = None
 
     # --- the Store protocol ------------------------------------------------------------------------
 
@@ -285,13 +287,7 @@ class TcpStoreClient:
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
         except ConnectionRefusedError as e:
-            gone_for = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
-            if self._store_id is not None and gone_for >= GONE_AFTER_S:  # nobody listens where it was
-                raise StoreGone(
-                    f"the store {self.endpoint} is gone: connections refused for {gone_for:.1f} s since it closed "
-                    "ours (the agent that hosted it, or `ftrun store`, exited)"
-                ) from e
-            raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
+            raise self._refused(e) from e
         except OSError as e:
             raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
         conn: Conn = sock
@@ -326,6 +322,19 @@ class TcpStoreClient:
         self._sock = conn
         self._lost_at = None
         return conn
+
+    def _refused(self, e: ConnectionRefusedError) -> StoreError:
+        """Nobody listens where the store is: gone (refused long after it closed ours, or never served and its
+        host's agent proven dead), or not yet (retried)."""
+        gone_for = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
+        if self._store_id is not None and gone_for >= GONE_AFTER_S:
+            return StoreGone(
+                f"the store {self.endpoint} is gone: connections refused for {gone_for:.1f} s since it closed "
+                "ours (the agent that hosted it, or `ftrun store`, exited)"
+            )
+        if self._store_id is None and self.host_dead is not None and self.host_dead():
+            return StoreGone(f"the store {self.endpoint} never answered, and its host's agent is gone")
+        return RequestNotSent(f"{self.endpoint}: cannot connect: {e}")
 
     def _tls_handshake(self, sock: ssl.SSLSocket) -> str:
         try:
