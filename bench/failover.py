@@ -7,6 +7,10 @@ group). Figure: the kill -> every survivor has written a line in a world of N-1 
 
     python bench/failover.py [--nodes 2,16] [--reps 3] [--bound 30] [--launchers ftrun,torchrun]
     python bench/failover.py --store etcd [--nodes 2,16] [--reps 4]
+    python bench/failover.py --stagger 1 --nodes 2,3 --reps 20 --launchers ftrun [--seed 1]
+
+With ``--stagger S`` the host goes as a GPU fault takes a node: its worker is SIGKILLed first and its agent a
+random 0-S s later (the next round is open by then, or closing); the figure counts from the agent's death.
 
 With ``--store etcd`` (ftrun only: torchrun's etcd backend speaks etcd's v2 API, which etcd 3.4 serves only
 when asked), the job's store is a separate etcd and the agent SIGKILLed is a node: the first one started
@@ -18,8 +22,10 @@ Prints figures; asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -31,7 +37,8 @@ from pathlib import Path
 
 JOB = """
 import json, os, time
-me = {"world": int(os.environ["WORLD_SIZE"]), "rank": int(os.environ["RANK"]), "node": os.environ["NODE"]}
+me = {"world": int(os.environ["WORLD_SIZE"]), "rank": int(os.environ["RANK"]), "node": os.environ["NODE"],
+      "pid": os.getpid()}
 while True:
     with open(os.environ["TRAIN_LOG"], "a") as f:
         f.write(json.dumps({**me, "t": time.time()}) + "\\n")
@@ -70,7 +77,11 @@ def hosting(launcher: str, procs: dict[str, subprocess.Popen[bytes]], port: int,
     return None
 
 
-def trial(launcher: str, nodes: int, bound: float, work: Path, etcd: str = "", victim: int = 0) -> float | None:
+def trial(
+    launcher: str, nodes: int, bound: float, work: Path, etcd: str = "", victim: int = 0, stagger: float = 0.0
+) -> float | None:
+    """The kill of the host's agent (``stagger``: its worker first, a random 0-``stagger`` s before) -> every
+    survivor training again, or None."""
     work.mkdir(parents=True)
     (work / "job.py").write_text(JOB)
     log = work / "train.log"
@@ -99,6 +110,11 @@ def trial(launcher: str, nodes: int, bound: float, work: Path, etcd: str = "", v
         if host is None:
             print(f"    {launcher}: cannot tell which agent hosts the store", flush=True)
             return None
+        if stagger:  # as a GPU fault takes a node: its workers die first, the node a moment later
+            pid = max((x for x in lines(log) if x["node"] == host), key=lambda x: float(x["t"]))["pid"]  # type: ignore[arg-type]
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)  # type: ignore[call-overload]
+            time.sleep(random.uniform(0.0, stagger))
         os.killpg(procs[host].pid, signal.SIGKILL)
         killed = time.time()
         survivors = set(procs) - {host}
@@ -123,6 +139,8 @@ def main() -> int:
     p.add_argument("--bound", type=float, default=30.0)
     p.add_argument("--launchers", default="ftrun,torchrun")
     p.add_argument("--store", choices=("c10d", "etcd"), default="c10d")
+    p.add_argument("--stagger", type=float, default=0.0, help="kill the host's worker first, 0-S s before its agent")
+    p.add_argument("--seed", type=int, default=1, help="for --stagger's random gaps (printed with each trial)")
     a = p.parse_args()
     if a.store == "etcd":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -133,19 +151,22 @@ def main() -> int:
         a.launchers = "ftrun"
     else:
         etcd, endpoint = None, ""
+    random.seed(a.seed)
     results: dict[tuple[str, int], list[float | None]] = {}
     with tempfile.TemporaryDirectory(prefix="ftrun-failover-") as tmp:
         for nodes in (int(n) for n in a.nodes.split(",")):
             for rep in range(a.reps):
                 for launcher in a.launchers.split(","):  # alternating, in one run: the machine is noisy
                     work = Path(tmp) / f"{launcher}-{nodes}-{rep}"
-                    took = trial(launcher, nodes, a.bound, work, endpoint, victim=rep % 2)
+                    took = trial(launcher, nodes, a.bound, work, endpoint, victim=rep % 2, stagger=a.stagger)
                     results.setdefault((launcher, nodes), []).append(took)
                     shown = "never" if took is None else f"{took:.2f} s"
                     print(f"  {nodes:3d} nodes  {launcher:9s} rep {rep}: {shown}", flush=True)
     if etcd is not None:
         etcd.close()
     lost = "a node (first or second started, alternately)" if etcd else "the store's host"
+    if a.stagger:
+        lost += f" (its worker first, a random 0-{a.stagger:g} s before its agent; seed {a.seed})"
     print(f"\n{lost} SIGKILLed -> every survivor training again (bound {a.bound:g} s; store: {a.store})")
     for (launcher, nodes), found in results.items():
         ok = [x for x in found if x is not None]

@@ -248,3 +248,33 @@ def test_a_partition_into_two_sides_never_trains_twice(tmp_path: Path, cut_off: 
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.proc.wait(WAIT_S)
                 agent.close()
+
+
+def test_a_partition_during_a_takeover_never_makes_a_second_store(tmp_path: Path) -> None:
+    """Three nodes; the store's host dies while another node is cut off. The node that can tell (its connection
+    refused) takes over; the node cut off proves nothing (no answer is no refusal): it fences itself and never
+    hosts a store of its own. After the heal the two survivors train together, and no two rounds ever trained
+    at once."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            nodes = {name: net.add(name) for name in "abc"}
+            agents += [Agent(n, nodes["a"], tmp_path, "--nnodes", "1:3") for n in nodes.values()]
+            until(lambda: all_train(tmp_path, set("abc"), 0.0), "three nodes train together", WAIT_S * 3)
+            net.cut(nodes["c"])
+            agents[0].close()  # the store's host, with its worker
+            time.sleep(6.0)  # the partition outlasts c's lease (TTL 3 s) and the proof that a is gone (2 s)
+            net.heal(nodes["c"])
+            healed_at = time.time()
+            until(lambda: all_train(tmp_path, {"b", "c"}, healed_at), "b and c train together", 120.0)
+            assert_no_two_rounds_trained_at_once(tmp_path)
+            hosts = [x.node.name for x in agents[1:] if "this node hosts the store now" in x.stderr]
+            assert len(hosts) == 1, [x.stderr for x in agents[1:]]  # one store, ever
+            finish(tmp_path, agents[1:])
+        finally:
+            (tmp_path / "stop").touch()
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.proc.wait(WAIT_S)
+                agent.close()
