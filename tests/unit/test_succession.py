@@ -6,7 +6,7 @@ import itertools
 
 from ftrun.rendezvous.records import Head, RoundRecord, Status
 from ftrun.rendezvous.state import HEADS, Rules, after_lost_store
-from ftrun.rendezvous.succession import may_reform, successor
+from ftrun.rendezvous.succession import may_reform, successor, takeover
 
 
 def closed(*members: str) -> RoundRecord:
@@ -33,9 +33,10 @@ def test_a_round_opened_after_a_close_carries_its_successors() -> None:
     reopened = after_lost_store(closed("a", "b", "c"), Rules(1, 3, 1.0, 60.0, 3), "a", "a was lost")
     assert reopened.status is Status.OPEN
     assert successor(reopened, {"a"}) == Head("b", "10.0.0.2", 7002)
-    again = after_lost_store(reopened, Rules(1, 3, 1.0, 60.0, 3), "b", "b was lost")  # the successor lost too
+    again = after_lost_store(reopened, Rules(1, 3, 1.0, 60.0, 3), "b", "b was lost", gone=2)  # the successor too
     assert successor(again, {"a", "b"}) == Head("c", "10.0.0.3", 7003)
-    assert (again.round, again.failures) == (3, 2)
+    assert (again.round, again.failures, again.awaited) == (3, 2, 1)
+    assert reopened.awaited == 2  # the survivors of the last closed round: all of them
 
 
 def test_no_successor_without_survivors() -> None:
@@ -54,3 +55,20 @@ def test_two_sides_of_any_partition_never_both_reform() -> None:
         for side in itertools.combinations(members, k):
             one, other = set(side), set(members) - set(side)
             assert not (may_reform(members, one, set()) and may_reform(members, other, set())), (one, other)
+
+
+def test_a_takeover_says_in_which_state_the_host_was_lost_and_waits_for_every_survivor() -> None:
+    rules = Rules(1, 3, 1.0, 60.0, 3)
+    first = takeover(closed("a", "b", "c"), "a", {"a"}, rules)
+    assert first.host == Head("b", "10.0.0.2", 7002)
+    assert first.seed is not None
+    assert (first.seed.round, first.seed.awaited, first.seed.lost_nodes) == (2, 2, ("a",))
+    assert first.why == "the store's host a was lost in round 1; b hosts the store now"
+    second = takeover(first.seed, "b", {"a", "b"}, rules)  # the successor lost before its round closed
+    assert second.host == Head("c", "10.0.0.3", 7003)
+    assert second.seed is not None
+    assert (second.seed.round, second.seed.awaited) == (3, 1)
+    assert "while round 2 was open" in second.why
+    nothing = takeover(RoundRecord(1, Status.OPEN), "a", {"a"}, rules)  # before any round closed
+    assert (nothing.host, nothing.seed) == (None, None)
+    assert "before any round closed" in nothing.why

@@ -119,7 +119,7 @@ class RoundRecord:
     master_port: int = 0
     reason: str = ""  # why this round was opened or closed, for humans and logs
     failed_node: str = ""  # the node whose workers failed (it publishes the root cause), when that is why
-    size: int = 0  # CLOSED (and after): how many nodes are members
+    size: int = 0  # CLOSED (and after): how many nodes are members; OPEN: the round before's (0: none)
     world_size: int = 0  # CLOSED: how many ranks in all
     roster_id: str = ""  # names the roster and the assignment keys of the close that made this round (CLOSED and
     # after), or of the round before (OPEN): a close that lost its compare-and-set never misleads a reader

@@ -279,13 +279,14 @@ def _closed(view: View, rules: Rules, r: RoundRecord) -> Decision:  # noqa: PLR0
     return Decision(Action.STANDBY, f"hot spare: round {r.round} is full ({rules.max_nodes} nodes)")
 
 
-def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str) -> RoundRecord:
+def after_lost_store(r: RoundRecord, rules: Rules, lost: str, reason: str, gone: int = 1) -> RoundRecord:
     """The record a store that took over from a lost one starts with: the round after ``r`` opened without the
-    lost node (a failure of the round, as any lost node: FAILED when that spends the budget)."""
+    lost node (a failure of the round, as any lost node: FAILED when that spends the budget); ``gone``: how
+    many of the members of the last closed round are lost (the host, and successors lost since)."""
     record = _reopen(r, rules, reason, failure=True, lost=(lost,)).record
     assert record is not None
     # They re-register one by one in the new store: the round waits for them all, not for the first few.
-    survivors = max(0, r.size - 1)
+    survivors = max(0, r.size - gone)
     return replace(record, awaited=survivors if record.status is Status.OPEN else 0)
 
 
@@ -306,6 +307,7 @@ def _reopen(
         failed_node=by,
         roster_id=r.roster_id,  # the round before's members, kept first
         heads=r.heads,  # the store's successors while this round is open: its host may be lost now too
+        size=r.size,  # the round before's, kept for the same reason: how many survivors a takeover waits for
         lost_nodes=lost,
     )
     return Decision(Action.REOPEN, f"opening round {r.round + 1}: {reason}", record=record)

@@ -46,7 +46,8 @@ def takeover(last: RoundRecord | None, lost: str, lost_hosts: Collection[str], r
         return Takeover(None, None, f"the store's host {lost} was lost before any round closed: no successor is known")
     when = f"while round {last.round} was open" if last.status is Status.OPEN else f"in round {last.round}"
     why = f"the store's host {lost} was lost {when}; {found.node_id} hosts the store now"
-    return Takeover(found, after_lost_store(last, rules, lost, why), why)
+    gone = sum(1 for h in last.heads if h.node_id in lost_hosts)
+    return Takeover(found, after_lost_store(last, rules, lost, why, gone), why)
 
 
 def may_reform(last_members: tuple[str, ...], present: set[str], proven_gone: set[str]) -> bool:
