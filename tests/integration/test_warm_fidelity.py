@@ -33,6 +33,8 @@ facts = {
     "flags": repr(sys.flags),
     "path": sys.path,
     "argv": sys.argv,
+    "cmdline": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),  # ps, pgrep -f, nvidia-smi
+    "comm": open("/proc/self/comm").read().strip(),  # ps -o comm, pgrep, top
     "main": sorted(k for k in vars(sys.modules["__main__"]) if k.startswith("__")),
     "warnings": [repr(f) for f in warnings.filters],
     "logging": [logging.getLogger().level, len(logging.getLogger().handlers)],

@@ -37,6 +37,7 @@ import sys
 import time
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
@@ -44,6 +45,7 @@ from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, re
 MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 THIS_FILE = __file__
 STARTUP_MODULES = (
     "ftrun.worker.client",
@@ -136,6 +138,7 @@ def torch_cuda_initialised() -> bool:
 
 
 def main() -> int:
+    claim_the_title()
     sock = socket.socket(fileno=int(sys.argv[1]))
     names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
     started = time.monotonic()
@@ -311,6 +314,39 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
+    name_as_fresh(request)
+
+
+def claim_the_title() -> None:
+    """setproctitle takes over the argv and environment area at its first call, which must come before anything
+    sets a variable (libc then moves the environment, and the title could no longer be written)."""
+    with contextlib.suppress(ImportError), keeping_the_name():
+        import setproctitle
+
+        setproctitle.getproctitle()
+
+
+def name_as_fresh(request: dict[str, Any]) -> None:
+    """Show the command line a fresh worker has (`python3 -u train.py ARGS`), not the zygote's, to ps, pgrep -f,
+    htop, nvidia-smi and kill scripts: setproctitle rewrites the process's argv area (/proc/PID/cmdline).
+    Without setproctitle (not installed), the zygote's command line stays."""
+    setproctitle = sys.modules.pop("setproctitle", None)  # the job's modules are its own, as in a fresh worker
+    if setproctitle is not None:
+        module = ["-m"] if request["kind"] == "module" else []
+        with keeping_the_name():
+            setproctitle.setproctitle(" ".join([sys.executable, "-u", *module, request["target"], *request["args"]]))
+
+
+@contextlib.contextmanager
+def keeping_the_name() -> Iterator[None]:
+    """setproctitle names the thread (comm: ps -o comm, pgrep, top) after the title; the interpreter's name
+    stays, as a fresh worker's."""
+    with open("/proc/self/comm", "rb") as f:
+        comm = f.read().strip()
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
 
 
 ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
