@@ -142,6 +142,25 @@ def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job
     assert "finished: succeeded (exit 0)" in once.stdout
 
 
+def test_status_answers_from_the_events_before_the_first_status_record(tmp_path: Path, job: LiveFtrun) -> None:
+    """On a loaded node the first status record can come seconds after the first events (a long rendezvous, a
+    slow start): status answers from the events, never calling the run directory old. Replayed here with the
+    real run's events as they stood at each moment, and no status record."""
+    until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job runs")
+    early = tmp_path / "early"
+    early.mkdir()
+    lines = (job.run_dir / "events.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["kind"] for line in lines]
+    spawned = max(i for i, k in enumerate(kinds) if k == "worker_spawned") + 1
+    for upto, phase in ((1, "starting"), (spawned, "workers starting"), (len(lines), "running")):
+        (early / "events.jsonl").write_text("\n".join(lines[:upto]) + "\n")
+        d = snapshot(str(early))
+        assert d["phase"] == phase, (upto, d)
+    assert [r["rank"] for r in d["nodes"][0]["ranks"]] == [0, 1]
+    (tmp_path / "done").touch()
+    assert job.wait() == 0
+
+
 def test_status_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
     out = status(str(tmp_path))
     assert out.returncode == 2

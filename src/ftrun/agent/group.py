@@ -12,6 +12,7 @@ from the thread that forked them, and signal handlers live in the main thread.
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 from collections.abc import Callable
@@ -135,7 +136,8 @@ class LocalGroup:
         for notice in (*c.rdzv.conf.notices, *c.notices):
             self.say(notice, always=True)
         run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}
-        self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir))
+        self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir), agent_pid=os.getpid())
+        self._update_status(force=True)  # `ftrun status` answers from the first second
         if self._pool is not None:
             ready = partial(self.emit, EventKind.POOL_READY)
             self._pool.start(

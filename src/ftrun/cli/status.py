@@ -24,7 +24,7 @@ from ftrun.errors import ConfigError, FtrunError
 from ftrun.job.board import read_statuses
 from ftrun.monitor.table import read_live
 from ftrun.node.addresses import DEFAULT_STORE_PORT
-from ftrun.observe.node_status import STATUS_FILE, read_status, slot_progress
+from ftrun.observe.node_status import STATUS_FILE, read_status, slot_progress, status_from_events
 from ftrun.worker.layout import SlotView
 
 REFRESH_S = 1.0
@@ -65,9 +65,9 @@ class RunDir:
         self.path = path
 
     def snapshot(self) -> dict[str, Any]:
-        record = read_status(self.path)
+        record = read_status(self.path) or status_from_events(self.path)  # the first record may be late
         if record is None:
-            raise FtrunError(f"{self.path}: no {STATUS_FILE} (is it a run directory of ftrun 0.1 or later?)")
+            raise FtrunError(f"{self.path}: neither {STATUS_FILE} nor events.jsonl yet (is ftrun starting there?)")
         _check_agent(record)
         return _job([record], source=str(self.path))
 
@@ -122,10 +122,10 @@ def find_run_dir(path: Path) -> Path:
         return path
     if not path.is_dir():
         raise ConfigError("RUN_DIR", f"{path} is not a directory", "pass the directory printed as 'logs in ...'")
-    runs = [d for d in path.iterdir() if (d / STATUS_FILE).exists()]
+    runs = [d for d in path.iterdir() if (d / STATUS_FILE).exists() or (d / "events.jsonl").exists()]
     if not runs:
         raise ConfigError("RUN_DIR", f"{path} holds no ftrun run", "pass the directory printed as 'logs in ...'")
-    return max(runs, key=lambda d: (d / STATUS_FILE).stat().st_mtime)
+    return max(runs, key=lambda d: (d / "events.jsonl").stat().st_mtime if (d / "events.jsonl").exists() else 0.0)
 
 
 def _check_agent(record: dict[str, Any]) -> None:
@@ -133,6 +133,8 @@ def _check_agent(record: dict[str, Any]) -> None:
     if record.get("phase") == "finished":
         return
     pid = int(record.get("agent_pid") or 0)
+    if pid <= 0:  # not known (kill(0, 0) would ask about this process group instead)
+        return
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ftrun.clock import Clock
 from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
 from ftrun.jsonobject import object_or_none
-from ftrun.observe.events import Event, EventKind, summarize
+from ftrun.observe.events import Event, EventKind, read_events, summarize
 from ftrun.observe.goodput import measure
 from ftrun.private import write_atomically
 from ftrun.procs.workers import Worker, WorkerState
@@ -208,6 +208,61 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     return record if record is not None and record.get("v") == STATUS_VERSION else None
+
+
+def status_from_events(run_dir: Path) -> dict[str, Any] | None:
+    """What the run's events tell before the agent's first status record is written (a loaded node, a long
+    rendezvous): the phase, the attempt's ranks as spawned or exited. None when there are no events either."""
+    try:
+        events = read_events(run_dir / "events.jsonl")
+    except (OSError, ValueError):
+        return None
+    if not events:
+        return None
+    started = next((e for e in events if e.kind is EventKind.RUN_STARTED), events[0])
+    summary = summarize(events)
+    attempt = max((int(e.data.get("attempt", 0)) for e in events if e.kind is EventKind.ATTEMPT_STARTED), default=None)
+    ranks: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e.kind is EventKind.WORKER_SPAWNED and e.data.get("attempt") == attempt:
+            ranks[int(e.data["rank"])] = {
+                "rank": e.data["rank"], "local_rank": e.data.get("local_rank"), "pid": e.data.get("pid"),
+                "state": "running", "started": e.wall, "exit_code": None, "signal": None,
+            }  # fmt: skip
+        elif e.kind is EventKind.WORKER_EXITED and int(e.data.get("rank", -1)) in ranks:
+            ranks[int(e.data["rank"])].update(state=e.data.get("state"), exit_code=e.data.get("exit_code"))
+    return {
+        "v": STATUS_VERSION,
+        "run_id": started.data.get("run_id"),
+        "node": started.data.get("host"),
+        "host": started.data.get("host"),
+        "agent_pid": started.data.get("agent_pid"),
+        "updated": events[-1].wall,
+        "phase": _phase_of(events, attempt),
+        "round": None,
+        "world_size": 0,
+        "attempts": summary.attempts,
+        "restarts": summary.restarts,
+        "hangs": summary.hangs,
+        "downtime_s": round(summary.downtime_s, 3),
+        "outcome": summary.outcome,
+        "exit_code": summary.exit_code,
+        "root_causes": [str(c.get("summary", ""))[:MAX_CAUSE_CHARS] for c in summary.root_causes[-MAX_CAUSES:]],
+        "goodput": None,
+        "ranks": [ranks[r] for r in sorted(ranks)],
+        "monitor": None,
+        "from_events": True,  # the status record is not written yet: what the events say
+    }
+
+
+def _phase_of(events: Sequence[Event], attempt: int | None) -> str:
+    kinds = {e.kind for e in events}
+    if EventKind.RUN_FINISHED in kinds:
+        return "finished"
+    if attempt is None:
+        return "waiting for nodes" if EventKind.RENDEZVOUS in kinds or EventKind.STORE_HOSTED in kinds else "starting"
+    stepped = any(e.kind is EventKind.FIRST_STEP and e.data.get("attempt") == attempt for e in events)
+    return "running" if stepped else "workers starting"
 
 
 def progress(workers: Sequence[Worker], slot_of: SlotOf) -> dict[str, Any]:
