@@ -232,6 +232,7 @@ class LaunchConfig:
     health: HealthSpec = field(default_factory=HealthSpec)
     accelerators: bool = False  # visible to the workers: a stopped worker must be gone before the next start
     metrics: tuple[str, int] | None = None  # --metrics-port: (host, port) of /metrics; "" host: all addresses
+    crash_loop_limit: int = 3  # no restart after the same failure this many times in a row (0: no limit)
 
     @property
     def elastic(self) -> bool:

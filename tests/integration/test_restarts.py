@@ -102,3 +102,49 @@ def test_port_taken_when_workers_bind_it_is_reported(tmp_path: Path, script: Wri
     assert r.returncode == 1
     [started] = [e for e in r.events() if e["kind"] == "attempt_started"]
     assert f"MASTER_PORT {started['master_port']} was already in use" in r.stderr
+
+
+MISSING_MODULE = "import no_such_module_for_ftrun_tests\n"
+# Steps (heartbeats, no step named), then fails alike at every attempt: a long job's sporadic fault.
+FAILS_AFTER_STEPPING = """
+import sys, time
+import ftrun
+for _ in range(3):
+    ftrun.heartbeat()
+    time.sleep(0.05)
+sys.exit(5)
+"""
+
+
+def test_the_same_failure_three_times_before_the_first_step_stops_the_restarts(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """A crash loop (a missing module) does not burn the whole budget: after the same failure 3 times in a row
+    ftrun says so, with the error, and stops; the summary's root causes keep the error."""
+    script("w.py", MISSING_MODULE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "10", "w.py")
+    assert r.returncode == 1
+    attempts = [e for e in r.events() if e["kind"] == "attempt_started"]
+    assert len(attempts) == 3, r.stderr
+    assert "the same failure 3 times in a row (exit code 1: ModuleNotFoundError: No module named" in r.stderr
+    assert "before the first step): not restarting" in r.stderr
+    assert "root cause: rank 0 (local rank 0" in r.stderr
+    assert r.stderr.count("exit code 1: ModuleNotFoundError: No module named") >= 4  # the verdict and summary
+
+
+def test_without_a_crash_loop_limit_the_budget_is_spent_as_under_torchrun(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", MISSING_MODULE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "1", "--max-restarts", "4", "--crash-loop-limit", "0", "w.py")
+    assert r.returncode == 1
+    assert len([e for e in r.events() if e["kind"] == "attempt_started"]) == 5
+    assert "restart budget spent" in r.stderr
+
+
+def test_failures_alike_after_the_first_step_at_no_named_step_are_not_a_crash_loop(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", FAILS_AFTER_STEPPING)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "1", "--max-restarts", "4", "w.py")
+    assert r.returncode == 1
+    assert len([e for e in r.events() if e["kind"] == "attempt_started"]) == 5
+    assert "times in a row" not in r.stderr

@@ -51,7 +51,10 @@ class WorkerHung:
 
 @dataclass(frozen=True, slots=True)
 class WorkersStopped:
-    """Every worker of the current attempt has exited and been reaped."""
+    """Every worker of the current attempt has exited and been reaped. ``crash_loop``: the attempt failed as
+    the ones before it did, too many times in a row (:mod:`ftrun.observe.crashloop`): why it must not restart."""
+
+    crash_loop: str = ""
 
 
 @dataclass(frozen=True, slots=True)

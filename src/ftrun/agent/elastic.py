@@ -104,7 +104,7 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
             return Transition(state, (), f"local rank {happening.local_rank} hung while {state.phase.value}")
         return _failed(state, f"local rank {happening.local_rank} hung; stopping the workers")
     if isinstance(happening, WorkersStopped):
-        return _stopped(replace(state, running=frozenset()))
+        return _stopped(replace(state, running=frozenset()), happening.crash_loop)
     if isinstance(happening, Requested):
         return _requested(state, happening)
     return _interrupted(state, happening)
@@ -203,11 +203,14 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
     return Transition(ending, (StopWorkers(),), f"{who} excluded this node; stopping the workers")
 
 
-def _stopped(state: State) -> Transition[State]:
+def _stopped(state: State, crash_loop: str) -> Transition[State]:
     if state.phase is Phase.ENDING:
         return _done(state, (ReportFailure(will_restart=False), Finish(Outcome.EXCLUDED)), "workers stopped; leaving")
     if state.phase is Phase.STOPPING:
-        return Transition(replace(state, phase=Phase.FOLLOWING), (AskRendezvous(state.local),), "workers stopped")
+        # A crash loop here stops the job on every node, as a worker's stop request does.
+        local = replace(state.local, stop_job=crash_loop) if crash_loop and state.failed else state.local
+        following = replace(state, phase=Phase.FOLLOWING, local=local)
+        return Transition(following, (AskRendezvous(local),), crash_loop or "workers stopped")
     if state.phase is Phase.FAILING:
         owed: tuple[Command, ...] = (ReportFailure(will_restart=False),) if state.report_owed else ()
         return _done(state, (*owed, Finish(Outcome.FAILED)), "workers stopped; the job failed")

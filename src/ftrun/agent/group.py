@@ -109,9 +109,8 @@ class LocalGroup:
         self.wakeup: SignalWakeup
         self._processes: AttemptProcesses
         self._watch: WorkerWatch
-        self._reports = Reports(
-            config.run_id, host, self.run_dir, console, self.emit, lambda t: self.say(t, always=True)
-        )
+        say = partial(self.say, always=True)
+        self._reports = Reports(config.run_id, host, self.run_dir, console, self.emit, say, config.crash_loop_limit)
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
         self._world_size = config.nproc_per_node
         self.peer_key = secrets.token_bytes(32)  # signs the ranks' peer heartbeats; a job's when it has several nodes
@@ -277,7 +276,7 @@ class LocalGroup:
         sweep strays. Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
         if not self._processes.running:  # all exited (or released): their output is still copied before a report
             self._settle()
-            return [WorkersStopped()]
+            return [self._stopped()]
         first = signal.SIGTERM if first_signal is None else first_signal
         if self._pool is not None:
             self._pool.hold()  # until the next workers are started
@@ -312,7 +311,11 @@ class LocalGroup:
         self._settle()
         self.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         self._reports.publish_root_cause(self._this_attempt)
-        return [*exits, *late, WorkersStopped()]
+        return [*exits, *late, self._stopped()]
+
+    def _stopped(self) -> WorkersStopped:  # with the verdict when the attempt failed as the ones before it
+        self.status.notice_first_step(self._processes.workers, self._watch.hangs.slot)  # however short it was
+        return WorkersStopped(self._reports.crash_loop(self._this_attempt, self.status.stepped, self._watch.hangs.slot))
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
@@ -324,8 +327,7 @@ class LocalGroup:
         self._watch.pace.share, self._watch.pace.node = board.pace_share(), board.node
 
     def report_failure(self, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
-        """Write and print the current attempt's failure report, root cause first (this node's, the one another
-        node published when its workers were only stopped, or the nodes ``lost``)."""
+        """Write and print the current attempt's failure report, root cause first (see Reports.report)."""
         self._reports.report(self._this_attempt, will_restart, lost, lost_why)
 
     @property

@@ -105,7 +105,7 @@ def step(state: State, happening: Happening) -> Transition[State]:  # noqa: PLR0
     if isinstance(happening, WorkerHung):
         return _worker_hung(state, happening)
     if isinstance(happening, WorkersStopped):
-        return _stopped(state)
+        return _stopped(state, happening.crash_loop)
     if isinstance(happening, Requested):
         return _requested(state, happening)
     return Transition(state, (), f"{type(happening).__name__} does not concern a static job")
@@ -171,7 +171,7 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
     )
 
 
-def _stopped(state: State) -> Transition[State]:
+def _stopped(state: State, crash_loop: str) -> Transition[State]:
     stopped = replace(state, running=frozenset())
     max_restarts = state.plan.max_restarts
     if state.phase is Phase.ENDING:
@@ -189,6 +189,9 @@ def _stopped(state: State) -> Transition[State]:
         )
     if state.phase is not Phase.STOPPING:
         return Transition(stopped, (), f"workers stopped in phase {state.phase.value}; nothing to do")
+    if crash_loop and state.failed:
+        ending = (ReportFailure(will_restart=False), Finish(Outcome.FAILED))
+        return Transition(replace(stopped, phase=Phase.FAILED), ending, crash_loop)
     if state.restart_count < max_restarts:
         count = state.restart_count + 1
         return Transition(

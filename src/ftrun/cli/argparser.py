@@ -113,6 +113,13 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--metrics-port", default=None, help="serve Prometheus metrics at [HOST:]PORT/metrics (all addresses)")
     _flag(
         p,
+        "--crash-loop-limit",
+        default="3",
+        help="no restart after the same failure this many times in a row, before the first step or at the same "
+        "named step (a missing module, a bad argument); 0: restart up to --max-restarts whatever the failure",
+    )
+    _flag(
+        p,
         "--verbose",
         action="store_true",
         help="also say how ftrun works as it goes: the warm pool's zygotes, the rendezvous' steps (or LOGLEVEL=DEBUG)",

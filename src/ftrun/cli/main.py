@@ -109,6 +109,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         master_port=master_port or None,
         standalone=a.standalone,
         max_restarts=flags.parse_int("--max-restarts", a.max_restarts, minimum=0),
+        crash_loop_limit=flags.parse_int("--crash-loop-limit", a.crash_loop_limit, minimum=0),
         monitor_interval_s=flags.parse_seconds("--monitor-interval", a.monitor_interval),
         role=a.role,
         logs=logs,

@@ -75,11 +75,15 @@ class WorkerOutcome:
             return "exit status unknown (it was not this agent's child when it ended)"
         return f"exit code {self.exit_code}"
 
+    @property
+    def cause(self) -> str:
+        """How it ended, and the error it ended with: from its error file, else the last exception line in its
+        stderr (a script that never called @record: `ModuleNotFoundError: No module named 'x'`)."""
+        headline = self.error.headline if self.error else self.last_error
+        return f"{self.how}: {headline}" if headline else self.how
+
     def summary(self) -> str:
-        what = f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid} on {self.host}) {self.how}"
-        if self.error:
-            what += f": {self.error.headline}"
-        return what
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid} on {self.host}) {self.cause}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ftrun.config import Std
 from ftrun.job.board import JobBoard
+from ftrun.observe.crashloop import CrashLoop, failure_point
 from ftrun.observe.events import EventKind
 from ftrun.observe.reporting import (
     FailureReport,
@@ -28,6 +29,7 @@ from ftrun.observe.reporting import (
 )
 from ftrun.procs.logs import Console
 from ftrun.procs.workers import Hang, Worker, WorkerState
+from ftrun.worker.layout import SlotView
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +57,11 @@ class Reports:
         console: Console,
         emit: Callable[..., None],
         say: Callable[[str], None],
+        crash_loop_limit: int = 0,
     ) -> None:
         self._run_id, self._host, self._run_dir = run_id, host, run_dir
         self._console, self._emit, self._say = console, emit, say
+        self._crash_loop = CrashLoop(crash_loop_limit)
         self.board: JobBoard | None = None  # an elastic job's: root causes and hang verdicts of every node
         self.last: FailureReport | None = None
         self._published: tuple[int, int] | None = None  # (round, attempt) whose root cause the board has
@@ -79,6 +83,17 @@ class Reports:
         report = self._build(a, will_restart, elsewhere=_peer_lost(a) or self._suspect_elsewhere(a))
         self.publish_root_cause(a)
         self._tell(a, report, will_restart)
+
+    def crash_loop(self, a: Attempt, stepped: Callable[[int], bool], slot_of: Callable[[int], SlotView | None]) -> str:
+        """Once ``a``'s workers are stopped: the verdict when it failed here as the attempts before it did, too
+        many times in a row (:mod:`ftrun.observe.crashloop`), else ""."""
+        try:
+            root = self._build(a, will_restart=False).root_cause
+        except ValueError:  # no worker failed here
+            return self._crash_loop.verdict(None)
+        slot = slot_of(root.local_rank)
+        step = slot.step if slot is not None and slot.pid == root.pid else None
+        return self._crash_loop.verdict(failure_point(root.cause, stepped(a.number), step))
 
     def publish_root_cause(self, a: Attempt) -> None:
         """As soon as the workers are stopped after a failure here: the other nodes report it too (they need
