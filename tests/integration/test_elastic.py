@@ -152,6 +152,18 @@ def test_a_spent_budget_fails_every_node(nodes: Nodes) -> None:
         assert "restart budget spent" in f.stderr()
 
 
+def test_a_crash_loop_on_one_node_stops_the_job_on_every_node(nodes: Nodes) -> None:
+    """Rank 3 fails alike at every start: after 3 times in a row its node stops the job, and the other node
+    ends with the same verdict, long before --max-restarts 10 is spent."""
+    flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "10", "w.py", "crash"]
+    a, b = nodes.start("a", *flags), nodes.start("b", *flags)
+    assert a.wait() == 1
+    assert b.wait() == 1
+    for f in (a, b):
+        assert "the same failure 3 times in a row (exit code 3, before the first step)" in f.stderr(), f.stderr()
+        assert "restart budget spent" not in f.stderr()
+
+
 def test_a_lost_lease_stops_the_workers_and_the_node_rejoins(nodes: Nodes) -> None:
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "w.py"]
     a, b = nodes.start("a", *flags), nodes.start("b", *flags)
