@@ -445,8 +445,18 @@ def test_standalone_says_once_that_it_draws_its_own_run_id(tmp_path: Path, scrip
 
 def test_a_typo_gets_a_did_you_mean(tmp_path: Path, script: Path) -> None:
     with pytest.raises(ConfigError) as e:
-        parse(tmp_path, "--nproc-per-nod", "2", "train.py")
+        parse(tmp_path, "--nproc-per-nodee", "2", "train.py")
     assert e.value.fix == "did you mean --nproc-per-node?"
+
+
+def test_an_unambiguous_prefix_of_a_flag_stands_for_it_as_in_torchrun(tmp_path: Path, script: Path) -> None:
+    assert parse(tmp_path, "--nproc-per-nod", "2", "train.py").nproc_per_node == 2
+    assert parse(tmp_path, "--nproc", "3", "--max-rest", "4", "train.py").max_restarts == 4  # both spellings: one flag
+    assert parse(tmp_path, "--nproc_per", "2", "train.py", "--nproc", "9").entrypoint.args == ("--nproc", "9")
+    with pytest.raises(ConfigError) as e:
+        parse(tmp_path, "--no", "train.py")
+    assert e.value.fix == "spell more of the flag"
+    assert "--no_warm" in e.value.problem
 
 
 def test_max_restarts_below_zero_suggests_zero(tmp_path: Path, script: Path) -> None:

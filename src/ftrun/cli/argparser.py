@@ -1,7 +1,8 @@
 """The flags: torchrun's, in both spellings, with its PET_* environment defaults, and ftrun's own.
 
 Values stay text here; :mod:`ftrun.cli.main` checks each through :mod:`ftrun.cli.flags`.
-A flag argparse does not know becomes one ConfigError with a "did you mean".
+A flag argparse does not know becomes one ConfigError with a "did you mean"; an unambiguous prefix of a flag
+stands for it, as in torchrun.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import difflib
 import re
 from collections.abc import Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ftrun.cli import nvidia_ft
 from ftrun.errors import ConfigError
@@ -26,10 +27,19 @@ class _Parser(argparse.ArgumentParser):
         if unknown:
             flag = unknown.group(1)
             raise ConfigError(flag, "unknown flag", self._suggest(flag))
+        ambiguous = re.match(r"ambiguous option: (\S+?)(?:=\S*)? could match (.*)", message)
+        if ambiguous:
+            raise ConfigError(ambiguous.group(1), f"could be any of {ambiguous.group(2)}", "spell more of the flag")
         named = re.match(r"argument ([^:/\s]+)\S*: (.*)", message)
         if named:
             raise ConfigError(named.group(1), named.group(2), "see `ftrun --help`")
         raise ConfigError("ftrun", message, "see `ftrun --help`")
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        """A prefix of a flag stands for it, as in torchrun (argparse's abbreviations), and a prefix of both
+        spellings of one flag (--nproc: --nproc-per-node and --nproc_per_node) is not ambiguous."""
+        found = super()._get_option_tuples(option_string)
+        return list({id(t[0]): t for t in found}.values())
 
     def _suggest(self, flag: str) -> str:
         known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
@@ -53,7 +63,6 @@ def build_parser(environ: Mapping[str, str] | None = None, version: str = "") ->
         description="Fault-tolerant launcher for distributed training; a drop-in for torchrun.",
         epilog="also: ftrun status RUN_DIR (a job's view), ftrun report RUN_DIR... (a run's history), "
         "ftrun store (the embedded store on its own); each with --help",
-        allow_abbrev=False,
     )
     p.add_argument("--version", action="version", version=f"ftrun {version}")
     _torchrun_flags(p)
