@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from tests.integration.conftest import WriteScript, run_ftrun
@@ -64,6 +65,10 @@ def test_budget_spent_exits_1_with_one_report_per_failure(tmp_path: Path, script
         assert r.report(attempt)["root_cause"]["rank"] == 1  # type: ignore[index]
         assert r.report(attempt)["will_restart"] is (attempt == 0)
     assert r.stderr.count("ROOT CAUSE") == 2
+    # torchrun's fields, as it spells them: scripts that parse its root cause block find them
+    assert re.search(r"\n  time      : \d{4}-\d\d-\d\d_\d\d:\d\d:\d\d\n  host      : \S+\n", r.stderr), r.stderr
+    assert "\n  rank      : 1 (local_rank: 1)\n  exitcode  : 4 (pid: " in r.stderr
+    assert "\n  error_file: <N/A>\n" in r.stderr
     assert "not restarting" in r.stderr
     assert "run failed (exit 1)" in r.stderr
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -311,6 +312,19 @@ def render(report: FailureReport) -> str:
     return "\n".join(lines)
 
 
+def _torchrun_fields(r: WorkerOutcome) -> list[str]:
+    """torchrun's fields of the root cause, as it spells them: scripts that parse its block find them."""
+    at = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(r.exit_wall)) if r.exit_wall else "<N/A>"
+    code = r.exit_code if r.exit_code is not None else (-signal.Signals[r.signal] if r.signal else "<N/A>")
+    return [
+        f"  time      : {at}",
+        f"  host      : {r.host}",
+        f"  rank      : {r.rank} (local_rank: {r.local_rank})",
+        f"  exitcode  : {code} (pid: {r.pid})",
+        f"  error_file: {r.error_file if r.error is not None else '<N/A>'}",
+    ]
+
+
 def _root_lines(report: FailureReport) -> list[str]:
     """Who is to blame and why, with the stacks it was found with; another node's rank when ours waited for it."""
     r = report.root_cause
@@ -324,7 +338,7 @@ def _root_lines(report: FailureReport) -> list[str]:
         found = "quiet"
     else:
         lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
-        lines += [f"  why this rank: {r.why}"] if r.why else []
+        lines += [*_torchrun_fields(r), *([f"  why this rank: {r.why}"] if r.why else [])]
         found = "hung"
     if r.stacks:
         lines.append(f"  stacks of all threads when it was found {found}:")
