@@ -318,9 +318,9 @@ def test_bad_hang_settings_are_named(tmp_path: Path, script: Path, argv: list[st
     ("body", "message"),
     [
         ("heartbeat_timeout = [", "is not valid TOML"),
-        ("heartbeat = 5", "unknown key\\(s\\) in .*: heartbeat"),
-        ("heartbeat_timeout = -1", "--heartbeat-timeout: must be a finite number of seconds > 0"),
-        ("section_timeouts = 5", "section_timeouts must be a table"),
+        ("heartbeat = 5", "unknown key\\(s\\) in .*: heartbeat; did you mean heartbeat_timeout"),
+        ("heartbeat_timeout = -1", "heartbeat_timeout in .*ft.toml: must be a finite number of seconds > 0"),
+        ("section_timeouts = 5", "section_timeouts in .*ft.toml: must be a table"),
     ],
 )
 def test_a_bad_config_file_is_named(tmp_path: Path, script: Path, body: str, message: str) -> None:

@@ -5,6 +5,7 @@ Flags given on the command line win over the file, key by key.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def read_config_file(path: Path, known: Iterable[str]) -> dict[str, object]:
     unknown = sorted(set(data) - set(allowed))
     if unknown:
         listed = ", ".join(unknown)
-        raise ConfigError("--config", f"unknown key(s) in {path}: {listed}", f"use only {', '.join(allowed)}")
+        close = [m for key in unknown for m in difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)]
+        fix = f"did you mean {', '.join(close)}?" if close else f"use only {', '.join(allowed)}"
+        raise ConfigError("--config", f"unknown key(s) in {path}: {listed}", fix)
     return data
 
 

@@ -49,6 +49,7 @@ def parse_hang(
     config_file: Mapping[str, object],
     nvidia_flags: Mapping[str, object] | None = None,
     nvidia_file: Path | None = None,
+    config_path: Path | None = None,
 ) -> tuple[HangSpec, list[str]]:
     """Hang settings, each from the first source that sets it: ftrun's flags (``flags`` maps HANG_KEYS to the
     raw values, None if not given), NVIDIA's ``--ft-*`` flags (their names), the --config file's keys, NVIDIA's
@@ -66,9 +67,14 @@ def parse_hang(
     def raw(key: str) -> object:
         return next((layer[key] for layer in layers if layer.get(key) is not None), None)
 
+    def named(key: str) -> str:
+        """Who set ``key``, as an error names it: the flag, or the key in the --config file."""
+        setter = next((i for i, layer in enumerate(layers) if layer.get(key) is not None), 0)
+        return f"{key} in {config_path}" if setter == 2 and config_path is not None else HANG_KEYS[key]
+
     def seconds(key: str) -> float | None:
         value = raw(key)
-        return None if value is None else parse_seconds(HANG_KEYS[key], str(value))
+        return None if value is None else parse_seconds(named(key), str(value))
 
     sections: dict[str, float] = {}
     for layer in reversed(layers):  # the first source wins, section by section
@@ -80,7 +86,8 @@ def parse_hang(
                 parse_section_timeouts(HANG_KEYS["section_timeouts"], [f"{k}={v}" for k, v in found.items()])
             )
         else:
-            raise ConfigError("--config", "section_timeouts must be a table of NAME = SECONDS", "see the README")
+            where = f"section_timeouts in {config_path}" if config_path is not None else "--config"
+            raise ConfigError(where, "must be a table of NAME = SECONDS", "see the README")
     factor = raw("safety_factor")
     hang_signal = raw("hang_signal")
     spec = HangSpec(
@@ -90,10 +97,10 @@ def parse_hang(
             seconds("out_of_section_timeout"),
             sections,
         ),
-        parse_seconds("--safety-factor", str(factor)) if factor is not None else 5.0,
-        parse_signal_name("--hang-signal", str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
+        parse_seconds(named("safety_factor"), str(factor)) if factor is not None else 5.0,
+        parse_signal_name(named("hang_signal"), str(hang_signal)) if hang_signal is not None else signal.SIGTERM,
         seconds("teardown_timeout") or TEARDOWN_GRACE_S,
-        parse_steps(HANG_KEYS["learn_timeouts"], raw("learn_timeouts")),
+        parse_steps(named("learn_timeouts"), raw("learn_timeouts")),
         seconds("learned_timeout_floor") or LEARNED_FLOOR_S,
     )
     return spec, notices

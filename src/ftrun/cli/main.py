@@ -78,6 +78,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         config_file,
         {name: getattr(a, f"ft_{name}") for name in nvidia_ft.NAMES},
         cwd / a.ft_cfg_path if a.ft_cfg_path else None,
+        cwd / a.config if a.config else None,
     )
     notices += hang_notices
     if "TORCHELASTIC_HEALTH_CHECK_PORT" in environ:  # torch 2.13 starts nothing on it either
