@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -141,6 +142,7 @@ def main() -> int:
     p.add_argument("--store", choices=("c10d", "etcd"), default="c10d")
     p.add_argument("--stagger", type=float, default=0.0, help="kill the host's worker first, 0-S s before its agent")
     p.add_argument("--seed", type=int, default=1, help="for --stagger's random gaps (printed with each trial)")
+    p.add_argument("--keep-slow", type=float, default=None, help="copy the logs of trials slower than this to $OUT")
     a = p.parse_args()
     if a.store == "etcd":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -160,6 +162,8 @@ def main() -> int:
                     work = Path(tmp) / f"{launcher}-{nodes}-{rep}"
                     took = trial(launcher, nodes, a.bound, work, endpoint, victim=rep % 2, stagger=a.stagger)
                     results.setdefault((launcher, nodes), []).append(took)
+                    if a.keep_slow is not None and (took is None or took > a.keep_slow):  # to read why
+                        shutil.copytree(work, Path(os.environ.get("OUT", ".")) / f"slow-{work.name}")
                     shown = "never" if took is None else f"{took:.2f} s"
                     print(f"  {nodes:3d} nodes  {launcher:9s} rep {rep}: {shown}", flush=True)
     if etcd is not None:

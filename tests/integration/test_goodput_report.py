@@ -79,6 +79,7 @@ def test_goodput_matches_the_jobs_own_timings(tmp_path: Path) -> None:
     assert "step 6 went wrong" in out  # its last words, on stdout: stderr was empty
     assert "goodput" in out
     page = (r.run_dir / "timeline.html").read_text()
+    assert (r.run_dir / "timeline.html").stat().st_mode & 0o777 == 0o600  # as every file of a run
     assert page.count("attempt 0: training") == 1
     assert page.count("attempt 1: training") == 1
     assert "attempt 0 failed: rank 1 (local rank 1" in page

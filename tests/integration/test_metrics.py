@@ -118,7 +118,7 @@ def test_a_port_that_cannot_be_served_fails_before_anything_starts(tmp_path: Pat
         port = taken.getsockname()[1]
         (tmp_path / "w.py").write_text("print('ran')\n")
         r = run_ftrun(tmp_path, "--metrics-port", f"127.0.0.1:{port}", "w.py")
-    assert r.returncode == 1
+    assert r.returncode == 2  # bad input, as the README says
     assert f"--metrics-port: cannot serve metrics on 127.0.0.1:{port}" in r.stderr
     assert "ran" not in r.stdout
     assert not (tmp_path / "logs").exists()  # no run started: no logs, no workers

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ftrun.errors import FtrunError
+from ftrun.errors import ConfigError
 from ftrun.observe.events import summarize
 from ftrun.observe.goodput import measure
 
@@ -42,9 +42,10 @@ class Metrics(Collector):
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as e:
-            raise FtrunError(
-                f"--metrics-port: cannot serve metrics on {host}:{port}: {e.strerror or e}; "
-                "pick a free port (each agent on a machine needs its own)"
+            raise ConfigError(  # bad input, found before anything started: exit 2
+                "--metrics-port",
+                f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
+                "pick a free port (each agent on a machine needs its own)",
             ) from None
         self.port = self._server.server_port
         self.url = f"http://{host}:{self.port}/metrics"

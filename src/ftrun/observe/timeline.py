@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ftrun.observe.history import NodeHistory
+from ftrun.private import write_atomically
 
 WIDTH, ROW, LEFT, TOP = 1000, 36, 160, 40
 COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728"}
 
 
 def write_timeline(histories: Sequence[NodeHistory], out: Path) -> None:
-    out.write_text(page(histories), encoding="utf-8")
+    write_atomically(out, page(histories))  # 0600, as every file of a run: it names hosts, paths and errors
 
 
 def page(histories: Sequence[NodeHistory]) -> str:
