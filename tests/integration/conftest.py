@@ -137,7 +137,14 @@ class LiveFtrun:
         self._selector.register(self._stdout, selectors.EVENT_READ)
         self._buffer = b""
         self.lines: list[str] = []
-        self.run_dir = tmp_path / f"logs{suffix}" / (run_id or "none")
+        self._logs, self._run_id = tmp_path / f"logs{suffix}", run_id
+
+    @property
+    def run_dir(self) -> Path:
+        """Without a run id (torchrun's default, "none"), the run is named after the script and its start."""
+        if self._run_id is not None:
+            return self._logs / self._run_id
+        return max(self._logs.iterdir(), key=lambda d: d.stat().st_mtime)
 
     def wait_for_lines(self, pattern: str, count: int, timeout: float = WAIT_S) -> list[re.Match[str]]:
         """Block until ``count`` stdout lines match ``pattern`` (or fail after ``timeout``)."""

@@ -50,8 +50,8 @@ from ftrun.procs.logs import (
     RankOutput,
     RankPaths,
     close_duplicates,
-    fresh_dir,
     open_duplicates,
+    open_run_dir,
 )
 from ftrun.procs.signals import SignalWakeup
 from ftrun.procs.signals import name as signal_name
@@ -80,8 +80,10 @@ class LocalGroup:
     ) -> LocalGroup:
         """This node's group: a run directory of its own (never an old run's), its event log, signals to ftrun
         caught from now on; the run announced, and the warm pool (when ``spawner`` is one) started."""
-        run_dir = fresh_dir(config.logs.base_dir / config.run_id, shared_base=config.logs.shared_base)
+        run_dir, pruned = open_run_dir(config)
         group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
+        if pruned:
+            group.say(pruned)
         echo = group._echo_event if config.echo_events else None
         group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
         group.wakeup = SignalWakeup.install()
@@ -241,10 +243,8 @@ class LocalGroup:
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
         """Sleep until something happens here, at most ``timeout_s`` (None: no limit but the hang checks).
-
-        Returns what happened (exits, signals to ftrun, hangs found) and whether
-        ``also`` (an extra fd, the rendezvous') became readable.
-        """
+        Returns what happened (exits, signals to ftrun, hangs found) and whether ``also`` (an extra fd, the
+        rendezvous') became readable."""
         running = bool(self._processes.running)
         self._update_status()
         refill = self._pool.seconds_to_refill() if self._pool is not None else None
@@ -318,8 +318,7 @@ class LocalGroup:
         return WorkersStopped(self._reports.crash_loop(self._this_attempt, self.status.stepped, self._watch.hangs.slot))
 
     def share_board(self, board: JobBoard) -> None:
-        """Publish root causes and hangs found here to the job's other nodes, and read theirs: a failure
-        elsewhere, or a hang whose quiet ranks here only waited."""
+        """Publish root causes and hangs found here to the other nodes, and read theirs (failures, hangs)."""
         board.interrupted = self.wakeup.arrived
         self._reports.board = board
         self._held.board = board

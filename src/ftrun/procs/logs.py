@@ -11,16 +11,19 @@ every writer is gone, so lines written just before a crash are kept.
 from __future__ import annotations
 
 import array
+import contextlib
 import fcntl
 import os
+import shutil
 import termios
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ftrun.config import LogSpec, Std
+from ftrun.config import LaunchConfig, LogSpec, Std
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
 
 _CHUNK = 65536
@@ -283,6 +286,37 @@ def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
     if size > max_bytes and lines:
         lines = lines[1:]  # the first line is probably cut
     return lines[-count:]
+
+
+KEEP_RUNS = 20  # run directories the default log directory keeps (the newest); a --log-dir of one's own keeps all
+
+
+def open_run_dir(config: LaunchConfig) -> tuple[Path, str]:
+    """The run's new directory, and what to say of the old ones removed. Named after the run id; torchrun's
+    default id, "none", names none: then the script and the start time do (train-20261126-175727). The default
+    log directory, in the shared temp dir, keeps the KEEP_RUNS newest runs of its user; a --log-dir keeps all."""
+    logs, name = config.logs, config.run_id
+    if name == "none":
+        name = f"{Path(config.entrypoint.target).name.removesuffix('.py') or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
+    if not logs.shared_base:
+        return run_dir, ""
+    runs = sorted((d for d in logs.base_dir.iterdir() if (d / "events.jsonl").is_file()), key=_touched, reverse=True)
+    recent = time.time() - 3600  # a run still going rewrites its status every second: never one of these
+    old = [d for d in runs[KEEP_RUNS:] if _touched(d) < recent]
+    for d in old:
+        shutil.rmtree(d, ignore_errors=True)
+    said = f"removed {len(old)} old run(s) from {logs.base_dir} (it keeps the {KEEP_RUNS} newest; --log-dir keeps all)"
+    return run_dir, said if old else ""
+
+
+def _touched(run_dir: Path) -> float:
+    """When the run last wrote its events or its status."""
+    times = [0.0]
+    for name in ("events.jsonl", "status.json"):
+        with contextlib.suppress(OSError):
+            times.append((run_dir / name).stat().st_mtime)
+    return max(times)
 
 
 def fresh_dir(path: Path, *, shared_base: bool = False) -> Path:
