@@ -298,7 +298,7 @@ def test_another_process_writing_all_the_time_is_read_whole(table: MonitorTable,
     finally:
         writer.kill()
         writer.communicate()
-    assert len(views) > 200
+    assert len(views) >= 100  # a third at least: on 2 busy cores the spinning writer outran 184 of 300 once
     assert all(v.pid == writer.pid for v in views)
     assert {len(v.sections) for v in views} <= {0, 1}
     assert all(name == "s" for v in views for name, _ in v.sections)
