@@ -258,7 +258,10 @@ def test_failures_right_after_a_restart_are_warm_before_the_pool_refilled(tmp_pa
     """The standbys taken by a restart are forked again only once its workers had time to start; a failure
     before then forks them on the spot, from the same zygote."""
     script("w.py", FAILS_AT_ONCE)
-    r = run_ftrun(tmp_path, *WARM, "--nproc-per-node", "2", "--max-restarts", "3", "w.py", env=POOL)
+    # The same failure before the first step, again and again: a crash loop, but these restarts are the point.
+    r = run_ftrun(
+        tmp_path, *WARM, "--nproc-per-node", "2", "--max-restarts", "3", "--crash-loop-limit", "0", "w.py", env=POOL
+    )
     assert r.returncode == 0, r.stderr
     restarts = [e for e in spawned(r) if e["attempt"] > 0]
     assert len(restarts) == 6

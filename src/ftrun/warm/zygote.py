@@ -330,7 +330,9 @@ def name_as_fresh(request: dict[str, Any]) -> None:
     """Show the command line a fresh worker has (`python3 -u train.py ARGS`), not the zygote's, to ps, pgrep -f,
     htop, nvidia-smi and kill scripts: setproctitle rewrites the process's argv area (/proc/PID/cmdline).
     Without setproctitle (not installed), the zygote's command line stays."""
-    setproctitle = sys.modules.pop("setproctitle", None)  # the job's modules are its own, as in a fresh worker
+    setproctitle = sys.modules.get("setproctitle")
+    for name in [m for m in sys.modules if m == "setproctitle" or m.startswith("setproctitle.")]:
+        del sys.modules[name]  # the job's modules are its own, as in a fresh worker (faulthandler lists them)
     if setproctitle is not None:
         module = ["-m"] if request["kind"] == "module" else []
         with keeping_the_name():
