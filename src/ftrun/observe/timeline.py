@@ -10,6 +10,7 @@ under it all. Hovering shows each piece whole. No script, no network: it opens f
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def _row(h: NodeHistory, y: int, x: object) -> list[str]:
                 f'<rect x="{at(s.failed) - 1.5:.1f}" y="{y - 4}" width="3" height="{ROW - 30}" '
                 f'fill="{COLORS["failure"]}"><title>{_esc(tip)}</title></rect>'
             )
-            short = s.cause if len(s.cause) <= LABEL_CHARS else s.cause[: LABEL_CHARS - 1] + "\u2026"
+            short = re.sub(r"^rank (\d+) \([^)]*\) ", r"rank \1: ", s.cause)  # who, and how: the rest on hover
+            short = short if len(short) <= LABEL_CHARS else short[: LABEL_CHARS - 1] + "\u2026"
             shapes.append(
                 f'<text x="{at(s.failed) + 3:.1f}" y="{y + ROW - 22}" fill="{COLORS["failure"]}" font-size="10">'
                 f"{_esc(short)}</text>"  # the whole of it: the mark's hover
