@@ -171,7 +171,7 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
     ).stdout
     assert f"ROOT CAUSE  node {lost} lost" in text
     assert "(round 1, 2 node(s))" in text  # each attempt's round and node count, the change named
-    assert "1 node(s), a node lost or gone: was 2)" in text
+    assert "1 node(s), node(s) lost or gone: was 2)" in text
     page = (other.run_dir / "timeline.html").read_text()
     assert f"lost {lost}" in page  # written on the chart, not only in a hover
     assert "-1 node(s): 1" in page

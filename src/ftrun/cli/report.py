@@ -56,8 +56,8 @@ def node_counts(h: NodeHistory) -> dict[int, str]:
             attempt = int(e.data.get("attempt", attempt)) + 1
         elif e.kind is EventKind.RENDEZVOUS:
             nodes = int(e.data.get("group_world_size") or 0)
-            change = f", a node lost or gone: was {before}" if before is not None and nodes < before else ""
-            change = f", a node joined: was {before}" if before is not None and nodes > before else change
+            change = f", node(s) lost or gone: was {before}" if before is not None and nodes < before else ""
+            change = f", node(s) joined: was {before}" if before is not None and nodes > before else change
             found[attempt] = f" (round {e.data.get('round')}, {nodes} node(s){change})"
             before = nodes
     return found
