@@ -161,6 +161,23 @@ def test_status_answers_from_the_events_before_the_first_status_record(tmp_path:
     assert job.wait() == 0
 
 
+def test_a_run_whose_agent_died_is_told_as_such_by_status_and_report(tmp_path: Path, job: LiveFtrun) -> None:
+    """An agent SIGKILLed (a lost machine, an OOM kill): status says the agent is gone and no longer lists its
+    ranks as running; report ends the run when the agent was last heard of, not "running to now"."""
+    until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job runs")
+    job.proc.kill()
+    job.wait()
+    gone = snapshot(str(job.run_dir))
+    assert gone["phase"] == "agent gone"
+    assert [r["state"] for r in gone["nodes"][0]["ranks"]] == ["unknown (agent gone)"] * 2
+    told = subprocess.run(
+        [sys.executable, "-m", "ftrun", "report", str(job.run_dir)], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert told.returncode == 0, told.stderr
+    assert "agent gone (last heard of at " in told.stdout
+    assert "to now" not in told.stdout
+
+
 def test_status_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
     out = status(str(tmp_path))
     assert out.returncode == 2

@@ -15,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ftrun.observe.timeline import COLORS
 from tests.integration.conftest import LiveFtrun, PortTaken, WriteScript, wait_gone, with_free_port
+from tests.integration.screenshot import colors, hex_rgb, screenshot
 
 WORKER = """
 import os, time
@@ -168,3 +170,12 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
         [sys.executable, "-m", "ftrun", "report", str(other.run_dir)], capture_output=True, text=True, timeout=60
     ).stdout
     assert f"ROOT CAUSE  node {lost} lost" in text
+    assert "(round 1, 2 node(s))" in text  # each attempt's round and node count, the change named
+    assert "1 node(s), node(s) lost or gone: was 2)" in text
+    page = (other.run_dir / "timeline.html").read_text()
+    assert f"lost {lost}" in page  # written on the chart, not only in a hover
+    assert "-1 node(s): 1" in page
+    seen = colors(screenshot(other.run_dir / "timeline.html", tmp_path / "timeline.png"))
+    legend = 60  # pixels of each colour's square in the legend, at most
+    for what in ("training", "failure", "node"):  # the bars, the failure's mark, the lost node's note
+        assert seen.get(hex_rgb(COLORS[what]), 0) > legend, (what, sorted(seen.items(), key=lambda kv: -kv[1])[:8])

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ftrun.errors import ConfigError
-from ftrun.observe.events import summarize
+from ftrun.observe.events import EventKind, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import NodeHistory, history
 from ftrun.observe.reporting import render, report_from_json, when
@@ -46,6 +46,23 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def node_counts(h: NodeHistory) -> dict[int, str]:
+    """Per attempt of an elastic job, its round and how many nodes it had, and the change when there was one."""
+    found: dict[int, str] = {}
+    before: int | None = None
+    attempt = 0  # a round is joined just before its attempt starts
+    for e in h.events:
+        if e.kind is EventKind.ATTEMPT_STARTED:
+            attempt = int(e.data.get("attempt", attempt)) + 1
+        elif e.kind is EventKind.RENDEZVOUS:
+            nodes = int(e.data.get("group_world_size") or 0)
+            change = f", node(s) lost or gone: was {before}" if before is not None and nodes < before else ""
+            change = f", node(s) joined: was {before}" if before is not None and nodes > before else change
+            found[attempt] = f" (round {e.data.get('round')}, {nodes} node(s){change})"
+            before = nodes
+    return found
+
+
 def text(h: NodeHistory) -> str:
     """The history as a person reads it, oldest first."""
     summary = summarize(h.events)
@@ -53,13 +70,14 @@ def text(h: NodeHistory) -> str:
         f"run {h.run_id} on {h.host} ({h.run_dir}): {h.outcome}, {summary.attempts} attempt(s), "
         f"{summary.restarts} restart(s)"
     ]
+    rounds = node_counts(h)
     for i, s in enumerate(h.spans):
         end = s.end if s.end is not None else h.finished
         took = f" ({end - s.start:.1f} s)" if end is not None else ""
         how = "failed" if s.cause else ("ended" if end is not None else "running")
         first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
         span = f"{when(s.start, date=False)} to {when(end, date=False, unknown='now')}"
-        lines.append(f"attempt {s.number}: {span}{took}{first}: {how}")
+        lines.append(f"attempt {s.number}: {span}{took}{first}: {how}{rounds.get(s.number, '')}")
         if s.report is not None:
             report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
             lines += ["  " + line for line in render(report).splitlines()]

@@ -139,6 +139,9 @@ def _check_agent(record: dict[str, Any]) -> None:
         os.kill(pid, 0)
     except ProcessLookupError:
         record["phase"] = "agent gone"
+        for rank in record.get("ranks", []):  # nobody watches them any more: what they do is not known
+            if rank.get("state") == "running":
+                rank["state"] = "unknown (agent gone)"
     except PermissionError:
         pass
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,4 +71,35 @@ def history(run_dir: Path) -> NodeHistory:
             span.cause = str(cause.get("summary", ""))
             found = run_dir / f"attempt_{span.number}" / "failure_report.json"
             span.report = found if found.exists() else None
+    if finished is None and events and (gone := agent_gone(run_dir, events[0])) is not None:
+        # Its agent died without a word (SIGKILL, a lost machine): the run ended when it was last heard of.
+        finished, outcome = gone, f"agent gone (last heard of at {time.strftime('%H:%M:%S', time.localtime(gone))})"
+        spans = [*spans[:-1], _ended(spans[-1], gone)] if spans else spans
     return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events))
+
+
+def _ended(span: Span, at: float) -> Span:
+    if span.end is None:
+        span.end = at
+    return span
+
+
+def agent_gone(run_dir: Path, started: Event) -> float | None:
+    """When a run that never finished was last heard of, if its agent is gone (its pid no longer alive on this
+    machine); None while it lives, or when that cannot be told here (read on another machine)."""
+    pid = started.data.get("agent_pid")
+    if started.data.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return None
+    else:
+        return None
+    heard = [started.wall]
+    for name in ("events.jsonl", "status.json"):
+        with contextlib.suppress(OSError):
+            heard.append((run_dir / name).stat().st_mtime)
+    return max(heard)

@@ -1,21 +1,28 @@
 """The timeline picture of ``ftrun report``: one self-contained HTML page with an SVG drawing.
 
-A row per node; per attempt a grey bar from its start to its first step (start-up
-or recovery), a green one from there to its end (training), a red mark where its
-root cause failed. Hovering shows what each piece is. No script, no network.
+A row per node: per attempt a grey bar from its start to its first step (start-up or recovery), a green one
+from there to its end (training); each failure a red mark with its cause written under it; above the bars,
+the node count when a round changed it (a node lost or joined) and the nodes lost by name; at the row's end
+the node's goodput and downtime, or "agent gone" where its agent died without a word. A time axis with ticks
+under it all. Hovering shows each piece whole. No script, no network: it opens from a copied log directory.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from ftrun.observe.events import EventKind, summarize
+from ftrun.observe.goodput import measure
 from ftrun.observe.history import NodeHistory
 from ftrun.private import write_atomically
 
-WIDTH, ROW, LEFT, TOP = 1000, 36, 160, 40
-COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728"}
+WIDTH, ROW, LEFT, TOP, RIGHT = 1200, 64, 180, 40, 190
+COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728", "node": "#1f5fbf"}
+TICKS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400)
+LABEL_CHARS = 48  # of a cause written on the chart (the whole of it on hover, and in the report)
 
 
 def write_timeline(histories: Sequence[NodeHistory], out: Path) -> None:
@@ -25,51 +32,120 @@ def write_timeline(histories: Sequence[NodeHistory], out: Path) -> None:
 def page(histories: Sequence[NodeHistory]) -> str:
     t0 = min(h.started for h in histories)
     t1 = max(_end(h) for h in histories)
-    scale = (WIDTH - LEFT - 20) / max(t1 - t0, 1e-6)
+    span_s = max(t1 - t0, 1e-6)
+    scale = (WIDTH - LEFT - RIGHT) / span_s
 
     def x(wall: float) -> float:
         return LEFT + (wall - t0) * scale
 
     shapes: list[str] = []
+    height = TOP + len(histories) * ROW + 40
+    shapes += _axis(span_s, x(t0), scale, height)
     for row, h in enumerate(histories):
-        y = TOP + row * ROW
-        shapes.append(f'<text x="4" y="{y + 17}">{html.escape(h.host)} ({html.escape(h.run_dir.name)})</text>')
-        for s in h.spans:
-            end = s.end if s.end is not None else _end(h)
-            stepped = s.first_step if s.first_step is not None else end
-            shapes.append(_bar(x(s.start), x(stepped), y, "startup", f"attempt {s.number}: start-up"))
-            if s.first_step is not None:
-                train_end = min(end, s.failed) if s.failed is not None else end
-                shapes.append(_bar(x(s.first_step), x(train_end), y, "training", f"attempt {s.number}: training"))
-            if s.failed is not None:
-                tip = html.escape(f"attempt {s.number} failed: {s.cause}")
-                shapes.append(
-                    f'<rect x="{x(s.failed) - 1.5:.1f}" y="{y - 4}" width="3" height="{ROW - 8}" '
-                    f'fill="{COLORS["failure"]}"><title>{tip}</title></rect>'
-                )
-    height = TOP + len(histories) * ROW + 30
-    axis = (
-        f'<text x="{LEFT}" y="{height - 8}">0 s</text>'
-        f'<text x="{WIDTH - 20}" y="{height - 8}" text-anchor="end">{t1 - t0:.1f} s</text>'
-    )
-    legend = " ".join(
-        f'<span style="color:{c}">&#9632;</span> {name}' for name, c in COLORS.items()
-    )  # fmt: skip
+        shapes += _row(h, TOP + row * ROW, x)
+    legend = " ".join(f'<span style="color:{c}">&#9632;</span> {name}' for name, c in COLORS.items())
     run = html.escape(histories[0].run_id)
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>ftrun run {run}</title></head>"
-        f"<body style='font-family:sans-serif'><h3>ftrun run {run}: attempts and failures per node</h3>"
+        f"<body style='font-family:sans-serif'><h3>ftrun run {run}: attempts, failures and nodes, per node</h3>"
         f"<p>{legend}</p><svg xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{height}' "
-        f"font-size='12'>{''.join(shapes)}{axis}</svg></body></html>\n"
+        f"font-size='12'>{''.join(shapes)}</svg></body></html>\n"
     )
+
+
+def _row(h: NodeHistory, y: int, x: object) -> list[str]:
+    at = x  # wall -> pixels
+    assert callable(at)
+    shapes = [f'<text x="4" y="{y + 17}">{_esc(h.host)}</text>']
+    shapes.append(f'<text x="4" y="{y + 31}" fill="#666" font-size="10">{_esc(h.run_dir.name)}</text>')
+    for s in h.spans:
+        end = s.end if s.end is not None else _end(h)
+        stepped = s.first_step if s.first_step is not None else end
+        shapes.append(_bar(at(s.start), at(stepped), y, "startup", f"attempt {s.number}: start-up"))
+        if s.first_step is not None:
+            train_end = min(end, s.failed) if s.failed is not None else end
+            shapes.append(_bar(at(s.first_step), at(train_end), y, "training", f"attempt {s.number}: training"))
+        if s.failed is not None:
+            tip = f"attempt {s.number} failed: {s.cause}"
+            shapes.append(
+                f'<rect x="{at(s.failed) - 1.5:.1f}" y="{y - 4}" width="3" height="{ROW - 30}" '
+                f'fill="{COLORS["failure"]}"><title>{_esc(tip)}</title></rect>'
+            )
+            short = re.sub(r"^rank (\d+) \([^)]*\) ", r"rank \1: ", s.cause)  # who, and how: the rest on hover
+            short = short if len(short) <= LABEL_CHARS else short[: LABEL_CHARS - 1] + "\u2026"
+            shapes.append(
+                f'<text x="{at(s.failed) + 3:.1f}" y="{y + ROW - 22}" fill="{COLORS["failure"]}" font-size="10">'
+                f"{_esc(short)}</text>"  # the whole of it: the mark's hover
+            )
+    shapes += _node_marks(h, y, at)
+    goodput, summary = measure(h.events), summarize(h.events)
+    tail = f"goodput {goodput.fraction:.0%}" if goodput.stepped else "goodput unknown"
+    tail += f", down {summary.downtime_s:.1f} s"
+    if h.outcome.startswith("agent gone"):
+        tail = h.outcome
+        shapes.append(f'<text x="{at(_end(h)) - 5:.1f}" y="{y + 14}" font-size="16" font-weight="bold">&#215;</text>')
+    shapes.append(f'<text x="{WIDTH - RIGHT + 10}" y="{y + 17}" font-size="11">{_esc(tail)}</text>')
+    return shapes
+
+
+def _node_marks(h: NodeHistory, y: int, at: object) -> list[str]:
+    """The node count where a round changed it, and the nodes lost by name (from the failure reports)."""
+    assert callable(at)
+    marks: list[str] = []
+    nodes: int | None = None
+    for e in h.events:
+        if e.kind is EventKind.RENDEZVOUS:
+            now = int(e.data.get("group_world_size") or 0)
+            if nodes is not None and now != nodes:
+                what = f"{'+' if now > nodes else '-'}{abs(now - nodes)} node(s): {now}"
+                marks.append(_note(at(e.wall), y - 8, what, f"round {e.data.get('round')}: {now} node(s)"))
+            nodes = now
+        elif e.kind is EventKind.FAILURE and isinstance(e.data.get("elsewhere"), dict):
+            lost = e.data["elsewhere"].get("lost")
+            if lost:
+                why = str(e.data["elsewhere"].get("what", ""))
+                marks.append(_note(at(e.wall), y - 8, f"lost {', '.join(map(str, lost))}", why))
+    return marks
+
+
+def _note(x0: float, y: int, text: str, tip: str) -> str:
+    return (
+        f'<text x="{x0:.1f}" y="{y}" fill="{COLORS["node"]}" font-size="10">&#9660; {_esc(text)}'
+        f"<title>{_esc(tip)}</title></text>"
+    )
+
+
+def _axis(span_s: float, x0: float, scale: float, height: int) -> list[str]:
+    """Ticks at a round step, about eight across."""
+    step = next((t for t in TICKS_S if span_s / t <= 10), TICKS_S[-1])
+    shapes = []
+    t = 0.0
+    while t <= span_s + 1e-9:
+        xt = x0 + t * scale
+        shapes.append(f'<line x1="{xt:.1f}" y1="{TOP - 20}" x2="{xt:.1f}" y2="{height - 24}" stroke="#e4e4e4"/>')
+        shapes.append(f'<text x="{xt:.1f}" y="{height - 8}" text-anchor="middle">{_duration(t)}</text>')
+        t += step
+    return shapes
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:g} min"
+    return f"{seconds / 3600:g} h"
 
 
 def _bar(x0: float, x1: float, y: int, kind: str, tip: str) -> str:
     width = max(1.0, x1 - x0)
     return (
-        f'<rect x="{x0:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 16}" fill="{COLORS[kind]}">'
-        f"<title>{html.escape(tip)}</title></rect>"
+        f'<rect x="{x0:.1f}" y="{y}" width="{width:.1f}" height="{ROW - 40}" fill="{COLORS[kind]}">'
+        f"<title>{_esc(tip)}</title></rect>"
     )
+
+
+def _esc(text: str) -> str:
+    return html.escape(text)
 
 
 def _end(h: NodeHistory) -> float:
