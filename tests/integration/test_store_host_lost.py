@@ -177,5 +177,5 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
     assert "-1 node(s): 1" in page
     seen = colors(screenshot(other.run_dir / "timeline.html", tmp_path / "timeline.png"))
     legend = 60  # pixels of each colour's square in the legend, at most
-    for what in ("training", "failure", "node"):  # the bars, the failure's mark, the lost node's note
+    for what in ("startup", "failure", "node"):  # the bars (this job never steps), the mark, the lost node
         assert seen.get(hex_rgb(COLORS[what]), 0) > legend, (what, sorted(seen.items(), key=lambda kv: -kv[1])[:8])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ftrun.observe.goodput import measure
 from ftrun.observe.history import NodeHistory
 from ftrun.private import write_atomically
 
-WIDTH, ROW, LEFT, TOP, RIGHT = 1200, 64, 180, 40, 190
+WIDTH, ROW, LEFT, TOP, RIGHT = 1200, 72, 180, 56, 190
 COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728", "node": "#1f5fbf"}
 TICKS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400)
 LABEL_CHARS = 48  # of a cause written on the chart (the whole of it on hover, and in the report)
@@ -73,8 +74,10 @@ def _row(h: NodeHistory, y: int, x: object) -> list[str]:
             )
             short = re.sub(r"^rank (\d+) \([^)]*\) ", r"rank \1: ", s.cause)  # who, and how: the rest on hover
             short = short if len(short) <= LABEL_CHARS else short[: LABEL_CHARS - 1] + "\u2026"
+            near_end = at(s.failed) > WIDTH - RIGHT - 260  # written leftwards there, inside the chart
+            where = f'x="{at(s.failed) - 3:.1f}" text-anchor="end"' if near_end else f'x="{at(s.failed) + 3:.1f}"'
             shapes.append(
-                f'<text x="{at(s.failed) + 3:.1f}" y="{y + ROW - 22}" fill="{COLORS["failure"]}" font-size="10">'
+                f'<text {where} y="{y + ROW - 22}" fill="{COLORS["failure"]}" font-size="10">'
                 f"{_esc(short)}</text>"  # the whole of it: the mark's hover
             )
     shapes += _node_marks(h, y, at)
@@ -91,20 +94,26 @@ def _row(h: NodeHistory, y: int, x: object) -> list[str]:
 def _node_marks(h: NodeHistory, y: int, at: object) -> list[str]:
     """The node count where a round changed it, and the nodes lost by name (from the failure reports)."""
     assert callable(at)
-    marks: list[str] = []
+    notes: list[tuple[float, str, str]] = []
     nodes: int | None = None
     for e in h.events:
         if e.kind is EventKind.RENDEZVOUS:
             now = int(e.data.get("group_world_size") or 0)
             if nodes is not None and now != nodes:
                 what = f"{'+' if now > nodes else '-'}{abs(now - nodes)} node(s): {now}"
-                marks.append(_note(at(e.wall), y - 8, what, f"round {e.data.get('round')}: {now} node(s)"))
+                notes.append((at(e.wall), what, f"round {e.data.get('round')}: {now} node(s)"))
             nodes = now
         elif e.kind is EventKind.FAILURE and isinstance(e.data.get("elsewhere"), dict):
             lost = e.data["elsewhere"].get("lost")
             if lost:
                 why = str(e.data["elsewhere"].get("what", ""))
-                marks.append(_note(at(e.wall), y - 8, f"lost {', '.join(map(str, lost))}", why))
+                notes.append((at(e.wall), f"lost {', '.join(map(str, lost))}", why))
+    marks: list[str] = []
+    lift, last = 0, -1e9
+    for x0, what, tip in sorted(notes):
+        lift = lift + 11 if x0 - last < 160 else 0  # notes close together stand one above the other
+        last = x0
+        marks.append(_note(x0, y - 8 - lift, what, tip))
     return marks
 
 
@@ -149,5 +158,9 @@ def _esc(text: str) -> str:
 
 
 def _end(h: NodeHistory) -> float:
-    ends = [s.end for s in h.spans if s.end is not None]
-    return h.finished if h.finished is not None else max(ends, default=h.started)
+    """When the node's run ended; now for one still going (its last attempt has no end yet)."""
+    if h.finished is not None:
+        return h.finished
+    if h.spans and h.spans[-1].end is None:
+        return time.time()
+    return max((s.end for s in h.spans if s.end is not None), default=h.started)
