@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ftrun.clock import Clock
 from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
 from ftrun.jsonobject import object_or_none
-from ftrun.observe.events import Event, EventKind, read_events, summarize
+from ftrun.observe.events import Event, EventKind, RunSummary, read_events, summarize
 from ftrun.observe.goodput import measure
 from ftrun.private import write_atomically
 from ftrun.procs.workers import Worker, WorkerState
@@ -172,13 +172,7 @@ class NodeStatus:
             "phase": phase,
             "round": round_,
             "world_size": world_size,
-            "attempts": summary.attempts,
-            "restarts": summary.restarts,
-            "hangs": summary.hangs,
-            "downtime_s": round(summary.downtime_s, 3),
-            "outcome": summary.outcome,
-            "exit_code": summary.exit_code,
-            "root_causes": [str(c.get("summary", ""))[:MAX_CAUSE_CHARS] for c in summary.root_causes[-MAX_CAUSES:]],
+            **_told(summary),
             "goodput": measure(events, now=self._clock.monotonic()).to_json(),
             "ranks": ranks,
             # The workers' monitor table (ranks by local rank): a reader on this machine takes heartbeats from
@@ -241,17 +235,25 @@ def status_from_events(run_dir: Path) -> dict[str, Any] | None:
         "phase": _phase_of(events, attempt),
         "round": None,
         "world_size": 0,
+        **_told(summary),
+        "goodput": None,
+        "ranks": [ranks[r] for r in sorted(ranks)],
+        "monitor": None,
+        "from_events": True,  # the status record is not written yet: what the events say
+    }
+
+
+def _told(summary: RunSummary) -> dict[str, Any]:
+    """What a status record says of the run so far, from its events."""
+    causes = summary.root_causes[-MAX_CAUSES:]
+    return {
         "attempts": summary.attempts,
         "restarts": summary.restarts,
         "hangs": summary.hangs,
         "downtime_s": round(summary.downtime_s, 3),
         "outcome": summary.outcome,
         "exit_code": summary.exit_code,
-        "root_causes": [str(c.get("summary", ""))[:MAX_CAUSE_CHARS] for c in summary.root_causes[-MAX_CAUSES:]],
-        "goodput": None,
-        "ranks": [ranks[r] for r in sorted(ranks)],
-        "monitor": None,
-        "from_events": True,  # the status record is not written yet: what the events say
+        "root_causes": [str(c.get("summary", ""))[:MAX_CAUSE_CHARS] for c in causes],
     }
 
 
