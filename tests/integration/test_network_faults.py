@@ -216,11 +216,9 @@ def all_train(tmp: Path, nodes: set[str], since: float) -> bool:
     return {str(x["node"]) for x in lines(tmp) if x["world"] == world and float(x["t"]) > since} == nodes  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("cut_off", [("a",), ("c",)], ids=["the-store-host-alone", "one-node-alone"])
-def test_a_partition_into_two_sides_never_trains_twice(tmp_path: Path, cut_off: tuple[str, ...]) -> None:
-    """Three nodes, one side of a partition cut off from the other (the store's host alone, or another node
-    alone): only the side with the store trains on; the other fences itself and waits (there is one store:
-    no second job forms); after the heal all three train together again."""
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[tuple[netns.Network, dict[str, netns.Node], list[Agent]]]:
+    """Three nodes of a 1:3 job training together, the store hosted by a's agent; all stopped at the end."""
     (tmp_path / "train.py").write_text(TRAINS)
     agents: list[Agent] = []
     with netns.Network() as net:
@@ -228,20 +226,7 @@ def test_a_partition_into_two_sides_never_trains_twice(tmp_path: Path, cut_off: 
             nodes = {name: net.add(name) for name in "abc"}
             agents += [Agent(n, nodes["a"], tmp_path, "--nnodes", "1:3") for n in nodes.values()]
             until(lambda: all_train(tmp_path, set("abc"), 0.0), "three nodes train together", WAIT_S * 3)
-            for name in cut_off:
-                net.cut(nodes[name])
-            cut_at = time.time()
-            with_store = set("abc") - set(cut_off) if "a" not in cut_off else {"a"}
-            until(lambda: all_train(tmp_path, with_store, cut_at), f"{sorted(with_store)} train on", 60.0)
-            time.sleep(max(0.0, cut_at + 6.0 - time.time()))  # the partition lasts 6 s in all (TTL 3 s)
-            for name in cut_off:
-                net.heal(nodes[name])
-            healed_at = time.time()
-            until(lambda: all_train(tmp_path, set("abc"), healed_at), "three nodes train together again", 120.0)
-            assert_no_two_rounds_trained_at_once(tmp_path)
-            fenced = [x for x in agents if x.node.name not in with_store]
-            assert all("stopping them" in x.stderr for x in fenced), [x.stderr for x in fenced]
-            finish(tmp_path, agents)
+            yield net, nodes, agents
         finally:
             (tmp_path / "stop").touch()
             for agent in agents:
@@ -250,31 +235,45 @@ def test_a_partition_into_two_sides_never_trains_twice(tmp_path: Path, cut_off: 
                 agent.close()
 
 
-def test_a_partition_during_a_takeover_never_makes_a_second_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut_off", [("a",), ("c",)], ids=["the-store-host-alone", "one-node-alone"])
+def test_a_partition_into_two_sides_never_trains_twice(
+    tmp_path: Path, three: tuple[netns.Network, dict[str, netns.Node], list[Agent]], cut_off: tuple[str, ...]
+) -> None:
+    """Three nodes, one side of a partition cut off from the other (the store's host alone, or another node
+    alone): only the side with the store trains on; the other fences itself and waits (there is one store:
+    no second job forms); after the heal all three train together again."""
+    net, nodes, agents = three
+    for name in cut_off:
+        net.cut(nodes[name])
+    cut_at = time.time()
+    with_store = set("abc") - set(cut_off) if "a" not in cut_off else {"a"}
+    until(lambda: all_train(tmp_path, with_store, cut_at), f"{sorted(with_store)} train on", 60.0)
+    time.sleep(max(0.0, cut_at + 6.0 - time.time()))  # the partition lasts 6 s in all (TTL 3 s)
+    for name in cut_off:
+        net.heal(nodes[name])
+    healed_at = time.time()
+    until(lambda: all_train(tmp_path, set("abc"), healed_at), "three nodes train together again", 120.0)
+    assert_no_two_rounds_trained_at_once(tmp_path)
+    fenced = [x for x in agents if x.node.name not in with_store]
+    assert all("stopping them" in x.stderr for x in fenced), [x.stderr for x in fenced]
+    finish(tmp_path, agents)
+
+
+def test_a_partition_during_a_takeover_never_makes_a_second_store(
+    tmp_path: Path, three: tuple[netns.Network, dict[str, netns.Node], list[Agent]]
+) -> None:
     """Three nodes; the store's host dies while another node is cut off. The node that can tell (its connection
     refused) takes over; the node cut off proves nothing (no answer is no refusal): it fences itself and never
     hosts a store of its own. After the heal the two survivors train together, and no two rounds ever trained
     at once."""
-    (tmp_path / "train.py").write_text(TRAINS)
-    agents: list[Agent] = []
-    with netns.Network() as net:
-        try:
-            nodes = {name: net.add(name) for name in "abc"}
-            agents += [Agent(n, nodes["a"], tmp_path, "--nnodes", "1:3") for n in nodes.values()]
-            until(lambda: all_train(tmp_path, set("abc"), 0.0), "three nodes train together", WAIT_S * 3)
-            net.cut(nodes["c"])
-            agents[0].close()  # the store's host, with its worker
-            time.sleep(6.0)  # the partition outlasts c's lease (TTL 3 s) and the proof that a is gone (2 s)
-            net.heal(nodes["c"])
-            healed_at = time.time()
-            until(lambda: all_train(tmp_path, {"b", "c"}, healed_at), "b and c train together", 120.0)
-            assert_no_two_rounds_trained_at_once(tmp_path)
-            hosts = [x.node.name for x in agents[1:] if "this node hosts the store now" in x.stderr]
-            assert len(hosts) == 1, [x.stderr for x in agents[1:]]  # one store, ever
-            finish(tmp_path, agents[1:])
-        finally:
-            (tmp_path / "stop").touch()
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.proc.wait(WAIT_S)
-                agent.close()
+    net, nodes, agents = three
+    net.cut(nodes["c"])
+    agents[0].close()  # the store's host, with its worker
+    time.sleep(6.0)  # the partition outlasts c's lease (TTL 3 s) and the proof that a is gone (2 s)
+    net.heal(nodes["c"])
+    healed_at = time.time()
+    until(lambda: all_train(tmp_path, {"b", "c"}, healed_at), "b and c train together", 120.0)
+    assert_no_two_rounds_trained_at_once(tmp_path)
+    hosts = [x.node.name for x in agents[1:] if "this node hosts the store now" in x.stderr]
+    assert len(hosts) == 1, [x.stderr for x in agents[1:]]  # one store, ever
+    finish(tmp_path, agents[1:])
