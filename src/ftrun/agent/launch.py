@@ -208,7 +208,6 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         rendezvous = rendezvous_for(
             config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True),
             move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
-            watch_peers=not config.rdzv.embedded_store,
         )  # fmt: skip
         succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
@@ -294,7 +293,6 @@ def rendezvous_for(
     warn: Callable[[str], None] | None = None,
     move_store: Callable[[Head | None], None] | None = None,
     liveness: Liveness | None = None,
-    watch_peers: bool = False,
 ) -> Rendezvous:
     """This node's side of the rendezvous of ``config``'s job (not started)."""
     conf = config.rdzv.conf
@@ -311,7 +309,9 @@ def rendezvous_for(
 
     return Rendezvous(
         store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
-        move_store=move_store, liveness=liveness if watch_peers else None,
+        # The agents watch each other's connections only where a dead agent's lease outlives it (etcd); the
+        # embedded store ties leases to connections already, and uses the listener's port alone (Me).
+        move_store=move_store, liveness=None if config.rdzv.embedded_store else liveness,
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from ftrun.job.board import read_statuses
 from ftrun.monitor.table import read_live
 from ftrun.node.addresses import DEFAULT_STORE_PORT
 from ftrun.observe.node_status import STATUS_FILE, read_status, slot_progress, status_from_events
+from ftrun.procs.logs import last_written
 from ftrun.worker.layout import SlotView
 
 REFRESH_S = 1.0
@@ -125,7 +126,7 @@ def find_run_dir(path: Path) -> Path:
     runs = [d for d in path.iterdir() if (d / STATUS_FILE).exists() or (d / "events.jsonl").exists()]
     if not runs:
         raise ConfigError("RUN_DIR", f"{path} holds no ftrun run", "pass the directory printed as 'logs in ...'")
-    return max(runs, key=lambda d: (d / "events.jsonl").stat().st_mtime if (d / "events.jsonl").exists() else 0.0)
+    return max(runs, key=last_written)
 
 
 def _check_agent(record: dict[str, Any]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from ftrun.errors import ConfigError
 from ftrun.observe.events import Event, EventKind, failed_mono, read_events
+from ftrun.procs.logs import last_written
 
 
 @dataclass(slots=True)
@@ -74,14 +74,14 @@ def history(run_dir: Path) -> NodeHistory:
     if finished is None and events and (gone := agent_gone(run_dir, events[0])) is not None:
         # Its agent died without a word (SIGKILL, a lost machine): the run ended when it was last heard of.
         finished, outcome = gone, f"agent gone (last heard of at {time.strftime('%H:%M:%S', time.localtime(gone))})"
-        spans = [*spans[:-1], _ended(spans[-1], gone)] if spans else spans
+        _end_last(spans, gone)
     return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events))
 
 
-def _ended(span: Span, at: float) -> Span:
-    if span.end is None:
-        span.end = at
-    return span
+def _end_last(spans: list[Span], at: float) -> None:
+    """The attempt still open when the run's agent died ends then."""
+    if spans and spans[-1].end is None:
+        spans[-1].end = at
 
 
 def agent_gone(run_dir: Path, started: Event) -> float | None:
@@ -98,8 +98,4 @@ def agent_gone(run_dir: Path, started: Event) -> float | None:
         return None
     else:
         return None
-    heard = [started.wall]
-    for name in ("events.jsonl", "status.json"):
-        with contextlib.suppress(OSError):
-            heard.append((run_dir / name).stat().st_mtime)
-    return max(heard)
+    return max(started.wall, last_written(run_dir))

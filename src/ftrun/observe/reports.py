@@ -71,7 +71,7 @@ class Reports:
         (when its workers were only stopped), or the nodes ``lost`` (whatever the workers here did after)."""
         failed = any(w.state is WorkerState.FAILED for w in a.workers)
         if lost:
-            node = {"lost": list(lost), "node": lost[0], "what": lost_why, "noticed": True}
+            node = {"lost": list(lost), "node": lost[0], "what": lost_why}
             stopped = next((w for w in a.workers if w.state is WorkerState.STOPPED), None)
             if failed or stopped is not None:
                 root = outcome(stopped, self._host, a.oom_killed) if stopped is not None and not failed else None

@@ -301,17 +301,18 @@ def open_run_dir(config: LaunchConfig) -> tuple[Path, str]:
     run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
     if not logs.shared_base:
         return run_dir, ""
-    runs = sorted((d for d in logs.base_dir.iterdir() if (d / "events.jsonl").is_file()), key=_touched, reverse=True)
+    runs = [d for d in logs.base_dir.iterdir() if (d / "events.jsonl").is_file()]
+    runs.sort(key=last_written, reverse=True)
     recent = time.time() - 3600  # a run still going rewrites its status every second: never one of these
-    old = [d for d in runs[KEEP_RUNS:] if _touched(d) < recent]
+    old = [d for d in runs[KEEP_RUNS:] if last_written(d) < recent]
     for d in old:
         shutil.rmtree(d, ignore_errors=True)
     said = f"removed {len(old)} old run(s) from {logs.base_dir} (it keeps the {KEEP_RUNS} newest; --log-dir keeps all)"
     return run_dir, said if old else ""
 
 
-def _touched(run_dir: Path) -> float:
-    """When the run last wrote its events or its status."""
+def last_written(run_dir: Path) -> float:
+    """When the run last wrote its events or its status (0: neither is there)."""
     times = [0.0]
     for name in ("events.jsonl", "status.json"):
         with contextlib.suppress(OSError):
