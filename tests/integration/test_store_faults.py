@@ -24,6 +24,7 @@ from ftrun.errors import StoreAuthError, StoreUnavailable, WatchLost
 from ftrun.store import wire
 from ftrun.store.base import EventType
 from ftrun.store.factory import open_store
+from ftrun.store.greeting import OPENING
 from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.tcp_server import RECONNECT_GRACE_S, TcpStoreServer
 from ftrun.testing.etcd import EtcdHarness
@@ -211,7 +212,8 @@ def test_a_fake_store_that_asks_for_a_token_but_cannot_prove_it_is_refused() -> 
             conn, _ = listener.accept()
             with conn:
                 conn.sendall(wire.encode({"v": wire.VERSION, "store_id": "fake", "nonce": b"n" * 16, "auth": True}))
-                conn.recv(65536)  # the client's nonce and proof
+                assert wire.read_exactly(conn, len(OPENING)) == OPENING
+                wire.read_frame(conn)  # the client's nonce and proof
                 conn.sendall(wire.encode({"ok": True, "proof": b"\0" * 32}))
                 conn.settimeout(2)
                 try:
@@ -254,14 +256,15 @@ def _raw_exchange(port: int, payload: bytes) -> None:
 def test_garbage_frames_never_hurt_the_server(server: TcpStoreServer, client: TcpStoreClient, junk: bytes) -> None:
     _raw_exchange(server.port, junk)
     _raw_exchange(server.port, wire.HEADER.pack(len(junk)) + junk)
+    _raw_exchange(server.port, OPENING + wire.HEADER.pack(len(junk)) + junk)  # past the opening, to the handshake
     assert client.put("/alive", junk[:16]) > 0
 
 
 def test_oversized_and_malformed_frames_after_auth(server: TcpStoreServer, client: TcpStoreClient) -> None:
     unauth = TcpStoreServer().start()  # no token: the frames below reach the request parser
     try:
-        _raw_exchange(unauth.port, wire.HEADER.pack(wire.MAX_FRAME + 1))
-        hello_reply = wire.encode({"nonce": b"0" * wire.NONCE_BYTES})
+        _raw_exchange(unauth.port, OPENING + wire.HEADER.pack(wire.MAX_FRAME + 1))
+        hello_reply = OPENING + wire.encode({"nonce": b"0" * wire.NONCE_BYTES})
         for body in (b"\xc1", wire.encode({"id": "x", "op": 1})[4:], wire.encode({"id": 1, "op": "get"})[4:]):
             _raw_exchange(unauth.port, hello_reply + wire.HEADER.pack(len(body)) + body)
         good = TcpStoreClient("127.0.0.1", unauth.port)
@@ -276,6 +279,7 @@ def test_a_thousand_concurrent_connections(server: TcpStoreServer) -> None:
     async def one(i: int) -> object:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
+            writer.write(OPENING)
             hello = wire.decode(await reader.readexactly(wire.frame_length(await reader.readexactly(4))))
             mine = wire.new_nonce()
             writer.write(wire.encode({"nonce": mine, "proof": wire.proof(TOKEN, b"client", hello["nonce"], mine)}))

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ftrun.errors import StoreProtocolError
 from ftrun.store.tcp import TcpStoreClient
-from tests.integration.conftest import PortTaken, Result, WriteScript, run_ftrun, with_free_port
+from tests.integration.conftest import (
+    CONF,
+    WAIT_S,
+    LiveFtrun,
+    PortTaken,
+    Result,
+    WriteScript,
+    run_ftrun,
+    with_free_port,
+    write_gate,
+)
 
 USES_STORE = """
 import os, sys
@@ -65,3 +80,109 @@ def test_ftrun_store_command(tmp_path: Path) -> None:
             proc.wait(30)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+WAITS_FOR_GATE = """
+import os, sys
+print(os.environ["TORCHELASTIC_RUN_ID"], "waiting", flush=True)
+open(sys.argv[1]).read()
+print(os.environ["TORCHELASTIC_RUN_ID"], "done", flush=True)
+"""
+
+
+def test_two_jobs_share_an_endpoint_and_the_hosts_agent_serves_on_until_the_other_ends(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """Job A's agent hosts the store, job B joins it on the same endpoint: both are told at the start, and when
+    A ends first its agent keeps serving B's store until B ends (before, B lost its store with A's agent)."""
+    script("w.py", WAITS_FOR_GATE)
+    for job in "ab":
+        os.mkfifo(tmp_path / f"gate-{job}")
+
+    def start(job: str, port: int) -> LiveFtrun:
+        agent = LiveFtrun(
+            tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-conf", CONF, "w.py", f"gate-{job}", name=job, run_id=job,
+        )  # fmt: skip
+        live.append(agent)
+        return agent
+
+    def host_a(port: int) -> tuple[LiveFtrun, int]:
+        a = start("a", port)
+        line = a.wait_for_stderr("hosting the rendezvous store|cannot host the store")
+        if "cannot host" in line:
+            raise PortTaken(line)
+        return a, port
+
+    a, port = with_free_port(host_a)
+    a.wait_for_lines("a waiting", 1)
+    b = start("b", port)
+    assert "this job shares it" in b.wait_for_stderr(f"the store on 127.0.0.1:{port} belongs to job 'a'")
+    b.wait_for_lines("b waiting", 1)
+    a.wait_for_stderr(r"job 'b' \(from 127\.0\.0\.1:\d+\) uses the store this agent hosts too")
+
+    write_gate(tmp_path / "gate-a", "go")
+    a.wait_for_stderr(r"job\(s\) 'b' still use the store this agent hosts")
+    assert a.proc.poll() is None, "A's agent left while B still used its store"
+
+    write_gate(tmp_path / "gate-b", "go")
+    assert b.wait() == 0, b.stderr()
+    assert a.wait() == 0, a.stderr()
+    assert "b done" in b.lines
+    assert "the other jobs left the store" in a.stderr()
+
+
+def test_a_port_held_by_something_else_is_named_at_once(tmp_path: Path, script: WriteScript) -> None:
+    """A web server, or a listener that never speaks, on the endpoint's port here: named with its process, exit
+    2, before any handshake would have timed out (15 s)."""
+    script("w.py", "print('never runs')\n")
+    web = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert web.stdout is not None
+        served = re.search(r"port (\d+)", web.stdout.readline())
+        assert served, "http.server did not say its port"
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            for port, what in (
+                (served.group(1), "answered '<!DOCTYPE HTML>"),
+                (silent.getsockname()[1], "said nothing"),
+            ):
+                r = run_ftrun(
+                    tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "w.py", timeout=12,
+                )  # fmt: skip
+                assert r.returncode == 2, r.stderr
+                assert what in r.stderr
+                holder = web.pid if what.startswith("answered") else os.getpid()
+                assert f"the port is held by process {holder} (" in r.stderr
+                assert "never runs" not in r.stdout
+    finally:
+        web.terminate()
+        web.wait(WAIT_S)
+        assert web.stdout is not None
+        web.stdout.close()
+
+
+def test_a_client_names_a_web_server_on_the_stores_endpoint_without_retrying() -> None:
+    """Elsewhere (another node's view of the endpoint) the client's opening line has a web server answer at once."""
+    web = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert web.stdout is not None
+        served = re.search(r"port (\d+)", web.stdout.readline())
+        assert served, "http.server did not say its port"
+        client = TcpStoreClient("127.0.0.1", int(served.group(1)), retry_deadline_s=WAIT_S)
+        with pytest.raises(StoreProtocolError, match="is not an ftrun store: it answered '<!DOCTYPE HTML>"):
+            client.get("/x")  # not retried: retries would end as StoreUnavailable, a minute later
+        client.close()
+    finally:
+        web.terminate()
+        web.wait(WAIT_S)
+        assert web.stdout is not None
+        web.stdout.close()

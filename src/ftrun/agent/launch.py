@@ -8,7 +8,6 @@ store served from this process. Nothing here decides anything.
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import socket
@@ -21,22 +20,21 @@ from ftrun.agent import elastic, static
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
-from ftrun.agent.failover import StoreSuccession, open_job_store, serve_store
 from ftrun.agent.group import LocalGroup
 from ftrun.agent.health import HealthWatch
+from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
-from ftrun.errors import ConfigError, FtrunError
+from ftrun.errors import ConfigError
 from ftrun.job.agreement import TimeoutAgreement
 from ftrun.job.board import JobBoard
 from ftrun.job.departures import wait_for_departures
 from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.peer_relay import job_key
-from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
+from ftrun.node.addresses import DEFAULT_STORE_PORT
 from ftrun.node.health import Verdict
-from ftrun.node.ports import in_use, is_local_address, reserve_port
-from ftrun.observe.events import EventKind
+from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
 from ftrun.procs.logs import Console
 from ftrun.procs.warden import Warden
@@ -95,6 +93,7 @@ def _launch(config: LaunchConfig) -> int:
             return run_static(config, group, clock)
         finally:
             if server is not None:
+                serve_on_for_others(server, group)
                 server.stop()
     finally:
         health.close()
@@ -313,38 +312,3 @@ def rendezvous_for(
         # embedded store ties leases to connections already, and uses the listener's port alone (Me).
         move_store=move_store, liveness=None if config.rdzv.embedded_store else liveness,
     )  # fmt: skip
-
-
-def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:
-    """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d).
-
-    In an elastic job several agents may share a machine (and the endpoint): the
-    first one to bind hosts the store; the others find the port taken and are clients.
-    """
-    r = config.rdzv
-    wanted = r.conf.is_host
-    if wanted is None:  # no endpoint host: this machine (one node; the CLI insists on one for more)
-        wanted = config.standalone or not r.endpoint_host or is_local_address(r.endpoint_host)
-    if not r.embedded_store or not wanted:
-        return None
-    host = r.endpoint_host or "127.0.0.1"
-    port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
-    try:
-        server = serve_store(config, host, port)
-    except OSError as e:
-        if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
-            group.say(f"{host}:{port} is taken, presumably by another agent's store: joining it as a client")
-            return None
-        raise FtrunError(
-            f"--rdzv-endpoint: cannot host the store on {host}:{port}: {e.strerror or e}; "
-            "pick a free port (or :0) or stop whatever holds it"
-        ) from None
-    group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
-    group.say(f"hosting the rendezvous store on {host}:{server.port}")
-    if r.token is None and not r.store_url.startswith("tcps://") and not is_loopback(host):
-        group.say(
-            f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
-            "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",
-            always=True,
-        )
-    return server

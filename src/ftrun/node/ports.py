@@ -108,3 +108,21 @@ def is_local_address(host: str) -> bool:
                 continue
             return True
     return False
+
+
+def listener_of(port: int) -> str:
+    """Who listens on TCP ``port`` here, as a person would name it: "process 1234 (python3 -m http.server)"."""
+    import psutil  # only when a port is found taken
+
+    try:
+        listening = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr]
+        pids = {c.pid for c in listening if getattr(c.laddr, "port", None) == port}
+    except psutil.Error:
+        pids = set()
+    for pid in sorted(p for p in pids if p is not None):
+        try:
+            command = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        return f"process {pid} ({' '.join(command.split())[:100]})"
+    return f"a process this user cannot see (`sudo ss -ltnp 'sport = :{port}'` names it)"

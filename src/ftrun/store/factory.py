@@ -8,7 +8,9 @@ from ftrun.store.url import StoreUrl, parse_store_url, read_token_file
 DEFAULT_CALL_TIMEOUT_S = 30.0
 
 
-def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_s: float = 30.0) -> Store:
+def open_store(
+    url: str | StoreUrl, *, token: str | None = None, retry_deadline_s: float = 30.0, job: str = ""
+) -> Store:
     """Open any store by URL.
 
     Args:
@@ -18,6 +20,8 @@ def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_
         retry_deadline_s: how long an operation keeps retrying while the store is
             unreachable before it raises StoreUnavailable. Longer rides out a
             store restart; shorter notices a dead store sooner.
+        job: the job the client works for, told to an embedded store (which
+            an agent keeps serving at its own job's end while another uses it).
     """
     parsed = url if isinstance(url, StoreUrl) else parse_store_url(url)
     if parsed.scheme == "memory":
@@ -40,7 +44,7 @@ def open_store(url: str | StoreUrl, *, token: str | None = None, retry_deadline_
         # its hands back in time to act on it (its lease's clock decides, not a store call returning).
         timeout = min(retry_deadline_s, DEFAULT_CALL_TIMEOUT_S)
         return TcpStoreClient(
-            host, port, token=token, retry_deadline_s=retry_deadline_s, call_timeout_s=timeout, tls=tls
+            host, port, token=token, retry_deadline_s=retry_deadline_s, call_timeout_s=timeout, tls=tls, job=job
         )
     from ftrun.store.etcd import EtcdStore
 

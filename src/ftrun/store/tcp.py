@@ -39,6 +39,7 @@ from ftrun.errors import (
 )
 from ftrun.store import wire
 from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value
+from ftrun.store.greeting import authenticate, greet
 from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
 from ftrun.store.tls import TlsChannel
 from ftrun.store.watchqueue import QueuedWatch
@@ -93,8 +94,10 @@ class TcpStoreClient:
         call_timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         tls: ssl.SSLContext | None = None,
+        job: str = "",
     ) -> None:
-        """``tls``: the client's context (:func:`ftrun.store.tls.client_context`) for a store served over TLS."""
+        """``tls``: the client's context (:func:`ftrun.store.tls.client_context`) for a store served over TLS;
+        ``job``: the job this client works for, told to the store (which serves on while another job uses it)."""
         self._tls = tls
         self.endpoint = f"{'tcps' if tls else 'tcp'}://{host}:{port}"
         self._address = (host, port)
@@ -116,6 +119,8 @@ class TcpStoreClient:
         self._subscriptions: dict[int, _Subscription] = {}  # by the id of their current watch request
         self._closed = False
         self._client_id = secrets.token_hex(16)  # the same on every connection: the server keeps its leases
+        self.job = job
+        self.host_job = ""  # the job whose agent hosts the store, as its greeting said
         self._lost_why = ""
         self.on_reconnect: Callable[[str], None] = lambda text: None  # told when a broken connection is back
         # Asked while a store that never answered refuses connections: its host proven dead, it is gone too.
@@ -233,7 +238,7 @@ class TcpStoreClient:
         try:
             if not _readable(sock, timeout_s):
                 return False
-            message = self._read(sock)
+            message = wire.read_frame(sock)
         except (OSError, ValueError, EOFError, StoreProtocolError) as e:  # ValueError: closed meanwhile
             self._lost(sock, str(e) or type(e).__name__)
             return False
@@ -299,7 +304,7 @@ class TcpStoreClient:
             sock.settimeout(max(self._connect_timeout_s, self._call_timeout_s))
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: the greeting's
-                store_id = self._tls_handshake(sock)
+                store_id = self._handshake(sock)
                 conn = TlsChannel(sock)
             else:
                 store_id = self._handshake(sock)
@@ -336,47 +341,20 @@ class TcpStoreClient:
             return StoreGone(f"the store {self.endpoint} never answered, and its host's agent is gone")
         return RequestNotSent(f"{self.endpoint}: cannot connect: {e}")
 
-    def _tls_handshake(self, sock: ssl.SSLSocket) -> str:
+    def _handshake(self, sock: socket.socket) -> str:  # an SSLSocket is one
+        """The store's id, once each side proved the token (:mod:`ftrun.store.greeting`)."""
         try:
-            return self._handshake(sock)
+            greeting = greet(sock, self.endpoint)
+            authenticate(sock, self.endpoint, greeting, self._token, self._client_id, self.job)
         except RequestNotSent as e:
-            if isinstance(e.__cause__, EOFError):  # with TLS 1.3 the store checks our certificate only now
+            if self._tls is not None and isinstance(e.__cause__, EOFError):  # TLS 1.3: our certificate is checked now
                 raise StoreAuthError(
                     f"{self.endpoint} closed the connection after the TLS handshake: it refused this node's "
                     "certificate, or requires one (--rdzv-conf cert=FILE,key=FILE, signed by the store's CA)"
                 ) from e
             raise
-
-    def _handshake(self, sock: socket.socket) -> str:  # an SSLSocket is one
-        try:
-            hello = self._read(sock)
-            nonce, store_id = hello.get("nonce"), hello.get("store_id")
-            if hello.get("v") != wire.VERSION or not isinstance(nonce, bytes) or not isinstance(store_id, str):
-                raise StoreProtocolError(f"{self.endpoint} is not an ftrun store (or another version)")
-            if hello.get("auth") and self._token is None:
-                raise StoreAuthError(f"{self.endpoint} requires a token: pass --rdzv-token or set FTRUN_TOKEN")
-            if self._token and not hello.get("auth"):  # no downgrade: whoever holds the endpoint proves the token
-                raise StoreAuthError(
-                    f"{self.endpoint} does not ask for the token this node holds: it is not the job's store (another "
-                    "store, or something else squatting on the endpoint); nothing was sent to it"
-                )
-            mine = wire.new_nonce()
-            answer = wire.proof(self._token, b"client", nonce, mine) if self._token else b""
-            sock.sendall(wire.encode({"nonce": mine, "proof": answer, "client": self._client_id}))
-            verdict = self._read(sock)
-        except (OSError, EOFError) as e:
-            raise RequestNotSent(f"{self.endpoint}: handshake failed: {e}") from e
-        if not verdict.get("ok"):
-            raise StoreAuthError(f"{self.endpoint} refused the token: check --rdzv-token / FTRUN_TOKEN")
-        if self._token:
-            expected = wire.proof(self._token, b"server", mine, nonce)
-            if not wire.check_proof(expected, verdict.get("proof")):
-                raise StoreAuthError(f"{self.endpoint} could not prove it knows the token")
-        return store_id
-
-    @staticmethod
-    def _read(sock: Conn) -> dict[str, Any]:
-        return wire.decode(_read_exactly(sock, wire.frame_length(_read_exactly(sock, wire.HEADER.size))))
+        self.host_job = greeting.job
+        return greeting.store_id
 
     def _read_loop(self, sock: Conn) -> None:
         """The watch reader: once a caller reading this connection steps down, read it for good."""
@@ -387,7 +365,7 @@ class TcpStoreClient:
         reason = "closed by the store"
         try:
             while True:
-                self._dispatch(self._read(sock))
+                self._dispatch(wire.read_frame(sock))
         except (OSError, ValueError, EOFError, StoreProtocolError) as e:
             reason = str(e) or type(e).__name__
         finally:
@@ -482,14 +460,3 @@ def _shut(sock: Conn) -> None:
     with contextlib.suppress(OSError):  # already disconnected
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-
-
-def _read_exactly(sock: Conn, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(min(n, 1 << 20))
-        if not chunk:
-            raise EOFError("connection closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)

@@ -1,6 +1,6 @@
 """The embedded store server: asyncio, one KeyValueState, token-authenticated connections.
 
-Each connection first passes the challenge-response of :mod:`ftrun.store.wire`
+Each connection first passes the handshake of :mod:`ftrun.store.greeting`
 (5 s to do so), then sends requests that are answered in order. Watches push
 their events on the same connection. Pending work per connection is bounded:
 at most :data:`MAX_WATCHES` watches, and a client that stops reading while
@@ -17,13 +17,15 @@ import ssl
 import sys
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ftrun.clock import Clock, SystemClock
 from ftrun.errors import StoreError, StoreProtocolError, StoreRequestError
-from ftrun.store import wire
+from ftrun.store import greeting, wire
 from ftrun.store.base import KeyValue, WatchEvent
+from ftrun.store.greeting import OPENING, WrongToken
 from ftrun.store.kv import KeyValueState
 
 log = logging.getLogger("ftrun.store")
@@ -75,12 +77,15 @@ class _Connection(asyncio.Protocol):
         self.watches: dict[int, str] = {}  # watch id -> prefix
         self.leases: set[int] = set()  # kept alive over this connection: revoked when it closes
         self.client_id = ""  # the client's name for itself, the same on each of its connections ("": unnamed)
+        self.job = ""  # the job the client works for ("": unnamed)
+        self.opened = False  # the client's opening line came (greeting.OPENING)
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.peer = str(transport.get_extra_info("peername"))
+        address = transport.get_extra_info("peername")
+        self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
         self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
         self.send(self._server.hello(self))
 
@@ -90,6 +95,14 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
+        if not self.opened:
+            if len(self._buffer) < len(OPENING) and OPENING.startswith(bytes(self._buffer)):
+                return
+            if not self._buffer.startswith(OPENING):
+                self.close(f"not an ftrun client: it opened with {bytes(self._buffer[:40])!r}", flush=False)
+                return
+            del self._buffer[: len(OPENING)]
+            self.opened = True
         try:
             while len(self._buffer) >= wire.HEADER.size:
                 length = wire.frame_length(bytes(self._buffer[: wire.HEADER.size]))
@@ -145,9 +158,17 @@ class TcpStoreServer:
         token: str | None = None,
         clock: Clock | None = None,
         tls: ssl.SSLContext | None = None,
+        job: str = "",
     ) -> None:
-        """``tls``: serve over TLS with this context (:func:`ftrun.store.tls.server_context`)."""
+        """``tls``: serve over TLS with this context (:func:`ftrun.store.tls.server_context`); ``job``: the job
+        whose agent hosts the store, told to every client (another job's agents learn whose store they share)."""
         self.host, self.port = host, port
+        self.job = job
+        # The jobs whose clients are connected now, counted (read from other threads: under the lock), and
+        # told once each when they first connect (on the store's thread).
+        self._jobs: Counter[str] = Counter()
+        self._jobs_lock = threading.Lock()
+        self.on_new_job: Callable[[str, str], None] = lambda job, peer: None
         self._token = token
         self._tls = tls
         self._clock = clock or SystemClock()
@@ -238,8 +259,18 @@ class TcpStoreServer:
 
     # --- connections -----------------------------------------------------------------------------
 
+    def jobs(self) -> dict[str, int]:
+        """The jobs whose clients are connected now, with how many connections each ("": unnamed clients)."""
+        with self._jobs_lock:
+            return dict(+self._jobs)
+
     def _connected(self, conn: _Connection) -> None:
         self._connections.add(conn)
+        with self._jobs_lock:
+            new = conn.job not in self._jobs
+            self._jobs[conn.job] += 1
+        if new and conn.job not in ("", self.job):
+            self.on_new_job(conn.job, conn.peer)
         back = self._awaited.pop(conn.client_id, None) if conn.client_id else None
         if back is not None:
             leases, timer = back
@@ -253,6 +284,9 @@ class TcpStoreServer:
         killer, a crash: the kernel closes its socket) leaves the job now, not a keep-alive TTL later. One that
         broke (``abrupt``: a reset) keeps them RECONNECT_GRACE_S for its client to connect again. A node that
         vanishes without a word (power, network) is still found by its lease's TTL."""
+        if conn in self._connections:
+            with self._jobs_lock:
+                self._jobs[conn.job] -= 1
         self._connections.discard(conn)
         for watch_id in list(conn.watches):
             self._drop_watch(conn, watch_id)
@@ -290,25 +324,17 @@ class TcpStoreServer:
             del self._watchers[prefix]
 
     def _handshake(self, conn: _Connection, reply: dict[str, Any]) -> None:
-        """Check the client's answer to the hello; raises StoreError to refuse it."""
-        client_nonce = reply.get("nonce")
-        if not isinstance(client_nonce, bytes) or len(client_nonce) != wire.NONCE_BYTES:
-            raise StoreProtocolError("handshake without a valid nonce")
-        client_id = reply.get("client", "")
-        if not isinstance(client_id, str) or len(client_id) > 64:
-            raise StoreProtocolError("handshake with an invalid client id")
-        if self._token is None:
-            conn.client_id = client_id
-            conn.send({"ok": True})
-            return
-        if not wire.check_proof(wire.proof(self._token, b"client", conn.nonce, client_nonce), reply.get("proof")):
-            conn.send({"ok": False, "error": ["StoreAuthError", "wrong token"]})
-            raise StoreError("wrong token")
-        conn.client_id = client_id  # proven: a client that knows the token (a stranger cannot claim its leases)
-        conn.send({"ok": True, "proof": wire.proof(self._token, b"server", client_nonce, conn.nonce)})
+        """Check the client's answer to the greeting; raises StoreError to refuse it."""
+        try:
+            client = greeting.introduce(reply, self._token, conn.nonce)
+        except WrongToken:
+            conn.send(WrongToken.verdict)
+            raise
+        conn.client_id, conn.job = client.client_id, client.job
+        conn.send(client.verdict)
 
     def hello(self, conn: _Connection) -> dict[str, Any]:
-        return {"v": wire.VERSION, "store_id": self.store_id, "nonce": conn.nonce, "auth": self._token is not None}
+        return greeting.hello(self.store_id, self.job, conn.nonce, self._token is not None)
 
     # --- requests ----------------------------------------------------------------------------------
 

@@ -5,9 +5,8 @@ A frame is a 4-byte big-endian length followed by that many bytes of msgpack
 connection carries many calls and watches) and an ``op`` or a result. Frames
 larger than :data:`MAX_FRAME` are refused before they are read.
 
-Authentication is mutual challenge-response with a shared token: each side
-sends a random nonce and proves it knows the token with an HMAC over both
-nonces; the token itself never crosses the wire.
+How a connection opens (the client's first line, the store's greeting, the
+token's challenge-response) is :mod:`ftrun.store.greeting`.
 """
 
 from __future__ import annotations
@@ -41,6 +40,22 @@ def encode(message: dict[str, Any]) -> bytes:
     if len(body) > MAX_FRAME:
         raise StoreRequestError(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte frame limit")
     return HEADER.pack(len(body)) + body
+
+
+def read_frame(sock: Any) -> dict[str, Any]:
+    """The next frame from a blocking socket (plain or TLS); EOFError when it closes first."""
+    return decode(read_exactly(sock, frame_length(read_exactly(sock, HEADER.size))))
+
+
+def read_exactly(sock: Any, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
 
 
 def frame_length(header: bytes) -> int:

@@ -1,0 +1,204 @@
+"""The agent and the job's store: serving the embedded store, sharing it, reaching it, and moving it when its
+host is lost.
+
+The first agent on the endpoint's machine hosts the store (as torchrun's c10d); another agent finding the port
+taken joins it once the store there greeted it, and names whatever else holds the port instead. Two jobs may
+share one endpoint: the hosting agent serves on at its own job's end until the other job's agents have left.
+The rendezvous decides who takes over a lost host's store (:mod:`ftrun.rendezvous.succession`); this hosts the
+new store when the successor is this node, on its address and the endpoint's port, and points the job's store
+handle there.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import ssl
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ftrun.config import LaunchConfig
+from ftrun.errors import ConfigError, FtrunError, StoreError
+from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
+from ftrun.node.ports import is_local_address, listener_of
+from ftrun.observe.events import EventKind
+from ftrun.rendezvous.liveness import refuses
+from ftrun.rendezvous.records import Head
+from ftrun.store.base import Store
+from ftrun.store.factory import open_store
+from ftrun.store.greeting import probe
+from ftrun.store.moving import MovingStore
+from ftrun.store.tcp import TcpStoreClient
+from ftrun.store.url import tcp_url
+
+if TYPE_CHECKING:
+    from ftrun.agent.group import LocalGroup
+    from ftrun.store.tcp_server import TcpStoreServer
+
+PROBE_S = 2.0  # an ftrun store on this machine greets within milliseconds; silence this long is something else
+
+
+def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:
+    """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d); None when
+    this node is a client of it.
+
+    In an elastic job several agents may share a machine (and the endpoint): the first one to bind hosts the
+    store; the others find the port taken, and join once the store there has greeted them.
+    """
+    r = config.rdzv
+    wanted = r.conf.is_host
+    if wanted is None:  # no endpoint host: this machine (one node; the CLI insists on one for more)
+        wanted = config.standalone or not r.endpoint_host or is_local_address(r.endpoint_host)
+    if not r.embedded_store or not wanted:
+        return None
+    host = r.endpoint_host or "127.0.0.1"
+    port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
+    try:
+        server = serve_store(config, host, port)
+    except OSError as e:
+        if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
+            group.say(_whose_store(config, host, port), always=True)
+            return None
+        raise ConfigError(
+            "--rdzv-endpoint",
+            f"cannot host the store on {host}:{port}: {e.strerror or e}",
+            "pick a free port (or :0) or stop whatever holds it",
+        ) from None
+    group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
+    group.say(f"hosting the rendezvous store on {host}:{server.port}")
+    server.on_new_job = lambda job, peer: group.say(
+        f"job {job!r} (from {peer}) uses the store this agent hosts too: at the end of this job the agent serves "
+        "it on until that job's agents have left",
+        always=True,
+    )
+    if r.token is None and not r.store_url.startswith("tcps://") and not is_loopback(host):
+        group.say(
+            f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
+            "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",
+            always=True,
+        )
+    return server
+
+
+def _whose_store(config: LaunchConfig, host: str, port: int) -> str:
+    """What holds the endpoint's port on this machine, said before joining it; raises ConfigError when it is
+    not an ftrun store (at once, not after a handshake's timeout)."""
+    try:
+        greeting = probe(host, port, PROBE_S, client_tls(config))
+    except StoreError as e:
+        raise ConfigError(
+            "--rdzv-endpoint", f"{e}; the port is held by {listener_of(port)}", "pick another port, or stop it"
+        ) from None
+    except OSError:  # it closed since: whoever comes back there is met by the rendezvous's own retries
+        return f"{host}:{port} is taken and then closed: joining the store there as a client"
+    if greeting.job == config.run_id:
+        return f"another agent of this job on this machine hosts the store on {host}:{port}: joining it"
+    if not greeting.job:
+        return f"{host}:{port} is an ftrun store already (`ftrun store`?): joining it as a client"
+    return (
+        f"the store on {host}:{port} belongs to job {greeting.job!r} (its agent on this machine hosts it): this "
+        "job shares it. At its end that agent serves on until this job's agents have left; a signal that stops "
+        "it before ends the store for this job too (a port of this job's own in --rdzv-endpoint avoids that)"
+    )
+
+
+def serve_on_for_others(server: TcpStoreServer, group: LocalGroup) -> None:
+    """At this job's end, the store this agent hosts may still serve other jobs that share the endpoint: keep
+    serving until their agents have left, or until a signal to ftrun says to stop now."""
+    wakeup = group.wakeup
+    if wakeup.drain():  # a signal came while the job ended: the person wants out now
+        return
+    others = _other_jobs(server, group.config.run_id)
+    if not others:
+        return
+    where = f"{server.host}:{server.port}"
+    group.say(
+        f"job(s) {others} still use the store this agent hosts on {where}: serving it until their agents have "
+        "left (a signal to ftrun stops it now, and they lose it)",
+        always=True,
+    )
+    while others:
+        if select.select([wakeup.fd], [], [], 0.5)[0] and wakeup.drain():
+            group.say(f"stopping the store on {where} now: job(s) {others} lose it", always=True)
+            return
+        others = _other_jobs(server, group.config.run_id)
+    group.say(f"the other jobs left the store on {where}: it stops", always=True)
+
+
+def _other_jobs(server: TcpStoreServer, job: str) -> str:
+    return ", ".join(repr(j) for j in sorted(server.jobs()) if j not in ("", job))
+
+
+def serve_store(config: LaunchConfig, host: str, port: int) -> TcpStoreServer:
+    """The embedded store served here (over TLS when the job's store URL is ``tcps://``); raises OSError when
+    the address cannot be bound."""
+    from ftrun.store.tcp_server import TcpStoreServer  # asyncio and msgpack: only when hosting
+    from ftrun.store.tls import server_context
+
+    r = config.rdzv
+    tls = server_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+    return TcpStoreServer(host, port, token=r.token, tls=tls, job=config.run_id).start()
+
+
+def client_tls(config: LaunchConfig) -> ssl.SSLContext | None:
+    """A client's TLS context for the job's store when it is served over TLS."""
+    from ftrun.store.tls import client_context
+
+    r = config.rdzv
+    return client_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+
+
+def open_job_store(
+    config: LaunchConfig,
+    url: str,
+    retry_deadline_s: float,
+    say: Callable[[str], None],
+    host_dead: Callable[[], bool] | None = None,
+) -> Store:
+    """A client of the job's store at ``url``, which says when a broken connection is back; ``host_dead``: asked
+    while a store that never answered refuses connections (a successor lost before it served: gone)."""
+    store = open_store(url, token=config.rdzv.token, retry_deadline_s=retry_deadline_s, job=config.run_id)
+    if isinstance(store, TcpStoreClient):
+        store.on_reconnect = say
+        store.host_dead = host_dead
+    return store
+
+
+class StoreSuccession:
+    def __init__(
+        self, config: LaunchConfig, store: MovingStore, port: int, retry_deadline_s: float, say: Callable[[str], None]
+    ) -> None:
+        """``port``: the store's port, where a successor serves it too."""
+        self._config = config
+        self._store = store
+        self._port = port
+        self._deadline_s = retry_deadline_s
+        self._say = say
+        self.me = ""  # this node's id, once the rendezvous named it
+        self.server: TcpStoreServer | None = None  # the store this node took over, if it did
+
+    def __call__(self, successor: Head | None) -> None:
+        """Host the store here, or go to ``successor``'s; None: no successor is known (no round closed yet, or
+        every one named is lost): wait for a store at the endpoint, as a node that starts early does."""
+        if successor is None:
+            url = self._config.rdzv.store_url
+            self._say(f"no successor is known for the store's lost host: waiting for a store at {url}")
+            self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
+            return
+        where = f"{successor.addr}:{self._port}"
+        if successor.node_id == self.me:
+            try:
+                self.server = serve_store(self._config, successor.addr, self._port)
+            except OSError as e:
+                raise FtrunError(f"the store's host was lost and this node cannot take over on {where}: {e}") from e
+            self._say(f"the store's host was lost: this node hosts the store now, on {where}")
+        else:
+            self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
+        url = tcp_url(successor.addr, self._port, dict(self._config.rdzv.conf.etcd))
+        port = successor.alive_port
+        dead = (lambda: refuses(successor.addr, port)) if port else None
+        self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say, dead))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
