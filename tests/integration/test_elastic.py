@@ -198,7 +198,7 @@ def test_an_agent_hosts_the_store_and_a_late_agent_hears_the_job_finished(
         tag = f"-{port}"  # a retry's agents and logs apart from the last try's
         agents = (LiveFtrun(tmp_path, *flags, name=f"a{tag}"), LiveFtrun(tmp_path, *flags, name=f"b{tag}"))
         live.extend(agents)
-        said = [f.wait_for_stderr("hosting the rendezvous store|is taken") for f in agents]
+        said = [f.wait_for_stderr("hosting the rendezvous store|joining it|the port is held by") for f in agents]
         if not any("hosting" in line for line in said):  # someone else holds the port
             for f in agents:
                 f.close()
@@ -355,7 +355,7 @@ def _host_and_client(tmp_path: Path, live: list[LiveFtrun], nnodes: str, restart
         tag = f"-{port}"
         agents = (LiveFtrun(tmp_path, *flags, name=f"a{tag}"), LiveFtrun(tmp_path, *flags, name=f"b{tag}"))
         live.extend(agents)
-        said = [f.wait_for_stderr("hosting the rendezvous store|is taken") for f in agents]
+        said = [f.wait_for_stderr("hosting the rendezvous store|joining it|the port is held by") for f in agents]
         if not any("hosting" in line for line in said):
             for f in agents:
                 f.close()

@@ -52,7 +52,7 @@ def first_agents(tmp_path: Path, live: list[LiveFtrun], nnodes: str, count: int)
     def attempt(port: int) -> tuple[Job, list[LiveFtrun]]:
         job = Job(tmp_path, live, port, nnodes)
         host = job.start("a")
-        if "is taken" in host.wait_for_stderr("hosting the rendezvous store|is taken"):
+        if "hosting" not in host.wait_for_stderr("hosting the rendezvous store|joining|the port is held by"):
             host.close()
             raise PortTaken(str(port))
         return job, [host] + [job.start(name) for name in "bcdefg"[: count - 1]]
