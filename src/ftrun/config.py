@@ -171,6 +171,7 @@ class HangSpec:
     teardown_s: float = TEARDOWN_GRACE_S  # --teardown-timeout: a worker whose script ended may take this to exit
     learn_after: int = 0  # --learn-timeouts: optimizer steps before the heartbeat timeout is learned (0: never)
     learned_floor_s: float = LEARNED_FLOOR_S  # --learned-timeout-floor: the smallest heartbeat timeout learned
+    collectives: bool = True  # hangs found with no flag, by the collectives (--no-hang-detection: off)
 
 
 STRAGGLER_THRESHOLD = 0.05  # 5% longer per step than the other ranks

@@ -308,12 +308,14 @@ def test_the_constructor_check_can_fail(tmp_path: Path) -> None:
     assert "os.mkfifo" in OUTSIDE_EFFECTS & set(calls)
 
 
-# Who may parse JSON themselves: what ftrun wrote for itself, and etcd's answers. Anything another process or
+# Who may parse JSON themselves: what ftrun wrote for itself, torch's flight recorder in the worker, and etcd's
+# answers. Anything another process or
 # node could have written (the store's records, a worker's slot or files, a datagram) goes through
 # ftrun.jsonobject, bounded and checked to be an object.
 OWN_JSON = {
     "ftrun.jsonobject", "ftrun.observe.events", "ftrun.warm.preload", "ftrun.warm.zygote", "ftrun.warm.zygotes",
-    "ftrun.worker.client", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports", "ftrun.testing.etcd",
+    "ftrun.worker.client", "ftrun.worker.collectives", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports",
+    "ftrun.testing.etcd",
 }  # fmt: skip
 
 

@@ -134,6 +134,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
         help="also say how ftrun works as it goes: the warm pool's zygotes, the rendezvous' steps (or LOGLEVEL=DEBUG)",
     )
     hang = p.add_argument_group("hang detection (flags override the --config file)")
+    _flag(
+        hang,
+        "--no-hang-detection",
+        action="store_true",
+        help="do not watch for ranks the others wait for in a collective (on with no flag); timeouts still apply",
+    )
     _flag(hang, "--initial-heartbeat-timeout", default=None, help="seconds from start to the first heartbeat")
     _flag(hang, "--heartbeat-timeout", default=None, help="seconds allowed between heartbeats")
     _flag(

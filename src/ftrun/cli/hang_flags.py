@@ -22,6 +22,7 @@ HANG_KEYS = {
     "teardown_timeout": "--teardown-timeout",
     "learn_timeouts": "--learn-timeouts",
     "learned_timeout_floor": "--learned-timeout-floor",
+    "hang_detection": "--no-hang-detection",
 }
 
 
@@ -88,6 +89,9 @@ def parse_hang(
         else:
             where = f"section_timeouts in {config_path}" if config_path is not None else "--config"
             raise ConfigError(where, "must be a table of NAME = SECONDS", "see the README")
+    detection = raw("hang_detection")
+    if not isinstance(detection, bool | None):
+        raise ConfigError(named("hang_detection"), f"must be true or false, got {detection!r}", "write e.g. false")
     factor = raw("safety_factor")
     hang_signal = raw("hang_signal")
     spec = HangSpec(
@@ -102,5 +106,6 @@ def parse_hang(
         seconds("teardown_timeout") or TEARDOWN_GRACE_S,
         parse_steps(named("learn_timeouts"), raw("learn_timeouts")),
         seconds("learned_timeout_floor") or LEARNED_FLOOR_S,
+        detection is not False,
     )
     return spec, notices

@@ -74,7 +74,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     notices += numa_notices
     config_file = read_config_file(cwd / a.config, [*HANG_KEYS, *NODE_KEYS]) if a.config else {}
     hang, hang_notices = parse_hang(
-        {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS},
+        {k: getattr(a, k.replace("section_timeouts", "section_timeout")) for k in HANG_KEYS if k != "hang_detection"}
+        | {"hang_detection": False if a.no_hang_detection else None},
         config_file,
         {name: getattr(a, f"ft_{name}") for name in nvidia_ft.NAMES},
         cwd / a.ft_cfg_path if a.ft_cfg_path else None,

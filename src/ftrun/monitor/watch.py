@@ -19,10 +19,12 @@ from pathlib import Path
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.monitor.blame import suspect, waiting_in_collective
+from ftrun.monitor.collectives import QUIET_S
 from ftrun.monitor.dumps import StackDumps
 from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
 from ftrun.monitor.pace import PaceWatch
+from ftrun.monitor.stalls import Stalled, StallWatch
 from ftrun.monitor.watchdog import TEARDOWN
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -34,6 +36,7 @@ from ftrun.worker.requests import Request
 from ftrun.worker.timeouts import Timeouts
 
 STACKS_FILE = "stacks.txt"  # per rank: where a worker's faulthandler writes when asked
+COLLECTIVE = "collective"  # the timer of a hang found with no flag, by the collectives
 
 Emit = Callable[..., None]
 Say = Callable[..., None]
@@ -58,6 +61,8 @@ class WorkerWatch:
             clock, emit, say, enabled=stragglers.enabled, threshold=stragglers.threshold, exclude=stragglers.exclude
         )
         self.meeting = MeetingNotice(awaited(config))
+        self.stalls = StallWatch(config.hang.collectives, clock)
+        self._told = False  # what is watched for, said at the first attempt
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
         # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
         self._dumps: StackDumps[Worker | None] = StackDumps(lambda w: w.paths.dir / STACKS_FILE)
@@ -68,6 +73,9 @@ class WorkerWatch:
         return (self._dumps.fileno(),) if self.timer is None else (self._dumps.fileno(), self.timer.fileno())
 
     def new_attempt(self, previous: list[Worker], nproc: int, tag: str, attempt_dir: Path, round_: int | None) -> None:
+        if not self._told:
+            self._told = True
+            self._say(watching(self._config))
         if self.timer is not None:
             self.timer.forget({w.pid for w in previous})
         self._dumps.forget()
@@ -107,6 +115,8 @@ class WorkerWatch:
                 self._stuck_in_teardown(f.worker, f.slot.end_code)
             else:
                 self._hung(f, [w for w in judged if w is not f.worker])
+        for stalled in self.stalls.find([w for w in judged if w.state is WorkerState.RUNNING], self.hangs.slot):
+            self._stalled(stalled, judged)
         for w, why in self.hangs.corrupt_slots(judged):
             self._dumps.start({w.local_rank: w}, self._listens([w]), partial(self._unwatchable, w, why))
         self._expire_timers(running)
@@ -184,6 +194,35 @@ class WorkerWatch:
         _append(w, f"{v.describe()}; stacks of all threads:\n{stacks[chosen]}")
         return w
 
+    def _stalled(self, s: Stalled, running: list[Worker]) -> None:
+        """A rank the others wait for in a collective, showing no progress: its stacks and theirs read (off the
+        loop), then it is blamed (:meth:`_blame_stall`)."""
+        waiting = {rank for rank, _ in s.stall.waiting}
+        quiet = {s.worker.local_rank: s.worker} | {w.local_rank: w for w in running if w.rank in waiting}
+        self._dumps.start(quiet, self._listens(list(quiet.values())), partial(self._blame_stall, s, quiet))
+
+    def _blame_stall(self, s: Stalled, quiet: dict[int, Worker], stacks: dict[int, str]) -> Worker | None:
+        w = s.worker
+        if w.reaped or w.state is not WorkerState.RUNNING:
+            return None  # it exited meanwhile: its exit tells
+        what = f"hang: {s.stall.describe(w.rank)}"
+        why = f"it showed no progress for {s.quiet_s:.0f} s (stack, CPU time and I/O unchanged; at {s.where})"
+        for rank, victim in quiet.items():
+            if victim is not w and not victim.reaped:
+                victim.waiting_stacks = stacks[rank]
+                victim.waiting_in = f"{s.stall.op} #{s.stall.seq}"
+                _append(
+                    victim, f"waiting for rank {w.rank} in {victim.waiting_in}; stacks of all threads:\n{stacks[rank]}"
+                )
+        w.blame(Hang(what, COLLECTIVE, self._clock.wall(), stacks[w.local_rank], why))
+        self._emit(
+            EventKind.HANG, **w.identity(), timeout=COLLECTIVE, limit_s=QUIET_S, elapsed_s=s.quiet_s, lag_s=0.0,
+            quiet_s=s.quiet_s,
+        )  # fmt: skip
+        self._say(f"{w.who} {what}: {why}", always=True)
+        _append(w, f"{what}; {why}; stacks of all threads:\n{stacks[w.local_rank]}")
+        return w
+
     def _listens(self, workers: list[Worker], slots: dict[int, SlotView | None] | None = None) -> dict[int, bool]:
         """Whose client dumps its own stacks on STACK_SIGNAL (the fallback when py-spy is missing)."""
         known = slots or {}
@@ -245,6 +284,18 @@ def _append(w: Worker, text: str) -> None:
 NOTICE_AFTER_S = 10.0  # a rank meeting its peers longer than this is told to wait (torch waits up to 30 min)
 NOTICE_EVERY_S = 30.0  # and again, as long as it waits
 MEETING_LOOK_S = 1.0  # how often the slots are read for it
+
+
+def watching(config: LaunchConfig) -> str:
+    """What ftrun watches for hangs, said once at the start, with how to change it."""
+    t = config.hang.timeouts
+    if not config.hang.collectives:
+        return "hangs: only the timeouts given are watched (--no-hang-detection)" if t.any else "hangs: not watched"
+    own = " and the timeouts given" if t.any else " (tighter: --heartbeat-timeout S)"
+    return (
+        f"hangs: a rank its peers wait for in a collective, showing no progress for {QUIET_S:g} s, is stopped and "
+        f"named{own}; --no-hang-detection turns this off"
+    )
 
 
 def awaited(config: LaunchConfig) -> str:

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from ftrun.worker import layout
+from ftrun.worker import collectives, layout
 from ftrun.worker.flush import flush_open_files
 from ftrun.worker.imports import report_modules
 from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
@@ -174,6 +174,12 @@ class _Attached:
         self._write_flags()
         if on:
             self.report_imports()
+        else:  # met: its process groups are made next, and their collectives are watched from then on
+            collectives.watch(self._collectives)
+
+    def _collectives(self, raw: bytes) -> None:
+        if len(raw) <= layout.COLLECTIVES_MAX:
+            self._publish(layout.COLLECTIVES_HEAD, layout.OFF_COLLECTIVES_HEAD, layout.OFF_COLLECTIVES, raw)
 
     def _write_flags(self) -> None:
         with self._seqlock():
@@ -409,19 +415,10 @@ class _Unattached:
     def request(self, raw: bytes) -> None:
         raise RuntimeError(f"ftrun: nothing was done: {self.why}; workload control needs the ftrun launcher")
 
-    def heartbeat(self, step: int | None = None) -> None: ...
+    def _nothing(self, *args: object) -> None:
+        """Heartbeats, steps, sections and ftrun's own notes: nothing to tell outside ftrun."""
 
-    def auto_heartbeat(self) -> None: ...
-
-    def auto_progress(self) -> None: ...
-
-    def paced(self, compute_s: float, step_s: float) -> None: ...
-
-    def start_section(self, name: str) -> None: ...
-
-    def end_section(self, name: str) -> None: ...
-
-    def end_all_sections(self) -> None: ...
+    heartbeat = auto_heartbeat = auto_progress = paced = start_section = end_section = end_all_sections = _nothing
 
     def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
         return self.calculated
@@ -432,9 +429,7 @@ class _Unattached:
     def set_timeouts(self, timeouts: Timeouts) -> None:
         self.calculated = timeouts
 
-    def script_ended(self, code: int) -> None: ...
-
-    def meeting(self, on: bool) -> None: ...
+    script_ended = meeting = _nothing
 
 
 class _NotYet:

@@ -26,6 +26,9 @@ Layout (little endian)::
                              (step and beats are two stores a reader can see apart: no resumed step from them)
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
+             c_seq      u64  bumped after the worker wrote its collectives' summary (below), once a second
+             c_len      u32  once the job met its peers (ftrun.worker.collectives)
+             collectives JSON
              paced      u64  how many steps the worker has timed (below), bumped after each entry is written
              pace       PACE_LEN x (compute f32, step f32): a ring of the last steps' times, entry n at n % PACE_LEN
                         (compute: from the end of the previous optimizer step to the start of the backward pass;
@@ -50,10 +53,10 @@ if TYPE_CHECKING:  # collections.abc.Buffer from Python 3.12
     from typing_extensions import Buffer
 
 MAGIC = b"FTRUNMON"
-VERSION = 6
+VERSION = 7
 HEADER = struct.Struct("<8sIII")
 HEADER_SIZE = 64
-SLOT_SIZE = 4096
+SLOT_SIZE = 8192
 MAX_OPEN = 16  # sections open at once in one worker
 NAME_MAX = 55  # bytes of a section name (UTF-8)
 FLAG_STACKS = 1
@@ -83,7 +86,11 @@ PACED = struct.Struct("<Q")
 PACE = struct.Struct("<ff")
 OFF_PACED = OFF_REQUEST_HEAD - PACED.size - PACE_LEN * PACE.size
 OFF_PACE = OFF_PACED + PACED.size
-TIMEOUTS_MAX = OFF_PACED - OFF_TIMEOUTS
+COLLECTIVES_HEAD = struct.Struct("<QI4x")  # c_seq, c_len
+COLLECTIVES_MAX = 2048
+OFF_COLLECTIVES_HEAD = OFF_PACED - COLLECTIVES_HEAD.size - COLLECTIVES_MAX
+OFF_COLLECTIVES = OFF_COLLECTIVES_HEAD + COLLECTIVES_HEAD.size
+TIMEOUTS_MAX = OFF_COLLECTIVES_HEAD - OFF_TIMEOUTS
 _FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dqq")  # seq .. first_step, offsets as above
 
 
@@ -107,6 +114,8 @@ class SlotView:
     first_beat: float = 0.0  # monotonic: the first heartbeat; 0 before it
     step: int = -1  # the step the job last named; -1: none
     first_step: int = -1  # the step its first heartbeat named; -1: none
+    collectives_seq: int = 0  # how many summaries of its collectives the worker wrote (0: none yet)
+    collectives_json: bytes = b""  # the last one
 
 
 class CorruptSlot(ValueError):
@@ -137,9 +146,13 @@ def parse_slot(raw: bytes) -> SlotView:
     if r_len > REQUEST_MAX:
         raise CorruptSlot(f"a request of {r_len} bytes")
     request = bytes(raw[OFF_REQUEST : OFF_REQUEST + r_len])
+    c_seq, c_len = COLLECTIVES_HEAD.unpack_from(raw, OFF_COLLECTIVES_HEAD)
+    if c_len > COLLECTIVES_MAX:
+        raise CorruptSlot(f"a collectives summary of {c_len} bytes")
+    collectives = bytes(raw[OFF_COLLECTIVES : OFF_COLLECTIVES + c_len])
     return SlotView(
         pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, code,
-        r_seq, request, first, step, step0,
+        r_seq, request, first, step, step0, c_seq, collectives,
     )  # fmt: skip
 
 

@@ -1,0 +1,195 @@
+"""PURE: hangs found with no flag, by the collectives: which rank the others wait for, and whether it moves.
+
+Every rank's summary of its collectives (:mod:`ftrun.worker.collectives`) says, per process group, the last
+collective it entered and the last that finished. When some ranks have waited :data:`WAITED_S` in collective
+#S of a group and a member of that group never entered #S, that member is what they wait for. It is hung
+once it has shown no progress for :data:`QUIET_S`: its main thread's stack unchanged (or unreadable: its
+interpreter held), its CPU time and its I/O unchanged. CPU time spent where the host only spins on a GPU
+(``torch.cuda.synchronize``) is not progress.
+
+So a rank saving a checkpoint while the others wait in a barrier (its I/O and CPU move), an evaluation on every
+rank (nobody waits in a collective), a long first step that compiles, a job without torch.distributed, a sleep
+between epochs on every rank: none is a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ftrun.jsonobject import load_object
+from ftrun.worker.layout import COLLECTIVES_MAX
+
+LOOK_S = 2.0  # ranks in a collective this long: the members that never entered it are looked at
+WAITED_S = 10.0  # and found hung no sooner than this
+QUIET_S = 20.0  # once they showed no progress this long
+STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
+BUSY_SHARE = 0.05  # CPU time growing faster than this share of a core is progress
+SPIN_WAITS = ("torch/cuda/__init__.py", "torch/cuda/streams.py")  # the host spins there on the GPU's work
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """The oldest collective a rank entered in a group and that has not finished."""
+
+    seq: int
+    op: str
+    nbytes: int
+    since: float  # wall time it was entered
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    name: str
+    description: str
+    entered: int  # the last collective entered (its sequence number in the group)
+    finished: int
+    in_flight: InFlight | None
+
+
+@dataclass(frozen=True, slots=True)
+class RankCollectives:
+    """One rank's summary, as its worker last wrote it."""
+
+    rank: int
+    read_at: float  # wall time the worker read its recorder
+    stack_since: float  # wall time its main thread's stack last changed
+    where: str  # its main thread's innermost frame, file:line
+    groups: tuple[Group, ...]
+
+    @classmethod
+    def parse(cls, rank: int, raw: bytes) -> RankCollectives:
+        """Raises ValueError on anything but a summary the worker writes."""
+        try:
+            doc = load_object(raw, limit=COLLECTIVES_MAX, what="a summary of collectives", error=ValueError)
+            groups = tuple(
+                Group(
+                    str(n),
+                    str(d),
+                    int(e),
+                    int(f),
+                    InFlight(int(x[0]), str(x[1]), int(x[2]), float(x[3])) if x else None,
+                )
+                for n, d, e, f, x in doc["g"]
+            )
+            return cls(rank, float(doc["t"]), float(doc["s"]), str(doc["w"]), groups)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"an unreadable summary of collectives: {e!r}") from None
+
+    def group(self, name: str) -> Group | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """Ranks wait in collective ``seq`` of a group that members never entered (``missing``; empty: all entered
+    it and it does not finish)."""
+
+    group: str
+    description: str
+    seq: int
+    op: str
+    nbytes: int
+    waiting: tuple[tuple[int, float], ...]  # (rank, when it entered), by rank
+    missing: tuple[int, ...]
+
+    @property
+    def since(self) -> float:
+        """When the first rank entered it."""
+        return min(since for _, since in self.waiting)
+
+    def describe(self, rank: int) -> str:
+        """'rank 3 never entered all_reduce #1412 (default_pg, 4.0 MB) that ranks 0-2 entered at 12:01:03'."""
+        at = time.strftime("%H:%M:%S", time.localtime(self.since))
+        what = f"{self.op} #{self.seq} ({self.description or 'group ' + self.group}, {_size(self.nbytes)})"
+        return f"rank {rank} never entered {what} that {_ranks([r for r, _ in self.waiting])} entered at {at}"
+
+
+def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_S) -> list[Stall]:
+    """The collectives some ranks have waited in for ``waited_s``, per group, with the members that never
+    entered them (a member is a rank whose summary has the group); the one most ranks wait in first.
+
+    Where ranks wait for each other across groups (rank 2 in a subgroup's collective that waits for rank 1,
+    rank 1 with the others in the default group's, waiting for rank 2), the rank the most ranks wait for is
+    the one that went astray: the first stall's missing ranks are the culprits, the others' are victims."""
+    by_group: dict[str, list[tuple[RankCollectives, Group]]] = {}
+    for r in ranks:
+        for g in r.groups:
+            by_group.setdefault(g.name, []).append((r, g))
+    found = []
+    for name, members in sorted(by_group.items()):
+        waiting = [(r, g) for r, g in members if g.in_flight is not None and g.in_flight.since <= now - waited_s]
+        if not waiting:
+            continue
+        seq = min(g.finished + 1 for _, g in waiting)  # the collective the longest waiters are in
+        stuck = [(r.rank, g) for r, g in waiting if g.finished + 1 == seq <= g.entered]
+        flying = next((g.in_flight for _, g in stuck if g.in_flight is not None), None)
+        if flying is None:
+            continue
+        entered = tuple(sorted((rank, g.in_flight.since if g.in_flight else now) for rank, g in stuck))
+        missing = tuple(sorted(r.rank for r, g in members if g.entered < seq))
+        found.append(Stall(name, stuck[0][1].description, seq, flying.op, flying.nbytes, entered, missing))
+    return sorted(found, key=lambda s: (-len(s.waiting), s.since))
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """What a rank's process did, as /proc tells, at one moment."""
+
+    at: float  # wall
+    cpu_s: float  # the process's CPU time, its children's included
+    io_bytes: int  # bytes it read and wrote, storage and otherwise
+    stopped: bool  # state T or t: it cannot run at all
+
+
+class Progress:
+    """PURE: when a rank last showed a sign of progress, from the samples taken while it is looked at."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, Sample] = {}
+        self._moved: dict[int, float] = {}  # rank -> wall time of its last sign of CPU or I/O progress
+
+    def add(self, rank: int, sample: Sample, where: str) -> None:
+        last = self._last.get(rank)
+        self._last[rank] = sample
+        if last is None:
+            self._moved[rank] = sample.at  # looked at from now: nothing is known of before
+            return
+        spins = any(w in where for w in SPIN_WAITS)
+        busy = sample.cpu_s - last.cpu_s > BUSY_SHARE * (sample.at - last.at) and not spins
+        if not sample.stopped and (busy or sample.io_bytes != last.io_bytes):
+            self._moved[rank] = sample.at
+
+    def forget(self, keep: Sequence[int]) -> None:
+        for rank in set(self._last) - set(keep):
+            del self._last[rank], self._moved[rank]
+
+    def quiet_since(self, r: RankCollectives, now: float) -> float:
+        """When ``r`` last moved: its stack changed (when its watcher still reads it), or its CPU or I/O did."""
+        moved = self._moved.get(r.rank, now)
+        if now - r.read_at <= STALE_S:
+            moved = max(moved, r.stack_since)
+        return moved
+
+
+def _in_flight(x: list[object]) -> InFlight:
+    seq, op, nbytes, since = x
+    return InFlight(int(str(seq)), str(op), int(str(nbytes)), float(str(since)))
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """'rank 2', 'ranks 0-2', 'ranks 0, 2, 5'."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

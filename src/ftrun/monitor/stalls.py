@@ -1,0 +1,84 @@
+"""The agent's hang watch that needs no flag: the ranks' collectives read from their slots at every check, and
+the processes of the ranks the others wait for sampled from /proc while they are looked at.
+
+The rules are :mod:`ftrun.monitor.collectives` (pure); this reads what they judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import psutil
+
+from ftrun.clock import Clock
+from ftrun.monitor.collectives import QUIET_S, WAITED_S, Progress, RankCollectives, Sample, Stall, stalls
+from ftrun.procs.workers import Worker
+from ftrun.worker.layout import SlotView
+
+
+@dataclass(frozen=True, slots=True)
+class Stalled:
+    """A rank found hung by the collectives: it never entered ``stall``'s collective and shows no progress."""
+
+    worker: Worker
+    stall: Stall
+    quiet_s: float  # how long it showed no progress
+    where: str  # its main thread's innermost frame, as its watcher last read it
+
+
+class StallWatch:
+    def __init__(self, enabled: bool, clock: Clock) -> None:
+        self._enabled = enabled
+        self._clock = clock
+        self._progress = Progress()
+
+    def find(self, running: Sequence[Worker], slot: Callable[[int], SlotView | None]) -> list[Stalled]:
+        """The local ranks the others wait for in a collective that have shown no progress for QUIET_S."""
+        if not self._enabled:
+            return []
+        summaries = {}
+        for w in running:
+            view = slot(w.local_rank)
+            if view is not None and view.collectives_json:
+                try:
+                    summaries[w.rank] = RankCollectives.parse(w.rank, view.collectives_json)
+                except ValueError:
+                    continue  # a torn or foreign write: the next check reads it again
+        now = self._clock.wall()
+        stall = next((s for s in stalls(summaries.values(), now) if s.missing), None)
+        looked = [w for w in running if stall is not None and w.rank in stall.missing and w.rank in summaries]
+        self._progress.forget([w.rank for w in looked])
+        found = []
+        for w in looked:
+            assert stall is not None
+            r = summaries[w.rank]
+            sample = _sample(w.pid, now)
+            if sample is None:
+                continue  # it is gone: its exit tells
+            self._progress.add(w.rank, sample, r.where)
+            quiet = now - self._progress.quiet_since(r, now)
+            if quiet >= QUIET_S and now - stall.since >= WAITED_S:
+                found.append(Stalled(w, stall, quiet, r.where))
+        return found
+
+
+def _sample(pid: int, now: float) -> Sample | None:
+    """The process's CPU time (its live children's too: a compile's worker processes), its I/O, whether it can
+    run; None once it is gone."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            t = p.cpu_times()
+            cpu = t.user + t.system + t.children_user + t.children_system
+            io = p.io_counters()
+            stopped = p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        for child in p.children(recursive=True):
+            try:
+                c = child.cpu_times()
+            except psutil.Error:
+                continue
+            cpu += c.user + c.system
+    except psutil.Error:
+        return None
+    return Sample(now, cpu, io.read_chars + io.write_chars + io.read_bytes + io.write_bytes, stopped)

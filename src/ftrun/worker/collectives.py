@@ -1,0 +1,113 @@
+"""What the worker's collectives are doing, read from torch's flight recorder once a second.
+
+torch records every collective of every process group (its op, group, sequence number, sizes, and whether it
+finished): gloo groups with no setting, NCCL ones when a trace buffer is set (ftrun sets one). A thread, started
+once the job has met its peers (``init_process_group``), reads the recorder every :data:`POLL_S` and writes a
+summary into the worker's slot: per group, the last collective entered and the last finished, and the one in
+flight. With it goes where the main thread is (its innermost frame) and when its stack last changed. The agent
+compares the ranks' summaries: the rank that never entered the collective its peers wait in is the hung one
+(:mod:`ftrun.monitor.collectives`).
+
+The thread needs the GIL for a fraction of a millisecond a second. A worker whose main thread holds the GIL in
+C code stops updating its summary: that silence is itself what the agent reads. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+POLL_S = 1.0
+MAX_GROUPS = 8  # the groups with the latest collectives are kept (a job with hundreds of groups uses few at once)
+_DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+                "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}  # fmt: skip
+
+_started = False
+
+
+def watch(publish: Callable[[bytes], None]) -> None:
+    """Start the thread (once per process); ``publish`` writes a summary into the slot."""
+    global _started  # noqa: PLW0603 - one watcher per process
+    if _started:
+        return
+    _started = True
+    threading.Thread(target=_run, args=(publish,), name="ftrun-collectives", daemon=True).start()
+
+
+def _run(publish: Callable[[bytes], None]) -> None:
+    main = threading.main_thread().ident
+    stack: tuple[tuple[str, int], ...] = ()
+    stack_since = time.time()
+    while True:
+        time.sleep(POLL_S)
+        record = _read_recorder()
+        if record is None:
+            continue
+        frame = sys._current_frames().get(main) if main is not None else None
+        now = time.time()
+        seen = tuple(_frames(frame))
+        if seen != stack:
+            stack, stack_since = seen, now
+        where = f"{seen[0][0]}:{seen[0][1]}" if seen else ""
+        publish(json.dumps(summary(record, now, stack_since, where), separators=(",", ":")).encode())
+
+
+def _read_recorder() -> dict[str, Any] | None:
+    """The flight recorder's collectives not retired yet, with every group's status; None before the job's
+    default group exists (or after it was destroyed), or with a torch that has no recorder."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return None
+        c10d = sys.modules["torch"]._C._distributed_c10d
+        record: dict[str, Any] = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=True))
+    except Exception:
+        return None
+    return record
+
+
+def _frames(frame: FrameType | None) -> Iterator[tuple[str, int]]:
+    """The main thread's stack, innermost first, as (file, line)."""
+    while frame is not None:
+        yield frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+
+
+def summary(record: dict[str, Any], now: float, stack_since: float, where: str) -> dict[str, Any]:
+    """PURE: the slot's summary of one flight recorder dump.
+
+    ``g``: per group ``[name, description, entered, finished, in flight]``, the latest entered first; in flight:
+    ``[seq, op, bytes, since]`` of the oldest collective entered and not finished, or None. ``t``: when read;
+    ``s``: when the main thread's stack last changed; ``w``: its innermost frame.
+    """
+    flying: dict[str, list[Any]] = {}
+    descriptions: dict[str, str] = {}
+    for e in record.get("entries") or []:
+        name, description = [*(e.get("process_group") or []), "?", ""][:2]
+        descriptions[str(name)] = str(description)
+        seq = int(e.get("collective_seq_id") or 0)
+        if e.get("retired") or e.get("is_p2p") or seq >= flying.get(str(name), [seq + 1])[0]:
+            continue
+        op = str(e.get("profiling_name") or "?").split(":")[-1]
+        sizes = zip(e.get("input_sizes") or [], e.get("input_dtypes") or [], strict=False)
+        flying[str(name)] = [seq, op, sum(_nbytes(s, d) for s, d in sizes), int(e.get("time_created_ns") or 0) / 1e9]
+    groups: list[list[Any]] = []
+    for name, status in (record.get("pg_status") or {}).items():
+        entered = int(status.get("last_enqueued_collective", -1))
+        if entered >= 0:
+            finished = int(status.get("last_completed_collective", -1))
+            groups.append([str(name), descriptions.get(str(name), ""), entered, finished, flying.get(str(name))])
+    groups.sort(key=lambda g: -int(g[2]))
+    return {"t": round(now, 3), "s": round(stack_since, 3), "w": where[-120:], "g": groups[:MAX_GROUPS]}
+
+
+def _nbytes(sizes: list[int], dtype: str) -> int:
+    n = 1
+    for s in sizes:
+        n *= int(s)
+    return n * _DTYPE_BYTES.get(dtype, 4)

@@ -1,0 +1,116 @@
+"""The rules of the no-flag hang watch: the flight recorder's summary (worker side) and which rank the others
+wait for, and whether it moves (agent side)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftrun.monitor.collectives import QUIET_S, Progress, RankCollectives, Sample, stalls
+from ftrun.worker.collectives import summary
+
+# What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
+RECORD = {
+    "pg_status": {"0": {"last_completed_collective": "1", "last_enqueued_collective": "2"}},
+    "entries": [
+        {"collective_seq_id": 1, "profiling_name": "gloo:all_reduce", "retired": True, "is_p2p": False,
+         "input_sizes": [[1000]], "input_dtypes": ["Float"], "process_group": ["0", "default_pg"],
+         "time_created_ns": 1_000_000_000_000},
+        {"collective_seq_id": 2, "profiling_name": "gloo:all_reduce", "retired": False, "is_p2p": False,
+         "input_sizes": [[1000], [24]], "input_dtypes": ["Float", "Long"], "process_group": ["0", "default_pg"],
+         "time_created_ns": 1_000_500_000_000},
+    ],
+}  # fmt: skip
+
+
+def test_the_summary_keeps_per_group_the_collective_in_flight() -> None:
+    s = summary(RECORD, now=1010.0, stack_since=1000.2, where="train.py:10")
+    assert s["g"] == [["0", "default_pg", 2, 1, [2, "all_reduce", 4000 + 24 * 8, 1000.5]]]
+    assert (s["t"], s["s"], s["w"]) == (1010.0, 1000.2, "train.py:10")
+
+
+def test_a_group_with_nothing_in_flight_and_one_never_used() -> None:
+    record = {"pg_status": {"0": {"last_completed_collective": "4", "last_enqueued_collective": "4"},
+                            "1": {"last_completed_collective": "-1", "last_enqueued_collective": "-1"}}}  # fmt: skip
+    assert summary(record, 1.0, 1.0, "")["g"] == [["0", "", 4, 4, None]]
+
+
+def rank(n: int, groups: list[list[object]], read_at: float = 100.0, stack_since: float = 0.0) -> RankCollectives:
+    raw = json.dumps({"t": read_at, "s": stack_since, "w": f"train.py:{n}", "g": groups}).encode()
+    return RankCollectives.parse(n, raw)
+
+
+def waits(seq: int, since: float, group: str = "0") -> list[object]:
+    return [group, "default_pg", seq, seq - 1, [seq, "all_reduce", 4 << 20, since]]
+
+
+def test_the_rank_that_never_entered_is_named_with_the_collective() -> None:
+    now = 100.0
+    ranks = [rank(0, [waits(7, 80.0)]), rank(1, [waits(7, 81.0)]), rank(2, [["0", "default_pg", 6, 6, None]])]
+    [stall] = stalls(ranks, now)
+    assert stall.missing == (2,)
+    assert stall.seq == 7
+    assert stall.describe(2).startswith("rank 2 never entered all_reduce #7 (default_pg, 4.0 MB) that ranks 0-1")
+
+
+def test_nobody_is_missing_when_every_rank_is_in_the_collective_or_none_waits_long() -> None:
+    assert stalls([rank(0, [waits(7, 99.5)]), rank(1, [["0", "", 6, 6, None]])], 100.0) == []  # 0.5 s: a step
+    [stall] = stalls([rank(0, [waits(7, 80.0)]), rank(1, [waits(7, 80.0)])], 100.0)
+    assert stall.missing == ()
+
+
+def test_a_rank_stuck_in_a_collective_of_another_group_is_still_the_one_missing() -> None:
+    """Every stack is in a collective: ranks 0-1 in the default group's #7, rank 2 in group 1's #3, which
+    waits for rank 1 (a deadlock by order): the default group's missing member is rank 2."""
+    ranks = [
+        rank(0, [waits(7, 80.0)]),
+        rank(1, [waits(7, 80.0), ["1", "pair", 2, 2, None]]),
+        rank(2, [["0", "default_pg", 6, 6, None], waits(3, 80.0, group="1")]),
+    ]
+    found = [(s.group, s.missing) for s in stalls(ranks, 100.0)]
+    assert found == [("0", (2,)), ("1", (1,))]  # the one most ranks wait in first: rank 2 went astray
+
+
+def sample(at: float, cpu: float = 1.0, io: int = 0, stopped: bool = False) -> Sample:
+    return Sample(at, cpu, io, stopped)
+
+
+def test_progress_stack_cpu_or_io_moving_is_progress() -> None:
+    p = Progress()
+    r = rank(2, [], read_at=130.0, stack_since=100.0)
+    p.add(2, sample(100.0), r.where)
+    for t in range(101, 131):
+        p.add(2, sample(float(t)), r.where)
+    assert p.quiet_since(r, 130.0) == 100.0  # nothing moved for 30 s
+    p.add(2, sample(131.0, cpu=1.2), r.where)  # 0.2 s of CPU in 1 s: working
+    assert p.quiet_since(r, 131.0) == 131.0
+    p.add(2, sample(132.0, cpu=1.2, io=4096), r.where)
+    assert p.quiet_since(r, 132.0) == 132.0
+    moved = rank(2, [], read_at=140.0, stack_since=139.0)
+    assert p.quiet_since(moved, 140.0) == 139.0
+
+
+def test_a_host_spinning_on_the_gpu_or_a_stopped_process_is_not_progress() -> None:
+    p = Progress()
+    where = "/usr/lib/python3/site-packages/torch/cuda/__init__.py:1040"
+    r = rank(2, [], read_at=120.0)
+    p.add(2, sample(100.0, cpu=1.0), where)
+    p.add(2, sample(120.0, cpu=21.0), where)  # a core's worth of spinning in synchronize
+    assert p.quiet_since(r, 120.0) == 100.0
+    p.add(2, sample(121.0, cpu=22.0, stopped=True), "train.py:3")
+    assert p.quiet_since(r, 121.0) == 100.0
+
+
+def test_a_summary_gone_stale_tells_no_stack_change() -> None:
+    """Its watcher cannot run (the GIL held in C): the stack it last read is old news, CPU and I/O decide."""
+    p = Progress()
+    p.add(2, sample(100.0), "")
+    stale = rank(2, [], read_at=95.0, stack_since=94.0)
+    assert p.quiet_since(stale, 100.0 + QUIET_S) == 100.0
+
+
+@pytest.mark.parametrize("bad", [b"", b"[]", b'{"t": 1}', b'{"t":1,"s":1,"w":"","g":[["0","",1]]}'])
+def test_an_unreadable_summary_is_a_value_error(bad: bytes) -> None:
+    with pytest.raises(ValueError, match="summary of collectives"):
+        RankCollectives.parse(0, bad)
