@@ -323,7 +323,7 @@ class LocalGroup:
         self._reports.board = board
         self._held.board = board
         self.status.board, self.status.node = board, board.node
-        self._watch.pace.share, self._watch.pace.node = board.pace_share(), board.node
+        self._watch.share_board(board.pace_share(), board.node, board.collective_share())
 
     def report_failure(self, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
         """Write and print the current attempt's failure report, root cause first (see Reports.report)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
+from ftrun.job.collective_share import CollectiveShare
 from ftrun.job.offloop import Newest
 from ftrun.job.pace_share import PaceShare
 from ftrun.jsonobject import object_or_none
@@ -65,6 +66,10 @@ class JobBoard:
     def pace_share(self) -> PaceShare:
         """This node's side of the ranks' pace, shared for straggler detection."""
         return PaceShare(self._store, self._run_id, self._node)
+
+    def collective_share(self) -> CollectiveShare:
+        """This node's side of the ranks' collectives, shared while some wait (the no-flag hang watch)."""
+        return CollectiveShare(self._store, self._run_id, self._node, self._clock)
 
     def publish_hang(self, round_: int, verdict: Mapping[str, Any]) -> None:
         """Tell the other nodes what this node found (best effort: a store error costs only the cross-check)."""

@@ -6,8 +6,10 @@ The rules are :mod:`ftrun.monitor.collectives` (pure); this reads what they judg
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import psutil
 
@@ -15,6 +17,19 @@ from ftrun.clock import Clock
 from ftrun.monitor.collectives import QUIET_S, WAITED_S, Progress, RankCollectives, Sample, Stall, stalls
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
+
+
+class CollectiveShare(Protocol):
+    """The other nodes' ranks' summaries (:class:`ftrun.job.collective_share.CollectiveShare`)."""
+
+    @property
+    def asked(self) -> bool: ...
+
+    def follow(self, round_: int | None) -> None: ...
+
+    def offer(self, summaries: dict[int, bytes]) -> None: ...
+
+    def others(self) -> dict[int, bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,20 +47,24 @@ class StallWatch:
         self._enabled = enabled
         self._clock = clock
         self._progress = Progress()
+        self.share: CollectiveShare | None = None  # set when the job has other nodes
+
+    def new_attempt(self, round_: int | None) -> None:
+        self._progress = Progress()
+        if self.share is not None and self._enabled:
+            self.share.follow(round_)
 
     def find(self, running: Sequence[Worker], slot: Callable[[int], SlotView | None]) -> list[Stalled]:
         """The local ranks the others wait for in a collective that have shown no progress for QUIET_S."""
         if not self._enabled:
             return []
-        summaries = {}
-        for w in running:
-            view = slot(w.local_rank)
-            if view is not None and view.collectives_json:
-                try:
-                    summaries[w.rank] = RankCollectives.parse(w.rank, view.collectives_json)
-                except ValueError:
-                    continue  # a torn or foreign write: the next check reads it again
+        raw = {w.rank: view.collectives_json for w in running if (view := slot(w.local_rank)) and view.collectives_json}
+        summaries = _parsed(raw)
         now = self._clock.wall()
+        if self.share is not None:
+            if self.share.asked or stalls(summaries.values(), now):  # some wait, here or elsewhere: tell
+                self.share.offer(raw)
+            summaries = _parsed(self.share.others()) | summaries
         stall = next((s for s in stalls(summaries.values(), now) if s.missing), None)
         looked = [w for w in running if stall is not None and w.rank in stall.missing and w.rank in summaries]
         self._progress.forget([w.rank for w in looked])
@@ -61,6 +80,15 @@ class StallWatch:
             if quiet >= QUIET_S and now - stall.since >= WAITED_S:
                 found.append(Stalled(w, stall, quiet, r.where))
         return found
+
+
+def _parsed(raw: dict[int, bytes]) -> dict[int, RankCollectives]:
+    """The summaries that parse (a torn or foreign write is read again at the next check)."""
+    found = {}
+    for rank, summary in raw.items():
+        with contextlib.suppress(ValueError):
+            found[rank] = RankCollectives.parse(rank, summary)
+    return found
 
 
 def _sample(pid: int, now: float) -> Sample | None:

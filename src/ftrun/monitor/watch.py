@@ -24,7 +24,8 @@ from ftrun.monitor.dumps import StackDumps
 from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
 from ftrun.monitor.pace import PaceWatch
-from ftrun.monitor.stalls import Stalled, StallWatch
+from ftrun.monitor.pace import Share as PaceShare
+from ftrun.monitor.stalls import CollectiveShare, Stalled, StallWatch
 from ftrun.monitor.watchdog import TEARDOWN
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -81,6 +82,12 @@ class WorkerWatch:
         self._dumps.forget()
         self.hangs.new_attempt(nproc, tag)
         self.pace.new_attempt(round_, attempt_dir)
+        self.stalls.new_attempt(round_)
+
+    def share_board(self, pace: PaceShare, node: str, collectives: CollectiveShare) -> None:
+        """The job has other nodes (this one is ``node``): stragglers and stalls are judged with their ranks."""
+        self.pace.share, self.pace.node = pace, node
+        self.stalls.share = collectives
 
     def env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
         env = {**self.hangs.env(local_rank, str(rank_dir / STACKS_FILE), spawned), **self.pace.env()}
@@ -140,6 +147,8 @@ class WorkerWatch:
         return self.hangs.requests(running)
 
     def close(self) -> None:
+        if self.stalls.share is not None:
+            self.stalls.share.follow(None)
         self._dumps.close()
         self.hangs.close()
         if self.timer is not None:
