@@ -114,3 +114,10 @@ def test_a_summary_gone_stale_tells_no_stack_change() -> None:
 def test_an_unreadable_summary_is_a_value_error(bad: bytes) -> None:
     with pytest.raises(ValueError, match="summary of collectives"):
         RankCollectives.parse(0, bad)
+
+
+def test_a_rank_whose_watcher_never_wrote_is_missing_from_the_default_group() -> None:
+    """It holds its GIL since right after init_process_group: its watcher never ran."""
+    [stall] = stalls([rank(0, [waits(6, 80.0)]), RankCollectives.unseen(1)], 100.0)
+    assert stall.missing == (1,)
+    assert stalls([rank(0, [waits(3, 80.0, group="5")]), RankCollectives.unseen(1)], 100.0)[0].missing == ()

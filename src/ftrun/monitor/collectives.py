@@ -26,6 +26,7 @@ WAITED_S = 10.0  # and found hung no sooner than this
 QUIET_S = 20.0  # once they showed no progress this long
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
 BUSY_SHARE = 0.05  # CPU time growing faster than this share of a core is progress
+DEFAULT_GROUP = "0"  # torch names the default process group "0", every rank's first
 SPIN_WAITS = ("torch/cuda/__init__.py", "torch/cuda/streams.py")  # the host spins there on the GPU's work
 
 
@@ -57,6 +58,11 @@ class RankCollectives:
     stack_since: float  # wall time its main thread's stack last changed
     where: str  # its main thread's innermost frame, file:line
     groups: tuple[Group, ...]
+
+    @classmethod
+    def unseen(cls, rank: int) -> RankCollectives:
+        """A rank whose watcher wrote nothing yet (within a second of its start, or its GIL held since)."""
+        return cls(rank, 0.0, 0.0, "", ())
 
     @classmethod
     def parse(cls, rank: int, raw: bytes) -> RankCollectives:
@@ -114,9 +120,14 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_
     rank 1 with the others in the default group's, waiting for rank 2), the rank the most ranks wait for is
     the one that went astray: the first stall's missing ranks are the culprits, the others' are victims."""
     by_group: dict[str, list[tuple[RankCollectives, Group]]] = {}
+    unseen = []
     for r in ranks:
+        if not r.groups:
+            unseen.append(r)
         for g in r.groups:
             by_group.setdefault(g.name, []).append((r, g))
+    if DEFAULT_GROUP in by_group:  # every rank is in it: one whose watcher never wrote has entered none of it
+        by_group[DEFAULT_GROUP] += [(r, Group(DEFAULT_GROUP, "", -1, -1, None)) for r in unseen]
     found = []
     for name, members in sorted(by_group.items()):
         waiting = [(r, g) for r, g in members if g.in_flight is not None and g.in_flight.since <= now - waited_s]

@@ -14,7 +14,7 @@ from typing import Protocol
 import psutil
 
 from ftrun.clock import Clock
-from ftrun.monitor.collectives import QUIET_S, WAITED_S, Progress, RankCollectives, Sample, Stall, stalls
+from ftrun.monitor.collectives import QUIET_S, STALE_S, WAITED_S, Progress, RankCollectives, Sample, Stall, stalls
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
@@ -39,7 +39,7 @@ class Stalled:
     worker: Worker
     stall: Stall
     quiet_s: float  # how long it showed no progress
-    where: str  # its main thread's innermost frame, as its watcher last read it
+    where: str  # its main thread's innermost frame, as its watcher last read it ("": its watcher cannot run)
 
 
 class StallWatch:
@@ -65,6 +65,7 @@ class StallWatch:
             if self.share.asked or stalls(summaries.values(), now):  # some wait, here or elsewhere: tell
                 self.share.offer(raw)
             summaries = _parsed(self.share.others()) | summaries
+        summaries |= {w.rank: RankCollectives.unseen(w.rank) for w in running if w.rank not in summaries}
         stall = next((s for s in stalls(summaries.values(), now) if s.missing), None)
         looked = [w for w in running if stall is not None and w.rank in stall.missing and w.rank in summaries]
         self._progress.forget([w.rank for w in looked])
@@ -78,7 +79,7 @@ class StallWatch:
             self._progress.add(w.rank, sample, r.where)
             quiet = now - self._progress.quiet_since(r, now)
             if quiet >= QUIET_S and now - stall.since >= WAITED_S:
-                found.append(Stalled(w, stall, quiet, r.where))
+                found.append(Stalled(w, stall, quiet, r.where if now - r.read_at <= STALE_S else ""))
         return found
 
 

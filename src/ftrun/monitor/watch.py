@@ -215,7 +215,8 @@ class WorkerWatch:
         if w.reaped or w.state is not WorkerState.RUNNING:
             return None  # it exited meanwhile: its exit tells
         what = f"hang: {s.stall.describe(w.rank)}"
-        why = f"it showed no progress for {s.quiet_s:.0f} s (stack, CPU time and I/O unchanged; at {s.where})"
+        where = f"at {s.where}" if s.where else "its interpreter held: ftrun's thread in it cannot run"
+        why = f"it showed no progress for {s.quiet_s:.0f} s (stack, CPU time and I/O unchanged; {where})"
         for rank, victim in quiet.items():
             if victim is not w and not victim.reaped:
                 victim.waiting_stacks = stacks[rank]

@@ -43,8 +43,9 @@ def _run(publish: Callable[[bytes], None]) -> None:
     main = threading.main_thread().ident
     stack: tuple[tuple[str, int], ...] = ()
     stack_since = time.time()
+    published = False
     while True:
-        time.sleep(POLL_S)
+        time.sleep(POLL_S if published else POLL_S / 10)  # the first summary as soon as the group is made
         record = _read_recorder()
         if record is None:
             continue
@@ -55,6 +56,7 @@ def _run(publish: Callable[[bytes], None]) -> None:
             stack, stack_since = seen, now
         where = f"{seen[0][0]}:{seen[0][1]}" if seen else ""
         publish(json.dumps(summary(record, now, stack_since, where), separators=(",", ":")).encode())
+        published = True
 
 
 def _read_recorder() -> dict[str, Any] | None:

@@ -1,0 +1,180 @@
+"""Hangs found with no flag, by the collectives (torch's flight recorder), in gloo jobs that never import ftrun:
+the rank the others wait for is named by the collective it never entered, however it is stuck, on one node or
+across two; and nothing that only looks like a hang is called one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+
+pytestmark = pytest.mark.torch
+
+# Attempt N's culprit is stuck the N-th way at step 5; the attempt after the last trains to the end.
+STUCK = """
+import ctypes, os, sys, time
+import torch, torch.distributed as dist
+
+fifo = sys.argv[1]
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+pair = dist.new_group([2, 3]) if dist.get_world_size() == 4 else None  # every rank makes every group
+
+def asleep():
+    time.sleep(600)
+
+def in_c_holding_the_gil():
+    ctypes.PyDLL(None).sleep(600)  # libc's sleep, the GIL held: ftrun's watcher thread in the worker cannot run
+
+def blocked_on_a_fifo():
+    with open(fifo, "rb") as f:  # nobody writes it: the open blocks in the kernel
+        f.read()
+
+def in_a_collective_of_another_group():
+    dist.all_reduce(torch.ones(4), group=pair)  # rank 2 is in the default group's all-reduce: never comes
+
+WAYS = [(1, asleep), (2, in_c_holding_the_gil), (3, blocked_on_a_fifo), (3, in_a_collective_of_another_group)]
+t = torch.ones(1024)
+for step in range(12):
+    if attempt < len(WAYS) and step == 5 and rank == WAYS[attempt][0]:
+        print(f"rank {rank} stuck: {WAYS[attempt][1].__name__}", flush=True)
+        WAYS[attempt][1]()
+    dist.all_reduce(t)
+    time.sleep(0.05)
+print("rank", rank, "done", flush=True)
+dist.destroy_process_group()
+"""
+
+CULPRITS = [
+    (1, "asleep"),
+    (2, "in_c_holding_the_gil"),
+    (3, "blocked_on_a_fifo"),
+    (3, "in_a_collective_of_another_group"),
+]
+
+
+def test_a_rank_stuck_any_way_before_an_all_reduce_is_named_by_the_collective(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Four attempts, each with a culprit stuck another way (the last one with every rank's stack inside a
+    collective); with no hang flag, each is found, named as the rank that never entered all_reduce #6 that the
+    other ranks entered, and the job restarts; the fifth attempt finishes."""
+    script("w.py", STUCK)
+    os.mkfifo(tmp_path / "never-written")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "4", "--max-restarts", "4", "w.py", "never-written", timeout=280)
+    assert r.returncode == 0, r.stderr
+    assert "--no-hang-detection turns this off" in r.stderr
+    hangs = [e for e in r.events() if e["kind"] == "hang"]
+    assert [(h["attempt"], h["rank"], h["timeout"]) for h in hangs] == [
+        (attempt, rank, "collective") for attempt, (rank, _) in enumerate(CULPRITS)
+    ]
+    for attempt, (rank, way) in enumerate(CULPRITS):
+        root = r.report(attempt)["root_cause"]
+        assert isinstance(root, dict)
+        others = "ranks 0-2" if rank == 3 else "ranks " + ", ".join(str(n) for n in range(4) if n != rank)
+        said = rf"rank {rank} never entered all_reduce #\d+ \(default_pg, 4.0 KB\) that {others} entered at "
+        assert re.search(said, root["hang"]), root["hang"]
+        assert way in root["stacks"], root["stacks"]
+        assert f"rank {rank} stuck: {way}" in r.log(attempt, rank)
+    assert sorted(line for n in range(4) for line in r.log(4, n).splitlines() if "done" in line) == [
+        f"rank {n} done" for n in range(4)
+    ]
+
+
+def test_across_two_nodes_the_node_of_the_rank_they_wait_for_names_it(
+    tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
+) -> None:
+    """One rank per node: rank 0's agent sees only a rank waiting; rank 1's agent sees only a rank that does
+    nothing. Shared through the store, rank 1's node names it, and both reports say so."""
+    (tmp_path / "w.py").write_text(STUCK)
+    flags = [*rdzv, "--rdzv-id", f"{tmp_path.name}-nf", "--local-addr", "127.0.0.1", "--nnodes", "2"]
+    flags += ["--nproc-per-node", "1", "--max-restarts", "1", str(tmp_path / "w.py"), "unused"]
+    agents = [LiveFtrun(tmp_path, *flags, name=n) for n in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait(4 * WAIT_S) == 0, agent.stderr()
+    for name, agent in zip(("a", "b"), agents, strict=True):
+        [report_file] = (tmp_path / f"logs-{name}").glob("*/attempt_0/failure_report.json")
+        report = json.loads(report_file.read_text())
+        named = report["elsewhere"] if report["root_cause"]["rank"] == 0 else report["root_cause"]
+        assert named["rank"] == 1, report
+        assert "rank 1 never entered all_reduce" in named["hang"], named
+        assert "ROOT CAUSE  rank 1" in agent.stderr()
+
+
+# Each phase lasts LONG_S, longer than a hang takes to be found, then every rank meets in an all-reduce.
+LOOKS_HUNG = """
+import os, subprocess, sys, time
+import torch, torch.distributed as dist
+
+LONG_S = float(sys.argv[1])
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+t = torch.ones(16)
+
+def meet(phase):
+    dist.all_reduce(t)
+    print(f"rank {rank} after {phase}", flush=True)
+
+meet("start")
+if rank == 0:  # saving a checkpoint, slowly, while the others wait in a barrier
+    with open(f"ckpt-{attempt}.bin", "wb") as f:
+        end = time.time() + LONG_S
+        while time.time() < end:
+            f.write(os.urandom(64 << 10))
+            f.flush()
+            time.sleep(0.2)
+dist.barrier()
+print(f"rank {rank} after checkpoint", flush=True)
+
+end = time.time() + LONG_S  # an evaluation on every rank: no collective until it ends
+while time.time() < end:
+    sum(i * i for i in range(10_000))
+meet("evaluation")
+
+if rank == 1:  # a compile: the work happens in child processes while the main thread waits
+    busy = f"import time\\nend = time.time() + {LONG_S}\\nwhile time.time() < end: pass"
+    subprocess.run([sys.executable, "-c", busy])
+meet("compile")
+
+if rank == 2:  # reading slowly from a slow disk (a pipe that trickles)
+    feeder = subprocess.Popen([sys.executable, "-c", f"import os, time\\nfor _ in range(int({LONG_S} * 5)):\\n"
+                               "    os.write(1, b'x' * 4096); time.sleep(0.2)"], stdout=subprocess.PIPE)
+    while feeder.stdout.read(4096):
+        pass
+    feeder.wait()
+meet("slow read")
+
+time.sleep(LONG_S)  # a long sleep between epochs, on every rank
+meet("sleep")
+dist.destroy_process_group()
+"""
+
+NO_DIST = """
+import sys, time
+time.sleep(float(sys.argv[1]))
+print("slept", flush=True)
+"""
+
+LONG_S = "27"  # the watch found every stuck rank above in under 25 s
+
+
+def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, script: WriteScript) -> None:
+    """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
+    child processes, a slow read, a long sleep on every rank, a job without torch.distributed: each longer than
+    a hang takes to be found, none is one."""
+    script("w.py", LOOKS_HUNG)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "3", "w.py", LONG_S, timeout=280)
+    assert r.returncode == 0, r.stderr
+    assert [e for e in r.events() if e["kind"] == "hang"] == []
+    for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "sleep"):
+        assert all(f"rank {n} after {phase}" in r.log(0, n) for n in range(3)), phase
+    script("plain.py", NO_DIST)
+    plain = run_ftrun(tmp_path, "--nproc-per-node", "2", "plain.py", LONG_S, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert [e for e in plain.events() if e["kind"] == "hang"] == []
