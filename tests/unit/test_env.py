@@ -44,7 +44,7 @@ def assignment(**overrides: object) -> WorkerAssignment:
 
 def test_exactly_the_contract_variables_are_added() -> None:
     env = worker_env({}, assignment())
-    assert set(env) == TORCHRUN_VARS | {"FTRUN_ERROR_FILE"}
+    assert set(env) == TORCHRUN_VARS | {"FTRUN_ERROR_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
 
 
 def test_values_for_a_single_node_job() -> None:
@@ -102,6 +102,12 @@ def test_torchruns_extras_and_what_they_imply() -> None:
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the job's TCPStore: nothing to share
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"  # the user's value wins, as in torchrun
     assert worker_env({}, assignment())["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_the_flight_recorder_the_hang_watch_reads_is_on_unless_the_job_sized_it() -> None:
+    assert worker_env({}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert worker_env({"TORCH_FR_BUFFER_SIZE": "0"}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
+    assert worker_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
 
 
 def test_virtual_local_rank_gives_each_worker_one_gpu_as_device_0() -> None:

@@ -76,6 +76,9 @@ def assign(
     )
 
 
+FR = "2000"  # entries of torch's flight recorder, its default
+
+
 def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_rank: bool = False) -> dict[str, str]:
     """The environment of one worker: ``base`` plus the torchrun variables and ftrun's own.
 
@@ -107,6 +110,11 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_ra
         # torch's env:// init then lets rank 0 host the job's TCPStore: ftrun's store is not one to share.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
+        # The flight recorder ftrun's hang watch reads (ftrun.worker.collectives), at torch's own default size,
+        # said for the torch versions and backends (torchcomms) that record nothing unless it is set.
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": base.get(
+            "TORCH_NCCL_TRACE_BUFFER_SIZE", base.get("TORCH_FR_BUFFER_SIZE", "2000")
+        ),
         "FTRUN_ERROR_FILE": a.error_file,
         **startup_env(base),
         **devices,
