@@ -4,7 +4,8 @@ Imports torch and torch._dynamo (as many real jobs do, through torch.compile or 
 small model with gloo on CPU, checkpoints every 10 steps from rank 0 and resumes from the last checkpoint,
 and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills itself with
 SIGKILL at --crash-at, raises an exception at --raise-at (torch's teardown follows), or stops making progress
-at --hang-at (it sleeps). Every rank appends JSON lines to
+at --hang-at (--hang-how: it sleeps, sleeps in C holding the GIL, blocks on a FIFO nobody writes, or enters an
+all-reduce of another group; --culprit names the rank). Every rank appends JSON lines to
 --timeline: when its process started (before any import), each step, the crash or the hang.
 """
 
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--raise-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
+    p.add_argument("--hang-how", choices=("sleep", "gil", "fifo", "group"), default="sleep")
+    p.add_argument("--culprit", type=int, default=1, help="the rank that crashes, raises or hangs")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--timeline", required=True)
     p.add_argument("--checkpoint", required=True)
@@ -54,6 +57,10 @@ def main() -> None:
         if ctypes.CDLL("libcuda.so.1").cuInit(0) != 0:
             raise RuntimeError("the CUDA driver could not be initialised (a process forked after cuInit?)")
     dist.init_process_group("gloo")
+    # Every rank makes every group (torch requires it); with --hang-how group the culprit enters this one's
+    # all-reduce while its partner is in the default group's: each waits for the other.
+    partner = a.culprit - 1 if a.culprit % 2 else a.culprit + 1
+    pair = dist.new_group(sorted((a.culprit, partner))) if a.hang_how == "group" else None
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -63,15 +70,16 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         start = state["step"]
     for step in range(start, a.steps):
-        if attempt == 0 and rank == 1 and step == a.crash_at:
+        faulty = attempt == 0 and rank == a.culprit
+        if faulty and step == a.crash_at:
             record("crash")
             os.kill(os.getpid(), signal.SIGKILL)
-        if attempt == 0 and rank == 1 and step == a.raise_at:
+        if faulty and step == a.raise_at:
             record("crash")
             raise RuntimeError(f"injected failure at step {step}")
-        if attempt == 0 and rank == 1 and step == a.hang_at:
-            record("hang")
-            time.sleep(3600)
+        if faulty and step == a.hang_at:
+            record("hang", how=a.hang_how)
+            hang(a.hang_how, a.checkpoint + ".fifo", pair)
         gen = torch.Generator().manual_seed(step * 100 + rank)
         x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
         opt.zero_grad()
@@ -88,6 +96,22 @@ def main() -> None:
         with open(a.checksum, "w") as f:
             f.write(digest.hexdigest()[:16])
     dist.destroy_process_group()
+
+
+def hang(how: str, fifo: str, pair: object) -> None:
+    """Stop making progress, ``how``."""
+    if how == "gil":
+        import ctypes
+
+        ctypes.PyDLL(None).sleep(3600)  # libc's sleep, the GIL held
+    elif how == "fifo":
+        if not os.path.exists(fifo):
+            os.mkfifo(fifo)
+        with open(fifo, "rb") as f:  # nobody writes it: the open blocks in the kernel
+            f.read()
+    elif how == "group":
+        dist.all_reduce(torch.ones(4), group=pair)  # the partner is in the default group's all-reduce
+    time.sleep(3600)
 
 
 if __name__ == "__main__":

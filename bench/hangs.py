@@ -1,0 +1,187 @@
+"""Hangs with no flag: a rank stops before an all-reduce, and how long until every rank steps again.
+
+The job (bench/plain_ddp.py) is a DDP job as people write it for torchrun: gloo on CPU, never imports ftrun,
+checkpoints every 10 steps. Two agents on this machine (2 nodes x 2 ranks, the embedded store), no hang flag.
+At step 20 of the first attempt rank 3 (on the second node) stops making progress, one way per case:
+
+  sleep   time.sleep
+  gil     libc's sleep called holding the GIL (ftrun's thread in the worker cannot run)
+  fifo    blocked opening a FIFO nobody writes
+  group   inside an all-reduce of another process group, which waits for rank 2 (in the default group's
+          all-reduce, waiting for rank 3): every rank's stack is inside a collective
+
+Figures: the hang -> every rank stepping again (from the job's own timeline), and whether ftrun named rank 3
+by the collective ("never entered all_reduce #N"). torchrun runs the same job in the same run, alternating:
+it finds nothing until gloo's own timeout (30 minutes), so a run of it ends at --bound.
+
+    python bench/hangs.py [--reps 3] [--ways sleep,gil,fifo,group] [--bound 120] [--launchers ftrun,torchrun]
+    python bench/hangs.py --cost [--reps 3] [--steps 400]
+
+--cost: the watch's price, one node, 2 ranks, no fault: the median step time (50 ms of simulated compute and
+an all-reduce) with torch's flight recorder off (TORCH_FR_BUFFER_SIZE=0) and ftrun's watch off, with the
+recorder on (torch's default) and the watch off (--no-hang-detection), and with both on (ftrun's default),
+alternating in one run.
+
+Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
+
+JOB = Path(__file__).resolve().parent / "plain_ddp.py"
+FTRUN = [sys.executable, "-m", "ftrun"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+HANG_AT = 20
+CULPRIT = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def timeline(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def stepping_again(records: list[dict[str, object]], hung_at: float) -> float | None:
+    """When every rank had stepped in an attempt after the hang (None: not yet)."""
+    later = [r for r in records if r["event"] == "step" and int(str(r["attempt"])) > 0]
+    firsts = {}
+    for r in later:
+        rank = int(str(r["rank"]))
+        firsts[rank] = min(firsts.get(rank, float("inf")), float(str(r["wall"])))
+    if len(firsts) < 4:
+        return None
+    return max(firsts.values()) - hung_at
+
+
+def hang_once(launcher: str, how: str, workdir: Path, bound: float) -> tuple[float | None, str]:
+    """(the hang -> every rank stepping again, or None within ``bound``; what ftrun named)."""
+    port = free_port()
+    tl = workdir / "timeline.jsonl"
+    job = [str(JOB), "--steps", str(HANG_AT + 15), "--hang-at", str(HANG_AT), "--hang-how", how]
+    job += ["--culprit", str(CULPRIT), "--timeline", str(tl), "--checkpoint", str(workdir / "ckpt.pt")]
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hangs-{port}"]
+    procs = []
+    for node in ("a", "b"):
+        if launcher == "ftrun":
+            cmd = [*FTRUN, *rdzv, "--log-dir", str(workdir / f"logs-{node}"), *job]
+        else:
+            cmd = [*TORCHRUN, *rdzv, "--rdzv-conf", "last_call_timeout=1", *job]
+        with (workdir / f"{node}.log").open("wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=workdir))
+        time.sleep(0.5)  # node a registers first: ranks 0-1 there, the culprit on b
+    try:
+        recovered = watch(tl, procs, bound)
+        for proc in procs:
+            if recovered is None:
+                proc.kill()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        kill_leftovers(workdir)
+    events = [json.loads(line) for f in workdir.glob("logs-*/*/events.jsonl") for line in f.read_text().splitlines()]
+    named = [f"rank {e['rank']} by {e['timeout']}" for e in events if e["kind"] == "hang"]
+    return recovered, named[-1] if named else ""
+
+
+def watch(tl: Path, procs: list[subprocess.Popen[bytes]], bound: float) -> float | None:
+    """The hang -> every rank stepping again, read from the job's timeline (None: not within ``bound``)."""
+    deadline = None
+    while all(p.poll() is None for p in procs) and (deadline is None or time.time() < deadline):
+        records = timeline(tl)
+        hung = [float(str(r["wall"])) for r in records if r["event"] == "hang"]
+        if hung:
+            deadline = deadline or hung[0] + bound
+            recovered = stepping_again(records, hung[0])
+            if recovered is not None:
+                return recovered
+        time.sleep(0.2)
+    return None
+
+
+def step_times(records: list[dict[str, object]]) -> list[float]:
+    by_rank: dict[int, list[float]] = {}
+    for r in records:
+        if r["event"] == "step":
+            by_rank.setdefault(int(str(r["rank"])), []).append(float(str(r["wall"])))
+    gaps = []
+    for walls in by_rank.values():
+        walls.sort()
+        gaps += [b - a for a, b in itertools.pairwise(walls[10:])]  # past the first steps' warm-up
+    return gaps
+
+
+def cost_once(config: str, workdir: Path, steps: int) -> float:
+    tl = workdir / "timeline.jsonl"
+    env = dict(os.environ)
+    flags = ["--nproc-per-node", "2", "--log-dir", str(workdir / "logs")]
+    if config == "nothing":
+        env["TORCH_FR_BUFFER_SIZE"] = "0"
+    if config in ("nothing", "recorder"):
+        flags.append("--no-hang-detection")
+    job = [str(JOB), "--steps", str(steps), "--timeline", str(tl), "--checkpoint", str(workdir / "ckpt.pt")]
+    subprocess.run([*FTRUN, *flags, *job], env=env, cwd=workdir, capture_output=True, check=True, timeout=600)
+    return statistics.median(step_times(timeline(tl)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ways", default="sleep,gil,fifo,group")
+    p.add_argument("--bound", type=float, default=120.0, help="seconds after the hang before a run is given up")
+    p.add_argument("--launchers", default="ftrun,torchrun")
+    p.add_argument("--cost", action="store_true")
+    p.add_argument("--steps", type=int, default=400)
+    a = p.parse_args()
+    if a.cost:
+        configs = ("nothing", "recorder", "ftrun")
+        medians: dict[str, list[float]] = {c: [] for c in configs}
+        for _ in range(a.reps):
+            for c in configs:
+                with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
+                    medians[c].append(cost_once(c, Path(d), a.steps))
+        base = statistics.median(medians["nothing"])
+        for c in configs:
+            m = statistics.median(medians[c])
+            print(f"{c:9s} median step {m * 1000:8.3f} ms  ({m / base:.4f} of nothing; runs: "
+                  f"{', '.join(f'{x * 1000:.2f}' for x in medians[c])})")  # fmt: skip
+        return
+    for how in a.ways.split(","):
+        results: dict[str, list[tuple[float | None, str]]] = {name: [] for name in a.launchers.split(",")}
+        for _ in range(a.reps):
+            for launcher, runs in results.items():
+                with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
+                    runs.append(hang_once(launcher, how, Path(d), a.bound))
+        for launcher, runs in results.items():
+            times = [t for t, _ in runs if t is not None]
+            right = sum(1 for _, named in runs if named == f"rank {CULPRIT} by collective")
+            shown = ", ".join(f"{t:.1f}" if t is not None else f">{a.bound:.0f}" for t, _ in runs)
+            named = f"  named rank {CULPRIT} by the collective {right}/{len(runs)}" if launcher == "ftrun" else ""
+            median = f"median {statistics.median(times):6.1f} s" if times else "never"
+            print(f"{how:6s} {launcher:9s} stepping again: {median} ({shown}){named}")
+
+
+if __name__ == "__main__":
+    main()
