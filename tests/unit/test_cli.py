@@ -297,6 +297,13 @@ def test_hang_settings_from_flags_over_the_config_file(tmp_path: Path, script: P
     assert not parse(tmp_path, "train.py").hang.timeouts.any  # unset: off
 
 
+def test_hangs_are_watched_with_no_flag_unless_turned_off(tmp_path: Path, script: Path) -> None:
+    assert parse(tmp_path, "train.py").hang.collectives
+    assert not parse(tmp_path, "--no-hang-detection", "train.py").hang.collectives
+    (tmp_path / "ft.toml").write_text("hang_detection = false\n")
+    assert not parse(tmp_path, "--config", str(tmp_path / "ft.toml"), "train.py").hang.collectives
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -321,6 +328,7 @@ def test_bad_hang_settings_are_named(tmp_path: Path, script: Path, argv: list[st
         ("heartbeat = 5", "unknown key\\(s\\) in .*: heartbeat; did you mean heartbeat_timeout"),
         ("heartbeat_timeout = -1", "heartbeat_timeout in .*ft.toml: must be a finite number of seconds > 0"),
         ("section_timeouts = 5", "section_timeouts in .*ft.toml: must be a table"),
+        ("hang_detection = 0", "hang_detection in .*ft.toml: must be true or false"),
     ],
 )
 def test_a_bad_config_file_is_named(tmp_path: Path, script: Path, body: str, message: str) -> None:
