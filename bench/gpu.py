@@ -11,6 +11,7 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
     crash     os._exit(1)                sigkill    SIGKILL                      raise     an uncaught exception
     crash-late  os._exit(1) at step 400 (about 10 s in: the warm pool is ready, as for most real failures)
     hang      rank 1 sleeps in Python    gpu-hang   rank 1's GPU kernel spins while its host waits in synchronize()
+    hang-noflag, gpu-hang-noflag  the same with no hang flag (ftrun's collectives watch; gloo's timeout 120 s)
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
     nccl      one rank on NCCL (SIGKILL)
@@ -52,6 +53,8 @@ CASES: dict[str, dict[str, object]] = {
     "raise": {"fault": "raise"},
     "hang": {"fault": "hang"},
     "gpu-hang": {"fault": "gpu-hang", "gpu": True},
+    "hang-noflag": {"fault": "hang", "noflag": True, "pg_timeout": 120},
+    "gpu-hang-noflag": {"fault": "gpu-hang", "gpu": True, "noflag": True, "pg_timeout": 120},
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},
     "nccl": {"fault": "sigkill", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0},
@@ -77,7 +80,7 @@ def job_args(case: dict[str, object], workdir: Path, fault: bool) -> list[str]:
         "--checksum",
         str(workdir / "checksum"),
         "--pg-timeout",
-        "20",
+        str(case.get("pg_timeout", 20)),
         "--backend",
         str(case.get("backend", "gloo")),
     ]
@@ -97,7 +100,8 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
     case = CASES[name]
     workdir.mkdir(parents=True)
     nproc = str(case.get("nproc", 2))
-    cmd = [*FTRUN, "--log-dir", str(workdir / "logs"), "--event-log", str(workdir / "events.jsonl")]
+    ftrun = [f for f in FTRUN if f not in ("--heartbeat-timeout", "10")] if case.get("noflag") else FTRUN
+    cmd = [*ftrun, "--log-dir", str(workdir / "logs"), "--event-log", str(workdir / "events.jsonl")]
     if case.get("helper"):
         cmd += ["--preload", "gpuhelper"]  # as if ftrun had learned it: the module the pool must leave out
     if launcher == "torchrun":
