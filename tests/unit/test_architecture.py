@@ -333,3 +333,25 @@ def json_parsers() -> set[str]:
 def test_json_from_outside_is_read_in_one_place() -> None:
     assert "ftrun.jsonobject" in json_parsers()  # the walk sees calls
     assert json_parsers() <= OWN_JSON, json_parsers() - OWN_JSON
+
+
+# Standard library modules newer than some Python 3 still in use, and the first version that has them.
+NEWER_STDLIB = {"tomllib": (3, 11)}
+
+
+def test_the_declared_python_floor_has_every_stdlib_module_ftrun_imports() -> None:
+    """`--config x.toml` once crashed on the Python 3.10 the project declared (tomllib is 3.11's)."""
+    pyproject = (Path(ftrun.__file__).parents[2] / "pyproject.toml").read_text()
+    declared = pyproject.split('requires-python = ">=', 1)[1].split('"', 1)[0]
+    floor = tuple(int(part) for part in declared.split("."))
+    imported = {
+        alias.name if isinstance(n, ast.Import) else f"{n.module}"
+        for path in modules().values()
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for alias in n.names
+    }
+    assert "tomllib" in imported  # the walk sees imports inside functions too
+    for module, since in NEWER_STDLIB.items():
+        if module in imported:
+            assert floor >= since, f"{module} needs Python {since}, the project declares {declared}"
