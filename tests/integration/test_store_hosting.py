@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -132,43 +133,9 @@ def test_two_jobs_share_an_endpoint_and_the_hosts_agent_serves_on_until_the_othe
     assert "the other jobs left the store" in a.stderr()
 
 
-def test_a_port_held_by_something_else_is_named_at_once(tmp_path: Path, script: WriteScript) -> None:
-    """A web server, or a listener that never speaks, on the endpoint's port here: named with its process, exit
-    2, before any handshake would have timed out (15 s)."""
-    script("w.py", "print('never runs')\n")
-    web = subprocess.Popen(
-        [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        assert web.stdout is not None
-        served = re.search(r"port (\d+)", web.stdout.readline())
-        assert served, "http.server did not say its port"
-        with socket.socket() as silent:
-            silent.bind(("127.0.0.1", 0))
-            silent.listen()
-            for port, what in (
-                (served.group(1), "answered '<!DOCTYPE HTML>"),
-                (silent.getsockname()[1], "said nothing"),
-            ):
-                r = run_ftrun(
-                    tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "w.py", timeout=12,
-                )  # fmt: skip
-                assert r.returncode == 2, r.stderr
-                assert what in r.stderr
-                holder = web.pid if what.startswith("answered") else os.getpid()
-                assert f"the port is held by process {holder} (" in r.stderr
-                assert "never runs" not in r.stdout
-    finally:
-        web.terminate()
-        web.wait(WAIT_S)
-        assert web.stdout is not None
-        web.stdout.close()
-
-
-def test_a_client_names_a_web_server_on_the_stores_endpoint_without_retrying() -> None:
-    """Elsewhere (another node's view of the endpoint) the client's opening line has a web server answer at once."""
+@pytest.fixture
+def web_server() -> Iterator[tuple[int, int]]:
+    """A real web server on a free loopback port: (its port, its pid)."""
     web = subprocess.Popen(
         [sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -177,12 +144,40 @@ def test_a_client_names_a_web_server_on_the_stores_endpoint_without_retrying() -
         assert web.stdout is not None
         served = re.search(r"port (\d+)", web.stdout.readline())
         assert served, "http.server did not say its port"
-        client = TcpStoreClient("127.0.0.1", int(served.group(1)), retry_deadline_s=WAIT_S)
-        with pytest.raises(StoreProtocolError, match="is not an ftrun store: it answered '<!DOCTYPE HTML>"):
-            client.get("/x")  # not retried: retries would end as StoreUnavailable, a minute later
-        client.close()
+        yield int(served.group(1)), web.pid
     finally:
         web.terminate()
         web.wait(WAIT_S)
         assert web.stdout is not None
         web.stdout.close()
+
+
+def test_a_port_held_by_something_else_is_named_at_once(
+    tmp_path: Path, script: WriteScript, web_server: tuple[int, int]
+) -> None:
+    """A web server, or a listener that never speaks, on the endpoint's port here: named with its process, exit
+    2, before any handshake would have timed out (15 s)."""
+    script("w.py", "print('never runs')\n")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        for port, what, holder in (
+            (web_server[0], "answered '<!DOCTYPE HTML>", web_server[1]),
+            (silent.getsockname()[1], "said nothing", os.getpid()),
+        ):
+            r = run_ftrun(
+                tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "w.py", timeout=12,
+            )  # fmt: skip
+            assert r.returncode == 2, r.stderr
+            assert what in r.stderr
+            assert f"the port is held by process {holder} (" in r.stderr
+            assert "never runs" not in r.stdout
+
+
+def test_a_client_names_a_web_server_on_the_stores_endpoint_without_retrying(web_server: tuple[int, int]) -> None:
+    """Elsewhere (another node's view of the endpoint) the client's opening line has a web server answer at once."""
+    client = TcpStoreClient("127.0.0.1", web_server[0], retry_deadline_s=WAIT_S)
+    with pytest.raises(StoreProtocolError, match="is not an ftrun store: it answered '<!DOCTYPE HTML>"):
+        client.get("/x")  # not retried: retries would end as StoreUnavailable, a minute later
+    client.close()
