@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from ftrun.cli import nvidia_ft
+from ftrun.cli.slurm import slurm_step
 from ftrun.errors import ConfigError
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
@@ -57,7 +58,8 @@ def _flag(
 
 def build_parser(environ: Mapping[str, str] | None = None, version: str = "") -> argparse.ArgumentParser:
     """The parser; with ``environ``, ``PET_<FLAG>`` variables are the defaults of torchrun's flags
-    (``PET_NPROC_PER_NODE=2`` means ``--nproc-per-node 2``), as in torchrun."""
+    (``PET_NPROC_PER_NODE=2`` means ``--nproc-per-node 2``), as in torchrun, and inside a SLURM job step the
+    rendezvous flags' defaults come from SLURM's variables (:mod:`ftrun.cli.slurm`)."""
     p = _Parser(
         prog="ftrun",
         description="Fault-tolerant launcher for distributed training; a drop-in for torchrun.",
@@ -262,6 +264,9 @@ def _environment_defaults(p: argparse.ArgumentParser, environ: Mapping[str, str]
             defaults[action.dest] = value.strip() == "1"
         else:
             defaults[action.dest] = value
+    step = slurm_step(environ)  # inside srun: the rendezvous from SLURM, unless PET_* or a flag says otherwise
+    if step is not None and not any(k in defaults for k in step.flags()):
+        defaults |= step.flags()
     if "shutdown_timeout" not in defaults and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in environ:
         defaults["shutdown_timeout"] = environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     p.set_defaults(**defaults)

@@ -19,6 +19,7 @@ from ftrun.cli.argparser import build_parser
 from ftrun.cli.config_file import read_config_file
 from ftrun.cli.hang_flags import HANG_KEYS, parse_hang
 from ftrun.cli.node_flags import NODE_KEYS, parse_health, parse_stragglers
+from ftrun.cli.slurm import slurm_step
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.node import addresses
 from ftrun.node.devices import accelerators_visible
@@ -30,6 +31,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     """Parse and validate ``argv``; raises ConfigError naming the flag and the fix."""
     a = build_parser(environ, version()).parse_args(list(argv))
     notices: list[str] = []
+    step = slurm_step(environ)
+    if step is not None and all(getattr(a, dest) == value for dest, value in step.flags().items()):
+        notices.append(step.describe())
     nnodes = flags.parse_nnodes(a.nnodes)
     nproc = flags.parse_nproc(a.nproc_per_node, environ, os.cpu_count() or 1)
     node_rank = flags.parse_int("--node-rank", a.node_rank, minimum=0)
