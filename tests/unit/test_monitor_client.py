@@ -14,7 +14,16 @@ import pytest
 from ftrun.monitor.table import MonitorTable
 from ftrun.monitor.watchdog import published
 from ftrun.worker import calculated, client
-from ftrun.worker.layout import IDLE, OFF_IDLE, OFF_STEP, STEP, CorruptSlot, SlotView, slot_offset
+from ftrun.worker.layout import (
+    IDLE,
+    OFF_IDLE,
+    OFF_STEP,
+    STEP,
+    CorruptSlot,
+    SlotView,
+    collectives_buffer,
+    slot_offset,
+)
 from ftrun.worker.timeouts import Timeouts
 
 _attached: list[client._Attached] = []
@@ -302,3 +311,20 @@ def test_another_process_writing_all_the_time_is_read_whole(table: MonitorTable,
     assert all(v.pid == writer.pid for v in views)
     assert {len(v.sections) for v in views} <= {0, 1}
     assert all(name == "s" for v in views for name, _ in v.sections)
+
+
+def test_a_collectives_summary_stopped_mid_write_leaves_the_last_one_whole_and_the_slot_readable(
+    table: MonitorTable,
+) -> None:
+    """The watcher's thread can be stopped anywhere for good (the main thread takes the GIL and never gives it
+    back): it writes outside the seqlock, into the buffer the head does not point to, then moves the head."""
+    c = attach(table)
+    c._collectives(b'{"n": 1}')
+    c._collectives(b'{"n": 2, "longer": true}')
+    view = table.read(1)
+    assert (view.collectives_seq, view.collectives_json) == (2, b'{"n": 2, "longer": true}')
+    at = slot_offset(1) + collectives_buffer(3)  # the next summary, stopped before the head moved to it
+    c._map[at : at + 9] = b'{"n": 3, '
+    assert table.read(1).collectives_json == b'{"n": 2, "longer": true}'
+    c._collectives(b'{"n": 3}')
+    assert table.read(1).collectives_json == b'{"n": 3}'

@@ -178,8 +178,12 @@ class _Attached:
             collectives.watch(self._collectives)
 
     def _collectives(self, raw: bytes) -> None:
+        """From the watcher's thread, outside the seqlock: the other buffer, then the head (layout)."""
         if len(raw) <= layout.COLLECTIVES_MAX:
-            self._publish(layout.COLLECTIVES_HEAD, layout.OFF_COLLECTIVES_HEAD, layout.OFF_COLLECTIVES, raw)
+            (seq, _) = layout.COLLECTIVES_HEAD.unpack_from(self._map, self._base + layout.OFF_COLLECTIVES_HEAD)
+            at = self._base + layout.collectives_buffer(seq + 1)
+            self._map[at : at + len(raw)] = raw
+            layout.COLLECTIVES_HEAD.pack_into(self._map, self._base + layout.OFF_COLLECTIVES_HEAD, seq + 1, len(raw))
 
     def _write_flags(self) -> None:
         with self._seqlock():

@@ -26,9 +26,11 @@ Layout (little endian)::
                              (step and beats are two stores a reader can see apart: no resumed step from them)
              entries    MAX_OPEN x (start f64, name length u8, name)
              timeouts   JSON written by calculate_timeouts (rare: not on the hot path)
-             c_seq      u64  bumped after the worker wrote its collectives' summary (below), once a second
-             c_len      u32  once the job met its peers (ftrun.worker.collectives)
-             collectives JSON
+             c_seq      u64  the collectives' summary last written (ftrun.worker.collectives: once a second,
+             c_len      u32  once the job met its peers), in buffer c_seq % 2
+             collectives 2 x JSON: outside the seqlock (written by a thread of its own, which a main thread
+                        that takes the GIL for good could stop mid-write: the slot must stay readable); the
+                        next summary goes to the other buffer, then the head points to it in one store
              paced      u64  how many steps the worker has timed (below), bumped after each entry is written
              pace       PACE_LEN x (compute f32, step f32): a ring of the last steps' times, entry n at n % PACE_LEN
                         (compute: from the end of the previous optimizer step to the start of the backward pass;
@@ -87,8 +89,8 @@ PACE = struct.Struct("<ff")
 OFF_PACED = OFF_REQUEST_HEAD - PACED.size - PACE_LEN * PACE.size
 OFF_PACE = OFF_PACED + PACED.size
 COLLECTIVES_HEAD = struct.Struct("<QI4x")  # c_seq, c_len
-COLLECTIVES_MAX = 2048
-OFF_COLLECTIVES_HEAD = OFF_PACED - COLLECTIVES_HEAD.size - COLLECTIVES_MAX
+COLLECTIVES_MAX = 1536  # bytes of one summary (a buffer)
+OFF_COLLECTIVES_HEAD = OFF_PACED - COLLECTIVES_HEAD.size - 2 * COLLECTIVES_MAX
 OFF_COLLECTIVES = OFF_COLLECTIVES_HEAD + COLLECTIVES_HEAD.size
 TIMEOUTS_MAX = OFF_COLLECTIVES_HEAD - OFF_TIMEOUTS
 _FIXED = struct.Struct("<Qqd" + "dQ" + "dII" + "QI" + "4x" + "di" + "4x" + "dqq")  # seq .. first_step, offsets as above
@@ -147,13 +149,17 @@ def parse_slot(raw: bytes) -> SlotView:
         raise CorruptSlot(f"a request of {r_len} bytes")
     request = bytes(raw[OFF_REQUEST : OFF_REQUEST + r_len])
     c_seq, c_len = COLLECTIVES_HEAD.unpack_from(raw, OFF_COLLECTIVES_HEAD)
-    if c_len > COLLECTIVES_MAX:
-        raise CorruptSlot(f"a collectives summary of {c_len} bytes")
-    collectives = bytes(raw[OFF_COLLECTIVES : OFF_COLLECTIVES + c_len])
+    at = collectives_buffer(c_seq)
+    collectives = bytes(raw[at : at + c_len]) if c_len <= COLLECTIVES_MAX else b""  # a head read mid-write
     return SlotView(
         pid, attached, last_beat, beats, idle_since, tuple(sections), flags, t_seq, timeouts, ended, code,
         r_seq, request, first, step, step0, c_seq, collectives,
     )  # fmt: skip
+
+
+def collectives_buffer(seq: int) -> int:
+    """Where in a slot the ``seq``-th summary of the collectives goes."""
+    return OFF_COLLECTIVES + seq % 2 * COLLECTIVES_MAX
 
 
 def pace_entry(n: int) -> int:
