@@ -93,8 +93,8 @@ def _parsed(raw: dict[int, bytes]) -> dict[int, RankCollectives]:
 
 
 def _sample(pid: int, now: float) -> Sample | None:
-    """The process's CPU time (its live children's too: a compile's worker processes), its I/O, whether it can
-    run; None once it is gone."""
+    """The process's CPU time and I/O, its live children's included (a compile's worker processes, a download
+    it waits for), and whether it can run; None once it is gone."""
     try:
         p = psutil.Process(pid)
         with p.oneshot():
@@ -102,12 +102,15 @@ def _sample(pid: int, now: float) -> Sample | None:
             cpu = t.user + t.system + t.children_user + t.children_system
             io = p.io_counters()
             stopped = p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        moved = io.read_chars + io.write_chars + io.read_bytes + io.write_bytes
         for child in p.children(recursive=True):
             try:
-                c = child.cpu_times()
+                with child.oneshot():
+                    c, cio = child.cpu_times(), child.io_counters()
             except psutil.Error:
                 continue
             cpu += c.user + c.system
+            moved += cio.read_chars + cio.write_chars + cio.read_bytes + cio.write_bytes
     except psutil.Error:
         return None
-    return Sample(now, cpu, io.read_chars + io.write_chars + io.read_bytes + io.write_bytes, stopped)
+    return Sample(now, cpu, moved, stopped)
