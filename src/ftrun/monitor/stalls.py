@@ -18,6 +18,8 @@ from ftrun.monitor.collectives import QUIET_S, STALE_S, WAITED_S, Progress, Rank
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
+LOOK_EVERY_S = 1.0
+
 
 class CollectiveShare(Protocol):
     """The other nodes' ranks' summaries (:class:`ftrun.job.collective_share.CollectiveShare`)."""
@@ -48,6 +50,9 @@ class StallWatch:
         self._clock = clock
         self._progress = Progress()
         self.share: CollectiveShare | None = None  # set when the job has other nodes
+        # The agent checks every 50 ms while timeouts are in force; the summaries change once a second, and CPU
+        # time sampled that often would be all tick granularity (10 ms): looked at once a second at most.
+        self._next_look = 0.0
 
     def new_attempt(self, round_: int | None) -> None:
         self._progress = Progress()
@@ -56,8 +61,9 @@ class StallWatch:
 
     def find(self, running: Sequence[Worker], slot: Callable[[int], SlotView | None]) -> list[Stalled]:
         """The local ranks the others wait for in a collective that have shown no progress for QUIET_S."""
-        if not self._enabled:
+        if not self._enabled or self._clock.monotonic() < self._next_look:
             return []
+        self._next_look = self._clock.monotonic() + LOOK_EVERY_S
         raw = {w.rank: view.collectives_json for w in running if (view := slot(w.local_rank)) and view.collectives_json}
         summaries = _parsed(raw)
         now = self._clock.wall()
