@@ -72,8 +72,8 @@ def test_a_rank_stuck_in_a_collective_of_another_group_is_still_the_one_missing(
     assert found == [("0", (2,)), ("1", (1,))]  # the one most ranks wait in first: rank 2 went astray
 
 
-def sample(at: float, cpu: float = 1.0, io: int = 0, stopped: bool = False) -> Sample:
-    return Sample(at, cpu, io, stopped)
+def sample(at: float, cpu: float = 1.0, io: int = 0, stopped: bool = False, others: float = 0.0) -> Sample:
+    return Sample(at, cpu, others, io, stopped)
 
 
 def test_progress_stack_cpu_or_io_moving_is_progress() -> None:
@@ -100,6 +100,18 @@ def test_a_host_spinning_on_the_gpu_or_a_stopped_process_is_not_progress() -> No
     assert p.quiet_since(r, 120.0) == 100.0
     p.add(2, sample(121.0, cpu=22.0, stopped=True), "train.py:3")
     assert p.quiet_since(r, 121.0) == 100.0
+
+
+def test_other_threads_waking_for_a_held_gil_are_not_progress_but_their_work_is() -> None:
+    """A main thread holding the GIL in C: the process's other threads wake every 5 ms to ask for it, a few
+    percent of a core under load. A worker thread doing the work the main thread waits for uses far more."""
+    p = Progress()
+    r = rank(2, [], read_at=0.0)
+    for t in range(31):
+        p.add(2, sample(100.0 + t, others=0.04 * t), "")  # 4% of a core
+    assert p.quiet_since(r, 130.0) == 100.0
+    p.add(2, sample(131.0, others=0.04 * 30 + 0.5), "")  # half a core
+    assert p.quiet_since(r, 131.0) == 131.0
 
 
 def test_a_summary_gone_stale_tells_no_stack_change() -> None:

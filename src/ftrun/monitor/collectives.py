@@ -5,7 +5,8 @@ collective it entered and the last that finished. When some ranks have waited :d
 #S of a group and a member of that group never entered #S, that member is what they wait for. It is hung
 once it has shown no progress for :data:`QUIET_S`: its main thread's stack unchanged (or unreadable: its
 interpreter held), its CPU time and its I/O unchanged. CPU time spent where the host only spins on a GPU
-(``torch.cuda.synchronize``) is not progress.
+(``torch.cuda.synchronize``) is not progress, nor the trickle of a process's other threads waking to ask for a
+GIL its main thread holds (they wake every 5 ms: a few percent of a core on a loaded machine).
 
 So a rank saving a checkpoint while the others wait in a barrier (its I/O and CPU move), an evaluation on every
 rank (nobody waits in a collective), a long first step that compiles, a job without torch.distributed, a sleep
@@ -25,7 +26,8 @@ LOOK_S = 2.0  # ranks in a collective this long: the members that never entered 
 WAITED_S = 10.0  # and found hung no sooner than this
 QUIET_S = 20.0  # once they showed no progress this long
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
-BUSY_SHARE = 0.05  # CPU time growing faster than this share of a core is progress
+BUSY_SHARE = 0.05  # the main thread's CPU time growing faster than this share of a core is progress
+OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, faster than this share
 DEFAULT_GROUP = "0"  # torch names the default process group "0", every rank's first
 SPIN_WAITS = ("torch/cuda/__init__.py", "torch/cuda/streams.py")  # the host spins there on the GPU's work
 
@@ -149,7 +151,8 @@ class Sample:
     """What a rank's process did, as /proc tells, at one moment."""
 
     at: float  # wall
-    cpu_s: float  # the process's CPU time, its children's included
+    main_cpu_s: float  # the main thread's CPU time
+    other_cpu_s: float  # its other threads' and its children's
     io_bytes: int  # bytes it read and wrote, storage and otherwise
     stopped: bool  # state T or t: it cannot run at all
 
@@ -167,8 +170,10 @@ class Progress:
         if last is None:
             self._moved[rank] = sample.at  # looked at from now: nothing is known of before
             return
+        dt = sample.at - last.at
         spins = any(w in where for w in SPIN_WAITS)
-        busy = sample.cpu_s - last.cpu_s > BUSY_SHARE * (sample.at - last.at) and not spins
+        main_busy = sample.main_cpu_s - last.main_cpu_s > BUSY_SHARE * dt and not spins
+        busy = main_busy or sample.other_cpu_s - last.other_cpu_s > OTHERS_BUSY_SHARE * dt
         if not sample.stopped and (busy or sample.io_bytes != last.io_bytes):
             self._moved[rank] = sample.at
 

@@ -99,15 +99,18 @@ def _parsed(raw: dict[int, bytes]) -> dict[int, RankCollectives]:
 
 
 def _sample(pid: int, now: float) -> Sample | None:
-    """The process's CPU time and I/O, its live children's included (a compile's worker processes, a download
-    it waits for), and whether it can run; None once it is gone."""
+    """The CPU time of the process's main thread and of the rest (its other threads, its live children: a
+    compile's worker processes), their I/O (a download it waits for), and whether it can run; None once it is
+    gone."""
     try:
         p = psutil.Process(pid)
         with p.oneshot():
             t = p.cpu_times()
-            cpu = t.user + t.system + t.children_user + t.children_system
+            threads = p.threads()
             io = p.io_counters()
             stopped = p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+        main = next((th.user_time + th.system_time for th in threads if th.id == pid), t.user + t.system)
+        others = t.user + t.system - main + t.children_user + t.children_system
         moved = io.read_chars + io.write_chars + io.read_bytes + io.write_bytes
         for child in p.children(recursive=True):
             try:
@@ -115,8 +118,8 @@ def _sample(pid: int, now: float) -> Sample | None:
                     c, cio = child.cpu_times(), child.io_counters()
             except psutil.Error:
                 continue
-            cpu += c.user + c.system
+            others += c.user + c.system
             moved += cio.read_chars + cio.write_chars + cio.read_bytes + cio.write_bytes
     except psutil.Error:
         return None
-    return Sample(now, cpu, moved, stopped)
+    return Sample(now, main, others, moved, stopped)
