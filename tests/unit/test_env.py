@@ -44,7 +44,7 @@ def assignment(**overrides: object) -> WorkerAssignment:
 
 def test_exactly_the_contract_variables_are_added() -> None:
     env = worker_env({}, assignment())
-    assert set(env) == TORCHRUN_VARS | {"FTRUN_ERROR_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}
+    assert set(env) == TORCHRUN_VARS | {"FTRUN_ERROR_FILE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT"}
 
 
 def test_values_for_a_single_node_job() -> None:
@@ -105,9 +105,22 @@ def test_torchruns_extras_and_what_they_imply() -> None:
 
 
 def test_the_flight_recorder_the_hang_watch_reads_is_on_unless_the_job_sized_it() -> None:
-    assert worker_env({}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
-    assert worker_env({"TORCH_FR_BUFFER_SIZE": "0"}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0"
-    assert worker_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, assignment())["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    """Under torch's current names: the old ones (TORCH_NCCL_*) make every worker print a warning."""
+    assert worker_env({}, assignment())["TORCH_FR_BUFFER_SIZE"] == "2000"
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        env = worker_env({name: "50"}, assignment())
+        assert env[name] == "50"
+        assert {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(env) == {name}
+
+
+def test_the_recorder_dumped_at_a_timeout_goes_to_the_attempts_directory_unless_the_job_says_where() -> None:
+    env = worker_env({}, assignment(flight_recorder_file="/logs/flight_recorder/rank_"))
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/logs/flight_recorder/rank_"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    own = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/t_", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    env = worker_env(own, assignment(flight_recorder_file="/logs/flight_recorder/rank_"))
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in env
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
 
 
 def test_virtual_local_rank_gives_each_worker_one_gpu_as_device_0() -> None:

@@ -157,3 +157,17 @@ def test_a_process_that_is_not_the_agents_child_has_no_status_to_reap() -> None:
         assert handle.reap() is None
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_the_flight_recorder_torch_dumped_at_a_timeout_is_named_with_how_to_read_it(tmp_path: Path) -> None:
+    """NCCL's watchdog dumps it where ftrun pointed torch (TORCH_FR_DUMP_TEMP_FILE: the attempt's directory)."""
+    timed_out = worker(tmp_path, 1, WorkerState.FAILED, -signal.SIGABRT, 1.0, "Watchdog caught collective timeout\n")
+    later = worker(tmp_path, 0, WorkerState.FAILED, -signal.SIGABRT, 2.0)
+    assert "flight recorder" not in report_of([timed_out, later])
+    timed_out.paths.flight_recorder.parent.mkdir()
+    dump = timed_out.paths.flight_recorder.with_name("rank_1")
+    dump.write_bytes(b"\x80pickled")
+    text = report_of([timed_out, later])
+    said = f"torch dumped its flight recorder at the timeout: {dump} (read all ranks': python -m torch.distributed"
+    assert said in text
+    assert text.count("flight recorder") == 1  # rank 0's was not written

@@ -29,6 +29,7 @@ class WorkerAssignment:
     max_restarts: int
     run_id: str
     error_file: str
+    flight_recorder_file: str = ""  # where torch dumps the recorder at a process group's timeout (+ rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ def assign(
     max_restarts: int,
     run_id: str,
     error_file: str,
+    flight_recorder_file: str = "",
 ) -> WorkerAssignment:
     """The assignment of ``local_rank``: global rank = rank offset of this node + local rank (as torchrun)."""
     world = nproc if placement.world_size is None else placement.world_size
@@ -73,6 +75,7 @@ def assign(
         max_restarts=max_restarts,
         run_id=run_id,
         error_file=error_file,
+        flight_recorder_file=flight_recorder_file,
     )
 
 
@@ -110,15 +113,26 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_ra
         # torch's env:// init then lets rank 0 host the job's TCPStore: ftrun's store is not one to share.
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
-        # The flight recorder ftrun's hang watch reads (ftrun.worker.collectives), at torch's own default size,
-        # said for the torch versions and backends (torchcomms) that record nothing unless it is set.
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": base.get(
-            "TORCH_NCCL_TRACE_BUFFER_SIZE", base.get("TORCH_FR_BUFFER_SIZE", "2000")
-        ),
         "FTRUN_ERROR_FILE": a.error_file,
+        **flight_recorder_env(base, a.flight_recorder_file),
         **startup_env(base),
         **devices,
     }
+
+
+def flight_recorder_env(base: Mapping[str, str], dump_file: str) -> dict[str, str]:
+    """torch's flight recorder, which ftrun's hang watch reads (:mod:`ftrun.worker.collectives`), sized at
+    torch's own default (gloo records with no setting; NCCL and torchcomms only when it is set), and its dump at a
+    process group's timeout (NCCL's watchdog) kept in the rank's log directory rather than in /tmp. What the
+    job set wins, under either of torch's names (TORCH_NCCL_* are the old ones: setting them makes torch warn)."""
+    env = {}
+    if "TORCH_FR_BUFFER_SIZE" not in base and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in base:
+        env["TORCH_FR_BUFFER_SIZE"] = FR
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in base:
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if dump_file and "TORCH_FR_DUMP_TEMP_FILE" not in base and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in base:
+        env["TORCH_FR_DUMP_TEMP_FILE"] = dump_file
+    return env
 
 
 def startup_env(base: Mapping[str, str]) -> dict[str, str]:

@@ -220,6 +220,7 @@ class LocalGroup:
             max_restarts=c.max_restarts,
             run_id=c.run_id,
             error_file=str(paths.error_file),
+            flight_recorder_file=str(paths.flight_recorder),
         )
         spawned = self._clock.monotonic()
         env = {

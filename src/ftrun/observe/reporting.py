@@ -60,6 +60,7 @@ class WorkerOutcome:
     stdout_tail: tuple[str, ...] = ()  # read only when stderr had nothing
     last_error: str | None = None  # the last exception line in its stderr (a stopped rank's secondary error)
     oom_killed: bool = False  # the kernel counted an out-of-memory kill while this attempt ran
+    flight_recorder: str | None = None  # torch's dump of its flight recorder at a process group's timeout
 
     @property
     def how(self) -> str:
@@ -138,6 +139,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         stdout_tail=() if stderr_tail else tuple(tail_lines(worker.paths.stdout, STDOUT_TAIL_LINES)),
         last_error=_last_error(stderr_tail),
         oom_killed=oom_killed,
+        flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
     )
 
 
@@ -269,6 +271,13 @@ def _who(o: WorkerOutcome) -> str:
     return f"rank {o.rank} (local rank {o.local_rank}, pid {o.pid})"
 
 
+def _recorder_lines(o: WorkerOutcome) -> list[str]:
+    if not o.flight_recorder:
+        return []
+    read = f"python -m torch.distributed.flight_recorder.fr_trace {Path(o.flight_recorder).parent}"
+    return [f"  torch dumped its flight recorder at the timeout: {o.flight_recorder} (read all ranks': {read})"]
+
+
 def render(report: FailureReport) -> str:
     """The report as text for a terminal: root cause first, with its traceback."""
     r = report.root_cause
@@ -298,9 +307,11 @@ def render(report: FailureReport) -> str:
     if report.hint:
         lines.append(f"  hint: {report.hint}")
     lines.append(f"  logs: {r.stdout_log}, {r.stderr_log}")
+    lines += _recorder_lines(r)
     for o in report.other_failures:
         lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
         lines.append(f"  logs: {o.stderr_log}")
+        lines += _recorder_lines(o)
     for o in report.stopped_by_ftrun:
         lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
         where = o.waiting_in

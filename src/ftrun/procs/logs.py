@@ -80,11 +80,20 @@ class RankPaths:
     stdout: Path
     stderr: Path
     error_file: Path
+    # torch appends the rank to this name when it dumps its flight recorder. Every rank of the attempt dumps
+    # into one directory, as torch's analyzer reads them (python -m torch.distributed.flight_recorder.fr_trace).
+    flight_recorder: Path
 
     @staticmethod
     def under(attempt_dir: Path, rank: int) -> RankPaths:
         d = attempt_dir / str(rank)
-        return RankPaths(d, d / "stdout.log", d / "stderr.log", d / "error.json")
+        recorder = attempt_dir / "flight_recorder" / "rank_"
+        return RankPaths(d, d / "stdout.log", d / "stderr.log", d / "error.json", recorder)
+
+    def flight_recorder_dump(self, rank: int) -> Path | None:
+        """The recorder's dump torch wrote at a process group's timeout (NCCL's watchdog), if it did."""
+        dump = self.flight_recorder.with_name(f"{self.flight_recorder.name}{rank}")
+        return dump if dump.exists() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +215,7 @@ class RankOutput:
     ) -> RankOutput:
         """The worker's log files opened (created with its directory), with a pipe per stream ftrun copies."""
         make_dir(paths.dir)
+        make_dir(paths.flight_recorder.parent)  # torch writes into it, creates nothing
         child_fds: dict[Std, int] = {}
         pumps: list[_Pump] = []
         for stream, path in ((Std.OUT, paths.stdout), (Std.ERR, paths.stderr)):
