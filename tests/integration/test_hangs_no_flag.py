@@ -179,3 +179,44 @@ def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, scrip
     plain = run_ftrun(tmp_path, "--nproc-per-node", "2", "plain.py", LONG_S, timeout=120)
     assert plain.returncode == 0, plain.stderr
     assert [e for e in plain.events() if e["kind"] == "hang"] == []
+
+
+STOPPED_INSIDE = """
+import os, signal, sys, threading, time
+import torch, torch.distributed as dist
+
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+t = torch.ones(1024)
+for step in range(8):
+    if attempt == 0 and step == 5:
+        if rank == 1:  # inside all_reduce #6, waiting for rank 0, once its summary said so: stopped
+            print("rank 1 entering all_reduce, to be stopped inside", flush=True)
+            threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        else:
+            time.sleep(4)  # and rank 0 enters it after: every member entered, it never finishes
+    dist.all_reduce(t)
+print("rank", rank, "done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_collective_every_rank_entered_that_never_finishes_names_the_rank_stopped_inside_it(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Nobody is missing from all_reduce #6: rank 1 was stopped (SIGSTOP) inside it. No rank moves, so after
+    the longer wait for a collective every member entered, the stopped one is named and the job restarts."""
+    script("w.py", STOPPED_INSIDE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", timeout=200)
+    assert r.returncode == 0, r.stderr
+    [hang] = [e for e in r.events() if e["kind"] == "hang"]
+    assert (hang["attempt"], hang["rank"], hang["timeout"]) == (0, 1, "collective")
+    root = r.report(0)["root_cause"]
+    assert isinstance(root, dict)
+    said = r"ranks 0-1 entered all_reduce #\d+ \(default_pg, 4.0 KB\) at .*; it never finished \(rank 1 stopped"
+    assert re.search(said, root["hang"]), root["hang"]
+    assert "its process is stopped" in root["why"], root["why"]
+    assert sorted(line for n in range(2) for line in r.log(1, n).splitlines() if "done" in line) == [
+        "rank 0 done",
+        "rank 1 done",
+    ]

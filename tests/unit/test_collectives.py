@@ -58,6 +58,9 @@ def test_nobody_is_missing_when_every_rank_is_in_the_collective_or_none_waits_lo
     assert stalls([rank(0, [waits(7, 99.5)]), rank(1, [["0", "", 6, 6, None]])], 100.0) == []  # 0.5 s: a step
     [stall] = stalls([rank(0, [waits(7, 80.0)]), rank(1, [waits(7, 80.0)])], 100.0)
     assert stall.missing == ()
+    said = stall.describe(1)  # judged as a whole, once none of them moves: named the one that stopped first
+    assert said.startswith("ranks 0-1 entered all_reduce #7 (default_pg, 4.0 MB) at ")
+    assert said.endswith("; it never finished (rank 1 stopped moving first)")
 
 
 def test_a_rank_stuck_in_a_collective_of_another_group_is_still_the_one_missing() -> None:

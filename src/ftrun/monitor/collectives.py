@@ -25,6 +25,7 @@ from ftrun.worker.layout import COLLECTIVES_MAX
 LOOK_S = 2.0  # ranks in a collective this long: the members that never entered it are looked at
 WAITED_S = 10.0  # and found hung no sooner than this
 QUIET_S = 20.0  # once they showed no progress this long
+UNFINISHED_S = 40.0  # a collective every member entered, not finished, none of them moving this long: hung
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
 BUSY_SHARE = 0.05  # the main thread's CPU time growing faster than this share of a core is progress
 OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, faster than this share
@@ -108,10 +109,15 @@ class Stall:
         return min(since for _, since in self.waiting)
 
     def describe(self, rank: int) -> str:
-        """'rank 3 never entered all_reduce #1412 (default_pg, 4.0 MB) that ranks 0-2 entered at 12:01:03'."""
+        """'rank 3 never entered all_reduce #1412 (default_pg, 4.0 MB) that ranks 0-2 entered at 12:01:03', or
+        where every member entered it: 'ranks 0-3 entered ... at 12:01:03; it never finished (rank 3 stopped
+        moving first)'."""
         at = time.strftime("%H:%M:%S", time.localtime(self.since))
         what = f"{self.op} #{self.seq} ({self.description or 'group ' + self.group}, {_size(self.nbytes)})"
-        return f"rank {rank} never entered {what} that {_ranks([r for r, _ in self.waiting])} entered at {at}"
+        waiting = _ranks([r for r, _ in self.waiting])
+        if not self.missing:
+            return f"{waiting} entered {what} at {at}; it never finished (rank {rank} stopped moving first)"
+        return f"rank {rank} never entered {what} that {waiting} entered at {at}"
 
 
 def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_S) -> list[Stall]:

@@ -14,7 +14,17 @@ from typing import Protocol
 import psutil
 
 from ftrun.clock import Clock
-from ftrun.monitor.collectives import QUIET_S, STALE_S, WAITED_S, Progress, RankCollectives, Sample, Stall, stalls
+from ftrun.monitor.collectives import (
+    QUIET_S,
+    STALE_S,
+    UNFINISHED_S,
+    WAITED_S,
+    Progress,
+    RankCollectives,
+    Sample,
+    Stall,
+    stalls,
+)
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
@@ -36,12 +46,15 @@ class CollectiveShare(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Stalled:
-    """A rank found hung by the collectives: it never entered ``stall``'s collective and shows no progress."""
+    """A rank found hung by the collectives: it never entered ``stall``'s collective and shows no progress, or
+    ``stall`` has no missing member (every one entered it, it never finished, none of them moves) and it is
+    the one that stopped moving first."""
 
     worker: Worker
     stall: Stall
     quiet_s: float  # how long it showed no progress
     where: str  # its main thread's innermost frame, as its watcher last read it ("": its watcher cannot run)
+    stopped: bool = False  # its process is stopped (SIGSTOP, a debugger)
 
 
 class StallWatch:
@@ -60,7 +73,8 @@ class StallWatch:
             self.share.follow(round_)
 
     def find(self, running: Sequence[Worker], slot: Callable[[int], SlotView | None]) -> list[Stalled]:
-        """The local ranks the others wait for in a collective that have shown no progress for QUIET_S."""
+        """The local ranks the others wait for in a collective that have shown no progress for QUIET_S; where
+        every member entered the collective and none moves for UNFINISHED_S, the one that stopped moving first."""
         if not self._enabled or self._clock.monotonic() < self._next_look:
             return []
         self._next_look = self._clock.monotonic() + LOOK_EVERY_S
@@ -72,20 +86,38 @@ class StallWatch:
                 self.share.offer(raw)
             summaries = _parsed(self.share.others()) | summaries
         summaries |= {w.rank: RankCollectives.unseen(w.rank) for w in running if w.rank not in summaries}
-        stall = next((s for s in stalls(summaries.values(), now) if s.missing), None)
-        looked = [w for w in running if stall is not None and w.rank in stall.missing and w.rank in summaries]
+        found = stalls(summaries.values(), now)
+        stall = next((s for s in found if s.missing), None)
+        if stall is not None:
+            return self._judge(stall, [w for w in running if w.rank in stall.missing], summaries, now, QUIET_S)
+        stall = found[0] if found else None  # every member entered it: judged as a whole, more patiently
+        if stall is None:
+            self._progress.forget([])
+            return []
+        members = {rank for rank, _ in stall.waiting}
+        quiet = self._judge(stall, [w for w in running if w.rank in members], summaries, now, UNFINISHED_S)
+        if len(quiet) < len([w for w in running if w.rank in members]):
+            return []  # one of them moves: the collective may be slow, not hung
+        # The one that stopped moving first: a stopped process, else the stack that has not changed the longest.
+        return sorted(quiet, key=lambda q: (not q.stopped, summaries[q.worker.rank].stack_since or now))[:1]
+
+    def _judge(
+        self, stall: Stall, looked: list[Worker], summaries: dict[int, RankCollectives], now: float, quiet_s: float
+    ) -> list[Stalled]:
+        """Of ``looked`` (ranks in ``stall``, missing from it or in it), those showing no progress for
+        ``quiet_s`` with ``stall`` as old as WAITED_S."""
         self._progress.forget([w.rank for w in looked])
         found = []
         for w in looked:
-            assert stall is not None
             r = summaries[w.rank]
             sample = _sample(w.pid, now)
             if sample is None:
                 continue  # it is gone: its exit tells
             self._progress.add(w.rank, sample, r.where)
             quiet = now - self._progress.quiet_since(r, now)
-            if quiet >= QUIET_S and now - stall.since >= WAITED_S:
-                found.append(Stalled(w, stall, quiet, r.where if now - r.read_at <= STALE_S else ""))
+            if quiet >= quiet_s and now - stall.since >= WAITED_S:
+                where = r.where if now - r.read_at <= STALE_S else ""
+                found.append(Stalled(w, stall, quiet, where, sample.stopped))
         return found
 
 

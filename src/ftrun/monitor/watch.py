@@ -216,6 +216,8 @@ class WorkerWatch:
             return None  # it exited meanwhile: its exit tells
         what = f"hang: {s.stall.describe(w.rank)}"
         where = f"at {s.where}" if s.where else "its interpreter held: ftrun's thread in it cannot run"
+        if s.stopped:
+            where = "its process is stopped (SIGSTOP, a debugger)"
         why = f"it showed no progress for {s.quiet_s:.0f} s (stack, CPU time and I/O unchanged; {where})"
         for rank, victim in quiet.items():
             if victim is not w and not victim.reaped:
