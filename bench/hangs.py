@@ -16,6 +16,11 @@ it finds nothing until gloo's own timeout (30 minutes), so a run of it ends at -
 
     python bench/hangs.py [--reps 3] [--ways sleep,gil,fifo,group] [--bound 120] [--launchers ftrun,torchrun]
     python bench/hangs.py --cost [--reps 3] [--steps 400]
+    python bench/hangs.py --look-alikes SECONDS
+
+--look-alikes: examples/looks_hung.py, a job whose phases only look hung (a checkpoint while the others wait,
+an evaluation, a compile in child processes, a slow read, a sleep, each lasting SECONDS), 3 ranks, no flag:
+how many hangs ftrun found (0 is right) and its wall time against torchrun's on the same job.
 
 --cost: the watch's price, one node, 2 ranks, no fault: the median step time (50 ms of simulated compute and
 an all-reduce) with torch's flight recorder off (TORCH_FR_BUFFER_SIZE=0) and ftrun's watch off, with the
@@ -146,6 +151,25 @@ def cost_once(config: str, workdir: Path, steps: int) -> float:
     return statistics.median(step_times(timeline(tl)))
 
 
+def look_alikes(seconds: float) -> None:
+    job = [str(Path(__file__).resolve().parents[1] / "examples" / "looks_hung.py"), f"{seconds:g}"]
+    walls = {}
+    for launcher in ("ftrun", "torchrun"):
+        with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
+            cmd = [*(FTRUN if launcher == "ftrun" else TORCHRUN), "--nproc-per-node", "3"]
+            cmd += ["--log-dir", str(Path(d) / "logs")] if launcher == "ftrun" else []
+            t0 = time.monotonic()
+            bound = 10 * seconds + 300
+            r = subprocess.run([*cmd, *job], check=False, cwd=d, capture_output=True, text=True, timeout=bound)
+            walls[launcher] = time.monotonic() - t0
+            events = [json.loads(line) for f in Path(d).glob("logs/*/events.jsonl") for line in f.open()]
+            hangs = sum(1 for e in events if e["kind"] == "hang")
+            phases = r.stdout.count(" after ")
+            found = f", hangs found: {hangs}" if launcher == "ftrun" else ""
+            print(f"{launcher:9s} exit {r.returncode}, {phases}/18 phase ends printed{found}, {walls[launcher]:.1f} s")
+    print(f"ftrun / torchrun wall time: {walls['ftrun'] / walls['torchrun']:.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
@@ -154,7 +178,11 @@ def main() -> None:
     p.add_argument("--launchers", default="ftrun,torchrun")
     p.add_argument("--cost", action="store_true")
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--look-alikes", type=float, metavar="SECONDS")
     a = p.parse_args()
+    if a.look_alikes:
+        look_alikes(a.look_alikes)
+        return
     if a.cost:
         configs = ("nothing", "recorder", "ftrun")
         medians: dict[str, list[float]] = {c: [] for c in configs}

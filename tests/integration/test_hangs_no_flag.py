@@ -108,53 +108,8 @@ def test_across_two_nodes_the_node_of_the_rank_they_wait_for_names_it(
         assert "ROOT CAUSE  rank 1" in agent.stderr()
 
 
-# Each phase lasts LONG_S, longer than a hang takes to be found, then every rank meets in an all-reduce.
-LOOKS_HUNG = """
-import os, subprocess, sys, time
-import torch, torch.distributed as dist
+LOOKS_HUNG = Path(__file__).resolve().parents[2] / "examples" / "looks_hung.py"  # each phase LONG_S
 
-LONG_S = float(sys.argv[1])
-rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-dist.init_process_group("gloo")
-t = torch.ones(16)
-
-def meet(phase):
-    dist.all_reduce(t)
-    print(f"rank {rank} after {phase}", flush=True)
-
-meet("start")
-if rank == 0:  # saving a checkpoint, slowly, while the others wait in a barrier
-    with open(f"ckpt-{attempt}.bin", "wb") as f:
-        end = time.time() + LONG_S
-        while time.time() < end:
-            f.write(os.urandom(64 << 10))
-            f.flush()
-            time.sleep(0.2)
-dist.barrier()
-print(f"rank {rank} after checkpoint", flush=True)
-
-end = time.time() + LONG_S  # an evaluation on every rank: no collective until it ends
-while time.time() < end:
-    sum(i * i for i in range(10_000))
-meet("evaluation")
-
-if rank == 1:  # a compile: the work happens in child processes while the main thread waits
-    busy = f"import time\\nend = time.time() + {LONG_S}\\nwhile time.time() < end: pass"
-    subprocess.run([sys.executable, "-c", busy])
-meet("compile")
-
-if rank == 2:  # reading slowly from a slow disk (a pipe that trickles)
-    feeder = subprocess.Popen([sys.executable, "-c", f"import os, time\\nfor _ in range(int({LONG_S} * 5)):\\n"
-                               "    os.write(1, b'x' * 4096); time.sleep(0.2)"], stdout=subprocess.PIPE)
-    while feeder.stdout.read(4096):
-        pass
-    feeder.wait()
-meet("slow read")
-
-time.sleep(LONG_S)  # a long sleep between epochs, on every rank
-meet("sleep")
-dist.destroy_process_group()
-"""
 
 NO_DIST = """
 import sys, time
@@ -169,8 +124,7 @@ def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, scrip
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
     child processes, a slow read, a long sleep on every rank, a job without torch.distributed: each longer than
     a hang takes to be found, none is one."""
-    script("w.py", LOOKS_HUNG)
-    r = run_ftrun(tmp_path, "--nproc-per-node", "3", "w.py", LONG_S, timeout=280)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "3", str(LOOKS_HUNG), LONG_S, timeout=280)
     assert r.returncode == 0, r.stderr
     assert [e for e in r.events() if e["kind"] == "hang"] == []
     for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "sleep"):
