@@ -1,4 +1,6 @@
-"""``--metrics-port``: this agent's job, in Prometheus' text format at ``/metrics`` (prometheus-client).
+"""``--metrics-port``: this agent's job, in Prometheus' text format at ``/metrics`` (prometheus-client), and
+its health for Kubernetes' probes: ``/healthz`` (ready: this node's workers run in a round; 503 otherwise, with
+the phase) and ``/livez`` (the agent answers).
 
 Everything is computed when Prometheus scrapes, from the same sources as the
 summary and ``ftrun status``: the event log (restarts, hangs, downtime, goodput)
@@ -9,11 +11,14 @@ record, which is rewritten at least every second while workers run.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,14 +44,16 @@ class Metrics(Collector):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         host = host or ALL_ADDRESSES
+        self._metrics = make_wsgi_app(registry)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            self._server = make_server(host, port, self._serve, _Server, handler_class=_Quiet)
         except OSError as e:
             raise ConfigError(  # bad input, found before anything started: exit 2
                 "--metrics-port",
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
                 "pick a free port (each agent on a machine needs its own)",
             ) from None
+        threading.Thread(target=self._server.serve_forever, name="ftrun-metrics", daemon=True).start()
         self.port = self._server.server_port
         self.url = f"http://{host}:{self.port}/metrics"
 
@@ -57,6 +64,21 @@ class Metrics(Collector):
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+    def ready(self) -> tuple[bool, str]:
+        """Kubernetes' readiness: the agent is up and its node's workers run in a round (the phase otherwise)."""
+        if self._watched is None:
+            return False, "starting"
+        phase = str(self._watched[1].record.get("phase") or "starting")
+        return phase == "running", phase
+
+    def _serve(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/healthz", "/livez"):
+            return self._metrics(environ, start_response)  # type: ignore[no-any-return]
+        ok, phase = self.ready() if path == "/healthz" else (True, "alive")
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return [f"{phase}\n".encode()]
 
     def collect(self) -> Iterator[Metric]:
         if self._watched is None:
@@ -111,3 +133,12 @@ def _gauge(name: str, text: str, labels: list[str], value: float) -> GaugeMetric
     family = GaugeMetricFamily(name, text, labels=LABELS)
     family.add_metric(labels, value)
     return family
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds the agent's exit
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes and probes are not news: nothing on the agent's stderr."""
