@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,3 +79,34 @@ def test_a_worker_crash_under_srun_restarts_every_node(slurm: SlurmCluster, tmp_
     restarted = [e for e in spawned if e["kind"] == "worker_spawned" and e["attempt"] == 1]
     assert len(restarted) == 4
     assert len(re.findall(r"^n\d rank \d checksum", out, re.M)) == 4
+
+
+def test_a_node_slurm_loses_is_a_lost_node_and_the_other_trains_on(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """`srun --no-kill` keeps the step when a node fails; ftrun takes the rendezvous from SLURM and the node
+    range from --nnodes. n2's slurmd, agent and workers are SIGKILLed at step 5: n1 (the store's host) goes on
+    alone and finishes."""
+    (tmp_path / "job.py").write_text(JOB.replace("time\n", "time\nfrom pathlib import Path\n", 1).replace(
+        "    data = torch.randn", "    if attempt == 0 and step == 5:\n"
+        "        Path(f'at5-{rank}').touch()\n        time.sleep(600)\n    data = torch.randn", 1))  # fmt: skip
+    out = tmp_path / "srun.out"
+    argv = ["-N2", "--ntasks-per-node=1", "--no-kill", "--chdir", str(tmp_path), "python3", "-m", "ftrun"]
+    flags = ["--log-dir", str(tmp_path / "logs"), "--nproc-per-node", "2", "--nnodes", "1:2", "--max-restarts", "2"]
+    proc = slurm.srun([*argv, *flags, "job.py", "none"], out)
+    try:
+        deadline = time.monotonic() + 4 * WAIT_S
+        while len(list(tmp_path.glob("at5-*"))) < 4:  # every rank at step 5 of the first attempt
+            assert proc.poll() is None, out.read_text(errors="replace")
+            assert time.monotonic() < deadline, out.read_text(errors="replace")
+            time.sleep(0.1)
+        slurm.kill_node("n2")
+        while not re.search(r"^n1 rank 1 checksum", out.read_text(errors="replace"), re.M):
+            assert time.monotonic() < deadline, out.read_text(errors="replace")
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        slurm.command("scancel", "--user", "root")
+    text = out.read_text(errors="replace")
+    assert sorted(re.findall(r"^n1 rank (\d) checksum", text, re.M)) == ["0", "1"], text  # alone: ranks 0-1
+    assert "n2 rank" not in text
