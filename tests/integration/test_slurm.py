@@ -110,3 +110,93 @@ def test_a_node_slurm_loses_is_a_lost_node_and_the_other_trains_on(slurm: SlurmC
     text = out.read_text(errors="replace")
     assert sorted(re.findall(r"^n1 rank (\d) checksum", text, re.M)) == ["0", "1"], text  # alone: ranks 0-1
     assert "n2 rank" not in text
+
+
+PREEMPTIBLE = """
+import hashlib, os, signal, socket, sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # the job's own checkpoint-on-signal code
+rank, requeued = int(os.environ["RANK"]), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+start = 0
+if Path("ckpt.pt").exists():
+    saved = torch.load("ckpt.pt")
+    model.module.load_state_dict(saved["model"]), opt.load_state_dict(saved["opt"])
+    start = saved["step"] + 1
+    print(f"rank {rank} resumed at step {start} (requeued {requeued})", flush=True)
+for step in range(start, 40):
+    data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
+    opt.zero_grad()
+    model(data).sum().backward()
+    opt.step()
+    if sys.argv[1] == "preempt" and requeued == 0 and step >= 10:
+        Path(f"at10-{rank}").touch()
+        time.sleep(0.2)
+    if stop:
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, "ckpt.tmp")
+            os.replace("ckpt.tmp", "ckpt.pt")
+            print(f"rank 0 saved step {step} on SIGTERM", flush=True)
+        sys.exit(0)
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print(socket.gethostname(), "rank", rank, "checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+"""
+
+
+def sbatch(slurm: SlurmCluster, workdir: Path, how: str) -> str:
+    """The job submitted as a requeueable batch job of 2 nodes, its output appended to ``workdir/out``."""
+    workdir.mkdir()
+    (workdir / "job.py").write_text(PREEMPTIBLE)
+    script = workdir / "job.sh"
+    ftrun = f"python3 -m ftrun --log-dir {workdir / 'logs'} --nproc-per-node 2 job.py {how}"
+    script.write_text(f"#!/bin/sh\nsrun --ntasks-per-node=1 {ftrun}\n")
+    flags = ["--parsable", "-N2", "--requeue", "--open-mode=append", f"--chdir={workdir}", f"--output={workdir}/out"]
+    submitted = slurm.command("sbatch", *flags, str(script))
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0]
+
+
+def finished(slurm: SlurmCluster, job: str, workdir: Path) -> str:
+    """The job's output once SLURM no longer lists it."""
+    deadline = time.monotonic() + 6 * WAIT_S
+    while slurm.command("squeue", "-h", "-j", job).stdout.strip():
+        assert time.monotonic() < deadline, (workdir / "out").read_text(errors="replace")
+        time.sleep(0.5)
+    return (workdir / "out").read_text(errors="replace")
+
+
+def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_nothing_lost(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """`scontrol requeue` is what pre-emption with PreemptMode=REQUEUE does: SIGTERM to the step, KillWait,
+    SIGKILL, the job back in the queue, run again with the same job id. The workers get the SIGTERM, rank 0
+    saves, ftrun exits within KillWait; the requeued run resumes from the checkpoint and ends with the weights
+    of a run that was never pre-empted."""
+    job = sbatch(slurm, tmp_path / "preempted", "preempt")
+    deadline = time.monotonic() + 4 * WAIT_S
+    while len(list((tmp_path / "preempted").glob("at10-*"))) < 4:
+        assert time.monotonic() < deadline, (tmp_path / "preempted" / "out").read_text(errors="replace")
+        time.sleep(0.1)
+    requeued = slurm.command("scontrol", "requeue", job)
+    assert requeued.returncode == 0, requeued.stderr
+    while "PENDING" not in slurm.command("squeue", "-h", "-o", "%T", "-j", job).stdout:
+        assert time.monotonic() < deadline, (tmp_path / "preempted" / "out").read_text(errors="replace")
+        time.sleep(0.2)
+    slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM delays a requeued job's start
+    out = finished(slurm, job, tmp_path / "preempted")
+    saved = re.findall(r"rank 0 saved step (\d+) on SIGTERM", out)
+    assert len(saved) == 1, out
+    assert sorted(re.findall(r"rank (\d) resumed at step (\d+) \(requeued 1\)", out)) == [
+        (str(r), str(int(saved[0]) + 1)) for r in range(4)
+    ], out
+    preempted = sorted(re.findall(r"^n\d rank (\d) checksum (\w+)$", out, re.M))
+    never = finished(slurm, sbatch(slurm, tmp_path / "never", "none"), tmp_path / "never")
+    assert preempted == sorted(re.findall(r"^n\d rank (\d) checksum (\w+)$", never, re.M)), (out, never)
+    assert len(preempted) == 4

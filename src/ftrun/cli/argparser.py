@@ -259,6 +259,8 @@ def _environment_defaults(p: argparse.ArgumentParser, environ: Mapping[str, str]
         if action.dest not in _PET or value is None:
             continue
         if isinstance(action, argparse._StoreTrueAction):
+            if value.strip() == "":  # the Kubeflow training operator's way of saying `standalone: true`
+                value = "1"
             if value.strip() not in ("0", "1"):
                 raise ConfigError(f"PET_{action.dest.upper()}", f"expected 0 or 1, got {value!r}", "set it to 1")
             defaults[action.dest] = value.strip() == "1"
