@@ -219,6 +219,9 @@ class LaunchConfig:
     cwd: Path
     worker_base_env: Mapping[str, str] = field(repr=False)
     signals_to_handle: frozenset[int] = frozenset({1, 2, 3, 15})  # SIGHUP, SIGINT, SIGQUIT, SIGTERM
+    # In a SLURM step, SIGUSR1/2 not in signals_to_handle: SLURM's warning (--signal=USR1@90), which it sends to
+    # every process of the step, the workers included: ftrun says so and goes on.
+    slurm_warnings: frozenset[int] = frozenset()
     virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the worker's one GPU
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
     verbose: bool = False  # --verbose or LOGLEVEL=DEBUG: also how ftrun works as it goes (warm pool, rendezvous)

@@ -120,6 +120,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 stop = []
 signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # the job's own checkpoint-on-signal code
+signal.signal(signal.SIGUSR1, lambda *_: print(f"rank {os.environ['RANK']} got SIGUSR1", flush=True))
 rank, requeued = int(os.environ["RANK"]), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -138,7 +139,7 @@ for step in range(start, 40):
     opt.step()
     if sys.argv[1] == "preempt" and requeued == 0 and step >= 10:
         Path(f"at10-{rank}").touch()
-        time.sleep(0.2)
+        time.sleep(0.3)
     if stop:
         if rank == 0:
             torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, "ckpt.tmp")
@@ -175,13 +176,19 @@ def finished(slurm: SlurmCluster, job: str, workdir: Path) -> str:
 def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_nothing_lost(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    """`scontrol requeue` is what pre-emption with PreemptMode=REQUEUE does: SIGTERM to the step, KillWait,
-    SIGKILL, the job back in the queue, run again with the same job id. The workers get the SIGTERM, rank 0
-    saves, ftrun exits within KillWait; the requeued run resumes from the checkpoint and ends with the weights
-    of a run that was never pre-empted."""
+    """SLURM's warning first (`scancel --signal=USR1`, as --signal=USR1@90 sends it): every worker gets it
+    from SLURM, once, and the run goes on. Then `scontrol requeue`, what pre-emption with PreemptMode=REQUEUE
+    does: SIGTERM to the step, KillWait, SIGKILL, the job back in the queue, run again with the same job id.
+    The workers get the SIGTERM, rank 0 saves, ftrun exits within KillWait; the requeued run resumes from the
+    checkpoint and ends with the weights of a run that was never pre-empted."""
     job = sbatch(slurm, tmp_path / "preempted", "preempt")
     deadline = time.monotonic() + 4 * WAIT_S
     while len(list((tmp_path / "preempted").glob("at10-*"))) < 4:
+        assert time.monotonic() < deadline, (tmp_path / "preempted" / "out").read_text(errors="replace")
+        time.sleep(0.1)
+    warned = slurm.command("scancel", "--signal=USR1", job)  # what --signal=USR1@90 sends before the limit
+    assert warned.returncode == 0, warned.stderr
+    while (tmp_path / "preempted" / "out").read_text(errors="replace").count("got SIGUSR1") < 4:
         assert time.monotonic() < deadline, (tmp_path / "preempted" / "out").read_text(errors="replace")
         time.sleep(0.1)
     requeued = slurm.command("scontrol", "requeue", job)
@@ -191,6 +198,8 @@ def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_
         time.sleep(0.2)
     slurm.command("scontrol", "update", f"JobId={job}", "StartTime=now")  # SLURM delays a requeued job's start
     out = finished(slurm, job, tmp_path / "preempted")
+    assert out.count("SIGUSR1 from SLURM: a warning every process of the step got; the run goes on") == 2, out
+    assert out.count("got SIGUSR1") == 4, out  # once each, from SLURM: ftrun did not hand it on again
     saved = re.findall(r"rank 0 saved step (\d+) on SIGTERM", out)
     assert len(saved) == 1, out
     assert sorted(re.findall(r"rank (\d) resumed at step (\d+) \(requeued 1\)", out)) == [

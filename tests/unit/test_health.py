@@ -19,7 +19,7 @@ def probe(port: int, path: str) -> tuple[int, str]:
 
 
 def test_ready_only_while_the_nodes_workers_run_alive_throughout() -> None:
-    metrics = Metrics("127.0.0.1", 0)
+    metrics = Metrics.serve("127.0.0.1", 0)
     try:
         assert probe(metrics.port, "/healthz") == (503, "starting\n")
         assert probe(metrics.port, "/livez") == (200, "alive\n")

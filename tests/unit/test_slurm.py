@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,11 @@ def test_outside_a_step_nothing_is_taken_from_slurm(tmp_path: Path, script: Path
 def test_a_step_node_list_that_cannot_be_read_is_named(tmp_path: Path, script: Path) -> None:
     with pytest.raises(ConfigError, match="SLURM_STEP_NODELIST: cannot read 'gpu\\[1-'"):
         cli.parse(["train.py"], {**STEP, "SLURM_STEP_NODELIST": "gpu[1-"}, tmp_path)
+
+
+def test_in_a_step_slurms_warning_signals_are_only_said_unless_handled(tmp_path: Path, script: Path) -> None:
+    """SLURM sends --signal=USR1@90 to every process of the step, the workers too: ftrun does not end the run."""
+    assert cli.parse(["train.py"], STEP, tmp_path).slurm_warnings == {signal.SIGUSR1, signal.SIGUSR2}
+    handled = cli.parse(["--signals-to-handle", "SIGTERM,SIGUSR1", "train.py"], STEP, tmp_path)
+    assert handled.slurm_warnings == {signal.SIGUSR2}
+    assert cli.parse(["train.py"], {}, tmp_path).slurm_warnings == frozenset()

@@ -55,6 +55,7 @@ from ftrun.procs.logs import (
 )
 from ftrun.procs.signals import SignalWakeup
 from ftrun.procs.signals import name as signal_name
+from ftrun.procs.signals import notice as signal_notice
 from ftrun.procs.workers import AttemptProcesses, Spawner, WarmPoolControl, Worker, WorkerState, may_release
 from ftrun.worker.timeouts import Timeouts
 
@@ -451,14 +452,10 @@ class LocalGroup:
     def _signals(self) -> list[Interrupted]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
         self._watch.drain()
-        found = self.wakeup.drain()
-        self._signals_seen += len(found)
-        handled = self.config.signals_to_handle
-        for s in found:
-            if s not in handled:
-                self.say(
-                    f"{signal_name(s)} is not in --signals-to-handle: the workers get SIGTERM, not it", always=True
-                )
+        handled, warnings, found = self.config.signals_to_handle, self.config.slurm_warnings, self.wakeup.drain()
+        for said in filter(None, (signal_notice(s, handled, warnings) for s in found)):
+            self.say(said, always=True)
+        self._signals_seen += len(found := [s for s in found if s not in warnings])
         return [Interrupted(s, signal_name(s), forward=s in handled) for s in found]
 
     def _requests(self) -> list[Happening]:

@@ -108,7 +108,7 @@ def serve_metrics(config: LaunchConfig) -> Metrics | None:
     from ftrun.observe.metrics import Metrics  # prometheus-client: only when asked for
 
     host, port = config.metrics
-    return Metrics(host, port)
+    return Metrics.serve(host, port)
 
 
 def warm_pool(config: LaunchConfig) -> WarmPool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from importlib import metadata
@@ -124,7 +125,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         local_addr=a.local_addr,
         rdzv=rdzv,
         term_timeout_s=flags.parse_shutdown_timeout(a.shutdown_timeout),
-        signals_to_handle=flags.parse_signals("--signals-to-handle", a.signals_to_handle),
+        signals_to_handle=(handled := flags.parse_signals("--signals-to-handle", a.signals_to_handle)),
+        slurm_warnings=frozenset() if step is None else frozenset({signal.SIGUSR1, signal.SIGUSR2}) - handled,
         event_log=Path(a.event_log).absolute() if a.event_log else None,
         python=flags.python_exec(environ, sys.executable),
         cwd=cwd,

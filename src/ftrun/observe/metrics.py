@@ -39,7 +39,15 @@ ALL_ADDRESSES = "0.0.0.0"  # noqa: S104 - an exporter is scraped from elsewhere;
 class Metrics(Collector):
     """The endpoint, bound at once (a bad port fails before any worker starts); :meth:`watch` gives it a job."""
 
+    @classmethod
+    def serve(cls, host: str, port: int) -> Metrics:
+        """Bound to ``host:port`` and answering, from a thread of its own."""
+        metrics = cls(host, port)
+        threading.Thread(target=metrics._server.serve_forever, name="ftrun-metrics", daemon=True).start()
+        return metrics
+
     def __init__(self, host: str, port: int) -> None:
+        """Use :meth:`serve`."""
         self._watched: tuple[EventLog, NodeStatus, str] | None = None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
@@ -53,7 +61,6 @@ class Metrics(Collector):
                 f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
                 "pick a free port (each agent on a machine needs its own)",
             ) from None
-        threading.Thread(target=self._server.serve_forever, name="ftrun-metrics", daemon=True).start()
         self.port = self._server.server_port
         self.url = f"http://{host}:{self.port}/metrics"
 

@@ -33,6 +33,15 @@ def name(number: int) -> str:
 _caught = 0  # signals to ftrun received so far (REQUEST_SIGNAL, a worker's wake-up, is not one)
 
 
+def notice(number: int, handled: frozenset[int], warnings: frozenset[int]) -> str | None:
+    """What to say of a signal to ftrun that it does not simply hand on to the workers (None: nothing)."""
+    if number in warnings:
+        return f"{name(number)} from SLURM: a warning every process of the step got; the run goes on"
+    if number not in handled:
+        return f"{name(number)} is not in --signals-to-handle: the workers get SIGTERM, not it"
+    return None
+
+
 def _note(signum: int, frame: FrameType | None) -> None:
     """The wake-up fd carries the signal number; counted here too, for :meth:`SignalWakeup.arrived`."""
     global _caught  # noqa: PLW0603 - a signal handler's one way out
