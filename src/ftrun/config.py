@@ -222,6 +222,10 @@ class LaunchConfig:
     # In a SLURM step, SIGUSR1/2 not in signals_to_handle: SLURM's warning (--signal=USR1@90), which it sends to
     # every process of the step, the workers included: ftrun says so and goes on.
     slurm_warnings: frozenset[int] = frozenset()
+    # In a SLURM step: this node's index in it, and how many times SLURM requeued the job. A requeued start
+    # carries on in the run directory of this node's start before (its attempts, restarts and goodput go on).
+    slurm_node: int | None = None
+    requeued: int = 0
     virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the worker's one GPU
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary
     verbose: bool = False  # --verbose or LOGLEVEL=DEBUG: also how ftrun works as it goes (warm pool, rendezvous)

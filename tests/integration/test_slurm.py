@@ -81,10 +81,15 @@ def test_a_worker_crash_under_srun_restarts_every_node(slurm: SlurmCluster, tmp_
     assert len(re.findall(r"^n\d rank \d checksum", out, re.M)) == 4
 
 
-def test_a_node_slurm_loses_is_a_lost_node_and_the_other_trains_on(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_a_node_slurm_loses_is_a_lost_node_and_the_other_trains_on(tmp_path: Path) -> None:
     """`srun --no-kill` keeps the step when a node fails; ftrun takes the rendezvous from SLURM and the node
     range from --nnodes. n2's slurmd, agent and workers are SIGKILLed at step 5: n1 (the store's host) goes on
-    alone and finishes."""
+    alone and finishes. A cluster of its own: the others' keeps both nodes."""
+    with SlurmCluster(tmp_path / "cluster") as slurm:
+        lose_a_node(slurm, tmp_path)
+
+
+def lose_a_node(slurm: SlurmCluster, tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(JOB.replace("time\n", "time\nfrom pathlib import Path\n", 1).replace(
         "    data = torch.randn", "    if attempt == 0 and step == 5:\n"
         "        Path(f'at5-{rank}').touch()\n        time.sleep(600)\n    data = torch.randn", 1))  # fmt: skip
@@ -131,7 +136,8 @@ if Path("ckpt.pt").exists():
     saved = torch.load("ckpt.pt")
     model.module.load_state_dict(saved["model"]), opt.load_state_dict(saved["opt"])
     start = saved["step"] + 1
-    print(f"rank {rank} resumed at step {start} (requeued {requeued})", flush=True)
+    restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"rank {rank} resumed at step {start} (requeued {requeued}, restart {restarts})", flush=True)
 for step in range(start, 40):
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
     opt.zero_grad()
@@ -202,9 +208,16 @@ def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_
     assert out.count("got SIGUSR1") == 4, out  # once each, from SLURM: ftrun did not hand it on again
     saved = re.findall(r"rank 0 saved step (\d+) on SIGTERM", out)
     assert len(saved) == 1, out
-    assert sorted(re.findall(r"rank (\d) resumed at step (\d+) \(requeued 1\)", out)) == [
+    assert sorted(re.findall(r"rank (\d) resumed at step (\d+) \(requeued 1, restart 1\)", out)) == [
         (str(r), str(int(saved[0]) + 1)) for r in range(4)
     ], out
+    assert out.count("(one each time SLURM requeued the job: 1)") == 2, out  # each node's summary: both starts
+    for events in (tmp_path / "preempted" / "logs").glob("*/events.jsonl"):  # one run directory per node
+        kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
+        assert kinds.count("run_started") == 2, kinds
+        assert (events.parent / "attempt_0").is_dir()
+        assert (events.parent / "attempt_1").is_dir()
+    assert len(list((tmp_path / "preempted" / "logs").glob("*/events.jsonl"))) == 2
     preempted = sorted(re.findall(r"^n\d rank (\d) checksum (\w+)$", out, re.M))
     never = finished(slurm, sbatch(slurm, tmp_path / "never", "none"), tmp_path / "never")
     assert preempted == sorted(re.findall(r"^n\d rank (\d) checksum (\w+)$", never, re.M)), (out, never)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Generic, TypeVar
 
 from ftrun.agent.driver import (
@@ -32,6 +33,7 @@ from ftrun.agent.driver import (
 from ftrun.agent.group import LocalGroup
 from ftrun.clock import Clock
 from ftrun.job.agreement import TimeoutAgreement
+from ftrun.observe.events import carried_over
 from ftrun.reminder import Reminder
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.state import Action
@@ -79,6 +81,9 @@ class Executor(Generic[S]):
         self._wake_at: float | None = None  # monotonic: when the rendezvous wants to be asked again
         self._waiting = ""  # why this node waits for a round ("": it does not)
         self._still = Reminder(REMIND_EVERY_S, REMIND_EVERY_S)  # that wait, said again while it lasts
+        # A start after SLURM requeued the job goes on from the one before: its attempts, and its restarts plus
+        # the requeue (TORCHELASTIC_RESTART_COUNT), on top of the driver's own count (--max-restarts is per start).
+        self._attempts_before, self._restarts_before = carried_over(group.events.events)
 
     def run(self) -> int:
         """Drive the run to its end; returns ftrun's exit code."""
@@ -102,7 +107,8 @@ class Executor(Generic[S]):
     def _carry_out(self, command: Command) -> list[Happening]:
         if isinstance(command, StartWorkers):
             port = command.master_port if command.master_port is not None else self._fresh_port()
-            return self._group.start(command, port)
+            attempt, restarts = command.attempt + self._attempts_before, command.restart_count + self._restarts_before
+            return self._group.start(replace(command, attempt=attempt, restart_count=restarts), port)
         if isinstance(command, StopWorkers):
             return self._group.stop(command.signal)
         if isinstance(command, ReportFailure):

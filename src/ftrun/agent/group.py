@@ -41,6 +41,7 @@ from ftrun.monitor.watch import WorkerWatch
 from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.observe.events import EventKind, EventLog, summarize
 from ftrun.observe.goodput import measure
+from ftrun.observe.history import before_requeue
 from ftrun.observe.node_status import NodeStatus, progress
 from ftrun.observe.reporting import oom_kills, write_launcher_error_file
 from ftrun.observe.reports import Attempt, Reports
@@ -81,12 +82,13 @@ class LocalGroup:
     ) -> LocalGroup:
         """This node's group: a run directory of its own (never an old run's), its event log, signals to ftrun
         caught from now on; the run announced, and the warm pool (when ``spawner`` is one) started."""
-        run_dir, pruned = open_run_dir(config)
+        run_dir, pruned = open_run_dir(config, before_requeue)
         group = cls(config, spawner=spawner, clock=clock, console=console, host=host, pool=pool, run_dir=run_dir)
         if pruned:
             group.say(pruned)
         echo = group._echo_event if config.echo_events else None
-        group.events = EventLog.open(config.event_log or run_dir / "events.jsonl", clock, echo=echo)
+        log = config.event_log or run_dir / "events.jsonl"
+        group.events = EventLog.open(log, clock, echo=echo, carry_on=bool(config.requeued) and log.is_file())
         group.wakeup = SignalWakeup.install()
         group._watch = WorkerWatch.open(config, clock, group.emit, group.say)
         group._watch.pace.node = host
@@ -138,6 +140,7 @@ class LocalGroup:
         for notice in (*c.rdzv.conf.notices, *c.notices):
             self.say(notice, always=True)
         run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}
+        run |= {"slurm_node": c.slurm_node, "requeued": c.requeued} if c.slurm_node is not None else {}
         self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir), agent_pid=os.getpid())
         self._update_status(force=True)  # `ftrun status` answers from the first second
         if self._pool is not None:

@@ -127,6 +127,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         term_timeout_s=flags.parse_shutdown_timeout(a.shutdown_timeout),
         signals_to_handle=(handled := flags.parse_signals("--signals-to-handle", a.signals_to_handle)),
         slurm_warnings=frozenset() if step is None else frozenset({signal.SIGUSR1, signal.SIGUSR2}) - handled,
+        slurm_node=None if step is None else step.node_index,
+        requeued=0 if step is None else step.requeued,
         event_log=Path(a.event_log).absolute() if a.event_log else None,
         python=flags.python_exec(environ, sys.executable),
         cwd=cwd,

@@ -25,6 +25,7 @@ class SlurmStep:
     nodes: int
     node_index: int
     first_node: str
+    requeued: int = 0  # SLURM_RESTART_COUNT: how many times SLURM requeued the job (pre-emption, --requeue)
 
     @property
     def port(self) -> int:
@@ -57,7 +58,9 @@ def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
         hosts = expand_hostlist(nodelist)
     except ValueError as e:
         raise ConfigError("SLURM_STEP_NODELIST", f"cannot read {nodelist!r} ({e})", "pass --rdzv-endpoint") from None
-    return SlurmStep(job, count, int(environ.get("SLURM_NODEID", "0") or 0), hosts[0])
+    requeued = environ.get("SLURM_RESTART_COUNT", "0")
+    node = int(environ.get("SLURM_NODEID", "0") or 0)
+    return SlurmStep(job, count, node, hosts[0], int(requeued) if requeued.isdigit() else 0)
 
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")

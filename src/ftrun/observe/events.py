@@ -8,10 +8,11 @@ from these records, never from ad-hoc prints. Each line carries both clocks:
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -82,11 +83,17 @@ class EventLog:
     """Appends events to a JSONL file, one flushed line each, and keeps them in memory."""
 
     @classmethod
-    def open(cls, path: Path, clock: Clock, echo: Callable[[str], None] | None = None) -> EventLog:
+    def open(
+        cls, path: Path, clock: Clock, echo: Callable[[str], None] | None = None, *, carry_on: bool = False
+    ) -> EventLog:
         """Appending to ``path`` (created, with its directory, if missing). ``echo`` also gets every line
-        (--event-log-handler console)."""
+        (--event-log-handler console). ``carry_on``: the run goes on from what ``path`` holds (a start before a
+        requeue), whose events come first in :attr:`events`."""
         make_dir(path.parent)
-        return cls(path, os.fdopen(append_fd(path), "a", encoding="utf-8"), clock, echo)
+        log = cls(path, os.fdopen(append_fd(path), "a", encoding="utf-8"), clock, echo)
+        if carry_on:
+            log.events.extend(read_events(path))
+        return log
 
     def __init__(self, path: Path, file: TextIO, clock: Clock, echo: Callable[[str], None] | None) -> None:
         """Use :meth:`open`."""
@@ -111,6 +118,26 @@ class EventLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def carried_over(events: Sequence[Event]) -> tuple[int, int]:
+    """(attempts, restarts) a run starts from: none for a first start; after a requeue (the events of the starts
+    before come first), the attempts before and their restarts plus the requeue itself."""
+    starts = [i for i, e in enumerate(events) if e.kind is EventKind.RUN_STARTED]
+    before = events[: starts[-1]] if starts else []
+    attempts = sum(1 for e in before if e.kind is EventKind.ATTEMPT_STARTED)
+    restarts = sum(1 for e in before if e.kind is EventKind.RESTART)
+    return (attempts, restarts + 1) if attempts else (0, 0)
+
+
+def lifetimes(events: Sequence[Event]) -> list[list[Event]]:
+    """The events of each start of the run (split at RUN_STARTED): one, unless SLURM requeued the job."""
+    found: list[list[Event]] = []
+    for e in events:
+        if e.kind is EventKind.RUN_STARTED or not found:
+            found.append([])
+        found[-1].append(e)
+    return found
 
 
 def read_events(path: Path) -> list[Event]:
@@ -139,6 +166,7 @@ class RunSummary:
     warm_restarts: int = 0  # restarts whose workers all came from the warm pool
     hangs: int = 0  # hangs found in this node's workers
     stragglers: tuple[Mapping[str, Any], ...] = ()  # the ranks named straggler (their events' data), in order
+    requeues: int = 0  # times SLURM requeued the job, each a start of ftrun carrying on in the same run
 
     def render(self) -> str:
         restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
@@ -147,6 +175,7 @@ class RunSummary:
             kinds = [f"{n} {kind}" for n, kind in ((self.warm_restarts, "warm"), (cold, "cold")) if n]
             restarts += f" ({', '.join(kinds)})" if len(kinds) > 1 else f" ({kinds[0].split()[1]})"
         line = f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}"
+        line += f" (one each time SLURM requeued the job: {self.requeues})" if self.requeues else ""
         if self.root_causes:
             gap = "between failure and restart" if self.restarts else "from the failure to the end"
             # How long the failed attempts ran, not what was lost: the goodput line tells that (from checkpoints).
@@ -158,7 +187,30 @@ class RunSummary:
         return line
 
 
-def summarize(events: Iterable[Event]) -> RunSummary:
+def summarize(events: Sequence[Event]) -> RunSummary:
+    """The run's summary; after SLURM requeued it, the starts' summaries added up, the time between a start's
+    end and the next one's first attempt counted as down."""
+    lives = lifetimes(events)
+    if len(lives) < 2:
+        return _summarize(events)
+    parts = [_summarize(life) for life in lives]
+    gaps = sum(_down_between(a, b) for a, b in itertools.pairwise(lives))
+    last = parts[-1]
+    return RunSummary(
+        last.outcome, last.exit_code, sum(p.attempts for p in parts), sum(p.restarts for p in parts),
+        sum(p.downtime_s for p in parts) + gaps, sum(p.failed_work_s for p in parts),
+        tuple(c for p in parts for c in p.root_causes), sum(p.warm_restarts for p in parts),
+        sum(p.hangs for p in parts), tuple(s for p in parts for s in p.stragglers), len(lives) - 1,
+    )  # fmt: skip
+
+
+def _down_between(before: Sequence[Event], after: Sequence[Event]) -> float:
+    """From one start's last event to the next start's first attempt (by wall clock: other machines)."""
+    first = next((e for e in after if e.kind is EventKind.ATTEMPT_STARTED), after[-1])
+    return max(0.0, first.wall - before[-1].wall)
+
+
+def _summarize(events: Iterable[Event]) -> RunSummary:
     outcome, exit_code = "unfinished", None
     attempts = restarts = hangs = 0
     downtime = failed_work = 0.0

@@ -14,11 +14,12 @@ plus the unfinished step. Goodput is training less lost work, over the wall time
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ftrun.observe.events import Event, EventKind, failed_mono
+from ftrun.observe.events import Event, EventKind, failed_mono, lifetimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class Goodput:
 @dataclass(slots=True)
 class _Attempt:
     start: float
+    number: int  # as its ATTEMPT_STARTED says (after a requeue, a start's first attempt is not number 0)
     first: float | None = None  # first step
     resumed: int | None = None  # the step it resumed at
     failed: float | None = None  # its root cause failed (for a hang: the last sign of progress)
@@ -71,9 +73,9 @@ class _Attempt:
     end: float | None = None
     hang_at: list[float] = field(default_factory=list)
 
-    def take(self, e: Event, number: int) -> None:
-        """One event of this attempt (number ``number``)."""
-        if e.kind is EventKind.FIRST_STEP and e.data.get("attempt") == number:
+    def take(self, e: Event) -> None:
+        """One event of this attempt."""
+        if e.kind is EventKind.FIRST_STEP and e.data.get("attempt") == self.number:
             self.first = float(e.data["first_mono"])
             self.resumed = _int(e.data.get("step"))
         elif e.kind is EventKind.HANG:
@@ -90,8 +92,32 @@ class _Attempt:
             self.failed = min([when, *self.hang_at, *([self.failed] if self.failed is not None else [])])
 
 
-def measure(events: Iterable[Event], now: float | None = None) -> Goodput:
-    """Goodput of the run so far (``now``: this agent's monotonic time, for a run that has not ended)."""
+def measure(events: Sequence[Event], now: float | None = None) -> Goodput:
+    """Goodput of the run so far (``now``: this agent's monotonic time, for a run that has not ended). After
+    SLURM requeued the job, each start is measured on its own clock and the starts added up: the time between
+    one's end and the next one's start (in SLURM's queue) is recovery, as is the next one's start-up."""
+    lives = lifetimes(events)
+    if len(lives) < 2:
+        return _measure(events, now)
+    # A start SLURM killed before it finished ends at its last event.
+    parts = [_measure(life, life[-1].mono) for life in lives[:-1]] + [_measure(lives[-1], now)]
+    queued = sum(max(0.0, b[0].wall - a[-1].wall) for a, b in itertools.pairwise(lives))
+    first, last = parts[0], parts[-1]
+    lost = [p.lost_s for p in parts]
+    return Goodput(
+        wall_s=sum(p.wall_s for p in parts) + queued,
+        training_s=sum(p.training_s for p in parts),
+        startup_s=first.startup_s,
+        detection_s=sum(p.detection_s for p in parts),
+        recovery_s=sum(p.recovery_s for p in parts) + queued + sum(p.startup_s for p in parts[1:])
+        + sum(p.ending_s for p in parts[:-1]),
+        ending_s=last.ending_s,
+        lost_s=None if None in lost else sum(x or 0.0 for x in lost),
+        stepped=any(p.stepped for p in parts),
+    )  # fmt: skip
+
+
+def _measure(events: Iterable[Event], now: float | None) -> Goodput:
     started: float | None = None
     finished: float | None = None
     attempts: list[_Attempt] = []
@@ -101,13 +127,13 @@ def measure(events: Iterable[Event], now: float | None = None) -> Goodput:
         elif e.kind is EventKind.ATTEMPT_STARTED:
             if attempts and attempts[-1].end is None:
                 attempts[-1].end = e.mono
-            attempts.append(_Attempt(e.mono))
+            attempts.append(_Attempt(e.mono, int(e.data.get("attempt", len(attempts)))))
         elif e.kind is EventKind.RUN_FINISHED:
             finished = e.mono
             if attempts and attempts[-1].end is None:
                 attempts[-1].end = e.mono
         elif attempts:
-            attempts[-1].take(e, len(attempts) - 1)
+            attempts[-1].take(e)
     return _fold(attempts, started, finished if finished is not None else now)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftrun.errors import ConfigError
+from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import Event, EventKind, failed_mono, read_events
 from ftrun.procs.logs import last_written
 
@@ -99,3 +100,22 @@ def agent_gone(run_dir: Path, started: Event) -> float | None:
     else:
         return None
     return max(started.wall, last_written(run_dir))
+
+
+def before_requeue(base: Path, name: str, node: int | None) -> Path | None:
+    """The run directory this SLURM node (its index in the step) wrote before the job was requeued: the newest
+    of ``name``, ``name.1``... whose run began with that node index (nodes sharing a log directory each have
+    their own)."""
+    found: list[tuple[int, Path]] = []
+    for d in (base / name, *base.glob(f"{name}.*")):
+        suffix = d.name.removeprefix(name).removeprefix(".")
+        if suffix and not suffix.isdigit():
+            continue
+        try:
+            with (d / "events.jsonl").open("rb") as f:
+                first = object_or_none(f.readline(), limit=64 << 10)
+        except OSError:
+            continue
+        if first is not None and first.get("kind") == "run_started" and first.get("slurm_node") == node:
+            found.append((int(suffix or 0), d))
+    return max(found)[1] if found else None

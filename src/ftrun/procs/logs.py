@@ -18,7 +18,7 @@ import shutil
 import termios
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -298,16 +298,21 @@ def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
     return lines[-count:]
 
 
+CarryOn = Callable[[Path, str, "int | None"], "Path | None"]  # (log dir, run name, SLURM node) -> run dir
+
 KEEP_RUNS = 20  # run directories the default log directory keeps (the newest); a --log-dir of one's own keeps all
 
 
-def open_run_dir(config: LaunchConfig) -> tuple[Path, str]:
+def open_run_dir(config: LaunchConfig, carry_on: CarryOn | None = None) -> tuple[Path, str]:
     """The run's new directory, and what to say of the old ones removed. Named after the run id; torchrun's
     default id, "none", names none: then the script and the start time do (train-20261126-175727). The default
-    log directory, in the shared temp dir, keeps the KEEP_RUNS newest runs of its user; a --log-dir keeps all."""
+    log directory, in the shared temp dir, keeps the KEEP_RUNS newest runs of its user; a --log-dir keeps all.
+    After SLURM requeued the job, ``carry_on`` finds the directory of this node's start before, if any."""
     logs, name = config.logs, config.run_id
     if name == "none":
         name = f"{Path(config.entrypoint.target).name.removesuffix('.py') or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if config.requeued and carry_on and (before := carry_on(logs.base_dir, name, config.slurm_node)) is not None:
+        return before, f"SLURM requeued the job ({config.requeued} time(s)): carrying on in {before}"
     run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
     if not logs.shared_base:
         return run_dir, ""
