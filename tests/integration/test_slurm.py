@@ -211,6 +211,7 @@ def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_
     assert sorted(re.findall(r"rank (\d) resumed at step (\d+) \(requeued 1, restart 1\)", out)) == [
         (str(r), str(int(saved[0]) + 1)) for r in range(4)
     ], out
+    assert out.count("run interrupted (exit 143)") == 2, out  # each node's ftrun ended within KillWait, not killed
     assert out.count("(one each time SLURM requeued the job: 1)") == 2, out  # each node's summary: both starts
     for events in (tmp_path / "preempted" / "logs").glob("*/events.jsonl"):  # one run directory per node
         kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
