@@ -1,0 +1,81 @@
+"""ftrun.snapshot / restore in the worker: a snapshot file outlives its writer, is trusted only when whole and
+its checksum matches, and the job's next optimizer step waits for the copy in flight."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+
+from ftrun.worker import snapshot as snap
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def in_ftrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(snap.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv(snap.ENV_RESTORE, raising=False)
+    return tmp_path
+
+
+def state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = collections.OrderedDict(w=torch.randn(512, 1024), b=torch.randn(8), n=torch.tensor(5))
+    model._metadata = {"": {"version": 2}}  # type: ignore[attr-defined]
+    return {"model": model, "step": 41, "rng": torch.get_rng_state(), "loader": (3, [7, 8]), "empty": torch.ones(0)}
+
+
+def test_a_snapshot_restores_exactly_what_was_taken(in_ftrun: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = state()
+    snap.snapshot(41, taken)
+    snap.wait()
+    monkeypatch.setenv(snap.ENV_RESTORE, "41")
+    restored = snap.restore()
+    assert restored is not None
+    step, got = restored
+    assert step == 41
+    assert set(got) == set(taken)
+    for key in ("w", "b", "n"):
+        assert torch.equal(got["model"][key], taken["model"][key])  # type: ignore[index]
+    assert got["model"]._metadata == {"": {"version": 2}}
+    assert torch.equal(got["rng"], taken["rng"])
+    assert (got["step"], got["loader"], got["empty"].shape) == (41, (3, [7, 8]), (0,))
+    assert snap.path_of(in_ftrun, 41, 3).is_file()
+
+
+def test_a_changed_byte_or_an_unfinished_write_is_never_trusted(in_ftrun: Path) -> None:
+    snap.snapshot(7, state())
+    snap.wait()
+    path = snap.path_of(in_ftrun, 7, 3)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(raw)
+    with pytest.raises(snap.CorruptSnapshot, match="checksum does not match"):
+        snap.read(path)
+    path.write_bytes(bytes(raw[:-8]) + bytes(8))  # the footer never written: its writer died
+    with pytest.raises(snap.CorruptSnapshot, match="incomplete"):
+        snap.read(path)
+
+
+def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:
+    """The big tensors are copied in the background; an optimizer step first waits for that copy."""
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snap.snapshot(1, {"model": model.state_dict()})
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()  # waits, then changes the weights
+    assert snap._writer.thread is None  # the step's pre-hook joined the copy
+    _, got = snap.read(snap.path_of(in_ftrun, 1, 3))
+    assert all(torch.equal(got["model"][k], before[k]) for k in before)
+    assert not torch.equal(model.weight, before["weight"])
+    assert snap.blocked_s() >= 0.0
+
+
+def test_outside_ftrun_both_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(snap.ENV_DIR, raising=False)
+    snap.snapshot(1, {"w": torch.ones(3)})
+    assert snap.restore() is None
