@@ -10,11 +10,13 @@ from ftrun.worker.errorfile import record
 from ftrun.worker.nvidia import RankMonitorClient
 from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat
+from ftrun.worker.snapshot import CorruptSnapshot, restore, snapshot
 from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CorruptSnapshot",
     "RankMonitorClient",
     "__version__",
     "calculate_timeouts",
@@ -26,7 +28,9 @@ __all__ = [
     "monitor_state",
     "record",
     "request_restart",
+    "restore",
     "section",
+    "snapshot",
     "start_peer_heartbeat",
     "start_section",
     "stop_job",

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ftrun.agent import env as worker_env
 from ftrun.agent.asked import Asked
 from ftrun.agent.driver import (
     Finish,
@@ -32,13 +31,14 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
+from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.worker_launch import MODULES_FILE, worker_launch
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
 from ftrun.job.board import JobBoard
 from ftrun.job.crosscheck import HeldHangs
 from ftrun.job.peer_relay import PeerRelay
 from ftrun.monitor.watch import WorkerWatch
-from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.observe.events import EventKind, EventLog, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import before_requeue
@@ -60,8 +60,6 @@ from ftrun.procs.signals import notice as signal_notice
 from ftrun.procs.workers import AttemptProcesses, Spawner, WarmPoolControl, Worker, WorkerState, may_release
 from ftrun.worker.timeouts import Timeouts
 
-MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
-LOCAL_RANK_MACRO = "${local_rank}"
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
 
@@ -95,6 +93,7 @@ class LocalGroup:
         group.status.pace = group._watch.pace
         group.asked.leave_reasons.append(group._watch.pace.reason_to_leave)  # --straggler-action exclude
         group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
+        group._snapshots = SnapshotKeeper.open(run_dir.name, partial(group.say, always=True))
         group._begin()
         return group
 
@@ -114,6 +113,7 @@ class LocalGroup:
         self.wakeup: SignalWakeup
         self._processes: AttemptProcesses
         self._watch: WorkerWatch
+        self._snapshots: SnapshotKeeper  # the workers' in-memory snapshots (ftrun.snapshot)
         say = partial(self.say, always=True)
         self._reports = Reports(config.run_id, host, self.run_dir, console, self.emit, say, config.crash_loop_limit)
         self.status = NodeStatus(self.run_dir, config.run_id, host, clock, self.emit)
@@ -198,6 +198,7 @@ class LocalGroup:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks, self.peer_key)
+        self._snapshots.new_attempt(range(placement.rank_offset, placement.rank_offset + c.nproc_per_node), self._nodes)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)
@@ -211,34 +212,13 @@ class LocalGroup:
         return [WorkersStarted(frozenset(range(c.nproc_per_node)))]
 
     def _spawn(self, command: StartWorkers, attempt_dir: Path, local_rank: int, master_port: int) -> None:
-        c, placement = self.config, command.placement
-        paths = RankPaths.under(attempt_dir, placement.rank_offset + local_rank)
-        assignment = worker_env.assign(
-            local_rank,
-            c.nproc_per_node,
-            placement,
-            role=c.role,
-            master_addr=command.master_addr,
-            master_port=master_port,
-            restart_count=command.restart_count,
-            max_restarts=c.max_restarts,
-            run_id=c.run_id,
-            error_file=str(paths.error_file),
-            flight_recorder_file=str(paths.flight_recorder),
-        )
+        c = self.config
+        paths = RankPaths.under(attempt_dir, command.placement.rank_offset + local_rank)
         spawned = self._clock.monotonic()
-        env = {
-            **worker_env.worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank),
-            **self._watch.env(local_rank, paths.dir, spawned),
-        }
-        if c.warm.enabled and c.warm.auto:
-            env["FTRUN_MODULES_FILE"] = str(paths.dir / MODULES_FILE)
-        if self._peers is not None:
-            env.update(self._peers.env())
-        if c.cpu_affinity:
-            env[CPU_AFFINITY_ENV] = c.cpu_affinity[local_rank]
-        # torchrun's ${local_rank} macro in the script's arguments
-        argv = [a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in c.entrypoint.command(c.python)]
+        extra = {**self._watch.env(local_rank, paths.dir, spawned), **self._snapshots.env()}
+        extra |= self._peers.env() if self._peers is not None else {}
+        launch = worker_launch(c, command, paths, local_rank, master_port, extra)
+        assignment, argv, env = launch.assignment, launch.argv, launch.env
         worker = Worker(assignment.rank, local_rank, command.attempt, paths, argv, env)
         worker.spawn_mono, worker.spawn_wall = spawned, self._clock.wall()
         label = c.logs.prefix(c.role, assignment.rank, local_rank)
@@ -370,6 +350,7 @@ class LocalGroup:
             self._reap_released()
             close_duplicates(self._duplicates)
             self._processes.close()
+            self._snapshots.close()
             if not self._finished:  # an error ended the run: the log still says how it ended
                 self.emit(EventKind.RUN_FINISHED, exit_code=1, outcome="error")
             self.events.close()

@@ -34,6 +34,9 @@ from typing import Any
 
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
+STEP_DIR = "step-{:012d}"
+BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
+KEEP = 2  # of its own steps, a worker keeps the newest whole ones
 AT_ONCE_BYTES = 1 << 20
 MAGIC = b"FTSNAP1\n"
 HEAD = struct.Struct("<8sQQ")  # magic, skeleton length, data length
@@ -53,7 +56,17 @@ class _Tensor:
 
 
 def path_of(directory: Path, step: int, rank: int) -> Path:
-    return directory / f"step-{step:012d}" / f"rank-{rank}.snap"
+    return directory / STEP_DIR.format(step) / f"rank-{rank}.snap"
+
+
+def is_whole(path: Path) -> bool:
+    """Whether the file's writer finished it (its footer is there; whether it verifies is the reader's job)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(-FOOT.size, os.SEEK_END)
+            return f.read(FOOT.size)[-4:] == b"DONE"
+    except OSError:
+        return False
 
 
 class _Writer:
@@ -108,7 +121,7 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
             late.append((t, at, nbytes))
     _writer.blocked_s += time.perf_counter() - started
     _hook_optimizer()
-    _writer.thread = threading.Thread(target=_finish, args=(view, late, size, torch), name="ftrun-snapshot")
+    _writer.thread = threading.Thread(target=_finish, args=(view, late, size, path, torch), name="ftrun-snapshot")
     _writer.thread.start()
 
 
@@ -118,7 +131,12 @@ def restore() -> tuple[int, Any] | None:
     directory, step = os.environ.get(ENV_DIR), os.environ.get(ENV_RESTORE)
     if not directory or not step:
         return None
-    return read(path_of(Path(directory), int(step), _rank()))
+    path = path_of(Path(directory), int(step), _rank())
+    try:
+        return read(path)
+    except CorruptSnapshot as e:
+        (path.parent / BAD_MARK).touch()  # the agent restores the step before at the next restart
+        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
 
 
 def read(path: Path) -> tuple[int, Any]:
@@ -213,18 +231,28 @@ def _copy(view: mmap.mmap, at: int, tensor: Any, nbytes: int, torch: Any) -> Non
         torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=at).copy_(tensor.reshape(-1).view(torch.uint8))
 
 
-def _finish(view: mmap.mmap, late: list[tuple[Any, int, int]], size: int, torch: Any) -> None:
+def _finish(view: mmap.mmap, late: list[tuple[Any, int, int]], size: int, path: Path, torch: Any) -> None:
     try:
         for t, at, nbytes in late:
             _copy(view, at, t, nbytes, torch)
         with memoryview(view) as whole, whole[:size] as written:
             crc = zlib.crc32(written)  # without the GIL
         view[size : size + FOOT.size] = FOOT.pack(crc, b"DONE")
+        _prune(path.parent.parent, path.name)
     except BaseException as e:  # told at the next step, in the job's own thread
         _writer.error = e
     finally:
         with contextlib.suppress(BufferError):
             view.close()
+
+
+def _prune(directory: Path, name: str) -> None:
+    """This rank's parts of all but its KEEP newest whole steps (memory is what snapshots cost)."""
+    mine = sorted(p for p in directory.glob(f"step-*/{name}") if is_whole(p))
+    for old in mine[:-KEEP]:
+        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the other ranks' parts may still be there
+            old.parent.rmdir()
 
 
 def _hook_optimizer() -> None:

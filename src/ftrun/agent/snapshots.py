@@ -1,0 +1,72 @@
+"""The agent's keeping of its workers' in-memory snapshots (``ftrun.snapshot``; :mod:`ftrun.worker.snapshot`).
+
+The workers write their snapshots into a directory of this run in shared memory (``/dev/shm``), which the
+agent makes (0700) and names in their environment: a worker's death does not free them. At each restart the
+agent names the step to restore (``FTRUN_RESTORE_STEP``): the newest that every local rank wrote whole and that
+no restore found corrupt (a worker that finds its part does not verify marks the step bad and fails; the next
+restart takes the step before). It keeps the newest :data:`KEEP` whole steps of each rank, and removes the
+directory when the run ends. Only single-node jobs restore for now: the nodes of a job do not agree on a step
+yet.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ftrun.private import make_dir, own_dir
+from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, STEP_DIR, is_whole
+
+SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
+KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
+
+
+class SnapshotKeeper:
+    @classmethod
+    def open(cls, run_name: str, say: Callable[[str], None]) -> SnapshotKeeper:
+        """A directory of this run's in shared memory (the temp dir where there is none)."""
+        base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
+        parent = own_dir(base / f"ftrun-snapshots-{os.geteuid()}")
+        return cls(Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=parent)), say)
+
+    def __init__(self, directory: Path, say: Callable[[str], None]) -> None:
+        """Use :meth:`open`."""
+        self.dir = directory
+        self._say = say
+        self._restore: int | None = None
+
+    def new_attempt(self, ranks: Sequence[int], nodes: int) -> None:
+        """Before the attempt's workers start: the step they restore (None: none whole on every rank, or a job
+        of several nodes), and the older steps pruned."""
+        steps = whole_steps(self.dir, ranks)
+        self._restore = max(steps) if steps and nodes == 1 else None
+        for step in sorted(steps)[:-KEEP]:
+            shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
+        if self._restore is not None:
+            self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
+
+    def env(self) -> dict[str, str]:
+        env = {ENV_DIR: str(self.dir)}
+        if self._restore is not None:
+            env[ENV_RESTORE] = str(self._restore)
+        return env
+
+    def close(self) -> None:
+        """The run is over: its snapshots free the memory they hold."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
+    """The steps every one of ``ranks`` wrote whole, none of them found corrupt by a restore."""
+    found = set()
+    make_dir(directory)
+    for step_dir in directory.iterdir():
+        if not step_dir.name.startswith("step-") or (step_dir / BAD_MARK).exists():
+            continue
+        step = int(step_dir.name.removeprefix("step-"))
+        if ranks and all(is_whole(step_dir / f"rank-{r}.snap") for r in ranks):
+            found.add(step)
+    return found
