@@ -5,8 +5,8 @@ agent makes (0700) and names in their environment: a worker's death does not fre
 agent names the step to restore (``FTRUN_RESTORE_STEP``): the newest that every local rank wrote whole and that
 no restore found corrupt (a worker that finds its part does not verify marks the step bad and fails; the next
 restart takes the step before). It keeps the newest :data:`KEEP` whole steps of each rank, and removes the
-directory when the run ends. Only single-node jobs restore for now: the nodes of a job do not agree on a step
-yet.
+directory when the run ends (an agent SIGKILLed leaves it to the next agent of this user, which removes it).
+Only single-node jobs restore for now: the nodes of a job do not agree on a step yet.
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
 class SnapshotKeeper:
     @classmethod
     def open(cls, run_name: str, say: Callable[[str], None]) -> SnapshotKeeper:
-        """A directory of this run's in shared memory (the temp dir where there is none)."""
+        """A directory of this run's in shared memory (the temp dir where there is none), named after this
+        agent's pid; those of agents that died without removing theirs (SIGKILL) are removed first."""
         base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
         parent = own_dir(base / f"ftrun-snapshots-{os.geteuid()}")
-        return cls(Path(tempfile.mkdtemp(prefix=f"{run_name}-", dir=parent)), say)
+        for stale in parent.iterdir():
+            owner = stale.name.split("-", 1)[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(stale, ignore_errors=True)
+        return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent)), say)
 
     def __init__(self, directory: Path, say: Callable[[str], None]) -> None:
         """Use :meth:`open`."""
@@ -70,3 +75,13 @@ def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
         if ranks and all(is_whole(step_dir / f"rank-{r}.snap") for r in ranks):
             found.add(step)
     return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

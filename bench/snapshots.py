@@ -1,0 +1,70 @@
+"""Snapshots every step against none, in one run: what they cost the step and what they save at a crash.
+
+The job (bench/snapshot_job.py): DDP, gloo, CPU, 2 ranks on one node, --state-mb of state per rank (1 GiB by
+default), a 1 s step; rank 1 exits at step 8 of the first attempt. Alternating in one run:
+
+  snapshots   ftrun.snapshot every step, ftrun.restore at start
+  none        no snapshots: the job starts again from step 0 (its own checkpoint would be older still)
+
+Figures: the time snapshots held the job up per step (the copies at the call and the next optimizer step's
+wait for the copy in flight), as a share of the step; ftrun.restore's own time; the crash -> every rank
+stepping again; the steps done again (lost work).
+
+    python bench/snapshots.py [--reps 2] [--state-mb 1024]
+
+Prints figures; asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+JOB = Path(__file__).resolve().parent / "snapshot_job.py"
+CRASH_AT = 8
+STEPS = 12
+
+
+def run_once(snapshots: bool, state_mb: int, workdir: Path) -> dict[str, float]:
+    tl = workdir / "timeline.jsonl"
+    job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--crash-at", str(CRASH_AT)]
+    job += ["--timeline", str(tl)] + (["--snapshots"] if snapshots else [])
+    cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", "2", "--max-restarts", "1"]
+    subprocess.run([*cmd, "--log-dir", str(workdir / "logs"), *job], cwd=workdir, capture_output=True, check=True,
+                   timeout=900)  # fmt: skip
+    records = [json.loads(line) for line in tl.read_text().splitlines()]
+    crash = next(r["wall"] for r in records if r["event"] == "crash")
+    again = {r["rank"]: r["wall"] for r in reversed(records) if r["event"] == "step" and r["attempt"] == 1}
+    first_again = min((r["step"] for r in records if r["event"] == "step" and r["attempt"] == 1), default=0)
+    steps = [r for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == 0]
+    blocked = steps[-1]["blocked_s"] / len(steps) if steps else 0.0
+    restore = [r["took_s"] for r in records if r["event"] == "restored"]
+    return {"recovery_s": max(again.values()) - crash, "blocked_s": blocked, "lost_steps": CRASH_AT - first_again,
+            "restore_s": max(restore) if restore else 0.0}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--state-mb", type=int, default=1024)
+    a = p.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"snapshots": [], "none": []}
+    for _ in range(a.reps):
+        for name, trials in runs.items():
+            with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
+                trials.append(run_once(name == "snapshots", a.state_mb, Path(d)))
+    for name, trials in runs.items():
+        med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+        each = ", ".join(f"{t['recovery_s']:.2f}" for t in trials)
+        print(f"{name:9s} blocked per step {med['blocked_s'] * 1000:7.1f} ms ({med['blocked_s']:.2%} of a 1 s step); "
+              f"restore {med['restore_s']:.2f} s; crash -> stepping again {med['recovery_s']:.2f} s ({each}); "
+              f"steps done again {med['lost_steps']:.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

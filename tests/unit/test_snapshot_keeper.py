@@ -1,0 +1,60 @@
+"""The agent's keeping of the workers' snapshots: which step a restart restores, what is pruned, what is freed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.agent import snapshots
+from ftrun.agent.snapshots import SnapshotKeeper, whole_steps
+from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, FOOT, path_of
+
+
+def part(directory: Path, step: int, rank: int, whole: bool = True) -> None:
+    path = path_of(directory, step, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x" * 64 + (FOOT.pack(0, b"DONE") if whole else bytes(FOOT.size)))
+
+
+@pytest.fixture
+def keeper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SnapshotKeeper:
+    monkeypatch.setattr(snapshots, "SHARED_MEMORY", tmp_path)
+    said: list[str] = []
+    return SnapshotKeeper.open("train-1", said.append)
+
+
+def test_a_restart_restores_the_newest_step_whole_on_every_rank_and_not_a_bad_one(keeper: SnapshotKeeper) -> None:
+    for step in (3, 4, 5):
+        part(keeper.dir, step, 0)
+        part(keeper.dir, step, 1, whole=step != 5)  # rank 1 died writing step 5
+    assert whole_steps(keeper.dir, [0, 1]) == {3, 4}
+    keeper.new_attempt([0, 1], nodes=1)
+    assert keeper.env() == {ENV_DIR: str(keeper.dir), ENV_RESTORE: "4"}
+    (keeper.dir / "step-000000000004" / BAD_MARK).touch()  # rank 1's part of step 4 did not verify
+    keeper.new_attempt([0, 1], nodes=1)
+    assert keeper.env()[ENV_RESTORE] == "3"
+    keeper.new_attempt([0, 1], nodes=2)  # the nodes of a job do not agree on a step yet: none restored
+    assert ENV_RESTORE not in keeper.env()
+
+
+def test_older_whole_steps_are_pruned_and_everything_freed_at_the_end(keeper: SnapshotKeeper) -> None:
+    for step in range(5):
+        part(keeper.dir, step, 0)
+    keeper.new_attempt([0], nodes=1)
+    assert whole_steps(keeper.dir, [0]) == {3, 4}
+    keeper.close()
+    assert not keeper.dir.exists()
+
+
+def test_the_snapshots_of_an_agent_that_died_are_removed_by_the_next(tmp_path: Path, keeper: SnapshotKeeper) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = keeper.dir.parent / f"{dead.stdout.strip()}-train-0-abc"
+    stale.mkdir()
+    SnapshotKeeper.open("train-2", lambda said: None)
+    assert not stale.exists()
+    assert keeper.dir.exists()  # this agent (alive) keeps its own
+    assert keeper.dir.name.startswith(f"{os.getpid()}-train-1-")
