@@ -131,6 +131,15 @@ def test_an_unreadable_summary_is_a_value_error(bad: bytes) -> None:
         RankCollectives.parse(0, bad)
 
 
+def test_a_summary_left_in_a_collective_the_others_finished_is_not_a_wait() -> None:
+    """Rank 2's watcher last wrote during all-reduce #2, then its main thread took the GIL for good: #2 finished
+    everywhere (ranks 0-1 finished #5), so rank 2 is the one missing from #6, not a rank waiting in #2."""
+    stale = ["0", "default_pg", 2, 1, [2, "all_reduce", 4096, 40.0]]
+    ranks = [rank(0, [waits(6, 80.0)]), rank(1, [waits(6, 80.0)]), rank(2, [stale], read_at=41.0)]
+    [stall] = stalls(ranks, 100.0)
+    assert (stall.seq, stall.missing, [r for r, _ in stall.waiting]) == (6, (2,), [0, 1])
+
+
 def test_a_rank_whose_watcher_never_wrote_is_missing_from_the_default_group() -> None:
     """It holds its GIL since right after init_process_group: its watcher never ran."""
     [stall] = stalls([rank(0, [waits(6, 80.0)]), RankCollectives.unseen(1)], 100.0)

@@ -138,7 +138,14 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_
         by_group[DEFAULT_GROUP] += [(r, Group(DEFAULT_GROUP, "", -1, -1, None)) for r in unseen]
     found = []
     for name, members in sorted(by_group.items()):
-        waiting = [(r, g) for r, g in members if g.in_flight is not None and g.in_flight.since <= now - waited_s]
+        # A collective some member finished has finished for every member: one still in flight in a summary is
+        # an old summary's (its writer cannot run: the GIL held since), not a wait.
+        done = max(g.finished for _, g in members)
+        waiting = [
+            (r, g)
+            for r, g in members
+            if g.in_flight is not None and g.in_flight.seq > done and g.in_flight.since <= now - waited_s
+        ]
         if not waiting:
             continue
         seq = min(g.finished + 1 for _, g in waiting)  # the collective the longest waiters are in
