@@ -10,6 +10,7 @@ import ftrun
 
 def test_public_surface() -> None:
     assert sorted(ftrun.__all__) == [
+        "CorruptSnapshot",
         "RankMonitorClient",
         "__version__",
         "calculate_timeouts",
@@ -21,7 +22,9 @@ def test_public_surface() -> None:
         "monitor_state",
         "record",
         "request_restart",
+        "restore",
         "section",
+        "snapshot",
         "start_peer_heartbeat",
         "start_section",
         "stop_job",
