@@ -17,8 +17,10 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 from ftrun.private import make_dir, own_dir
-from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, STEP_DIR, is_whole
+from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, STEP_DIR, is_whole, path_of
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
@@ -33,7 +35,7 @@ class SnapshotKeeper:
         parent = own_dir(base / f"ftrun-snapshots-{os.geteuid()}")
         for stale in parent.iterdir():
             owner = stale.name.split("-", 1)[0]
-            if owner.isdigit() and not _alive(int(owner)):
+            if owner.isdigit() and not psutil.pid_exists(int(owner)):
                 shutil.rmtree(stale, ignore_errors=True)
         return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent)), say)
 
@@ -69,19 +71,9 @@ def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
     found = set()
     make_dir(directory)
     for step_dir in directory.iterdir():
-        if not step_dir.name.startswith("step-") or (step_dir / BAD_MARK).exists():
+        step = step_dir.name.removeprefix("step-")
+        if not step.isdigit() or (step_dir / BAD_MARK).exists():
             continue
-        step = int(step_dir.name.removeprefix("step-"))
-        if ranks and all(is_whole(step_dir / f"rank-{r}.snap") for r in ranks):
-            found.add(step)
+        if ranks and all(is_whole(path_of(directory, int(step), r)) for r in ranks):
+            found.add(int(step))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

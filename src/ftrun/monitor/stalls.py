@@ -95,8 +95,9 @@ class StallWatch:
             self._progress.forget([])
             return []
         members = {rank for rank, _ in stall.waiting}
-        quiet = self._judge(stall, [w for w in running if w.rank in members], summaries, now, UNFINISHED_S)
-        if len(quiet) < len([w for w in running if w.rank in members]):
+        local = [w for w in running if w.rank in members]
+        quiet = self._judge(stall, local, summaries, now, UNFINISHED_S)
+        if len(quiet) < len(local):
             return []  # one of them moves: the collective may be slow, not hung
         # The one that stopped moving first: a stopped process, else the stack that has not changed the longest.
         return sorted(quiet, key=lambda q: (not q.stopped, summaries[q.worker.rank].stack_since or now))[:1]
