@@ -1,8 +1,9 @@
-"""The job bench/snapshots.py measures (benchmark workload): DDP (gloo, CPU) with --state-mb of state per rank
-beside a small model, a step of --step-time (compute, then the rest asleep: as a GPU job's host waits), and,
-with --snapshots, ftrun.snapshot every step and ftrun.restore at start. Rank 1 exits at --crash-at on the first
-attempt. Every rank appends JSON lines to --timeline: each step (with the time snapshots held it up so far),
-the crash, the restore (how long it took, which step)."""
+"""The job bench/snapshots.py measures (benchmark workload): DDP (gloo; on the CPU, or with --device cuda every
+rank's tensors on GPU 0) with --state-mb of state per rank beside a small model, a step of --step-time
+(compute, then the rest asleep: as a GPU job's host waits), and, with --snapshots, ftrun.snapshot every step
+and ftrun.restore at start. Rank 1 exits at --crash-at on the first attempt. Every rank appends JSON lines to
+--timeline: each step (with the time snapshots held it up so far), the crash, the restore (how long it took,
+which step)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--snapshots", action="store_true")
     p.add_argument("--timeline", required=True)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args()
+    device = torch.device(a.device)
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def record(event: str, **data: object) -> None:
@@ -37,8 +40,8 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     torch.manual_seed(rank)
-    model = DistributedDataParallel(nn.Linear(64, 8))
-    ballast = torch.randn(a.state_mb << 18)  # 4-byte floats: state_mb MiB, e.g. embeddings the step leaves
+    model = DistributedDataParallel(nn.Linear(64, 8).to(device))
+    ballast = torch.randn(a.state_mb << 18).to(device)  # 4-byte floats: state_mb MiB, e.g. embeddings
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
     if a.snapshots:
@@ -47,7 +50,9 @@ def main() -> None:
         if restored is not None:
             step, state = restored
             model.module.load_state_dict(state["model"])
-            ballast = state["ballast"]
+            ballast = state["ballast"].to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             start = step + 1
             record("restored", step=step, took_s=time.perf_counter() - began)
     for step in range(start, a.steps):
@@ -57,7 +62,7 @@ def main() -> None:
         began = time.perf_counter()
         gen = torch.Generator().manual_seed(step * 100 + rank)
         opt.zero_grad()
-        model(torch.randn(32, 64, generator=gen)).sum().backward()
+        model(torch.randn(32, 64, generator=gen).to(device)).sum().backward()
         opt.step()
         if a.snapshots:
             ftrun.snapshot(step, {"model": model.module.state_dict(), "ballast": ballast})

@@ -60,6 +60,22 @@ def test_a_changed_byte_or_an_unfinished_write_is_never_trusted(in_ftrun: Path) 
         snap.read(path)
 
 
+def test_a_byte_changed_in_any_chunk_of_a_big_snapshot_is_found(in_ftrun: Path) -> None:
+    """A big file is checked chunk by chunk on several cores while its tensors are copied out: a change in the
+    last chunk is found as surely as one in the head."""
+    snap.snapshot(9, {"big": torch.arange(3 * snap.file.CHUNK // 4, dtype=torch.float32)})  # three chunks
+    snap.wait()
+    path = snap.path_of(in_ftrun, 9, 3)
+    assert torch.equal(snap.read(path)[1]["big"], torch.arange(3 * snap.file.CHUNK // 4, dtype=torch.float32))
+    good = path.read_bytes()
+    for at in (20, len(good) // 2, len(good) - 200):
+        raw = bytearray(good)
+        raw[at] ^= 0x10
+        path.write_bytes(raw)
+        with pytest.raises(snap.CorruptSnapshot, match="checksum does not match"):
+            snap.read(path)
+
+
 def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:
     """The big tensors are copied in the background; an optimizer step first waits for that copy."""
     model = torch.nn.Linear(1024, 1024)
@@ -68,7 +84,8 @@ def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(i
     snap.snapshot(1, {"model": model.state_dict()})
     model(torch.randn(4, 1024)).sum().backward()
     opt.step()  # waits, then changes the weights
-    assert snap._writer.thread is None  # the step's pre-hook joined the copy
+    assert snap._writer.copied.is_set()  # the step's pre-hook waited for the copy (the checksum may still run)
+    snap.wait()
     _, got = snap.read(snap.path_of(in_ftrun, 1, 3))
     assert all(torch.equal(got["model"][k], before[k]) for k in before)
     assert not torch.equal(model.weight, before["weight"])
@@ -79,3 +96,23 @@ def test_outside_ftrun_both_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(snap.ENV_DIR, raising=False)
     snap.snapshot(1, {"w": torch.ones(3)})
     assert snap.restore() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.py runs it on one)")
+def test_gpu_tensors_are_copied_as_they_were_at_the_call_while_the_host_goes_on(in_ftrun: Path) -> None:
+    """Big GPU tensors go through pinned memory on a stream of their own; the optimizer's step waits for that copy
+    on the GPU, and a small tensor changed in place by the next forward (BatchNorm's statistics) keeps its value."""
+    device = torch.device("cuda:0")
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(8, 1024, device=device)).sum().backward()
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    snap.snapshot(2, {"model": model.state_dict()})
+    model(torch.randn(8, 1024, device=device)).sum().backward()  # changes BatchNorm's running statistics
+    opt.step()  # the GPU waits for the copy, then the weights change
+    torch.cuda.synchronize()
+    snap.wait()
+    _, got = snap.read(snap.path_of(in_ftrun, 2, 3))
+    assert all(torch.equal(got["model"][k], before[k]) for k in before)
+    assert not torch.equal(model[0].weight.cpu(), before["0.weight"])
+    assert not torch.equal(model[1].running_mean.cpu(), before["1.running_mean"])

@@ -11,7 +11,8 @@ import pytest
 
 from ftrun.agent import snapshots
 from ftrun.agent.snapshots import SnapshotKeeper, whole_steps
-from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, FOOT, path_of
+from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, path_of
+from ftrun.worker.snapshot_file import FOOT
 
 
 def part(directory: Path, step: int, rank: int, whole: bool = True) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 
 from ftrun.private import make_dir, own_dir
-from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_RESTORE, STEP_DIR, is_whole, path_of
+from ftrun.worker.snapshot import ENV_DIR, ENV_RESTORE
+from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to

@@ -22,67 +22,59 @@ import importlib
 import mmap
 import os
 import pickle
-import struct
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftrun.worker import snapshot_file as file
+from ftrun.worker.snapshot_file import BAD_MARK, CorruptSnapshot, is_whole, path_of
+
+__all__ = ["CorruptSnapshot", "blocked_s", "restore", "snapshot", "wait"]
+
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
-STEP_DIR = "step-{:012d}"
-BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
 KEEP = 2  # of its own steps, a worker keeps the newest whole ones
 AT_ONCE_BYTES = 1 << 20
-MAGIC = b"FTSNAP1\n"
-HEAD = struct.Struct("<8sQQ")  # magic, skeleton length, data length
-FOOT = struct.Struct("<I4s")  # CRC-32 of what precedes, b"DONE"
-ALIGN = 64
-
-
-class CorruptSnapshot(ValueError):
-    """A snapshot that is incomplete or whose checksum does not match: never restored."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Tensor:
-    """Where a tensor's bytes are in the file (a placeholder in the pickled skeleton)."""
-
-    index: int
-
-
-def path_of(directory: Path, step: int, rank: int) -> Path:
-    return directory / STEP_DIR.format(step) / f"rank-{rank}.snap"
-
-
-def is_whole(path: Path) -> bool:
-    """Whether the file's writer finished it (its footer is there; whether it verifies is the reader's job)."""
-    try:
-        with path.open("rb") as f:
-            f.seek(-FOOT.size, os.SEEK_END)
-            return f.read(FOOT.size)[-4:] == b"DONE"
-    except OSError:
-        return False
 
 
 class _Writer:
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
+        self.copied = threading.Event()  # the CPU tensors of the snapshot in flight are in the file
+        self.copied.set()
+        self.gpu_copied: list[tuple[Any, Any]] = []  # (device, CUDA event): its GPU tensors are in pinned memory
+        self.pinned: Any = None  # the staging buffer, kept from one snapshot to the next
+        self.streams: dict[Any, Any] = {}  # device -> the copies' stream
         self.error: BaseException | None = None
         self.blocked_s = 0.0
         self.hooked = False
 
     def wait(self) -> None:
-        """Until the snapshot in flight is written (the job's next optimizer step waits here)."""
+        """Until the snapshot in flight is written (the next snapshot, the end of a job)."""
         if self.thread is not None:
             started = time.perf_counter()
             self.thread.join()
             self.thread = None
             self.blocked_s += time.perf_counter() - started
+        self._raise()
+
+    def before_step(self, torch: Any) -> None:
+        """The job's optimizer is about to change its tensors: the CPU ones wait for their copy on the host, the
+        GPU ones on the GPU (the job's stream waits for the copies' event; the host goes on)."""
+        if not self.copied.is_set():
+            started = time.perf_counter()
+            self.copied.wait()
+            self.blocked_s += time.perf_counter() - started
+        for device, event in self.gpu_copied:
+            torch.cuda.current_stream(device).wait_event(event)
+        self.gpu_copied = []
+        self._raise()
+
+    def _raise(self) -> None:
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"ftrun.snapshot: the last snapshot could not be written: {error!r}") from error
@@ -100,29 +92,26 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
     started = time.perf_counter()
     torch = sys.modules["torch"]
     tensors: list[Any] = []
-    skeleton = pickle.dumps(_strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
+    skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
     table = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors]
-    head = pickle.dumps((step, _rank(), table, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
-    offsets, size = _layout(HEAD.size + len(head), [n for _, _, n in table])
-    path = path_of(Path(directory), step, _rank())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, size + FOOT.size)
-        view = mmap.mmap(fd, size + FOOT.size)
-    finally:
-        os.close(fd)
-    view[: HEAD.size + len(head)] = HEAD.pack(MAGIC, len(head), size) + head
-    late = []
+    view, offsets, data_end = file.begin(step, _rank(), table, skeleton)(Path(directory))
+    late, on_gpu = [], []
     for t, at, (_, _, nbytes) in zip(tensors, offsets, table, strict=True):
-        if nbytes < AT_ONCE_BYTES:
+        if t.is_cuda:
+            on_gpu.append((t, at, nbytes))
+        elif nbytes < AT_ONCE_BYTES:
             _copy(view, at, t, nbytes, torch)  # small, and perhaps changed by the next forward: now
         else:
             late.append((t, at, nbytes))
-    _writer.blocked_s += time.perf_counter() - started
-    _hook_optimizer()
-    _writer.thread = threading.Thread(target=_finish, args=(view, late, size, path, torch), name="ftrun-snapshot")
+    staged = _stage(on_gpu, torch) if on_gpu else _Staged([], [], [])
+    _hook_optimizer(torch)
+    _writer.copied.clear()
+    _writer.thread = threading.Thread(
+        target=_finish, args=(view, late, staged, data_end, path_of(Path(directory), step, _rank()), torch),
+        name="ftrun-snapshot",
+    )
     _writer.thread.start()
+    _writer.blocked_s += time.perf_counter() - started
 
 
 def restore() -> tuple[int, Any] | None:
@@ -140,34 +129,8 @@ def restore() -> tuple[int, Any] | None:
 
 
 def read(path: Path) -> tuple[int, Any]:
-    """A snapshot file's step and state, once its checksum matches."""
-    torch = sys.modules.get("torch") or __import__("torch")
-    raw = path.read_bytes()
-    verify(raw, path)
-    _, head_len, _ = HEAD.unpack_from(raw)
-    step, _, table, skeleton = pickle.loads(raw[HEAD.size : HEAD.size + head_len])  # noqa: S301 - its own file
-    offsets, _ = _layout(HEAD.size + head_len, [n for _, _, n in table])
-    buffer = memoryview(raw)
-    tensors = [
-        torch.frombuffer(bytearray(buffer[at : at + n]), dtype=getattr(torch, dtype)).reshape(shape)
-        if n
-        else torch.empty(shape, dtype=getattr(torch, dtype))
-        for (dtype, shape, n), at in zip(table, offsets, strict=True)
-    ]
-    return step, _fill(pickle.loads(skeleton), tensors)  # noqa: S301 - its own file
-
-
-def verify(raw: bytes, path: Path) -> None:
-    """Raises CorruptSnapshot unless ``raw`` is a whole snapshot whose checksum matches."""
-    if len(raw) < HEAD.size + FOOT.size or raw[:8] != MAGIC:
-        raise CorruptSnapshot(f"{path}: not a whole snapshot ({len(raw)} bytes)")
-    crc, done = FOOT.unpack_from(raw, len(raw) - FOOT.size)
-    if done != b"DONE":
-        raise CorruptSnapshot(f"{path}: incomplete (its writer never finished)")
-    with memoryview(raw) as whole, whole[: len(raw) - FOOT.size] as written:
-        matches = zlib.crc32(written) == crc
-    if not matches:
-        raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
+    """A snapshot file's step and state (CPU tensors), once its checksums match."""
+    return file.read(path, sys.modules.get("torch") or importlib.import_module("torch"))
 
 
 def blocked_s() -> float:
@@ -187,43 +150,6 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _strip(value: Any, tensors: list[Any], torch: Any) -> Any:
-    """``value`` with its tensors replaced by placeholders (collected in ``tensors``)."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach().contiguous())
-        return _Tensor(len(tensors) - 1)
-    return _rebuilt(value, lambda v: _strip(v, tensors, torch))
-
-
-def _fill(value: Any, tensors: list[Any]) -> Any:
-    if isinstance(value, _Tensor):
-        return tensors[value.index]
-    return _rebuilt(value, lambda v: _fill(v, tensors))
-
-
-def _rebuilt(value: Any, each: Any) -> Any:
-    """A dict (a state dict's OrderedDict, its ``_metadata`` kept), list or tuple with ``each`` applied to its
-    items; anything else as it is."""
-    if isinstance(value, dict):
-        new = type(value)((k, each(v)) for k, v in value.items())
-        if hasattr(value, "_metadata"):
-            new._metadata = value._metadata  # type: ignore[attr-defined]  # torch's version record
-        return new
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
-        return type(value)(each(v) for v in value)
-    return value
-
-
-def _layout(start: int, sizes: list[int]) -> tuple[list[int], int]:
-    """Each tensor's offset (aligned), and where the data ends."""
-    offsets, at = [], start
-    for n in sizes:
-        at += -at % ALIGN
-        offsets.append(at)
-        at += n
-    return offsets, at
-
-
 def _copy(view: mmap.mmap, at: int, tensor: Any, nbytes: int, torch: Any) -> None:
     """The tensor's bytes into the file (torch copies without the GIL). The view on the file is gone when
     this returns, so the file can be closed."""
@@ -231,17 +157,71 @@ def _copy(view: mmap.mmap, at: int, tensor: Any, nbytes: int, torch: Any) -> Non
         torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=at).copy_(tensor.reshape(-1).view(torch.uint8))
 
 
-def _finish(view: mmap.mmap, late: list[tuple[Any, int, int]], size: int, path: Path, torch: Any) -> None:
+@dataclass(slots=True)
+class _Staged:
+    """GPU tensors on their way to the file: (slice of the pinned buffer, offset in the file, size) each, the
+    events that say the copies into the buffer are done, and the copies' sources, kept alive until then."""
+
+    parts: list[tuple[Any, int, int]]
+    events: list[Any]
+    sources: list[Any]
+
+
+def _stage(on_gpu: list[tuple[Any, int, int]], torch: Any) -> _Staged:
+    """Each GPU tensor's bytes into the pinned staging buffer, on each device's copy stream, as they are now.
+    The job's stream is not held: the small
+    tensors, which the next forward may change, are cloned in it first (on the GPU), the big ones are changed by
+    the optimizer alone, which waits for the copies (:meth:`_Writer.before_step`)."""
+    total = sum(n + file.ALIGN for _, _, n in on_gpu)
+    if _writer.pinned is None or _writer.pinned.numel() < total:
+        _writer.pinned = None
+        _writer.pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    staged, at_pinned = _Staged([], [], []), 0
+    by_device: dict[Any, list[tuple[Any, Any]]] = {}
+    for t, at, nbytes in on_gpu:
+        source = t.clone() if nbytes < AT_ONCE_BYTES else t
+        staged.sources.append(source)
+        part = _writer.pinned[at_pinned : at_pinned + nbytes]
+        by_device.setdefault(t.device, []).append((source, part))
+        staged.parts.append((part, at, nbytes))
+        at_pinned += nbytes + -nbytes % file.ALIGN
+    for device, pairs in by_device.items():
+        stream = _writer.streams.setdefault(device, torch.cuda.Stream(device))
+        stream.wait_stream(torch.cuda.current_stream(device))  # the values as of this call
+        with torch.cuda.stream(stream):
+            for source, part in pairs:
+                if part.numel():
+                    part.copy_(source.reshape(-1).view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        _writer.gpu_copied.append((device, event))
+        staged.events.append(event)
+    return staged
+
+
+def _finish(
+    view: mmap.mmap,
+    late: list[tuple[Any, int, int]],
+    staged: _Staged,
+    data_end: int,
+    path: Path,
+    torch: Any,
+) -> None:
     try:
         for t, at, nbytes in late:
             _copy(view, at, t, nbytes, torch)
-        with memoryview(view) as whole, whole[:size] as written:
-            crc = zlib.crc32(written)  # without the GIL
-        view[size : size + FOOT.size] = FOOT.pack(crc, b"DONE")
+        _writer.copied.set()
+        for event in staged.events:
+            event.synchronize()
+        staged.sources.clear()
+        for part, at, nbytes in staged.parts:
+            _copy(view, at, part, nbytes, torch)
+        file.seal(view, data_end)
         _prune(path.parent.parent, path.name)
     except BaseException as e:  # told at the next step, in the job's own thread
         _writer.error = e
     finally:
+        _writer.copied.set()
         with contextlib.suppress(BufferError):
             view.close()
 
@@ -255,8 +235,9 @@ def _prune(directory: Path, name: str) -> None:
             old.parent.rmdir()
 
 
-def _hook_optimizer() -> None:
+def _hook_optimizer(torch: Any) -> None:
     """The job's next optimizer step, which changes the tensors being copied, waits for the copy."""
     if not _writer.hooked:
-        importlib.import_module("torch.optim.optimizer").register_optimizer_step_pre_hook(lambda *_: _writer.wait())
+        hooks = importlib.import_module("torch.optim.optimizer")
+        hooks.register_optimizer_step_pre_hook(lambda *_: _writer.before_step(torch))
         _writer.hooked = True

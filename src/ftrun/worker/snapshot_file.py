@@ -1,0 +1,199 @@
+"""A snapshot's file: where each rank's part of a step lives, how it is laid out, and how it is checked.
+
+One file per rank and step, ``step-<step>/rank-<rank>.snap`` under the run's snapshot directory::
+
+    head     magic, the skeleton's length, the data's end; then (step, rank, tensor table, pickled skeleton)
+    data     each tensor's raw bytes, aligned (the skeleton holds a placeholder where each was)
+    table    a CRC-32 of each CHUNK of everything before it
+    foot     a CRC-32 of the table, b"DONE": written last, so a file with it is one its writer finished
+
+Chunked checksums let a reader check a big file on several cores at once while it copies the tensors out
+(:func:`read`); a part that does not match is never trusted.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+STEP_DIR = "step-{:012d}"
+BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
+MAGIC = b"FTSNAP2\n"
+HEAD = struct.Struct("<8sQQ")  # magic, head's length, data's end
+FOOT = struct.Struct("<I4s")  # CRC-32 of the chunks' table, b"DONE"
+CRC = struct.Struct("<I")
+ALIGN = 64
+CHUNK = 16 << 20
+
+
+class CorruptSnapshot(ValueError):
+    """A snapshot that is incomplete or whose checksum does not match: never restored."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorAt:
+    """Where a tensor's bytes are in the file (its placeholder in the pickled skeleton)."""
+
+    index: int
+
+
+def path_of(directory: Path, step: int, rank: int) -> Path:
+    return directory / STEP_DIR.format(step) / f"rank-{rank}.snap"
+
+
+def is_whole(path: Path) -> bool:
+    """Whether the file's writer finished it (its foot is there; whether it verifies is the reader's job)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(-FOOT.size, os.SEEK_END)
+            return f.read(FOOT.size)[-4:] == b"DONE"
+    except OSError:
+        return False
+
+
+def layout(start: int, sizes: list[int]) -> tuple[list[int], int]:
+    """Each tensor's offset (aligned), and where the data ends."""
+    offsets, at = [], start
+    for n in sizes:
+        at += -at % ALIGN
+        offsets.append(at)
+        at += n
+    return offsets, at
+
+
+def file_size(data_end: int) -> int:
+    return data_end + CRC.size * _chunks(data_end) + FOOT.size
+
+
+def begin(step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes) -> Any:
+    """Returns a function of the directory that makes the file, sized, and returns (its map, each tensor's
+    offset, the data's end) with the head written; the writer copies the tensors in, then :func:`seal`."""
+    body = pickle.dumps((step, rank, table, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
+    offsets, data_end = layout(HEAD.size + len(body), [n for _, _, n in table])
+
+    def make(directory: Path) -> tuple[mmap.mmap, list[int], int]:
+        path = path_of(directory, step, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, file_size(data_end))
+            view = mmap.mmap(fd, file_size(data_end))
+        finally:
+            os.close(fd)
+        view[: HEAD.size + len(body)] = HEAD.pack(MAGIC, len(body), data_end) + body
+        return view, offsets, data_end
+
+    return make
+
+
+def seal(view: mmap.mmap, data_end: int) -> None:
+    """Writes the chunks' checksums (on several cores, zlib lets the GIL go), then the foot, last."""
+    with memoryview(view) as whole:
+        crcs = list(_pool().map(lambda i: _crc(whole, i, data_end), range(_chunks(data_end))))
+    table = b"".join(CRC.pack(c) for c in crcs)
+    view[data_end : data_end + len(table)] = table
+    view[data_end + len(table) : data_end + len(table) + FOOT.size] = FOOT.pack(zlib.crc32(table), b"DONE")
+
+
+def read(path: Path, torch: Any) -> tuple[int, Any]:
+    """A snapshot file's step and state (CPU tensors), once every checksum matches. The head is checked first,
+    the rest while the tensors are copied out of the mapped file."""
+    with path.open("rb") as f:
+        try:  # mapped, not read: each tensor is copied once, from the page cache into its own memory
+            raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError:  # an empty file
+            raw = b""
+    with memoryview(raw) as whole:
+        data_end, crcs = _table(whole, path)
+        _, head_len, _ = HEAD.unpack_from(whole)
+        checks = [_pool().submit(_crc, whole, i, data_end) for i in range(_chunks(data_end))]
+        try:
+            for i in range((HEAD.size + head_len) // CHUNK + 1):
+                _check(checks[i], crcs[i], path)  # the head, before it is unpickled
+            step, _, table, skeleton = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - own
+            offsets, _ = layout(HEAD.size + head_len, [n for _, _, n in table])
+            tensors = [_copied_out(torch, whole, entry, at) for entry, at in zip(table, offsets, strict=True)]
+            for i, check in enumerate(checks):
+                _check(check, crcs[i], path)
+        finally:
+            wait(checks)  # none still reads the map when it closes
+    return step, fill(pickle.loads(skeleton), tensors)  # noqa: S301 - its own file
+
+
+def strip(value: Any, tensors: list[Any], torch: Any) -> Any:
+    """``value`` with its tensors replaced by placeholders (collected in ``tensors``)."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        return TensorAt(len(tensors) - 1)
+    return _rebuilt(value, lambda v: strip(v, tensors, torch))
+
+
+def fill(value: Any, tensors: list[Any]) -> Any:
+    if isinstance(value, TensorAt):
+        return tensors[value.index]
+    return _rebuilt(value, lambda v: fill(v, tensors))
+
+
+# --- inside ------------------------------------------------------------------------------------------
+
+
+def _rebuilt(value: Any, each: Any) -> Any:
+    """A dict (a state dict's OrderedDict, its ``_metadata`` kept), list or tuple with ``each`` applied to its
+    items; anything else as it is."""
+    if isinstance(value, dict):
+        new = type(value)((k, each(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            new._metadata = value._metadata  # type: ignore[attr-defined]  # torch's version record
+        return new
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(each(v) for v in value)
+    return value
+
+
+def _copied_out(torch: Any, whole: memoryview, entry: tuple[str, tuple[int, ...], int], at: int) -> Any:
+    dtype, shape, n = entry
+    t = torch.empty(shape, dtype=getattr(torch, dtype))
+    if n:
+        t.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(whole, dtype=torch.uint8, count=n, offset=at))
+    return t
+
+
+def _chunks(data_end: int) -> int:
+    return -(-data_end // CHUNK)
+
+
+def _crc(whole: memoryview, i: int, data_end: int) -> int:
+    with whole[i * CHUNK : min((i + 1) * CHUNK, data_end)] as part:
+        return zlib.crc32(part)
+
+
+def _table(whole: memoryview, path: Path) -> tuple[int, list[int]]:
+    """The data's end and the chunks' checksums, once the file is whole and its table matches its foot."""
+    if len(whole) < HEAD.size + FOOT.size or bytes(whole[:8]) != MAGIC:
+        raise CorruptSnapshot(f"{path}: not a whole snapshot ({len(whole)} bytes)")
+    crc, done = FOOT.unpack_from(whole, len(whole) - FOOT.size)
+    if done != b"DONE":
+        raise CorruptSnapshot(f"{path}: incomplete (its writer never finished)")
+    _, _, data_end = HEAD.unpack_from(whole)
+    table = whole[data_end : len(whole) - FOOT.size]
+    if file_size(data_end) != len(whole) or zlib.crc32(table) != crc:
+        raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
+    return data_end, [CRC.unpack_from(table, i * CRC.size)[0] for i in range(_chunks(data_end))]
+
+
+def _check(check: Future[int], expected: int, path: Path) -> None:
+    if check.result() != expected:
+        raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="ftrun-snapshot-crc")
