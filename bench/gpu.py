@@ -12,12 +12,15 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
     crash-late  os._exit(1) at step 400 (about 10 s in: the warm pool is ready, as for most real failures)
     hang      rank 1 sleeps in Python    gpu-hang   rank 1's GPU kernel spins while its host waits in synchronize()
     hang-noflag, gpu-hang-noflag  the same with no hang flag (ftrun's collectives watch; gloo's timeout 120 s)
+    nccl-dump  one rank on NCCL, its GPU kernel spins before an all-reduce, no flag: NCCL's watchdog times the
+               collective out at 20 s and dumps its flight recorder where ftrun told it (the report names it)
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
     nccl      one rank on NCCL (SIGKILL)
 
 Launchers alternate case by case: ftrun as it comes (with --heartbeat-timeout 10: hangs found), and torchrun
-with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here). Per run:
+with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here; the cases with
+no flag run ftrun alone: torchrun ends them at the timeout by construction). Per run:
 cold start (launch -> every rank stepped), recovery (the fault -> every rank stepping again), the restarted
 workers' phases (process start, imports, CUDA context, process group, DDP, first step; the slowest rank's),
 whether ftrun's restart was warm, and whether the final checksum equals a fault-free run's. --cuda-standin
@@ -45,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "gpu_job.py"
 FTRUN = [sys.executable, "-m", "ftrun", "--heartbeat-timeout", "10"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SAID = ("hang", "hung", "never entered", "never finished", "flight recorder", "fr_trace")
 PHASES = ("start", "imported", "cuda", "pg", "ddp", "step")
 CASES: dict[str, dict[str, object]] = {
     "crash": {"fault": "exit"},
@@ -53,8 +57,17 @@ CASES: dict[str, dict[str, object]] = {
     "raise": {"fault": "raise"},
     "hang": {"fault": "hang"},
     "gpu-hang": {"fault": "gpu-hang", "gpu": True},
-    "hang-noflag": {"fault": "hang", "noflag": True, "pg_timeout": 120},
-    "gpu-hang-noflag": {"fault": "gpu-hang", "gpu": True, "noflag": True, "pg_timeout": 120},
+    "hang-noflag": {"fault": "hang", "noflag": True, "pg_timeout": 120, "alone": True},
+    "gpu-hang-noflag": {"fault": "gpu-hang", "gpu": True, "noflag": True, "pg_timeout": 120, "alone": True},
+    "nccl-dump": {
+        "fault": "gpu-hang-collective",
+        "gpu": True,
+        "nproc": 1,
+        "backend": "nccl",
+        "fault_rank": 0,
+        "noflag": True,
+        "alone": True,
+    },
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},
     "nccl": {"fault": "sigkill", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0},
@@ -71,6 +84,8 @@ class Run:
     warm: bool | None = None
     checksum: str | None = None
     wall_s: float = 0.0
+    said: list[str] = field(default_factory=list)  # ftrun's console on the hang, the dump
+    dumps: list[str] = field(default_factory=list)  # flight recorder dumps under the log directory
     error: str = ""
 
 
@@ -132,6 +147,10 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
         spawned = [json.loads(line) for line in events.read_text().splitlines() if '"worker_spawned"' in line]
         again = [e for e in spawned if e["attempt"] == 1]
         result.warm = bool(again) and all(e["warm"] for e in again)
+    if launcher == "ftrun":
+        console = (workdir / "launcher.log").read_text(errors="replace").splitlines()
+        result.said = [line for line in console if any(w in line for w in SAID)][:6]
+        result.dumps = sorted(str(p.relative_to(workdir)) for p in (workdir / "logs").rglob("flight_recorder/*"))
     if proc.returncode != 0 and not result.error:
         result.error = f"exit {proc.returncode}"
     if result.error:  # the temporary directory goes with the run: its console's end is kept here
@@ -183,7 +202,9 @@ def describe(runs: list[Run], reference: str | None) -> str:
         else (" checksum ok" if r.checksum == reference else " CHECKSUM DIFFERS")
     )
     error = f" {r.error}" if r.error else ""
-    return f"  {r.launcher:8s} cold start {cold}  fault -> stepping {rec}{warm}{same}  [{phases}]{error}"
+    said = "".join(f"\n      | {line.strip()[:200]}" for line in r.said)
+    dumps = f"\n      flight recorder dumps: {', '.join(r.dumps)}" if r.dumps else ""
+    return f"  {r.launcher:8s} cold start {cold}  fault -> stepping {rec}{warm}{same}  [{phases}]{error}{said}{dumps}"
 
 
 def main() -> None:
@@ -225,6 +246,8 @@ def main() -> None:
                 longest = max(longest, ref.wall_s * 2)
             print(f"{name}:", flush=True)
             order = ["ftrun", "torchrun"] if i % 2 == 0 else ["torchrun", "ftrun"]
+            if CASES[name].get("alone"):
+                order = ["ftrun"]
             for launcher in order:
                 if time.monotonic() - began + longest > args.budget_s:
                     print(f"  {launcher}: not run, the budget ({args.budget_s:.0f} s) would be spent", flush=True)

@@ -8,6 +8,8 @@ group, DDP), each step, and the fault. On the first attempt rank --fault-rank, a
 
     exit       os._exit(1)               sigkill   SIGKILL to itself       raise     an uncaught exception
     hang       sleeps in Python          gpu-hang  a GPU kernel that spins while the host waits in synchronize()
+    gpu-hang-collective  the spinning kernel, then an all-reduce queued behind it (the process group's
+               watchdog times that collective out)
 
 --imports adds modules the job imports (transformers, accelerate); --helper imports ``gpuhelper``, a module
 next to this one that initialises CUDA at import (``cuInit``), as some libraries do.
@@ -37,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--fault", choices=["none", "exit", "sigkill", "raise", "hang", "gpu-hang"], default="none")
+    faults = ["none", "exit", "sigkill", "raise", "hang", "gpu-hang", "gpu-hang-collective"]
+    p.add_argument("--fault", choices=faults, default="none")
     p.add_argument("--fault-at", type=int, default=20)
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--backend", default="gloo")
@@ -120,6 +123,10 @@ def inject(fault: str, step: int, record: object, cuda: bool) -> None:
     if fault == "gpu-hang" and cuda:
         torch.cuda._sleep(1 << 40)  # type: ignore[attr-defined]  # a kernel that spins for minutes
         torch.cuda.synchronize()  # the host waits here, its CPU idle
+    if fault == "gpu-hang-collective" and cuda:
+        torch.cuda._sleep(1 << 40)  # type: ignore[attr-defined]
+        dist.all_reduce(torch.ones(1, device="cuda:0"))  # queued behind the kernel: never completes
+        torch.cuda.synchronize()
     time.sleep(3600)
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ftrun.monitor.collectives import QUIET_S, Progress, RankCollectives, Sample, stalls
-from ftrun.worker.collectives import summary
+from ftrun.worker.collectives import merged, summary
 
 # What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
 RECORD = {
@@ -34,6 +34,22 @@ def test_a_group_with_nothing_in_flight_and_one_never_used() -> None:
     record = {"pg_status": {"0": {"last_completed_collective": "4", "last_enqueued_collective": "4"},
                             "1": {"last_completed_collective": "-1", "last_enqueued_collective": "-1"}}}  # fmt: skip
     assert summary(record, 1.0, 1.0, "")["g"] == [["0", "", 4, 4, None]]
+
+
+def test_nccl_keeps_its_own_recorder_and_both_are_read() -> None:
+    """What NCCL's recorder held on an H200 (torch 2.11) while all_reduce #26 waited behind a spinning kernel; the
+    generic recorder (gloo's) had nothing of that group: the two read together show the collective in flight."""
+    nccl = {
+        "pg_status": {"0": {"last_enqueued_collective": 26, "last_started_collective": -1,
+                            "last_completed_collective": 25}},
+        "entries": [{"collective_seq_id": 26, "profiling_name": "nccl:all_reduce", "retired": False, "is_p2p": False,
+                     "input_sizes": [[1]], "input_dtypes": ["Float"], "process_group": ["0", "default_pg"],
+                     "time_created_ns": 1_795_749_369_975_421_899, "state": "scheduled"}],
+    }  # fmt: skip
+    generic = {"pg_status": {"0": {"last_enqueued_collective": -1, "last_completed_collective": -1}}, "entries": []}
+    s = summary(merged([generic, nccl]), now=1_795_749_400.0, stack_since=1_795_749_370.0, where="")
+    assert s["g"] == [["0", "default_pg", 26, 25, [26, "all_reduce", 4, 1_795_749_369.975421899]]]
+    assert merged([nccl, generic])["pg_status"]["0"]["last_enqueued_collective"] == 26
 
 
 def rank(n: int, groups: list[list[object]], read_at: float = 100.0, stack_since: float = 0.0) -> RankCollectives:

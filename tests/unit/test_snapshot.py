@@ -76,6 +76,39 @@ def test_a_byte_changed_in_any_chunk_of_a_big_snapshot_is_found(in_ftrun: Path) 
             snap.read(path)
 
 
+def test_a_rank_keeps_two_steps_and_writes_the_oldest_file_again_never_whole_until_sealed(in_ftrun: Path) -> None:
+    for step in (1, 2, 3):
+        snap.snapshot(step, {"w": torch.full((1 << 18,), float(step))})
+        snap.wait()
+    assert sorted(p.name for p in in_ftrun.iterdir()) == ["spare-rank-3.snap", f"step-{2:012d}", f"step-{3:012d}"]
+    spare = snap.file.spare_of(in_ftrun, 3)
+    table = [("float32", (1 << 18,), 1 << 20)]
+    view, _, _ = snap.file.begin(4, 3, table, b"")(in_ftrun)  # the writer dies before it seals the file
+    view.close()
+    assert not spare.exists()
+    assert not snap.is_whole(snap.path_of(in_ftrun, 4, 3))  # the old foot was wiped before the file moved
+    assert snap.read(snap.path_of(in_ftrun, 3, 3))[1]["w"][0] == 3.0
+
+
+def test_a_restored_file_is_never_written_again_while_its_tensors_live(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restored tensors are on the file's pages (nothing copied): the worker's later snapshots never reuse that
+    file, and the job's own writes to them never reach it."""
+    for step in (1, 2):
+        snap.snapshot(step, {"w": torch.full((1 << 18,), float(step))})
+        snap.wait()
+    monkeypatch.setenv(snap.ENV_RESTORE, "1")
+    restored = snap.restore()
+    assert restored is not None
+    w = restored[1]["w"]
+    w[:10] = -1.0  # the job's own write: a private copy of that page
+    for step in (3, 4, 5):
+        snap.snapshot(step, {"w": torch.full((1 << 18,), float(step))})
+        snap.wait()
+    assert (w[10:] == 1.0).all() and (w[:10] == -1.0).all()
+
+
 def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:
     """The big tensors are copied in the background; an optimizer step first waits for that copy."""
     model = torch.nn.Linear(1024, 1024)

@@ -1,7 +1,8 @@
 """What the worker's collectives are doing, read from torch's flight recorder once a second.
 
 torch records every collective of every process group (its op, group, sequence number, sizes, and whether it
-finished): gloo groups with no setting, NCCL ones when a trace buffer is set (ftrun sets one). A thread, started
+finished): gloo groups with no setting, NCCL ones, in a recorder of their own, when a trace buffer is set (ftrun
+sets one). A thread, started
 once the job has met its peers (``init_process_group``), reads the recorder every :data:`POLL_S` and writes a
 summary into the worker's slot: per group, the last collective entered and the last finished, and the one in
 flight. With it goes where the main thread is (its innermost frame) and when its stack last changed. The agent
@@ -23,6 +24,8 @@ from types import FrameType
 from typing import Any
 
 POLL_S = 1.0
+# torch's recorders: the one every backend but NCCL records into (gloo), and NCCL's own (a CUDA build's)
+RECORDERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 MAX_GROUPS = 8  # the groups with the latest collectives are kept (a job with hundreds of groups uses few at once)
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                 "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}  # fmt: skip
@@ -67,10 +70,27 @@ def _read_recorder() -> dict[str, Any] | None:
         if dist is None or not dist.is_initialized():
             return None
         c10d = sys.modules["torch"]._C._distributed_c10d
-        record: dict[str, Any] = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=True))
+        dumps = [getattr(c10d, name, None) for name in RECORDERS]
+        records = [json.loads(dump(includeCollectives=True, onlyActive=True)) for dump in dumps if dump is not None]
     except Exception:
         return None
-    return record
+    return merged(records) if records else None
+
+
+def merged(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """PURE: one record of several recorders' dumps (NCCL keeps its own): their entries together, and per group
+    the status of the recorder that saw the most of it (a group on two backends is in both)."""
+    entries: list[Any] = []
+    status: dict[str, dict[str, Any]] = {}
+    for record in records:
+        entries += record.get("entries") or []
+        for name, s in (record.get("pg_status") or {}).items():
+            seen = status.get(name)
+            if seen is None or int(s.get("last_enqueued_collective", -1)) > int(
+                seen.get("last_enqueued_collective", -1)
+            ):
+                status[name] = s
+    return {"entries": entries, "pg_status": status}
 
 
 def _frames(frame: FrameType | None) -> Iterator[tuple[str, int]]:

@@ -49,6 +49,7 @@ class _Writer:
         self.gpu_copied: list[tuple[Any, Any]] = []  # (device, CUDA event): its GPU tensors are in pinned memory
         self.pinned: Any = None  # the staging buffer, kept from one snapshot to the next
         self.streams: dict[Any, Any] = {}  # device -> the copies' stream
+        self.restored: set[Path] = set()  # files whose pages restored tensors are on
         self.error: BaseException | None = None
         self.blocked_s = 0.0
         self.hooked = False
@@ -107,7 +108,8 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
     _hook_optimizer(torch)
     _writer.copied.clear()
     _writer.thread = threading.Thread(
-        target=_finish, args=(view, late, staged, data_end, path_of(Path(directory), step, _rank()), torch),
+        target=_finish,
+        args=(view, late, staged, data_end, path_of(Path(directory), step, _rank()), torch),
         name="ftrun-snapshot",
     )
     _writer.thread.start()
@@ -121,6 +123,7 @@ def restore() -> tuple[int, Any] | None:
     if not directory or not step:
         return None
     path = path_of(Path(directory), int(step), _rank())
+    _writer.restored.add(path)  # its pages are the restored tensors': never written again
     try:
         return read(path)
     except CorruptSnapshot as e:
@@ -186,7 +189,7 @@ def _stage(on_gpu: list[tuple[Any, int, int]], torch: Any) -> _Staged:
         staged.parts.append((part, at, nbytes))
         at_pinned += nbytes + -nbytes % file.ALIGN
     for device, pairs in by_device.items():
-        stream = _writer.streams.setdefault(device, torch.cuda.Stream(device))
+        stream = _writer.streams.get(device) or _writer.streams.setdefault(device, torch.cuda.Stream(device))
         stream.wait_stream(torch.cuda.current_stream(device))  # the values as of this call
         with torch.cuda.stream(stream):
             for source, part in pairs:
@@ -217,7 +220,7 @@ def _finish(
         for part, at, nbytes in staged.parts:
             _copy(view, at, part, nbytes, torch)
         file.seal(view, data_end)
-        _prune(path.parent.parent, path.name)
+        _prune(path.parent.parent, _rank())
     except BaseException as e:  # told at the next step, in the job's own thread
         _writer.error = e
     finally:
@@ -226,11 +229,16 @@ def _finish(
             view.close()
 
 
-def _prune(directory: Path, name: str) -> None:
-    """This rank's parts of all but its KEEP newest whole steps (memory is what snapshots cost)."""
-    mine = sorted(p for p in directory.glob(f"step-*/{name}") if is_whole(p))
+def _prune(directory: Path, rank: int) -> None:
+    """This rank's parts of all but its KEEP newest whole steps; the oldest is kept as the spare the next
+    snapshot writes again (memory is what snapshots cost: a rank holds KEEP + 1 files)."""
+    mine = sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
     for old in mine[:-KEEP]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the agent may have pruned it first
+            if old in _writer.restored:
+                old.unlink()  # its pages stay the restored tensors' until they go
+            else:
+                old.replace(file.spare_of(directory, rank))
         with contextlib.suppress(OSError):  # the other ranks' parts may still be there
             old.parent.rmdir()
 
