@@ -14,6 +14,8 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
     hang-noflag, gpu-hang-noflag  the same with no hang flag (ftrun's collectives watch; gloo's timeout 120 s)
     nccl-dump  one rank on NCCL, its GPU kernel spins before an all-reduce, no flag: NCCL's watchdog times the
                collective out at 20 s and dumps its flight recorder where ftrun told it (the report names it)
+    nccl-pipe  the same with NCCL's timeout at 600 s: ftrun finds the hang first and asks for the dump through
+               NCCL's debug pipe
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
     nccl      one rank on NCCL (SIGKILL)
@@ -67,6 +69,16 @@ CASES: dict[str, dict[str, object]] = {
         "fault_rank": 0,
         "noflag": True,
         "alone": True,
+    },
+    "nccl-pipe": {
+        "fault": "gpu-hang-collective",
+        "gpu": True,
+        "nproc": 1,
+        "backend": "nccl",
+        "fault_rank": 0,
+        "noflag": True,
+        "alone": True,
+        "pg_timeout": 600,
     },
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},

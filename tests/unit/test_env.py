@@ -123,6 +123,16 @@ def test_the_recorder_dumped_at_a_timeout_goes_to_the_attempts_directory_unless_
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
 
 
+def test_nccls_debug_pipe_is_set_under_both_names_unless_the_job_set_one() -> None:
+    env = worker_env({}, assignment(flight_recorder_pipe="/logs/flight_recorder/pipe_"))
+    assert (
+        env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_FR_DEBUG_INFO_PIPE_FILE"] == "/logs/flight_recorder/pipe_"
+    )
+    env = worker_env({"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/mine/p_"}, assignment(flight_recorder_pipe="/l/pipe_"))
+    assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == "/mine/p_"
+    assert "TORCH_FR_DEBUG_INFO_PIPE_FILE" not in env
+
+
 def test_virtual_local_rank_gives_each_worker_one_gpu_as_device_0() -> None:
     env = worker_env({"CUDA_VISIBLE_DEVICES": "4, 6"}, assignment(local_rank=1), virtual_local_rank=True)
     assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "6")

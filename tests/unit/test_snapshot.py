@@ -106,7 +106,8 @@ def test_a_restored_file_is_never_written_again_while_its_tensors_live(
     for step in (3, 4, 5):
         snap.snapshot(step, {"w": torch.full((1 << 18,), float(step))})
         snap.wait()
-    assert (w[10:] == 1.0).all() and (w[:10] == -1.0).all()
+    assert (w[10:] == 1.0).all()
+    assert (w[:10] == -1.0).all()
 
 
 def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:

@@ -30,6 +30,7 @@ class WorkerAssignment:
     run_id: str
     error_file: str
     flight_recorder_file: str = ""  # where torch dumps the recorder at a process group's timeout (+ rank)
+    flight_recorder_pipe: str = ""  # NCCL's debug pipe (+ rank + .pipe): a line into it asks for that dump
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ def assign(
     run_id: str,
     error_file: str,
     flight_recorder_file: str = "",
+    flight_recorder_pipe: str = "",
 ) -> WorkerAssignment:
     """The assignment of ``local_rank``: global rank = rank offset of this node + local rank (as torchrun)."""
     world = nproc if placement.world_size is None else placement.world_size
@@ -76,10 +78,12 @@ def assign(
         run_id=run_id,
         error_file=error_file,
         flight_recorder_file=flight_recorder_file,
+        flight_recorder_pipe=flight_recorder_pipe,
     )
 
 
 FR = "2000"  # entries of torch's flight recorder, its default
+PIPE_NAMES = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_DEBUG_INFO_PIPE_FILE")  # torch <= 2.11 and later
 
 
 def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_rank: bool = False) -> dict[str, str]:
@@ -114,17 +118,19 @@ def worker_env(base: Mapping[str, str], a: WorkerAssignment, *, virtual_local_ra
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),  # as torchrun
         "FTRUN_ERROR_FILE": a.error_file,
-        **flight_recorder_env(base, a.flight_recorder_file),
+        **flight_recorder_env(base, a.flight_recorder_file, a.flight_recorder_pipe),
         **startup_env(base),
         **devices,
     }
 
 
-def flight_recorder_env(base: Mapping[str, str], dump_file: str) -> dict[str, str]:
+def flight_recorder_env(base: Mapping[str, str], dump_file: str, pipe: str = "") -> dict[str, str]:
     """torch's flight recorder, which ftrun's hang watch reads (:mod:`ftrun.worker.collectives`), sized at
     torch's own default (gloo records with no setting; NCCL and torchcomms only when it is set), and its dump at a
-    process group's timeout (NCCL's watchdog) kept in the rank's log directory rather than in /tmp. What the
-    job set wins, under either of torch's names (TORCH_NCCL_* are the old ones: setting them makes torch warn)."""
+    process group's timeout (NCCL's watchdog) kept in the rank's log directory rather than in /tmp, and NCCL's
+    debug pipe beside it (ftrun asks for a dump through it when it finds a rank hung: :mod:`ftrun.monitor.dumps`).
+    What the job set wins, under either of torch's names (TORCH_NCCL_* are the old ones: setting them makes
+    torch warn, but the pipe's are each read alone)."""
     env = {}
     if "TORCH_FR_BUFFER_SIZE" not in base and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in base:
         env["TORCH_FR_BUFFER_SIZE"] = FR
@@ -132,6 +138,8 @@ def flight_recorder_env(base: Mapping[str, str], dump_file: str) -> dict[str, st
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     if dump_file and "TORCH_FR_DUMP_TEMP_FILE" not in base and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in base:
         env["TORCH_FR_DUMP_TEMP_FILE"] = dump_file
+    if pipe and not any(name in base for name in PIPE_NAMES):  # each version reads one name, warning for none
+        env.update(dict.fromkeys(PIPE_NAMES, pipe))
     return env
 
 

@@ -11,7 +11,7 @@ from ftrun.agent.driver import StartWorkers
 from ftrun.agent.env import WorkerAssignment, assign, worker_env
 from ftrun.config import LaunchConfig
 from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
-from ftrun.procs.logs import RankPaths
+from ftrun.procs.logs import PIPE_STEM, RankPaths
 
 MODULES_FILE = "modules.json"  # per rank: what the worker imported (--warm auto)
 LOCAL_RANK_MACRO = "${local_rank}"  # torchrun's, in the script's arguments
@@ -45,6 +45,7 @@ def worker_launch(
         run_id=c.run_id,
         error_file=str(paths.error_file),
         flight_recorder_file=str(paths.flight_recorder),
+        flight_recorder_pipe=str(paths.flight_recorder.with_name(PIPE_STEM)),
     )
     env = {**worker_env(c.worker_base_env, assignment, virtual_local_rank=c.virtual_local_rank), **extra}
     if c.warm.enabled and c.warm.auto:

@@ -5,14 +5,17 @@ py-spy takes up to 10 s per process (more for a stopped one), faulthandler up to
 request waited too. Here each batch of dumps (the ranks that went quiet
 together) runs on threads, a rank each; a pipe wakes the agent's loop when one
 is done, and what was to follow the dump (blame, the hang signal, a kill) runs
-then, on the loop.
+then, on the loop. A rank with an NCCL process group is also asked, through
+NCCL's debug pipe, to dump its flight recorder (which the report then names).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +28,36 @@ from ftrun.worker.signals import STACK_SIGNAL
 
 T = TypeVar("T")
 MAX_PARALLEL = 16  # dumps under way at once: py-spy is a process each, and the node's cores run the job
+RECORDER_DUMP_S = 10.0  # NCCL's monitor reads its pipe every few seconds, then writes the dump
+
+
+def ask_flight_recorder(pipe: Path) -> bool:
+    """Asks a rank's NCCL process group to dump its flight recorder (a line into its debug pipe, which NCCL's
+    monitor thread reads: the dump comes even while the main thread holds the GIL). False where nothing reads
+    the pipe: gloo, no NCCL group yet, a torch without it."""
+    try:
+        if not stat.S_ISFIFO(pipe.stat().st_mode):
+            return False
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO when no reader: never blocks
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"1\n")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def wait_for_file(path: Path, bound_s: float = RECORDER_DUMP_S) -> bool:
+    """Until ``path`` exists, at most ``bound_s`` (a file another process writes: nothing to await)."""
+    deadline = time.monotonic() + bound_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @dataclass(slots=True)
@@ -61,16 +94,19 @@ class StackDumps(Generic[T]):
                 pidfd: int | None = os.pidfd_open(w.pid)
             except OSError:
                 pidfd = None
-            args = (dump, w.pid, pidfd, listens.get(rank, False), self._stacks_file(w))
+            args = (dump, w, pidfd, listens.get(rank, False), self._stacks_file(w))
             threading.Thread(target=self._dump, args=args, name=f"ftrun-stacks-{rank}", daemon=True).start()
         self._batches.append(_Batch(dumps, then))
 
-    def _dump(self, into: Future[str], pid: int, pidfd: int | None, listens: bool, stacks_file: Path) -> None:
+    def _dump(self, into: Future[str], w: Worker, pidfd: int | None, listens: bool, stacks_file: Path) -> None:
         with self._slots:
             try:
+                asked = ask_flight_recorder(w.paths.flight_recorder_pipe(w.rank))
                 text = dump_stacks(
-                    pid, client_listens=listens, stacks_file=stacks_file, signal_number=STACK_SIGNAL, pidfd=pidfd
+                    w.pid, client_listens=listens, stacks_file=stacks_file, signal_number=STACK_SIGNAL, pidfd=pidfd
                 )
+                if asked:
+                    wait_for_file(w.paths.flight_recorder.with_name(f"{w.paths.flight_recorder.name}{w.rank}"))
             except Exception as e:  # a bug in a dump costs that rank's stacks, never the verdict
                 text = f"(no stacks: the dump failed: {type(e).__name__}: {e})"
             finally:

@@ -74,6 +74,9 @@ class LineSink:
         os.close(self._fd)
 
 
+PIPE_STEM = "pipe_"  # NCCL's debug pipe, beside the recorder's dumps: torch makes <stem><rank>.pipe
+
+
 @dataclass(frozen=True, slots=True)
 class RankPaths:
     dir: Path
@@ -94,6 +97,10 @@ class RankPaths:
         """The recorder's dump torch wrote at a process group's timeout (NCCL's watchdog), if it did."""
         dump = self.flight_recorder.with_name(f"{self.flight_recorder.name}{rank}")
         return dump if dump.exists() else None
+
+    def flight_recorder_pipe(self, rank: int) -> Path:
+        """NCCL's debug pipe: a line written into it makes the rank dump its recorder."""
+        return self.flight_recorder.with_name(f"{PIPE_STEM}{rank}.pipe")
 
 
 @dataclass(frozen=True, slots=True)
