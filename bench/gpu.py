@@ -15,7 +15,8 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
     nccl-dump  one rank on NCCL, its GPU kernel spins before an all-reduce, no flag: NCCL's watchdog times the
                collective out at 20 s and dumps its flight recorder where ftrun told it (the report names it)
     nccl-pipe  the same with NCCL's timeout at 600 s: ftrun finds the hang first and asks for the dump through
-               NCCL's debug pipe
+               NCCL's debug pipe (on an H200 it did not, in 90 s: the run prints what each of the worker's
+               threads and its I/O did meanwhile)
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
     nccl      one rank on NCCL (SIGKILL)
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -79,6 +81,7 @@ CASES: dict[str, dict[str, object]] = {
         "noflag": True,
         "alone": True,
         "pg_timeout": 600,
+        "probe": True,
     },
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},
@@ -141,6 +144,7 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+        probe = ThreadProbe(proc.pid) if case.get("probe") and fault and launcher == "ftrun" else None
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -149,6 +153,8 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
             with_group(proc.pid, signal.SIGKILL)
             proc.wait()
     result.wall_s = time.time() - launched
+    if probe is not None:
+        result.said += probe.stop()
     timeline = workdir / "timeline.jsonl"
     records = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
     measure(result, records, launched, int(nproc))
@@ -195,6 +201,45 @@ def measure(result: Run, records: list[dict[str, object]], launched: float, npro
                 at = max(again[phase].values())
                 result.phases_s[phase] = at - previous
                 previous = at
+
+
+class ThreadProbe:
+    """What a worker's threads and I/O do while it hangs (the cases marked "probe"): every 5 s, the CPU seconds
+    each thread (by its name) and each I/O counter gained, to see what the hang watch could take for progress."""
+
+    def __init__(self, launcher_pid: int) -> None:
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(launcher_pid,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join()
+        return self.lines[-12:]
+
+    def _run(self, launcher_pid: int) -> None:
+        import psutil
+
+        last: dict[str, float] = {}
+        while not self._stop.wait(5.0):
+            try:
+                workers = [c for c in psutil.Process(launcher_pid).children(recursive=True)
+                           if any("gpu_job" in a for a in c.cmdline())]  # fmt: skip
+                now: dict[str, float] = {}
+                for w in workers:
+                    for t in w.threads():
+                        comm = Path(f"/proc/{w.pid}/task/{t.id}/comm")
+                        name = comm.read_text().strip() if comm.exists() else str(t.id)
+                        key = f"{w.pid}:{'main' if t.id == w.pid else name}"
+                        now[key] = now.get(key, 0.0) + t.user_time + t.system_time
+                    io = w.io_counters()
+                    now[f"{w.pid}:io rchar"], now[f"{w.pid}:io wchar"] = float(io.read_chars), float(io.write_chars)
+            except (psutil.Error, OSError):
+                continue
+            gained = {k: v - last.get(k, 0.0) for k, v in now.items() if v - last.get(k, 0.0) > 0.01}
+            self.lines.append("probe: " + ", ".join(f"{k} +{v:.2f}" for k, v in sorted(gained.items())))
+            last = now
 
 
 def with_group(pid: int, sig: int) -> None:
