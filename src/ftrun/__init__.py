@@ -5,11 +5,12 @@ launcher itself is the ``ftrun`` command (:mod:`ftrun.cli.main`).
 """
 
 from ftrun.worker.calculated import calculate_timeouts, load_monitor_state, monitor_state
-from ftrun.worker.client import end_all_sections, end_section, heartbeat, section, start_section
+from ftrun.worker.client import heartbeat
 from ftrun.worker.errorfile import record
 from ftrun.worker.nvidia import RankMonitorClient
 from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat
+from ftrun.worker.sections import end_all_sections, end_section, section, start_section
 from ftrun.worker.snapshot import CorruptSnapshot, restore, snapshot
 from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 

@@ -56,6 +56,9 @@ def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tm
     assert int(named) in (28, 29), crashed.stderr  # at most one finished step done again
     for rank in (0, 1):
         assert f"rank {rank} restored step {named} (attempt 1)" in crashed.log(1, rank)
+    # The snapshots name the steps: the work the crash cost is known (steps redone x step time), with no heartbeat
+    [goodput] = re.findall(r"^ftrun: goodput .*$", crashed.stderr, re.M)
+    assert "lost work unknown" not in goodput, goodput
     (tmp_path / "never").mkdir()
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
     assert never.returncode == 0, never.stderr

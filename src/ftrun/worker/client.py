@@ -29,7 +29,6 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 from ftrun.worker import collectives, layout
@@ -39,21 +38,6 @@ from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled
 
 DEFAULT_SAFETY_FACTOR = 5.0
-
-
-class _Section:
-    """``with ftrun.section(name):``; one cached object per name, so entering allocates nothing."""
-
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __enter__(self) -> None:
-        _client.start_section(self._name)
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        _client.end_section(self._name)
 
 
 class _Attached:
@@ -101,6 +85,7 @@ class _Attached:
         self._learn_after = _int(environ.get("FTRUN_LEARN_AFTER"))
         self._learned_floor = float(environ.get("FTRUN_LEARNED_FLOOR") or LEARNED_FLOOR_S)
         self._steps = 0
+        self._named_step: int | None = None  # by ftrun.snapshot or ftrun.restore: the step computed next
         # What was observed, for calculate_timeouts().
         self._attached = time.monotonic()
         # Start-up is measured from when the agent started this process, the basis it judges it on.
@@ -221,6 +206,10 @@ class _Attached:
             layout.STEP.pack_into(self._map, self._step_at, step)
         self._beat(step)
 
+    def name_step(self, step: int) -> None:
+        self._named_step = step
+        layout.STEP.pack_into(self._map, self._step_at, step)
+
     def auto_heartbeat(self) -> None:
         """An optimizer step (ftrun's automatic heartbeat): counts only while the job does not beat on its own."""
         if not self.in_charge:
@@ -249,7 +238,8 @@ class _Attached:
         else:
             self._first_beat = now - self._spawned
             # Before first_beat, which tells the agent it is there: the step the attempt resumed at.
-            layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1 if step is None else step)
+            first = self._named_step if step is None else step
+            layout.FIRST_STEP.pack_into(self._map, self._base + layout.OFF_FIRST_STEP, -1 if first is None else first)
             layout.FIRST_BEAT.pack_into(self._map, self._base + layout.OFF_FIRST_BEAT, now)
         self._last_beat = now
         self._beats += 1
@@ -423,6 +413,7 @@ class _Unattached:
         """Heartbeats, steps, sections and ftrun's own notes: nothing to tell outside ftrun."""
 
     heartbeat = auto_heartbeat = auto_progress = paced = start_section = end_section = end_all_sections = _nothing
+    name_step = _nothing
 
     def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
         return self.calculated
@@ -444,7 +435,6 @@ class _NotYet:
 
 
 _client: Any = _NotYet()
-_sections: dict[str, _Section] = {}
 
 
 def _attach() -> _Attached | _Unattached:
@@ -472,26 +462,10 @@ def heartbeat(step: int | None = None) -> None:
     _client.heartbeat(step)
 
 
-def section(name: str) -> _Section:
-    """``with ftrun.section("step"):`` a named span with its own timeout; sections may nest or overlap."""
-    found = _sections.get(name)
-    if found is None:
-        found = _sections[name] = _Section(name)
-    return found
-
-
-def start_section(name: str) -> None:
-    """Open section ``name``; opening one that is already open is a ValueError."""
-    _client.start_section(name)
-
-
-def end_section(name: str) -> None:
-    """Close section ``name``; closing one that is not open is a ValueError."""
-    _client.end_section(name)
-
-
-def end_all_sections() -> None:
-    _client.end_all_sections()
+def name_step(step: int) -> None:
+    """The step the job will compute next (``ftrun.snapshot``, ``ftrun.restore``), for lost work: unlike a
+    heartbeat, the automatic beats go on."""
+    _client.name_step(step)
 
 
 def request(raw: bytes) -> None:

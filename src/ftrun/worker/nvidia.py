@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ftrun.worker import calculated, client
+from ftrun.worker import calculated, client, sections
 from ftrun.worker.timeouts import Timeouts
 
 
@@ -28,13 +28,13 @@ class RankMonitorClient:
         client.heartbeat()
 
     def start_section(self, section: str) -> None:
-        client.start_section(section)
+        sections.start_section(section)
 
     def end_section(self, section: str) -> None:
-        client.end_section(section)
+        sections.end_section(section)
 
     def end_all_sections(self) -> None:
-        client.end_all_sections()
+        sections.end_all_sections()
 
     def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
         """The initial-heartbeat and heartbeat timeouts from what was observed; False when there is not enough

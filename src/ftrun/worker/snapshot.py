@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftrun.worker import client
 from ftrun.worker import snapshot_file as file
 from ftrun.worker.snapshot_file import BAD_MARK, CorruptSnapshot, is_whole, path_of
 
@@ -37,6 +38,7 @@ __all__ = ["CorruptSnapshot", "blocked_s", "restore", "snapshot", "wait"]
 
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
+UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
 KEEP = 2  # of its own steps, a worker keeps the newest whole ones
 AT_ONCE_BYTES = 1 << 20
 
@@ -91,6 +93,7 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
         return
     _writer.wait()  # one in flight at a time
     started = time.perf_counter()
+    _name_step(step + 1)
     torch = sys.modules["torch"]
     tensors: list[Any] = []
     skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
@@ -120,15 +123,26 @@ def restore() -> tuple[int, Any] | None:
     """The step and the state of the newest snapshot complete on every rank, verified; None outside ftrun or
     when there is none (then load your own checkpoint). Raises CorruptSnapshot for one that does not verify."""
     directory, step = os.environ.get(ENV_DIR), os.environ.get(ENV_RESTORE)
-    if not directory or not step:
+    if not directory:
+        return None
+    if step == UNAGREED:  # restoring alone could leave this node's ranks on another step than the others'
+        raise RuntimeError(
+            "ftrun.restore: this node did not hear which snapshot step the job's nodes restore; "
+            "this attempt ends and the next one agrees again"
+        )
+    if not step:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            _name_step(0)  # a fresh run starts at step 0 (for lost work; a later attempt: not known)
         return None
     path = path_of(Path(directory), int(step), _rank())
     _writer.restored.add(path)  # its pages are the restored tensors': never written again
     try:
-        return read(path)
+        restored = read(path)
     except CorruptSnapshot as e:
         (path.parent / BAD_MARK).touch()  # the agent restores the step before at the next restart
         raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
+    _name_step(restored[0] + 1)  # the job computes that step next: what a failure makes it redo counts
+    return restored
 
 
 def read(path: Path) -> tuple[int, Any]:
@@ -147,6 +161,12 @@ def wait() -> None:
 
 
 # --- inside ------------------------------------------------------------------------------------------
+
+
+def _name_step(step: int) -> None:
+    """For lost work, where a monitor slot is there to write it into (always under ftrun; not in a test)."""
+    if os.environ.get("FTRUN_MONITOR"):
+        client.name_step(step)
 
 
 def _rank() -> int:
