@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import run_ftrun
+from ftrun.testing.etcd import EtcdHarness
+from tests.integration.conftest import CONF, LiveFtrun, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -81,3 +82,34 @@ def test_a_corrupt_snapshot_is_never_restored_the_job_falls_back_and_says_so(tmp
     (tmp_path / "never").mkdir()
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
     assert checksum(r.log(2, 0)) == checksum(never.log(0, 0))
+
+
+@pytest.mark.parametrize("store", ["embedded", "etcd"])
+def test_two_nodes_restore_one_step_agreed_through_the_store(
+    tmp_path: Path, store: str, request: pytest.FixtureRequest, live: list[LiveFtrun]
+) -> None:
+    """2 agents (separate processes) x 1 rank; rank 1 crashes at step 30: a new round, in which the nodes agree
+    on the newest step both have whole, restore it, and end with the weights of a run that never failed."""
+    if store == "etcd":
+        etcd: EtcdHarness = request.getfixturevalue("etcd_server")
+        flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.url.removeprefix("etcd://"), "--rdzv-conf", CONF]
+    else:
+        endpoint: str = request.getfixturevalue("tcp_server")
+        flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "2", "--nproc-per-node", "1"]
+    flags += ["--max-restarts", "1", str(EXAMPLE), "--crash-at", "30"]
+    agents = [LiveFtrun(tmp_path, *flags, name=name, run_id=f"snap-{store}") for name in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait() == 0, agent.stderr()
+    named = [re.findall(r"the workers restore the snapshot of step (\d+)", agent.stderr()) for agent in agents]
+    assert named[0] == named[1], named  # one step for every rank of the job
+    [step] = named[0]
+    assert int(step) in (28, 29), named
+    after = {int(p.parent.name): p.read_text() for a in agents for p in a.run_dir.glob("attempt_1/*/stdout.log")}
+    for rank in (0, 1):  # the ranks' log directories are named by global rank
+        assert f"rank {rank} restored step {named[0][0]} (attempt 1)" in after[rank]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
+    assert never.returncode == 0, never.stderr
+    assert checksum(after[0]) == checksum(never.log(0, 0))

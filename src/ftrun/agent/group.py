@@ -31,7 +31,7 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.snapshots import SnapshotKeeper, restore_agreement
 from ftrun.agent.worker_launch import MODULES_FILE, worker_launch
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
@@ -198,7 +198,8 @@ class LocalGroup:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks, self.peer_key)
-        self._snapshots.new_attempt(range(placement.rank_offset, placement.rank_offset + c.nproc_per_node), self._nodes)
+        agree = restore_agreement(self._nodes, self._reports.board, self._round, placement.group_rank)
+        self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), agree)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)

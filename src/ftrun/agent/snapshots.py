@@ -4,9 +4,11 @@ The workers write their snapshots into a directory of this run in shared memory 
 agent makes (0700) and names in their environment: a worker's death does not free them. At each restart the
 agent names the step to restore (``FTRUN_RESTORE_STEP``): the newest that every local rank wrote whole and that
 no restore found corrupt (a worker that finds its part does not verify marks the step bad and fails; the next
-restart takes the step before). It keeps the newest :data:`KEEP` whole steps of each rank, and removes the
+restart takes the step before), agreed with the other nodes of the job (:mod:`ftrun.job.snapshot_agreement`).
+A step restored twice, each time followed by a failure before a newer step was whole, is given up too: the
+state itself may be what fails (a NaN it holds), so the restart after takes the step before, and after that
+none (the job's own checkpoint). It keeps the newest :data:`KEEP` whole steps of each rank, and removes the
 directory when the run ends (an agent SIGKILLed leaves it to the next agent of this user, which removes it).
-Only single-node jobs restore for now: the nodes of a job do not agree on a step yet.
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from pathlib import Path
 
 import psutil
 
+from ftrun.job.board import JobBoard
+from ftrun.job.snapshot_agreement import UNAGREED, agreement
 from ftrun.private import make_dir, own_dir
 from ftrun.worker.snapshot import ENV_DIR, ENV_RESTORE
+from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
+GIVE_UP_AFTER = 2  # restores of one step, each followed by a failure before a newer one, before it is given up
 
 
 class SnapshotKeeper:
@@ -45,26 +51,64 @@ class SnapshotKeeper:
         self.dir = directory
         self._say = say
         self._restore: int | None = None
+        self._unagreed = False
+        self._failed_after: dict[int, int] = {}  # a restored step -> the attempts that failed before a newer one
 
-    def new_attempt(self, ranks: Sequence[int], nodes: int) -> None:
-        """Before the attempt's workers start: the step they restore (None: none whole on every rank, or a job
-        of several nodes), and the older steps pruned."""
+    def new_attempt(self, ranks: Sequence[int], agree: Callable[[set[int]], int | None] | None) -> None:
+        """Before the attempt's workers start: the step they restore, ``agree`` taking it from the steps whole
+        here (for a job of several nodes: what every node has; :data:`UNAGREED` when the nodes did not agree;
+        None: no restore at all), given up steps removed, the older ones pruned."""
         steps = whole_steps(self.dir, ranks)
-        self._restore = max(steps) if steps and nodes == 1 else None
+        given_up = self._given_up(steps)
+        for step_dir in self.dir.iterdir():
+            if (step_dir / BAD_MARK).exists() or (given_up is not None and step_dir.name == STEP_DIR.format(given_up)):
+                shutil.rmtree(step_dir, ignore_errors=True)  # written again whole, it counts again
+        if given_up is not None:
+            steps.discard(given_up)
         for step in sorted(steps)[:-KEEP]:
             shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
+        choice = agree(steps) if agree is not None else None
+        self._unagreed = choice == UNAGREED
+        self._restore = None if self._unagreed else choice
         if self._restore is not None:
             self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
+        elif self._unagreed:
+            self._say("the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails")
+
+    def _given_up(self, steps: set[int]) -> int | None:
+        """The step restored last, if the attempt that restored it failed before a newer one was whole for the
+        second time."""
+        last = self._restore
+        if last is None or last not in steps or max(steps) != last:
+            return None
+        self._failed_after[last] = self._failed_after.get(last, 0) + 1
+        if self._failed_after[last] < GIVE_UP_AFTER:
+            return None
+        self._say(f"step {last} was restored {GIVE_UP_AFTER} times and the job failed each time before a newer "
+                  "snapshot: its state may be what fails; it is given up for an older one")  # fmt: skip
+        return last
 
     def env(self) -> dict[str, str]:
         env = {ENV_DIR: str(self.dir)}
-        if self._restore is not None:
-            env[ENV_RESTORE] = str(self._restore)
+        if self._restore is not None or self._unagreed:
+            env[ENV_RESTORE] = RESTORE_UNAGREED if self._unagreed else str(self._restore)
         return env
 
     def close(self) -> None:
         """The run is over: its snapshots free the memory they hold."""
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def restore_agreement(
+    nodes: int, board: JobBoard | None, round_: int | None, group_rank: int
+) -> Callable[[set[int]], int | None] | None:
+    """How an attempt's snapshot step is chosen: here alone, with the other nodes through the store, or not at
+    all (a static job of several nodes has no store to agree through)."""
+    if nodes == 1:
+        return lambda steps: max(steps, default=None)
+    if board is None or round_ is None:
+        return None
+    return agreement(board, round_, nodes, decider=group_rank == 0)
 
 
 def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:

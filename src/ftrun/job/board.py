@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ftrun.clock import Clock
@@ -120,6 +120,34 @@ class JobBoard:
                 if change.key == key and change.value is not None:
                     return change.value.decode(errors="replace")
         return None
+
+    def publish_snapshot_steps(self, round_: int, steps: Sequence[int]) -> None:
+        """The snapshot steps this node can restore (:mod:`ftrun.job.snapshot_agreement`). A store error is
+        raised, not swallowed: a node that cannot say must not restore."""
+        self._store.put(self._prefix("snapshots", round_) + self._node, json.dumps({"steps": list(steps)}).encode())
+
+    def snapshot_steps(self, round_: int, count: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The round's snapshot records once ``count`` nodes published theirs (fewer after ``timeout_s``)."""
+        found: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(StoreError):
+            now, later = follow(
+                self._store, self._prefix("snapshots", round_), self._clock, timeout_s, self.interrupted
+            )
+            for change in itertools.chain(now, later):
+                v = _object(change.value) if change.value is not None else None
+                if v is not None:
+                    found[change.key] = v
+                if len(found) >= count:
+                    break
+        return list(found.values())
+
+    def publish_snapshot_decision(self, round_: int, step: int | None) -> None:
+        """The step every node restores this round (None: none); raises StoreError."""
+        self._store.put(self._prefix("snapshot-decision", round_) + self._node, json.dumps({"step": step}).encode())
+
+    def snapshot_decision(self, round_: int, timeout_s: float) -> dict[str, Any] | None:
+        """The round's decision once published (None when none came within ``timeout_s``)."""
+        return next(iter(self._await("snapshot-decision", round_, lambda v: True, timeout_s)), None)
 
     def _await(
         self, kind: str, round_: int, accept: Callable[[dict[str, Any]], bool], timeout_s: float
