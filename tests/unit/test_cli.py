@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.cli import main as cli
-from ftrun.cli.flags import omp_threads
+from ftrun.cli.flags import omp_threads, parse_snapshot_memory
 from ftrun.cli.rdzv_flags import parse_rdzv_conf, store_token
 from ftrun.config import EntrypointKind, LaunchConfig, RdzvConf, Std
 from ftrun.errors import ConfigError
@@ -173,6 +173,9 @@ def test_nproc_words(tmp_path: Path, script: Path) -> None:
         (["--bogus", "train.py"], "--bogus"),
         (["train.py", "--nproc-per-node"], None),
         (["--nproc-per-node"], "--nproc-per-node"),
+        (["--snapshot-memory", "lots", "train.py"], "--snapshot-memory"),
+        (["--snapshot-memory", "150%", "train.py"], "--snapshot-memory"),
+        (["--snapshot-memory", "0G", "train.py"], "--snapshot-memory"),
     ],
 )
 def test_bad_input_names_the_flag(
@@ -186,6 +189,15 @@ def test_bad_input_names_the_flag(
     assert e.value.flag == flag
     assert e.value.fix  # every error says how to fix it
     assert "\n" not in str(e.value)
+
+
+def test_snapshot_memory_is_a_size_or_a_share_of_ram() -> None:
+    ram = 64 << 30
+    assert parse_snapshot_memory(None, ram) == 16 << 30  # a quarter of the node's RAM
+    assert parse_snapshot_memory("50%", ram) == 32 << 30
+    assert parse_snapshot_memory("8G", ram) == parse_snapshot_memory("8GiB", ram) == 8 << 30
+    assert parse_snapshot_memory("512m", ram) == 512 << 20
+    assert parse_snapshot_memory("1000", ram) == 1000
 
 
 @pytest.fixture

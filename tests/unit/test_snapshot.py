@@ -83,7 +83,7 @@ def test_a_rank_keeps_two_steps_and_writes_the_oldest_file_again_never_whole_unt
     assert sorted(p.name for p in in_ftrun.iterdir()) == ["spare-rank-3.snap", f"step-{2:012d}", f"step-{3:012d}"]
     spare = snap.file.spare_of(in_ftrun, 3)
     table = [("float32", (1 << 18,), 1 << 20)]
-    view, _, _ = snap.file.begin(4, 3, table, b"")(in_ftrun)  # the writer dies before it seals the file
+    view = snap.file.begin(4, 3, table, b"").make(in_ftrun)  # the writer dies before it seals the file
     view.close()
     assert not spare.exists()
     assert not snap.is_whole(snap.path_of(in_ftrun, 4, 3))  # the old foot was wiped before the file moved
@@ -108,6 +108,24 @@ def test_a_restored_file_is_never_written_again_while_its_tensors_live(
         snap.wait()
     assert (w[10:] == 1.0).all()
     assert (w[:10] == -1.0).all()
+
+
+def test_a_snapshot_over_the_ranks_share_of_snapshot_memory_is_refused_once_and_said(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(snap, "_writer", snap._Writer())
+    monkeypatch.setenv(snap.ENV_MEMORY, str(5 << 20))  # 5 MiB: three files of 2 MiB do not fit
+    for step in (1, 2):
+        snap.snapshot(step, {"w": torch.zeros(1 << 19)})
+        snap.wait()
+    said = capsys.readouterr().err
+    assert said.count("ftrun.snapshot: no snapshots on rank 3") == 1, said
+    assert "raise --snapshot-memory or snapshot less" in said
+    assert not list(in_ftrun.glob("step-*"))
+    monkeypatch.setenv(snap.ENV_MEMORY, str(8 << 20))
+    snap.snapshot(3, {"w": torch.zeros(1 << 19)})
+    snap.wait()
+    assert snap.is_whole(snap.path_of(in_ftrun, 3, 3))
 
 
 def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:

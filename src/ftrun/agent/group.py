@@ -93,7 +93,8 @@ class LocalGroup:
         group.status.pace = group._watch.pace
         group.asked.leave_reasons.append(group._watch.pace.reason_to_leave)  # --straggler-action exclude
         group._processes = AttemptProcesses(spawner, clock, group._wake_fds)  # empty until the first attempt
-        group._snapshots = SnapshotKeeper.open(run_dir.name, partial(group.say, always=True))
+        share = config.snapshot_memory // config.nproc_per_node
+        group._snapshots = SnapshotKeeper.open(run_dir.name, partial(group.say, always=True), share)
         group._begin()
         return group
 

@@ -24,7 +24,7 @@ import psutil
 from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED, agreement
 from ftrun.private import make_dir, own_dir
-from ftrun.worker.snapshot import ENV_DIR, ENV_RESTORE
+from ftrun.worker.snapshot import ENV_DIR, ENV_MEMORY, ENV_RESTORE
 from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of
 
@@ -35,7 +35,7 @@ GIVE_UP_AFTER = 2  # restores of one step, each followed by a failure before a n
 
 class SnapshotKeeper:
     @classmethod
-    def open(cls, run_name: str, say: Callable[[str], None]) -> SnapshotKeeper:
+    def open(cls, run_name: str, say: Callable[[str], None], rank_share: int = 1 << 30) -> SnapshotKeeper:
         """A directory of this run's in shared memory (the temp dir where there is none), named after this
         agent's pid; those of agents that died without removing theirs (SIGKILL) are removed first."""
         base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
@@ -44,11 +44,13 @@ class SnapshotKeeper:
             owner = stale.name.split("-", 1)[0]
             if owner.isdigit() and not psutil.pid_exists(int(owner)):
                 shutil.rmtree(stale, ignore_errors=True)
-        return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent)), say)
+        return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent)), say, rank_share)
 
-    def __init__(self, directory: Path, say: Callable[[str], None]) -> None:
-        """Use :meth:`open`."""
+    def __init__(self, directory: Path, say: Callable[[str], None], rank_share: int) -> None:
+        """Use :meth:`open`. ``rank_share``: the bytes each local rank's snapshot files may take (--snapshot-memory
+        over the local ranks)."""
         self.dir = directory
+        self._rank_share = rank_share
         self._say = say
         self._restore: int | None = None
         self._unagreed = False
@@ -89,7 +91,7 @@ class SnapshotKeeper:
         return last
 
     def env(self) -> dict[str, str]:
-        env = {ENV_DIR: str(self.dir)}
+        env = {ENV_DIR: str(self.dir), ENV_MEMORY: str(self._rank_share)}
         if self._restore is not None or self._unagreed:
             env[ENV_RESTORE] = RESTORE_UNAGREED if self._unagreed else str(self._restore)
         return env

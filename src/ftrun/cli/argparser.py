@@ -124,6 +124,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--metrics-port", default=None, help="serve Prometheus metrics at [HOST:]PORT/metrics (all addresses)")
     _flag(
         p,
+        "--snapshot-memory",
+        default=None,
+        help="shared memory for ftrun.snapshot, the node's ranks together: SIZE (e.g. 64G) or PERCENT%% of RAM (25%%)",
+    )
+    _flag(
+        p,
         "--crash-loop-limit",
         default="3",
         help="no restart after the same failure this many times in a row, before the first step or at the same "

@@ -242,6 +242,29 @@ def parse_signal_name(flag: str, text: str) -> int:
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # torchrun's: time for checkpoint-on-SIGTERM handlers
 
 
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+DEFAULT_SNAPSHOT_MEMORY = "25%"
+
+
+def parse_snapshot_memory(text: str | None, ram_bytes: int) -> int:
+    """--snapshot-memory: bytes (a size with K, M, G or T, binary) or a percentage of the node's RAM."""
+    given = (text or DEFAULT_SNAPSHOT_MEMORY).strip().upper().removesuffix("B").removesuffix("I")
+    fix = "pass e.g. --snapshot-memory 64G or --snapshot-memory 25%"
+    try:
+        if given.endswith("%"):
+            share = float(given[:-1])
+            if not 0 < share <= 100:
+                raise ValueError
+            return int(ram_bytes * share / 100)
+        unit = given[-1] if given and given[-1] in SIZE_UNITS else ""
+        value = float(given.removesuffix(unit)) * SIZE_UNITS[unit]
+    except ValueError:
+        raise ConfigError("--snapshot-memory", f"expected a size or a percentage of RAM, got {text!r}", fix) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError("--snapshot-memory", f"must be more than nothing, got {text!r}", fix)
+    return int(value)
+
+
 def parse_shutdown_timeout(text: str | None) -> float:
     """--shutdown-timeout (or --term-timeout, or $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, through the parser)."""
     if text is None:

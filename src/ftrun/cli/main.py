@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
+import psutil
+
 from ftrun import config as cfg
 from ftrun.cli import flags, nvidia_ft, rdzv_flags
 from ftrun.cli.argparser import build_parser
@@ -138,6 +140,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         verbose=a.verbose or level == "DEBUG",
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
+        snapshot_memory=flags.parse_snapshot_memory(a.snapshot_memory, psutil.virtual_memory().total),
         file_timer=flags.file_timer(environ),
         cpu_affinity=cpu_affinity,
         launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])

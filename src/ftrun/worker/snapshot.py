@@ -38,6 +38,7 @@ __all__ = ["CorruptSnapshot", "blocked_s", "restore", "snapshot", "wait"]
 
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
+ENV_MEMORY = "FTRUN_SNAPSHOT_MEMORY"  # bytes this rank's files may take: its share of --snapshot-memory
 UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
 KEEP = 2  # of its own steps, a worker keeps the newest whole ones
 AT_ONCE_BYTES = 1 << 20
@@ -52,6 +53,7 @@ class _Writer:
         self.pinned: Any = None  # the staging buffer, kept from one snapshot to the next
         self.streams: dict[Any, Any] = {}  # device -> the copies' stream
         self.restored: set[Path] = set()  # files whose pages restored tensors are on
+        self.refused = False  # a snapshot did not fit --snapshot-memory (said once)
         self.error: BaseException | None = None
         self.blocked_s = 0.0
         self.hooked = False
@@ -98,7 +100,11 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
     tensors: list[Any] = []
     skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
     table = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors]
-    view, offsets, data_end = file.begin(step, _rank(), table, skeleton)(Path(directory))
+    planned = file.begin(step, _rank(), table, skeleton)
+    if not _fits(step, planned.size):
+        _writer.blocked_s += time.perf_counter() - started
+        return
+    view, offsets, data_end = planned.make(Path(directory)), planned.offsets, planned.data_end
     late, on_gpu = [], []
     for t, at, (_, _, nbytes) in zip(tensors, offsets, table, strict=True):
         if t.is_cuda:
@@ -161,6 +167,28 @@ def wait() -> None:
 
 
 # --- inside ------------------------------------------------------------------------------------------
+
+
+def _fits(step: int, size: int) -> bool:
+    """Whether the files this snapshot needs fit this rank's share of --snapshot-memory: the KEEP kept and the
+    one being written. When they do not, it is said once, and no snapshot is taken."""
+    share = int(os.environ.get(ENV_MEMORY) or 0)
+    needed = (KEEP + 1) * size
+    if not share or needed <= share:
+        return True
+    if not _writer.refused:
+        _writer.refused = True
+        sys.stderr.write(
+            f"ftrun.snapshot: no snapshots on rank {_rank()}: step {step}'s state takes {_gib(size)}, and "
+            f"{KEEP + 1} files of it (the {KEEP} kept and the one being written) need {_gib(needed)}, over this "
+            f"rank's share of --snapshot-memory ({_gib(share)}); raise --snapshot-memory or snapshot less\n"
+        )
+        sys.stderr.flush()
+    return False
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
 
 
 def _name_step(step: int) -> None:

@@ -79,27 +79,41 @@ def file_size(data_end: int) -> int:
     return data_end + CRC.size * _chunks(data_end) + FOOT.size
 
 
-def begin(step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes) -> Any:
-    """Returns a function of the directory that makes the file, sized, and returns (its map, each tensor's
-    offset, the data's end) with the head written; the writer copies the tensors in, then :func:`seal`."""
-    body = pickle.dumps((step, rank, table, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
-    offsets, data_end = layout(HEAD.size + len(body), [n for _, _, n in table])
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A rank's file for a step, laid out before it is made: its size is known (:func:`begin`)."""
 
-    def make(directory: Path) -> tuple[mmap.mmap, list[int], int]:
-        path = path_of(directory, step, rank)
+    step: int
+    rank: int
+    body: bytes  # the head after HEAD: (step, rank, tensor table, skeleton), pickled
+    offsets: list[int]  # each tensor's
+    data_end: int
+
+    @property
+    def size(self) -> int:
+        return file_size(self.data_end)
+
+    def make(self, directory: Path) -> mmap.mmap:
+        """The file (the rank's spare written again where there is one), sized, mapped, its head written; the
+        writer copies the tensors in, then :func:`seal`."""
+        path = path_of(directory, self.step, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = _reused(spare_of(directory, rank), path)
+        fd = _reused(spare_of(directory, self.rank), path)
         if fd is None:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, file_size(data_end))
-            view = mmap.mmap(fd, file_size(data_end))
+            os.ftruncate(fd, self.size)
+            view = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)
-        view[: HEAD.size + len(body)] = HEAD.pack(MAGIC, len(body), data_end) + body
-        return view, offsets, data_end
+        view[: HEAD.size + len(self.body)] = HEAD.pack(MAGIC, len(self.body), self.data_end) + self.body
+        return view
 
-    return make
+
+def begin(step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes) -> Planned:
+    body = pickle.dumps((step, rank, table, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
+    offsets, data_end = layout(HEAD.size + len(body), [n for _, _, n in table])
+    return Planned(step, rank, body, offsets, data_end)
 
 
 def seal(view: mmap.mmap, data_end: int) -> None:
