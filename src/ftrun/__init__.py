@@ -16,9 +16,22 @@ from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """SnapshotWriter and SnapshotReader (torch.distributed.checkpoint's door to snapshots), imported when first
+    asked for: they import torch, which ``import ftrun`` does not."""
+    if name in ("SnapshotReader", "SnapshotWriter"):
+        from ftrun.worker import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module 'ftrun' has no attribute {name!r}")
+
+
 __all__ = [
     "CorruptSnapshot",
     "RankMonitorClient",
+    "SnapshotReader",
+    "SnapshotWriter",
     "__version__",
     "calculate_timeouts",
     "end_all_sections",

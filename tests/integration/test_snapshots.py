@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,30 @@ def test_two_nodes_restore_one_step_agreed_through_the_store(
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
+
+
+DCP_EXAMPLE = EXAMPLE.with_name("snapshot_dcp.py")
+
+
+def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint through ftrun.SnapshotWriter / SnapshotReader: a crash restores the newest
+    step whole on both ranks (nothing at --checkpoint: it is in memory); under torchrun the same job saves to
+    --checkpoint. The weights end as in a run that never failed."""
+    crashed = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", str(DCP_EXAMPLE),
+                        "--checkpoint", "ckpt", "--crash-at", "30")  # fmt: skip
+    assert crashed.returncode == 0, crashed.stderr
+    [named] = re.findall(r"the workers restore the snapshot of step (\d+), whole on every rank", crashed.stderr)
+    assert int(named) in (28, 29), crashed.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} restored step {named} (attempt 1)" in crashed.log(1, rank)
+    assert not (tmp_path / "ckpt").exists()
+    [goodput] = re.findall(r"^ftrun: goodput .*$", crashed.stderr, re.M)
+    assert "lost work unknown" not in goodput, goodput
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint",
+         str(tmp_path / "plain")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert (tmp_path / "plain" / ".metadata").is_file()  # outside ftrun: torch's own checkpoint at the path
+    assert checksum(crashed.log(1, 0)) == checksum(plain.stdout)

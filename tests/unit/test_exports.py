@@ -12,6 +12,8 @@ def test_public_surface() -> None:
     assert sorted(ftrun.__all__) == [
         "CorruptSnapshot",
         "RankMonitorClient",
+        "SnapshotReader",
+        "SnapshotWriter",
         "__version__",
         "calculate_timeouts",
         "end_all_sections",

@@ -22,6 +22,7 @@ import importlib
 import mmap
 import os
 import pickle
+import shutil
 import sys
 import threading
 import time
@@ -95,7 +96,7 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
         return
     _writer.wait()  # one in flight at a time
     started = time.perf_counter()
-    _name_step(step + 1)
+    name_step(step + 1)
     torch = sys.modules["torch"]
     tensors: list[Any] = []
     skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
@@ -125,29 +126,51 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
     _writer.blocked_s += time.perf_counter() - started
 
 
-def restore() -> tuple[int, Any] | None:
-    """The step and the state of the newest snapshot complete on every rank, verified; None outside ftrun or
-    when there is none (then load your own checkpoint). Raises CorruptSnapshot for one that does not verify."""
-    directory, step = os.environ.get(ENV_DIR), os.environ.get(ENV_RESTORE)
+def write_now(step: int, state: Mapping[str, Any]) -> None:
+    """A small snapshot without tensors, written whole at once in the caller's thread (a DCP step's checksums:
+    :mod:`ftrun.worker.dcp`); outside ftrun, nothing."""
+    directory = os.environ.get(ENV_DIR)
     if not directory:
-        return None
+        return
+    planned = file.begin(step, _rank(), [], pickle.dumps(dict(state), protocol=pickle.HIGHEST_PROTOCOL))
+    view = planned.make(Path(directory))
+    try:
+        file.seal(view, planned.data_end)
+    finally:
+        view.close()
+    _prune(Path(directory), _rank())
+    name_step(step + 1)
+
+
+def restore_step() -> int | None:
+    """The step the agent names for this attempt's restore (None: none, or outside ftrun); raises where the
+    nodes did not agree on one."""
+    step = os.environ.get(ENV_RESTORE) if os.environ.get(ENV_DIR) else None
     if step == UNAGREED:  # restoring alone could leave this node's ranks on another step than the others'
         raise RuntimeError(
             "ftrun.restore: this node did not hear which snapshot step the job's nodes restore; "
             "this attempt ends and the next one agrees again"
         )
-    if not step:
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            _name_step(0)  # a fresh run starts at step 0 (for lost work; a later attempt: not known)
+    return int(step) if step else None
+
+
+def restore() -> tuple[int, Any] | None:
+    """The step and the state of the newest snapshot complete on every rank, verified; None outside ftrun or
+    when there is none (then load your own checkpoint). Raises CorruptSnapshot for one that does not verify."""
+    directory, step = os.environ.get(ENV_DIR), restore_step()
+    if not directory:
         return None
-    path = path_of(Path(directory), int(step), _rank())
+    if step is None:
+        name_start(None)
+        return None
+    path = path_of(Path(directory), step, _rank())
     _writer.restored.add(path)  # its pages are the restored tensors': never written again
     try:
         restored = read(path)
     except CorruptSnapshot as e:
         (path.parent / BAD_MARK).touch()  # the agent restores the step before at the next restart
         raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
-    _name_step(restored[0] + 1)  # the job computes that step next: what a failure makes it redo counts
+    name_start(restored[0])
     return restored
 
 
@@ -191,7 +214,16 @@ def _gib(size: int) -> str:
     return f"{size / (1 << 30):.2f} GiB"
 
 
-def _name_step(step: int) -> None:
+def name_start(restored: int | None) -> None:
+    """Where this attempt starts, for lost work: the step after the one restored; with none, step 0 in a run's
+    first attempt (a later attempt resumes from the job's own checkpoint, at a step ftrun does not know)."""
+    if restored is not None:
+        name_step(restored + 1)
+    elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        name_step(0)
+
+
+def name_step(step: int) -> None:
     """For lost work, where a monitor slot is there to write it into (always under ftrun; not in a test)."""
     if os.environ.get("FTRUN_MONITOR"):
         client.name_step(step)
@@ -287,6 +319,7 @@ def _prune(directory: Path, rank: int) -> None:
                 old.unlink()  # its pages stay the restored tensors' until they go
             else:
                 old.replace(file.spare_of(directory, rank))
+        shutil.rmtree(old.parent / file.DCP_DIR, ignore_errors=True)  # the ranks save DCP steps together
         with contextlib.suppress(OSError):  # the other ranks' parts may still be there
             old.parent.rmdir()
 

@@ -26,6 +26,7 @@ from typing import Any
 
 STEP_DIR = "step-{:012d}"
 BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
+DCP_DIR = "dcp"  # in a step's directory: torch.distributed.checkpoint's files (:mod:`ftrun.worker.dcp`)
 MAGIC = b"FTSNAP2\n"
 HEAD = struct.Struct("<8sQQ")  # magic, head's length, data's end
 FOOT = struct.Struct("<I4s")  # CRC-32 of the chunks' table, b"DONE"

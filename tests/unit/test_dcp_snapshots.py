@@ -1,0 +1,75 @@
+"""torch.distributed.checkpoint through ftrun's snapshots: under ftrun a save goes to the snapshot directory with
+each rank's checksums, a load reads the step the agent names once every file matches; outside ftrun both are
+torch's own, at the path given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftrun.worker import snapshot as snap
+
+# In one process, without a process group (what DCP says it assumes then is what these tests want).
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+from ftrun.worker.dcp import SnapshotReader, SnapshotWriter  # noqa: E402 - needs torch
+
+
+def state(seed: int) -> dict[str, object]:
+    torch.manual_seed(seed)
+    return {"model": torch.nn.Linear(64, 32).state_dict(), "step": torch.tensor(seed)}
+
+
+def equal(a: dict[str, object], b: dict[str, object]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a["model"].values(), b["model"].values(), strict=True))  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def in_ftrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    shm = tmp_path / "shm"
+    monkeypatch.setenv(snap.ENV_DIR, str(shm))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(snap.ENV_RESTORE, raising=False)
+    return shm
+
+
+def test_under_ftrun_a_save_is_a_snapshot_step_and_a_load_reads_it_verified(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for step in (4, 5):
+        dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
+    assert not (tmp_path / "ckpt").exists()  # in memory, not at the path
+    assert snap.is_whole(snap.path_of(in_ftrun, 5, 0))  # the rank's part: the checksums of what it wrote
+    monkeypatch.setenv(snap.ENV_RESTORE, "5")
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")
+    dcp.load(into, storage_reader=reader)
+    assert reader.step == 5
+    assert equal(into, state(5))
+
+
+def test_a_changed_byte_in_any_dcp_file_is_never_loaded(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dcp.save(state(7), storage_writer=SnapshotWriter(tmp_path / "ckpt", 7))
+    [data] = (in_ftrun / "step-000000000007" / "dcp").glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x08
+    data.write_bytes(raw)
+    monkeypatch.setenv(snap.ENV_RESTORE, "7")
+    with pytest.raises(snap.CorruptSnapshot, match="checksum does not match"):
+        SnapshotReader(tmp_path / "ckpt")
+    assert (in_ftrun / "step-000000000007" / snap.BAD_MARK).exists()  # the next restart takes the step before
+
+
+def test_outside_ftrun_both_are_torchs_own_at_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(snap.ENV_DIR, raising=False)
+    dcp.save(state(3), storage_writer=SnapshotWriter(tmp_path / "ckpt", 3))
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")
+    dcp.load(into, storage_reader=reader)
+    assert reader.step is None
+    assert equal(into, state(3))
