@@ -73,3 +73,12 @@ def test_outside_ftrun_both_are_torchs_own_at_the_path(tmp_path: Path, monkeypat
     dcp.load(into, storage_reader=reader)
     assert reader.step is None
     assert equal(into, state(3))
+
+
+def test_async_save_takes_the_same_writer(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dcp.async_save(state(6), storage_writer=SnapshotWriter(tmp_path / "ckpt", 6)).result(timeout=60)
+    assert snap.is_whole(snap.path_of(in_ftrun, 6, 0))
+    monkeypatch.setenv(snap.ENV_RESTORE, "6")
+    into = state(0)
+    dcp.load(into, storage_reader=SnapshotReader(tmp_path / "ckpt"))
+    assert equal(into, state(6))
