@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from ftrun.cli.rdzv_flags import rdzv_store_url, store_token
 from ftrun.errors import ConfigError, FtrunError
@@ -134,17 +135,12 @@ def _check_agent(record: dict[str, Any]) -> None:
     if record.get("phase") == "finished":
         return
     pid = int(record.get("agent_pid") or 0)
-    if pid <= 0:  # not known (kill(0, 0) would ask about this process group instead)
+    if pid <= 0 or psutil.pid_exists(pid):  # not known, or alive (another user's included)
         return
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        record["phase"] = "agent gone"
-        for rank in record.get("ranks", []):  # nobody watches them any more: what they do is not known
-            if rank.get("state") == "running":
-                rank["state"] = "unknown (agent gone)"
-    except PermissionError:
-        pass
+    record["phase"] = "agent gone"
+    for rank in record.get("ranks", []):  # nobody watches them any more: what they do is not known
+        if rank.get("state") == "running":
+            rank["state"] = "unknown (agent gone)"
 
 
 def _live_slots(record: dict[str, Any]) -> dict[int, SlotView]:

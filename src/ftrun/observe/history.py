@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from ftrun.errors import ConfigError
 from ftrun.jsonobject import object_or_none
@@ -91,13 +92,7 @@ def agent_gone(run_dir: Path, started: Event) -> float | None:
     pid = started.data.get("agent_pid")
     if started.data.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return None
-    else:
+    if psutil.pid_exists(pid):  # alive (another user's included)
         return None
     return max(started.wall, last_written(run_dir))
 

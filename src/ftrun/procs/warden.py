@@ -72,7 +72,6 @@ class Warden:
         """Use :meth:`start`."""
         self._proc = proc
         self.cgroup = cgroup
-        self.mode = "tree" if cgroup is None else "cgroup"
 
     def close(self) -> None:
         """The agent is about to exit, its workers ended: the warden removes the cgroup and exits too."""

@@ -14,7 +14,6 @@ import selectors
 import signal
 import socket
 import subprocess
-import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -110,7 +109,6 @@ class Zygote:
     ) -> Zygote:
         """Start a zygote preloading ``preload`` and ask it for ``standbys`` workers forked ahead of time;
         ``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
-        started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "ftrun.warm.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
         with os.fdopen(append_fd(log), "ab") as err:
@@ -131,19 +129,18 @@ class Zygote:
             proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once: the first look at it finds out
-        zygote = cls(proc, ours, preload, started, script)
+        zygote = cls(proc, ours, preload, script)
         for _ in range(standbys):  # queued: the zygote forks them as soon as it has preloaded
             zygote.ask_standby()
         return zygote
 
     def __init__(
-        self, proc: subprocess.Popen[bytes], sock: socket.socket, preload: list[str], started: float, script: str | None
+        self, proc: subprocess.Popen[bytes], sock: socket.socket, preload: list[str], script: str | None
     ) -> None:
         """A zygote process already started (:meth:`spawn`), talked to over ``sock``."""
         self.proc = proc
         self._sock = sock
         self.preload = preload
-        self.started = started
         self._script = script
         self.ready: dict[str, Any] | None = None
         self.refused = ""

@@ -76,7 +76,6 @@ class _Attached:
         self._free = list(range(layout.MAX_OPEN - 1, -1, -1))
         self._names: dict[str, bytes] = {}
         self._flags = 0
-        self._end_code = 0  # the code the script ended with (script_ended)
         self._agent = int(environ.get("FTRUN_AGENT_PID") or os.getppid())
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
@@ -131,7 +130,6 @@ class _Attached:
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
-        self._end_code = code
         if code:
             flush_open_files()
             self._wake_agent()  # before its peers notice the exit

@@ -190,9 +190,12 @@ def _route_to(master: tuple[str, int]) -> str:
 
 def _exchange(master: tuple[str, int], rank: int, world: int, restart: int, mine: str) -> dict[int, tuple[str, int]]:
     """Every rank's UDP address, through the job's TCPStore (the one ``init_process_group`` set up)."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # only torch.distributed jobs get here
+    import torch.distributed  # only torch.distributed jobs get here
 
-    store = TCPStore(master[0], master[1], is_master=False, timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S))
+    # torch.distributed exports TCPStore from its C extension, which mypy does not see
+    store = torch.distributed.TCPStore(  # type: ignore[attr-defined,unused-ignore]
+        master[0], master[1], is_master=False, timeout=timedelta(seconds=EXCHANGE_TIMEOUT_S)
+    )
     prefix = f"ftrun/peer/{restart}/"
     store.set(f"{prefix}{rank}", mine)
     keys = [f"{prefix}{r}" for r in range(world)]
