@@ -10,7 +10,7 @@ Figures: the time snapshots held the job up per step (the copies at the call and
 wait for the copy in flight), as a share of the step; ftrun.restore's own time; the crash -> every rank
 stepping again; the steps done again (lost work).
 
-    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda]
+    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda] [--nodes 2]
 
 Prints figures; asserts nothing about time.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -30,20 +31,35 @@ CRASH_AT = 15
 STEPS = 19
 
 
-def run_once(snapshots: bool, state_mb: int, device: str, workdir: Path) -> dict[str, float]:
+def run_once(snapshots: bool, state_mb: int, device: str, nodes: int, workdir: Path) -> dict[str, float]:
     tl = workdir / "timeline.jsonl"
     job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--crash-at", str(CRASH_AT)]
     job += ["--device", device]
     job += ["--timeline", str(tl)] + (["--snapshots"] if snapshots else [])
-    cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", "2", "--max-restarts", "1"]
-    cmd += ["--log-dir", str(workdir / "logs"), "--event-log", str(workdir / "events.jsonl")]
-    subprocess.run([*cmd, *job], cwd=workdir, capture_output=True, check=True, timeout=900)
+    cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", str(2 // nodes), "--max-restarts", "1"]
+    if nodes > 1:  # agents as separate processes on this machine, the first hosting the embedded store
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        cmd += ["--rdzv-id", "bench", "--local-addr", "127.0.0.1"]
+    agents = [
+        subprocess.Popen(
+            [*cmd, "--log-dir", str(workdir / f"logs-{n}"), "--event-log", str(workdir / f"events-{n}.jsonl"), *job],
+            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for n in range(nodes)
+    ]  # fmt: skip
+    for agent in agents:
+        if agent.wait(timeout=900) != 0:
+            raise SystemExit(f"an agent exited {agent.returncode}; its logs are in {workdir}")
     records = [json.loads(line) for line in tl.read_text().splitlines()]
     crash = next(r["wall"] for r in records if r["event"] == "crash")
-    events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for n in range(nodes) for line in (workdir / f"events-{n}.jsonl").open()]
 
     def first(kind: str) -> float:
-        return next((e["wall"] - crash for e in events if e["kind"] == kind and e["wall"] > crash), float("nan"))
+        after = [e["wall"] - crash for e in events if e["kind"] == kind and e["wall"] > crash]
+        return min(after, default=float("nan"))
 
     restored = [r["wall"] - crash for r in records if r["event"] == "restored"]
     print(f"  {'snapshots' if snapshots else 'none'}: after the crash, s: failure {first('failure'):.2f}, "
@@ -66,14 +82,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--state-mb", type=int, default=1024)
     p.add_argument("--device", default="cpu", help="cuda: every rank's tensors on GPU 0")
+    p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two agents of one rank each")
     a = p.parse_args()
-    print(f"{a.reps} runs each, 2 ranks, {a.state_mb} MiB of state per rank on {a.device}, "
+    print(f"{a.reps} runs each, 2 ranks on {a.nodes} node(s), {a.state_mb} MiB of state per rank on {a.device}, "
           f"rank 1 exits at step {CRASH_AT}")  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"snapshots": [], "none": []}
     for _ in range(a.reps):
         for name, trials in runs.items():
             with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
-                trials.append(run_once(name == "snapshots", a.state_mb, a.device, Path(d)))
+                trials.append(run_once(name == "snapshots", a.state_mb, a.device, a.nodes, Path(d)))
     for name, trials in runs.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         each = ", ".join(f"{t['recovery_s']:.2f}" for t in trials)

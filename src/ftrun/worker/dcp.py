@@ -17,10 +17,10 @@ FileSystemReader at ``path``: the writer saves there, the reader reads from ther
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
+from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from ftrun.worker import snapshot
@@ -99,5 +99,5 @@ def _crc(path: Path) -> int:
     crc = 0
     with path.open("rb") as f:
         while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32c(chunk, crc)
     return crc

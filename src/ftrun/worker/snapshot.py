@@ -9,7 +9,7 @@ call; the big ones by a thread of its own while the job goes on, and the job's n
 thing that changes them, waits for that copy to end (torch's global optimizer step pre-hook). Only that wait
 and the small copies block the job (:func:`blocked_s`).
 
-A snapshot is complete once its checksum (CRC-32 of everything before it) is written last; ``restore()`` reads
+A snapshot is complete once its checksums (CRC-32C, per chunk) are written last; ``restore()`` reads
 the step the agent names (``FTRUN_RESTORE_STEP``: the newest complete on every rank) and verifies it before it
 trusts it. Outside ftrun both do nothing: ``snapshot`` returns at once, ``restore`` returns None, and the job
 loads its own checkpoint.

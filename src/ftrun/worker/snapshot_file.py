@@ -4,11 +4,12 @@ One file per rank and step, ``step-<step>/rank-<rank>.snap`` under the run's sna
 
     head     magic, the skeleton's length, the data's end; then (step, rank, tensor table, pickled skeleton)
     data     each tensor's raw bytes, aligned (the skeleton holds a placeholder where each was)
-    table    a CRC-32 of each CHUNK of everything before it
-    foot     a CRC-32 of the table, b"DONE": written last, so a file with it is one its writer finished
+    table    a CRC-32C of each CHUNK of everything before it
+    foot     a CRC-32C of the table, b"DONE": written last, so a file with it is one its writer finished
 
 Chunked checksums let a reader check a big file on several cores at once (:func:`read`); a part that does not
-match is never trusted.
+match is never trusted. CRC-32C (the crc32c package: the CPU's own instruction, 11 GB/s a core here against
+zlib's CRC-32 at 2-3 GB/s), because checksumming was half the CPU time of a snapshot.
 """
 
 from __future__ import annotations
@@ -17,19 +18,20 @@ import mmap
 import os
 import pickle
 import struct
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from crc32c import crc32c
+
 STEP_DIR = "step-{:012d}"
 BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
 DCP_DIR = "dcp"  # in a step's directory: torch.distributed.checkpoint's files (:mod:`ftrun.worker.dcp`)
-MAGIC = b"FTSNAP2\n"
+MAGIC = b"FTSNAP3\n"
 HEAD = struct.Struct("<8sQQ")  # magic, head's length, data's end
-FOOT = struct.Struct("<I4s")  # CRC-32 of the chunks' table, b"DONE"
+FOOT = struct.Struct("<I4s")  # CRC-32C of the chunks' table, b"DONE"
 CRC = struct.Struct("<I")
 ALIGN = 64
 CHUNK = 16 << 20
@@ -118,12 +120,12 @@ def begin(step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], s
 
 
 def seal(view: mmap.mmap, data_end: int) -> None:
-    """Writes the chunks' checksums (on several cores, zlib lets the GIL go), then the foot, last."""
+    """Writes the chunks' checksums (on several cores: crc32c lets the GIL go), then the foot, last."""
     with memoryview(view) as whole:
         crcs = list(_pool().map(lambda i: _crc(whole, i, data_end), range(_chunks(data_end))))
     table = b"".join(CRC.pack(c) for c in crcs)
     view[data_end : data_end + len(table)] = table
-    view[data_end + len(table) : data_end + len(table) + FOOT.size] = FOOT.pack(zlib.crc32(table), b"DONE")
+    view[data_end + len(table) : data_end + len(table) + FOOT.size] = FOOT.pack(crc32c(table), b"DONE")
 
 
 def read(path: Path, torch: Any) -> tuple[int, Any]:
@@ -210,7 +212,7 @@ def _chunks(data_end: int) -> int:
 
 def _crc(whole: memoryview, i: int, data_end: int) -> int:
     with whole[i * CHUNK : min((i + 1) * CHUNK, data_end)] as part:
-        return zlib.crc32(part)
+        return crc32c(part)
 
 
 def _table(whole: memoryview, path: Path) -> tuple[int, list[int]]:
@@ -222,7 +224,7 @@ def _table(whole: memoryview, path: Path) -> tuple[int, list[int]]:
         raise CorruptSnapshot(f"{path}: incomplete (its writer never finished)")
     _, _, data_end = HEAD.unpack_from(whole)
     table = whole[data_end : len(whole) - FOOT.size]
-    if file_size(data_end) != len(whole) or zlib.crc32(table) != crc:
+    if file_size(data_end) != len(whole) or crc32c(table) != crc:
         raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
     return data_end, [CRC.unpack_from(table, i * CRC.size)[0] for i in range(_chunks(data_end))]
 
