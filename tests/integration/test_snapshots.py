@@ -62,6 +62,10 @@ def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tm
     # The snapshots name the steps: the work the crash cost is known (steps redone x step time), with no heartbeat
     [goodput] = re.findall(r"^ftrun: goodput .*$", crashed.stderr, re.M)
     assert "lost work unknown" not in goodput, goodput
+    report = subprocess.run([sys.executable, "-m", "ftrun", "report", str(crashed.run_dir)], capture_output=True,
+                            text=True, timeout=60, check=True).stdout  # fmt: skip
+    redone = 29 - int(named)  # the crash came at the top of step 30: steps after the one restored, done again
+    assert re.search(rf"lost work: [\d.]+ s, {redone} step\(s\) done again", report), report
     (tmp_path / "never").mkdir()
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
     assert never.returncode == 0, never.stderr

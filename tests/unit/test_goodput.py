@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from ftrun.observe.events import Event, EventKind
-from ftrun.observe.goodput import measure
+from ftrun.observe.goodput import LostWork, measure
 
 
 def ev(kind: EventKind, mono: float, **data: Any) -> Event:
@@ -40,6 +40,9 @@ def test_training_runs_from_each_attempts_first_step_to_its_failure_or_end() -> 
     # Steps 5..7 were done again, at (9.5 - 3) / 7 s each, plus the unfinished step from 9.5 to 10.
     assert g.lost_s == pytest.approx(2 * 6.5 / 7 + 0.5)
     assert g.fraction == pytest.approx((15.0 - g.lost_s) / 20.0)
+    assert g.failures == (LostWork(attempt=0, steps=2, lost_s=pytest.approx(g.lost_s)),)  # per failure
+    assert "lost work 2.4 s (2 step(s) done again after 1 failure(s))" in g.render()
+    assert g.to_json()["failures"] == [{"attempt": 0, "steps": 2, "lost_s": pytest.approx(g.lost_s)}]
 
 
 def test_lost_work_is_unknown_when_the_job_names_no_steps() -> None:

@@ -71,6 +71,8 @@ def text(h: NodeHistory) -> str:
         f"{summary.restarts} restart(s)"
     ]
     rounds = node_counts(h)
+    goodput = measure(h.events)
+    lost = {f.attempt: f for f in goodput.failures}
     for i, s in enumerate(h.spans):
         end = s.end if s.end is not None else h.finished
         took = f" ({end - s.start:.1f} s)" if end is not None else ""
@@ -90,5 +92,8 @@ def text(h: NodeHistory) -> str:
                 f"  down: {nxt.start - s.failed:.3f} s from the failure to attempt {nxt.number}'s start, "
                 f"{back - s.failed:.1f} s to its first step"
             )
-    lines.append(measure(h.events).render())
+            failure = lost.get(s.number)
+            if failure is not None and failure.lost_s is not None:
+                lines.append(f"  lost work: {failure.lost_s:.1f} s, {failure.steps} step(s) done again")
+    lines.append(goodput.render())
     return "\n".join(lines)

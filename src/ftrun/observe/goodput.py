@@ -23,6 +23,13 @@ from ftrun.observe.events import Event, EventKind, failed_mono, lifetimes
 
 
 @dataclass(frozen=True, slots=True)
+class LostWork:
+    attempt: int
+    steps: int | None
+    lost_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Goodput:
     wall_s: float
     training_s: float
@@ -32,6 +39,9 @@ class Goodput:
     ending_s: float
     lost_s: float | None  # None: the job does not name its steps, so the work redone is not known
     stepped: bool  # some attempt reached its first step (else training is not told apart from start-up)
+    # Each failure the next attempt recovered from, in order: the failed attempt, the steps done again, the
+    # seconds of work lost (None where the steps are not named).
+    failures: tuple[LostWork, ...] = ()
 
     @property
     def fraction(self) -> float:
@@ -39,7 +49,7 @@ class Goodput:
         return useful / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "fraction": round(self.fraction, 4)}
+        return {**asdict(self), "failures": [asdict(f) for f in self.failures], "fraction": round(self.fraction, 4)}
 
     def render(self) -> str:
         if not self.stepped:
@@ -51,7 +61,9 @@ class Goodput:
         parts += [f"detection {self.detection_s:.1f} s"] if self.detection_s else []
         parts += [f"recovery {self.recovery_s:.1f} s"] if self.recovery_s else []
         if self.lost_s is not None:
-            parts += [f"lost work {self.lost_s:.1f} s"] if self.lost_s else []
+            redone = sum(f.steps or 0 for f in self.failures)
+            each = f" ({redone} step(s) done again after {len(self.failures)} failure(s))" if self.failures else ""
+            parts += [f"lost work {self.lost_s:.1f} s{each}"] if self.lost_s or self.failures else []
         elif self.detection_s:
             parts.append("lost work unknown (name steps with ftrun.heartbeat(step=N))")
         parts.append(f"end {self.ending_s:.1f} s")
@@ -114,6 +126,7 @@ def measure(events: Sequence[Event], now: float | None = None) -> Goodput:
         ending_s=last.ending_s,
         lost_s=None if None in lost else sum(x or 0.0 for x in lost),
         stepped=any(p.stepped for p in parts),
+        failures=tuple(f for p in parts for f in p.failures),
     )  # fmt: skip
 
 
@@ -143,6 +156,7 @@ def _fold(attempts: list[_Attempt], started: float | None, end: float | None) ->
     wall = max(0.0, end - started)
     training = detection = 0.0
     lost: float | None = 0.0
+    failures: list[LostWork] = []
     for i, a in enumerate(attempts):
         a_end = a.end if a.end is not None else end
         stop = a.failed if a.failed is not None else a_end
@@ -152,7 +166,8 @@ def _fold(attempts: list[_Attempt], started: float | None, end: float | None) ->
             detection += max(0.0, (a.stopping if a.stopping is not None else a_end) - a.failed)
             nxt = attempts[i + 1] if i + 1 < len(attempts) else None
             if nxt is not None and a.first is not None and nxt.first is not None:
-                redone = _lost(a, nxt, stop)
+                steps, redone = _lost(a, nxt, stop)
+                failures.append(LostWork(a.number, steps, redone))
                 lost = None if lost is None or redone is None else lost + redone
     stepped = any(a.first is not None for a in attempts)
     first_at = next((a.first for a in attempts if a.first is not None), None)
@@ -164,18 +179,19 @@ def _fold(attempts: list[_Attempt], started: float | None, end: float | None) ->
         last_end = done if last.failed is None else (last.stopping if last.stopping is not None else done)
     ending = max(0.0, end - last_end) if stepped else 0.0
     recovery = max(0.0, wall - startup - training - detection - ending) if stepped else 0.0
-    return Goodput(wall, training, max(0.0, startup), detection, recovery, ending, lost, stepped)
+    return Goodput(wall, training, max(0.0, startup), detection, recovery, ending, lost, stepped, tuple(failures))
 
 
-def _lost(failed: _Attempt, nxt: _Attempt, stop: float) -> float | None:
-    """The failed attempt's work that the next one did again (None: the job names no steps)."""
+def _lost(failed: _Attempt, nxt: _Attempt, stop: float) -> tuple[int | None, float | None]:
+    """The failed attempt's steps that the next one did again, and the seconds of work they and the unfinished
+    step were (None: the job names no steps)."""
     if failed.resumed is None or failed.last_step is None or nxt.resumed is None or failed.first is None:
-        return None
+        return None, None
     done = failed.last_step - failed.resumed
     last_beat = failed.last_beat if failed.last_beat is not None else stop
     per_step = (last_beat - failed.first) / done if done > 0 else 0.0
     redone = max(0, failed.last_step - nxt.resumed)
-    return min(max(0.0, stop - failed.first), redone * per_step + max(0.0, stop - last_beat))
+    return redone, min(max(0.0, stop - failed.first), redone * per_step + max(0.0, stop - last_beat))
 
 
 def _int(value: object) -> int | None:

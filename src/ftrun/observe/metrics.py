@@ -106,8 +106,10 @@ class Metrics(Collector):
         yield _gauge("ftrun_attempt", "The current attempt (0 before the first restart)", labels, summary.attempts - 1)
         yield _gauge("ftrun_round", "The rendezvous round of the current attempt", labels, record.get("round") or 0)
         yield _gauge("ftrun_world_size", "Workers in the whole job (WORLD_SIZE)", labels, record.get("world_size") or 0)
-        goodput = measure(events, now=time.monotonic()).fraction
-        yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, goodput)
+        goodput = measure(events, now=time.monotonic())
+        yield _gauge("ftrun_goodput_ratio", "Training time less lost work, over wall time", labels, goodput.fraction)
+        if goodput.lost_s is not None:
+            yield _gauge("ftrun_lost_work_seconds", "Work the failures made the job do again", labels, goodput.lost_s)
         ages = GaugeMetricFamily(
             "ftrun_heartbeat_age_seconds",
             "Seconds since each running rank's last heartbeat, read from the monitor table at the scrape",
