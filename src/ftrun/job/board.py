@@ -29,6 +29,7 @@ from ftrun.job.collective_share import CollectiveShare
 from ftrun.job.offloop import Newest
 from ftrun.job.pace_share import PaceShare
 from ftrun.jsonobject import object_or_none
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
 
@@ -43,7 +44,7 @@ class JobBoard:
     def __init__(self, store: Store, run_id: str, node: str, clock: Clock) -> None:
         self._store = store
         self._run_id = run_id
-        self._root = f"/ftrun/{run_id}/"
+        self._root = keyspace.root(run_id)
         self._node = node
         self._clock = clock
         # Set by the agent: a signal to ftrun came. A wait for another node's record ends then (within LOOK_UP_S):
@@ -61,7 +62,7 @@ class JobBoard:
         self._status.offer(record)
 
     def _write_status(self, record: bytes) -> None:
-        self._store.put(f"{self._root}status/{self._node}", record)
+        self._store.put(keyspace.prefix(self._run_id, "status") + self._node, record)
 
     def pace_share(self) -> PaceShare:
         """This node's side of the ranks' pace, shared for straggler detection."""
@@ -166,7 +167,7 @@ class JobBoard:
         return []
 
     def _prefix(self, kind: str, round_: int) -> str:
-        return f"{self._root}{kind}/{round_}/"
+        return f"{keyspace.prefix(self._run_id, kind)}{round_}/"
 
 
 def _object(value: bytes) -> dict[str, Any] | None:
@@ -175,5 +176,5 @@ def _object(value: bytes) -> dict[str, Any] | None:
 
 def read_statuses(store: Store, run_id: str) -> list[dict[str, Any]]:
     """Every node's last status record in the job's store, in node order (unreadable ones left out)."""
-    kvs, _ = store.list_prefix(f"/ftrun/{run_id}/status/")
+    kvs, _ = store.list_prefix(keyspace.prefix(run_id, "status"))
     return [v for v in (_object(kv.value) for kv in sorted(kvs, key=lambda kv: kv.key)) if v is not None]

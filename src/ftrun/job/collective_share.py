@@ -19,6 +19,7 @@ from ftrun.clock import Clock
 from ftrun.errors import StoreError
 from ftrun.job.offloop import Newest
 from ftrun.jsonobject import object_or_none
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
 
@@ -32,7 +33,7 @@ class CollectiveShare:
 
     def __init__(self, store: Store, run_id: str, node: str, clock: Clock) -> None:
         self._store = store
-        self._root = f"/ftrun/{run_id}/collectives/"
+        self._root = keyspace.prefix(run_id, "collectives")
         self._node = node
         self._clock = clock
         self._lock = threading.Lock()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 
 from ftrun.errors import StoreError
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 
 
 class Exclusions:
     def __init__(self, store: Store, run_id: str) -> None:
         self._store = store
-        self._root = f"/ftrun/{run_id}/excluded/"
+        self._root = keyspace.prefix(run_id, "excluded")
 
     def mark(self, host: str, reason: str) -> None:
         with contextlib.suppress(StoreError):  # the agent leaves anyway; only the record for later is lost

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ftrun.clock import Clock
 from ftrun.errors import StoreError
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 from ftrun.store.follow import follow
 
@@ -21,7 +22,7 @@ from ftrun.store.follow import follow
 class ExitBarrier:
     def __init__(self, store: Store, run_id: str, node_id: str, clock: Clock) -> None:
         self._store = store
-        self._root = f"/ftrun/{run_id}/exit/"
+        self._root = keyspace.prefix(run_id, "exit")
         self._node = node_id
         self._clock = clock
 

@@ -17,6 +17,7 @@ from typing import Any
 from ftrun.job.offloop import Newest
 from ftrun.jsonobject import object_or_none
 from ftrun.rendezvous.records import Keys, RecordError, decode_round
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 
 MAX_RECORD_BYTES = 1 << 20
@@ -27,7 +28,7 @@ class PaceShare:
 
     def __init__(self, store: Store, run_id: str, node: str) -> None:
         self._store = store
-        self._root = f"/ftrun/{run_id}/pace/"
+        self._root = keyspace.prefix(run_id, "pace")
         self._rdzv = Keys.of(run_id)
         self.spares: int | None = None  # nodes registered beyond the round's members, as last counted (None: never)
         self.count_spares = False  # set when a straggler here may leave for a spare: counting lists every node

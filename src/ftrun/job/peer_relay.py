@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ftrun.job.board import JobBoard
 from ftrun.private import make_dir
+from ftrun.store import keyspace
 from ftrun.store.base import Store
 from ftrun.worker.peers import (
     EXCHANGE_TIMEOUT_S,
@@ -103,7 +104,7 @@ def job_key(run_id: str, token: str | None, store: Store | None) -> bytes:
     if token or store is None:
         secret = (token or "").encode()
         return hmac.new(secret, f"ftrun peer heartbeat {run_id}".encode(), hashlib.sha256).digest()
-    key = f"/ftrun/{run_id}/peer_key"
+    key = keyspace.key(run_id, "peer_key")
     store.compare_and_set(key, secrets.token_bytes(32), 0)  # the first agent's stands
     found = store.get(key)
     return found.value if found is not None else secrets.token_bytes(32)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 from ftrun.errors import FtrunError
 from ftrun.jsonobject import load_object
+from ftrun.store import keyspace
 
 SCHEMA_VERSION = 2
 MAX_RECORD_BYTES = 16 * 1024 * 1024  # a roster of 100,000 nodes is a few MiB; every other record is small
@@ -52,7 +53,7 @@ class Keys:
 
     @classmethod
     def of(cls, run_id: str) -> Keys:
-        return cls(f"/ftrun/{run_id}/rdzv/")
+        return cls(keyspace.prefix(run_id, "rdzv"))
 
     @property
     def shared(self) -> str:
