@@ -110,6 +110,18 @@ def test_progress_stack_cpu_or_io_moving_is_progress() -> None:
     assert p.quiet_since(moved, 140.0) == 139.0
 
 
+def test_io_that_only_polls_is_not_progress_but_a_slow_read_is() -> None:
+    """NCCL's monitor asks the job's store every second whether to dump (some 100 bytes a second, for as long
+    as the process lives): a rank stuck in a collective on NCCL would never look quiet if that counted."""
+    p = Progress()
+    r = rank(0, [], read_at=130.0, stack_since=100.0)
+    for t in range(100, 131):
+        p.add(0, sample(float(t), io=150 * (t - 100)), r.where)
+    assert p.quiet_since(r, 130.0) == 100.0
+    p.add(0, sample(131.0, io=150 * 31 + 20 * 1024), r.where)  # 20 KiB in a second: a slow read
+    assert p.quiet_since(r, 131.0) == 131.0
+
+
 def test_a_host_spinning_on_the_gpu_or_a_stopped_process_is_not_progress() -> None:
     p = Progress()
     where = "/usr/lib/python3/site-packages/torch/cuda/__init__.py:1040"

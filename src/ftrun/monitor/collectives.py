@@ -29,6 +29,10 @@ UNFINISHED_S = 40.0  # a collective every member entered, not finished, none of 
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
 BUSY_SHARE = 0.05  # the main thread's CPU time growing faster than this share of a core is progress
 OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, faster than this share
+# I/O slower than this is polling, not progress: NCCL's monitor thread asks the job's TCPStore every second
+# whether another rank wants its recorder dumped (TORCH_NCCL_DUMP_ON_TIMEOUT), some 100 bytes a second for as
+# long as the process lives; a slow read of a checkpoint or a dataset moves far more.
+IO_BUSY_BYTES_PER_S = 2048
 DEFAULT_GROUP = "0"  # torch names the default process group "0", every rank's first
 SPIN_WAITS = ("torch/cuda/__init__.py", "torch/cuda/streams.py")  # the host spins there on the GPU's work
 
@@ -187,7 +191,8 @@ class Progress:
         spins = any(w in where for w in SPIN_WAITS)
         main_busy = sample.main_cpu_s - last.main_cpu_s > BUSY_SHARE * dt and not spins
         busy = main_busy or sample.other_cpu_s - last.other_cpu_s > OTHERS_BUSY_SHARE * dt
-        if not sample.stopped and (busy or sample.io_bytes != last.io_bytes):
+        moving_io = sample.io_bytes - last.io_bytes > IO_BUSY_BYTES_PER_S * dt
+        if not sample.stopped and (busy or moving_io):
             self._moved[rank] = sample.at
 
     def forget(self, keep: Sequence[int]) -> None:
