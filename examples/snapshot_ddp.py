@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 exits at this step of the first attempt")
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     a = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
@@ -49,6 +51,7 @@ def main() -> None:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         ftrun.snapshot(step, {"model": model.module.state_dict(), "opt": opt.state_dict()})
+        time.sleep(a.step_time)
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
     if rank == 0:
         print(f"checksum {digest.hexdigest()[:16]}", flush=True)

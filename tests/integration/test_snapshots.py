@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,45 @@ def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tm
     assert plain.returncode == 0, plain.stderr
     assert (tmp_path / "plain" / ".metadata").is_file()  # outside ftrun: torch's own checkpoint at the path
     assert checksum(crashed.log(1, 0)) == checksum(plain.stdout)
+
+
+def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds(
+    tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun]
+) -> None:
+    """2 nodes x 1 rank and a hot spare: each node's snapshots are copied to the other; a node is SIGKILLed;
+    the spare takes its rank, fetches that rank's snapshot from the survivor, and both restore one step. The
+    weights end as in a run that never failed."""
+    flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.url.removeprefix("etcd://"), "--rdzv-conf", CONF]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += [str(EXAMPLE), "--steps", "80", "--step-time", "0.1"]
+
+    def agent(name: str) -> LiveFtrun:
+        started = LiveFtrun(tmp_path, *flags, name=name, run_id="snap-spare")
+        live.append(started)
+        return started
+
+    a, b = agent("a"), agent("b")
+    head = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
+    other = b if head is a else a
+    other.wait_for_stderr(r"round 1: group rank")
+    spare = agent("spare")
+    spare.wait_for_stderr("hot spare")
+    copies = Path("/dev/shm") / f"ftrun-snapshots-{os.geteuid()}"
+    deadline = time.monotonic() + 60
+    while not list(copies.glob(f"{head.proc.pid}-*/peer/step-*/rank-1.snap")):  # the survivor holds rank 1's
+        assert time.monotonic() < deadline, "rank 1's snapshot never reached the node of rank 0"
+        time.sleep(0.1)
+    other.proc.kill()
+    assert head.wait() == 0, head.stderr()
+    assert spare.wait() == 0, spare.stderr()
+    assert re.search(r"rank 1's snapshot of step \d+ fetched from the node holding its copy", spare.stderr())
+    named = [re.findall(r"the workers restore the snapshot of step (\d+)", f.stderr()) for f in (head, spare)]
+    assert named[0][-1:] == named[1][-1:] != [], named  # the round after the loss: one step for both ranks
+    logs = sorted((int(p.parent.parent.name.removeprefix("attempt_")), int(p.parent.name), p)
+                  for f in (head, spare) for p in f.run_dir.glob("attempt_*/*/stdout.log"))  # fmt: skip
+    after = {rank: path.read_text() for _, rank, path in logs}  # each rank's latest attempt
+    assert f"rank 1 restored step {named[1][-1]}" in after[1]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "80")
+    assert never.returncode == 0, never.stderr
+    assert checksum(after[0]) == checksum(never.log(0, 0))

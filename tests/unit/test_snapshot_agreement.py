@@ -1,5 +1,5 @@
-"""The nodes of a job restore one snapshot step: the newest every node has, decided by group rank 0's node; a
-node that hears no decision restores nothing alone."""
+"""The nodes of a job restore one snapshot step: the newest every rank can have, from its own node or from a
+node holding its copy, decided by group rank 0's node; a node that hears no decision restores nothing alone."""
 
 from __future__ import annotations
 
@@ -10,31 +10,45 @@ import pytest
 from ftrun.clock import SystemClock
 from ftrun.job import snapshot_agreement
 from ftrun.job.board import JobBoard
-from ftrun.job.snapshot_agreement import UNAGREED, agreement, newest_common
+from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, decide
 from ftrun.store.memory import MemoryStore
 
 
-def test_the_newest_step_every_node_has_or_none() -> None:
-    assert newest_common([{"steps": [3, 4, 5]}, {"steps": [4, 5, 6]}], nodes=2) == 5
-    assert newest_common([{"steps": [3, 4]}, {"steps": [5]}], nodes=2) is None  # none shared
-    assert newest_common([{"steps": [3, 4]}], nodes=2) is None  # a node did not say
-    assert newest_common([{"steps": "junk"}, {"steps": [1]}], nodes=2) is None
+def offer(have: dict[int, list[int]], holds: dict[int, list[int]] | None = None, mirror: str = "") -> dict[str, object]:
+    return Offer({r: set(s) for r, s in have.items()}, {r: set(s) for r, s in (holds or {}).items()}, mirror).to_json()
+
+
+def test_the_newest_step_every_rank_can_have_and_where_to_fetch_what_a_node_lacks() -> None:
+    assert decide([offer({0: [3, 4, 5]}), offer({1: [4, 5, 6]})], nodes=2) == (5, {})
+    assert decide([offer({0: [3, 4]}), offer({1: [5]})], nodes=2) == (None, {})  # none shared
+    assert decide([offer({0: [3, 4]})], nodes=2) == (None, {})  # a node did not offer
+    # rank 1's node is a spare with nothing: node a holds rank 1's copies of steps 6 and 7
+    spare = offer({1: []}, mirror="c:1")
+    holder = offer({0: [6, 7, 8]}, holds={1: [6, 7]}, mirror="a:1")
+    assert decide([holder, spare], nodes=2) == (7, {1: "a:1"})
+    assert decide([{"have": "junk"}, offer({1: [1]})], nodes=2) == (1, {})  # what does not parse is left out
 
 
 def test_every_node_restores_the_decided_step() -> None:
     store = MemoryStore(SystemClock())
     boards = [JobBoard(store, "job", f"node-{i}", SystemClock()) for i in range(3)]
-    mine = [{7, 8, 9}, {8, 9}, {6, 7, 8}]  # node 2 died writing step 9
+    have = [{0: {7, 8, 9}}, {1: {8, 9}}, {2: {6, 7, 8}}]  # node 2 died writing step 9
+
+    def agree(i: int) -> Decision:
+        return RoundAgreement(boards[i], 4, 3, group_rank=i).agree(Offer(have[i], {}, f"n{i}:1", i))
+
     with ThreadPoolExecutor(3) as pool:
-        chosen = list(pool.map(lambda i: agreement(boards[i], 4, 3, decider=i == 0)(mine[i]), range(3)))
-    assert chosen == [8, 8, 8]
+        chosen = list(pool.map(agree, range(3)))
+    assert [d.step for d in chosen] == [8, 8, 8]
+    assert RoundAgreement(boards[1], 4, 3, group_rank=1).successor_mirror() == "n2:1"
+    assert RoundAgreement(boards[2], 4, 3, group_rank=2).successor_mirror() == "n0:1"
 
 
 def test_a_node_that_hears_no_decision_does_not_restore_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(snapshot_agreement, "DECISION_S", 0.3)
     store = MemoryStore(SystemClock())
     follower = JobBoard(store, "job", "node-1", SystemClock())
-    assert agreement(follower, 2, 2, decider=False)({5}) == UNAGREED  # the decider never spoke
+    assert RoundAgreement(follower, 2, 2, group_rank=1).agree(Offer({1: {5}})).step == UNAGREED
     monkeypatch.setattr(snapshot_agreement, "STEPS_S", 0.3)
     decider = JobBoard(store, "job", "node-0", SystemClock())
-    assert agreement(decider, 3, 2, decider=True)({5}) is None  # the other node never said: none for all
+    assert RoundAgreement(decider, 3, 2, group_rank=0).agree(Offer({0: {5}})).step is None  # the other never offered

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from ftrun.agent import snapshots
-from ftrun.agent.snapshots import SnapshotKeeper, restore_agreement, whole_steps
-from ftrun.job.snapshot_agreement import UNAGREED
+from ftrun.agent.snapshots import Restore, SnapshotKeeper, restore_plan, whole_steps
+from ftrun.job.snapshot_agreement import UNAGREED, Decision
 from ftrun.worker.snapshot import BAD_MARK, ENV_DIR, ENV_MEMORY, ENV_RESTORE, path_of
 from ftrun.worker.snapshot_file import FOOT
 
-ALONE = restore_agreement(1, None, None, 0)
+ALONE = restore_plan(1, None, None, 0)
 
 
 def part(directory: Path, step: int, rank: int, whole: bool = True) -> None:
@@ -44,7 +44,7 @@ def test_a_restart_restores_the_newest_step_whole_on_every_rank_and_not_a_bad_on
     assert not (keeper.dir / "step-000000000004").exists()  # written again whole, it will count again
     keeper.new_attempt([0, 1], None)  # a static job of several nodes: nothing to agree through, none restored
     assert ENV_RESTORE not in keeper.env()
-    keeper.new_attempt([0, 1], lambda steps: UNAGREED)  # the nodes did not agree: the workers' restore fails
+    keeper.new_attempt([0, 1], Restore(lambda offer: Decision(UNAGREED)))  # not agreed: the workers' restore fails
     assert keeper.env()[ENV_RESTORE] == "unagreed"
 
 

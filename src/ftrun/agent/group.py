@@ -31,7 +31,7 @@ from ftrun.agent.driver import (
     WorkersStarted,
     WorkersStopped,
 )
-from ftrun.agent.snapshots import SnapshotKeeper, restore_agreement
+from ftrun.agent.snapshots import SnapshotKeeper, restore_plan
 from ftrun.agent.worker_launch import MODULES_FILE, worker_launch
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
@@ -199,8 +199,8 @@ class LocalGroup:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks, self.peer_key)
-        agree = restore_agreement(self._nodes, self._reports.board, self._round, placement.group_rank)
-        self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), agree)
+        restore = restore_plan(self._nodes, self._reports.board, self._round, placement.group_rank)
+        self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore)
         try:
             for local_rank in range(c.nproc_per_node):
                 self._spawn(command, attempt_dir, local_rank, master_port)
@@ -303,6 +303,10 @@ class LocalGroup:
     def _stopped(self) -> WorkersStopped:  # with the verdict when the attempt failed as the ones before it
         self.status.notice_first_step(self._processes.workers, self._watch.hangs.slot)  # however short it was
         return WorkersStopped(self._reports.crash_loop(self._this_attempt, self.status.stepped, self._watch.hangs.slot))
+
+    def mirror_snapshots(self, host: str) -> None:
+        """Copy the workers' snapshots to the next node, and hold the previous node's (a job of several nodes)."""
+        self._snapshots.mirror(host, self.peer_key)
 
     def share_board(self, board: JobBoard) -> None:
         """Publish root causes and hangs found here to the other nodes, and read theirs (failures, hangs)."""

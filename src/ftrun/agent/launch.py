@@ -214,6 +214,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         group.peer_key = job_key(config.run_id, config.rdzv.token, store)
+        group.mirror_snapshots(config.local_addr or socket.getfqdn())
         exclusions = Exclusions(store, config.run_id)
         excluded = exclusions.reason(group.host)
         if excluded is not None:

@@ -17,12 +17,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from ftrun.job.board import JobBoard
-from ftrun.job.snapshot_agreement import UNAGREED, agreement
+from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, alone
+from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import make_dir, own_dir
 from ftrun.worker.snapshot import ENV_DIR, ENV_MEMORY, ENV_RESTORE
 from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
@@ -55,27 +57,69 @@ class SnapshotKeeper:
         self._restore: int | None = None
         self._unagreed = False
         self._failed_after: dict[int, int] = {}  # a restored step -> the attempts that failed before a newer one
+        self._mirror: SnapshotMirror | None = None
+        self._held: dict[int, set[int]] = {}
 
-    def new_attempt(self, ranks: Sequence[int], agree: Callable[[set[int]], int | None] | None) -> None:
-        """Before the attempt's workers start: the step they restore, ``agree`` taking it from the steps whole
-        here (for a job of several nodes: what every node has; :data:`UNAGREED` when the nodes did not agree;
-        None: no restore at all), given up steps removed, the older ones pruned."""
-        steps = whole_steps(self.dir, ranks)
+    def mirror(self, host: str, job_key: bytes) -> None:
+        """Copy this node's snapshots to the next node, and hold the previous node's (a job of several nodes):
+        a lost node's ranks restore from their copy (:mod:`ftrun.job.snapshot_mirror`)."""
+        if self._mirror is None:
+            try:
+                self._mirror = SnapshotMirror.serve(self.dir, host, job_key)
+            except OSError as e:  # the job goes on; a node lost takes its snapshots with it
+                self._say(f"snapshots are not copied to another node: cannot listen on {host} ({e})")
+
+    def new_attempt(self, ranks: Sequence[int], restore: Restore | None) -> None:
+        """Before the attempt's workers start: the step they restore, ``restore.agree`` deciding it from what
+        each node has (None: no restore at all, a static job of several nodes), the files of it this node
+        lacks fetched or taken from its peer copies, given up steps removed, the older ones pruned; then this
+        node's snapshots are copied to the next node as they come."""
+        if self._mirror is not None:
+            self._mirror.stop_sending()
+        self._held = held(self.dir)
+        have = {r: whole_steps(self.dir, [r]) | self._held.get(r, set()) for r in ranks}
+        steps = set.intersection(*have.values()) if have else set()
         given_up = self._given_up(steps)
-        for step_dir in self.dir.iterdir():
+        for step_dir in self.dir.glob("step-*"):
             if (step_dir / BAD_MARK).exists() or (given_up is not None and step_dir.name == STEP_DIR.format(given_up)):
                 shutil.rmtree(step_dir, ignore_errors=True)  # written again whole, it counts again
         if given_up is not None:
-            steps.discard(given_up)
+            for steps_of_rank in have.values():
+                steps_of_rank.discard(given_up)
         for step in sorted(steps)[:-KEEP]:
             shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
-        choice = agree(steps) if agree is not None else None
-        self._unagreed = choice == UNAGREED
-        self._restore = None if self._unagreed else choice
+        holds = {r: s for r, s in self._held.items() if r not in have}
+        offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
+        decision = restore.agree(offer) if restore is not None else Decision(None)
+        self._unagreed = decision.step == UNAGREED or not self._gather(decision, ranks)
+        self._restore = None if self._unagreed else decision.step
         if self._restore is not None:
             self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
         elif self._unagreed:
             self._say("the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails")
+        if self._mirror is not None and restore is not None and restore.successor is not None:
+            self._mirror.send_to(restore.successor, list(ranks))
+
+    def _gather(self, decision: Decision, ranks: Sequence[int]) -> bool:
+        """This node's files of the decided step in their place: its own, a peer copy it holds, or fetched from
+        the mirror the decision names; False when one cannot be had."""
+        step = decision.step
+        if step is None or step == UNAGREED:
+            return True
+        for rank in ranks:
+            own, copy = path_of(self.dir, step, rank), peer_path(self.dir, step, rank)
+            if is_whole(own):
+                continue
+            if is_whole(copy):  # this node holds the copy of a rank it now has: the copy becomes its own
+                own.parent.mkdir(parents=True, exist_ok=True)
+                copy.replace(own)
+                continue
+            source = decision.fetch.get(rank)
+            if source is None or self._mirror is None or not self._mirror.fetch(source, step, rank):
+                self._say(f"rank {rank}'s snapshot of step {step} could not be had from {source or 'any node'}")
+                return False
+            self._say(f"rank {rank}'s snapshot of step {step} fetched from the node holding its copy ({source})")
+        return True
 
     def _given_up(self, steps: set[int]) -> int | None:
         """The step restored last, if the attempt that restored it failed before a newer one was whole for the
@@ -98,19 +142,29 @@ class SnapshotKeeper:
 
     def close(self) -> None:
         """The run is over: its snapshots free the memory they hold."""
+        if self._mirror is not None:
+            self._mirror.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def restore_agreement(
-    nodes: int, board: JobBoard | None, round_: int | None, group_rank: int
-) -> Callable[[set[int]], int | None] | None:
-    """How an attempt's snapshot step is chosen: here alone, with the other nodes through the store, or not at
-    all (a static job of several nodes has no store to agree through)."""
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """How an attempt's snapshot step is decided, and where this node's snapshots are copied to."""
+
+    agree: Callable[[Offer], Decision]
+    group_rank: int = 0
+    successor: Callable[[], str | None] | None = None  # the next node's mirror, once it offered
+
+
+def restore_plan(nodes: int, board: JobBoard | None, round_: int | None, group_rank: int) -> Restore | None:
+    """Here alone, with the other nodes through the store (copies to the next node), or not at all (a static
+    job of several nodes has no store to agree through)."""
     if nodes == 1:
-        return lambda steps: max(steps, default=None)
+        return Restore(alone)
     if board is None or round_ is None:
         return None
-    return agreement(board, round_, nodes, decider=group_rank == 0)
+    agreement = RoundAgreement(board, round_, nodes, group_rank)
+    return Restore(agreement.agree, group_rank, agreement.successor_mirror)
 
 
 def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:

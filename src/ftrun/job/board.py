@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ftrun.clock import Clock
@@ -122,19 +122,19 @@ class JobBoard:
                     return change.value.decode(errors="replace")
         return None
 
-    def publish_snapshot_steps(self, round_: int, steps: Sequence[int]) -> None:
-        """The snapshot steps this node can restore (:mod:`ftrun.job.snapshot_agreement`). A store error is
-        raised, not swallowed: a node that cannot say must not restore."""
-        self._store.put(self._prefix("snapshots", round_) + self._node, json.dumps({"steps": list(steps)}).encode())
+    def publish_snapshot_offer(self, round_: int, offer: Mapping[str, Any]) -> None:
+        """What this node can give to the round's restore (:mod:`ftrun.job.snapshot_agreement`). A store error
+        is raised, not swallowed: a node that cannot say must not restore."""
+        self._store.put(self._prefix("snapshots", round_) + self._node, json.dumps(offer).encode())
 
-    def snapshot_steps(self, round_: int, count: int, timeout_s: float) -> list[dict[str, Any]]:
-        """The round's snapshot records once ``count`` nodes published theirs (fewer after ``timeout_s``)."""
+    def snapshot_offers(self, round_: int, count: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The round's offers once ``count`` nodes made theirs (fewer after ``timeout_s``; 0: those there)."""
         found: dict[str, dict[str, Any]] = {}
         with contextlib.suppress(StoreError):
             now, later = follow(
                 self._store, self._prefix("snapshots", round_), self._clock, timeout_s, self.interrupted
             )
-            for change in itertools.chain(now, later):
+            for change in itertools.chain(now, later if timeout_s > 0 else ()):
                 v = _object(change.value) if change.value is not None else None
                 if v is not None:
                     found[change.key] = v
@@ -142,9 +142,10 @@ class JobBoard:
                     break
         return list(found.values())
 
-    def publish_snapshot_decision(self, round_: int, step: int | None) -> None:
-        """The step every node restores this round (None: none); raises StoreError."""
-        self._store.put(self._prefix("snapshot-decision", round_) + self._node, json.dumps({"step": step}).encode())
+    def publish_snapshot_decision(self, round_: int, decision: Mapping[str, Any]) -> None:
+        """The step every node restores this round, and where the ranks that lack it fetch it; raises
+        StoreError."""
+        self._store.put(self._prefix("snapshot-decision", round_) + self._node, json.dumps(decision).encode())
 
     def snapshot_decision(self, round_: int, timeout_s: float) -> dict[str, Any] | None:
         """The round's decision once published (None when none came within ``timeout_s``)."""

@@ -1,53 +1,128 @@
 """Which snapshot step the nodes of a job restore: one step for every rank, or none.
 
-Each node's agent publishes, for the round, the steps whole on all its ranks (:mod:`ftrun.agent.snapshots`).
-The node of group rank 0 waits for every node's, takes the newest step all of them have (none when a node did
-not say in time, or they share none) and publishes that as the round's decision; every node starts its
-workers with the decision. A node that hears no decision in time cannot restore alone without perhaps leaving
-its ranks on another step than the others' (their weights would silently differ): its workers' restore fails
-instead (``UNAGREED``), the round fails, and the next one agrees again.
+Each node's agent offers, for the round, what it can give (:class:`Offer`): for each of its ranks the steps
+whole there (its own files, or a peer's copies it holds: :mod:`ftrun.job.snapshot_mirror`), the other ranks'
+steps it holds as a peer, and where its mirror listens. The node of group rank 0 waits for every node's offer,
+takes the newest step every rank of the job can have, from its own node or from a node holding a copy (none
+when a node did not offer in time), and publishes that with, for each rank whose node lacks it, the mirror to
+fetch it from. Every node starts its workers with the decision. A node that hears no decision in time cannot
+restore alone without perhaps leaving its ranks on another step than the others' (their weights would silently
+differ): its workers' restore fails instead (``UNAGREED``), the round fails, and the next one agrees again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from ftrun.errors import StoreError
 from ftrun.job.board import JobBoard
 
-UNAGREED = -1  # what ``agree`` returns when the nodes did not agree on a step
-STEPS_S = 10.0  # the decider waits this long for every node's steps (they start the round together)
+UNAGREED = -1  # a Decision's step when the nodes did not agree on one
+STEPS_S = 10.0  # the decider waits this long for every node's offer (they start the round together)
 DECISION_S = 20.0  # the others wait this long for its decision
 
 
-def agreement(board: JobBoard, round_: int, nodes: int, decider: bool) -> Callable[[set[int]], int | None]:
-    """The keeper's ``agree`` for this round of ``nodes`` nodes."""
+@dataclass(frozen=True, slots=True)
+class Offer:
+    have: Mapping[int, set[int]]  # this node's ranks -> the steps whole here for each
+    holds: Mapping[int, set[int]] = field(default_factory=dict)  # other ranks -> the steps it holds of theirs
+    mirror: str | None = None  # where its mirror listens
+    group_rank: int = 0
 
-    def agree(steps: set[int]) -> int | None:
+    def steps(self) -> set[int]:
+        """The steps whole here for every one of this node's ranks."""
+        sets = list(self.have.values())
+        return set.intersection(*sets) if sets else set()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "have": {str(r): sorted(s) for r, s in self.have.items()},
+            "holds": {str(r): sorted(s) for r, s in self.holds.items()},
+            "mirror": self.mirror,
+            "group_rank": self.group_rank,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    step: int | None  # UNAGREED: the nodes did not agree
+    fetch: Mapping[int, str] = field(default_factory=dict)  # this node's ranks it lacks the step of -> a mirror
+
+
+def alone(offer: Offer) -> Decision:
+    """A job of one node: the newest step whole on all its ranks."""
+    return Decision(max(offer.steps(), default=None))
+
+
+class RoundAgreement:
+    """One round's restore for a job of several nodes, through the board."""
+
+    def __init__(self, board: JobBoard, round_: int, nodes: int, group_rank: int) -> None:
+        self._board = board
+        self._round = round_
+        self._nodes = nodes
+        self._group_rank = group_rank
+
+    def agree(self, offer: Offer) -> Decision:
+        board, round_ = self._board, self._round
         try:
-            board.publish_snapshot_steps(round_, sorted(steps))
-            if decider:
-                choice = newest_common(board.snapshot_steps(round_, nodes, STEPS_S), nodes)
-                board.publish_snapshot_decision(round_, choice)
-                return choice
+            board.publish_snapshot_offer(round_, offer.to_json())
+            if self._group_rank == 0:
+                step, sources = decide(board.snapshot_offers(round_, self._nodes, STEPS_S), self._nodes)
+                board.publish_snapshot_decision(round_, {"step": step, "from": {str(r): a for r, a in sources.items()}})
+                return Decision(step, {r: a for r, a in sources.items() if r in offer.have})
         except StoreError:
-            return UNAGREED
+            return Decision(UNAGREED)
         decision = board.snapshot_decision(round_, DECISION_S)
         if decision is None:
-            return UNAGREED
-        step = decision.get("step")
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
+            return Decision(UNAGREED)
+        chosen, wanted = decision.get("step"), decision.get("from")
+        if not isinstance(chosen, int) or isinstance(chosen, bool):
+            return Decision(None)
+        wanted = wanted if isinstance(wanted, dict) else {}
+        return Decision(
+            chosen, {int(r): str(a) for r, a in wanted.items() if str(r).isdigit() and int(r) in offer.have}
+        )
 
-    return agree
-
-
-def newest_common(records: Sequence[dict[str, object]], nodes: int) -> int | None:
-    """PURE: the newest step every one of ``nodes`` records has; None when one is missing or none is shared."""
-    if len(records) < nodes:
+    def successor_mirror(self) -> str | None:
+        """The mirror of the round's next node (by group rank), once it offered; None before, or alone."""
+        after = (self._group_rank + 1) % self._nodes
+        for offer in self._board.snapshot_offers(self._round, self._nodes, 0.0):
+            if offer.get("group_rank") == after and after != self._group_rank and isinstance(offer.get("mirror"), str):
+                return str(offer["mirror"])
         return None
-    common: set[int] | None = None
-    for record in records:
-        steps = record.get("steps")
-        mine = {s for s in steps if isinstance(s, int)} if isinstance(steps, list) else set()
-        common = mine if common is None else common & mine
-    return max(common) if common else None
+
+
+def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None, dict[int, str]]:
+    """PURE: the newest step every rank of the job can have (from its own node, or fetched from a node holding
+    a copy), and for each rank whose node lacks it the mirror to fetch it from; (None, {}) when a node did not
+    offer or no step will do."""
+    if len(offers) < nodes:
+        return None, {}
+    have: dict[int, set[int]] = {}
+    holders: dict[tuple[int, int], str] = {}  # (rank, step) -> a mirror holding it
+    for offer in offers:
+        have.update(_ranks(offer.get("have")))
+        mirror = offer.get("mirror")
+        if isinstance(mirror, str):
+            for rank, steps in [*_ranks(offer.get("holds")).items(), *_ranks(offer.get("have")).items()]:
+                for step in steps:
+                    holders.setdefault((rank, step), mirror)
+    candidates = sorted({s for steps in have.values() for s in steps} | {s for _, s in holders}, reverse=True)
+    for step in candidates:
+        if all(step in steps or (rank, step) in holders for rank, steps in have.items()):
+            return step, {rank: holders[rank, step] for rank, steps in have.items() if step not in steps}
+    return None, {}
+
+
+def _ranks(raw: object) -> dict[int, set[int]]:
+    """An offer's {"rank": [steps]} as read from another node (what does not parse is left out)."""
+    if not isinstance(raw, dict):
+        return {}
+    found: dict[int, set[int]] = {}
+    for rank, steps in raw.items():
+        if str(rank).isdigit() and isinstance(steps, list):
+            found[int(rank)] = {s for s in steps if isinstance(s, int) and not isinstance(s, bool)}
+    return found

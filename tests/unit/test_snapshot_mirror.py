@@ -1,0 +1,90 @@
+"""Snapshots copied to the next node (real sockets on 127.0.0.1): the newest whole step goes, signed with the
+job's key; what is not the job's is never kept or served; a node fetches a rank's file from the node holding it."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
+from ftrun.worker import snapshot_file as file
+
+KEY = b"k" * 32
+
+
+def whole(directory: Path, step: int, rank: int) -> bytes:
+    planned = file.begin(step, rank, [], pickle.dumps({"step": step, "pad": b"x" * 100_000}))
+    view = planned.make(directory)
+    file.seal(view, planned.data_end)
+    view.close()
+    return file.path_of(directory, step, rank).read_bytes()
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[tuple[SnapshotMirror, SnapshotMirror]]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = SnapshotMirror.serve(tmp_path / "a", "127.0.0.1", KEY)
+    b = SnapshotMirror.serve(tmp_path / "b", "127.0.0.1", KEY)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def until(condition: object, what: str, bound_s: float = 10.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
+        time.sleep(0.05)
+
+
+def test_the_newest_whole_step_goes_to_the_next_node_and_old_ones_are_pruned(
+    tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]
+) -> None:
+    a, b = nodes
+    for step in (1, 2, 3):
+        sent = [whole(tmp_path / "a", step, r) for r in (0, 1)]
+    a.send_to(lambda: b.address, ranks=[0, 1], every_s=0.05)
+    until(lambda: held(tmp_path / "b") == {0: {3}, 1: {3}}, "step 3 of ranks 0 and 1 on b")
+    assert peer_path(tmp_path / "b", 3, 1).read_bytes() == sent[1]
+    for step in (4, 5):
+        whole(tmp_path / "a", step, 0)
+        whole(tmp_path / "a", step, 1)
+        until(lambda s=step: held(tmp_path / "b").get(0, set()) >= {s}, f"step {step} on b")
+    a.stop_sending()
+    assert held(tmp_path / "b") == {0: {4, 5}, 1: {4, 5}}  # the newest two of each rank
+
+
+def test_a_node_fetches_a_ranks_file_from_the_node_holding_it(
+    tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]
+) -> None:
+    a, b = nodes
+    original = whole(tmp_path / "b", 7, 3)  # b's own; a takes rank 3 over
+    assert a.fetch(b.address, 7, 3)
+    assert file.path_of(tmp_path / "a", 7, 3).read_bytes() == original
+    assert not a.fetch(b.address, 8, 3)  # b has none
+    assert not file.path_of(tmp_path / "a", 8, 3).exists()
+
+
+def test_what_is_not_the_jobs_is_never_kept_or_served(
+    tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]
+) -> None:
+    _, b = nodes
+    whole(tmp_path / "a", 2, 0)
+    (tmp_path / "c").mkdir()
+    stranger = SnapshotMirror.serve(tmp_path / "c", "127.0.0.1", b"s" * 32)
+    try:
+        stranger_sends = SnapshotMirror.serve(tmp_path / "a", "127.0.0.1", b"s" * 32)
+        stranger_sends.send_to(lambda: b.address, ranks=[0], every_s=0.05)
+        time.sleep(0.5)  # several sends refused: nothing to await but their absence
+        stranger_sends.close()
+        assert held(tmp_path / "b") == {}
+        assert not list((tmp_path / "b").rglob("*.part"))
+        whole(tmp_path / "b", 4, 1)
+        assert not stranger.fetch(b.address, 4, 1)  # b serves nobody without the job's key
+    finally:
+        stranger.close()
