@@ -54,6 +54,9 @@ FTRUN = [sys.executable, "-m", "ftrun", "--heartbeat-timeout", "10"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SAID = ("hang", "hung", "never entered", "never finished", "flight recorder", "fr_trace")
 PHASES = ("start", "imported", "cuda", "pg", "ddp", "step")
+# one rank on NCCL, its kernel spinning with an all-reduce queued behind it, no hang flag
+NCCL_STUCK = {"fault": "gpu-hang-collective", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0}
+NCCL_STUCK |= {"noflag": True, "alone": True}
 CASES: dict[str, dict[str, object]] = {
     "crash": {"fault": "exit"},
     "crash-late": {"fault": "exit", "fault_at": 400, "steps": 410},
@@ -63,26 +66,8 @@ CASES: dict[str, dict[str, object]] = {
     "gpu-hang": {"fault": "gpu-hang", "gpu": True},
     "hang-noflag": {"fault": "hang", "noflag": True, "pg_timeout": 120, "alone": True},
     "gpu-hang-noflag": {"fault": "gpu-hang", "gpu": True, "noflag": True, "pg_timeout": 120, "alone": True},
-    "nccl-dump": {
-        "fault": "gpu-hang-collective",
-        "gpu": True,
-        "nproc": 1,
-        "backend": "nccl",
-        "fault_rank": 0,
-        "noflag": True,
-        "alone": True,
-    },
-    "nccl-pipe": {
-        "fault": "gpu-hang-collective",
-        "gpu": True,
-        "nproc": 1,
-        "backend": "nccl",
-        "fault_rank": 0,
-        "noflag": True,
-        "alone": True,
-        "pg_timeout": 600,
-        "probe": True,
-    },
+    "nccl-dump": NCCL_STUCK,
+    "nccl-pipe": {**NCCL_STUCK, "pg_timeout": 600, "probe": True},
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},
     "nccl": {"fault": "sigkill", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0},
