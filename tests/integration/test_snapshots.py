@@ -140,9 +140,9 @@ def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tm
     [goodput] = re.findall(r"^ftrun: goodput .*$", crashed.stderr, re.M)
     assert "lost work unknown" not in goodput, goodput
     plain = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint",
-         str(tmp_path / "plain")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DCP_EXAMPLE),
+         "--checkpoint", str(tmp_path / "plain")],  # --standalone: a free port, not 29500, which another may hold
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert plain.returncode == 0, plain.stderr
     assert (tmp_path / "plain" / ".metadata").is_file()  # outside ftrun: torch's own checkpoint at the path
