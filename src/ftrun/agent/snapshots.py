@@ -25,10 +25,10 @@ import psutil
 from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, alone
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
-from ftrun.private import make_dir, own_dir
+from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_DIR, ENV_MEMORY, ENV_RESTORE
 from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
-from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of
+from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
@@ -165,16 +165,3 @@ def restore_plan(nodes: int, board: JobBoard | None, round_: int | None, group_r
         return None
     agreement = RoundAgreement(board, round_, nodes, group_rank)
     return Restore(agreement.agree, group_rank, agreement.successor_mirror)
-
-
-def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
-    """The steps every one of ``ranks`` wrote whole, none of them found corrupt by a restore."""
-    found = set()
-    make_dir(directory)
-    for step_dir in directory.iterdir():
-        step = step_dir.name.removeprefix("step-")
-        if not step.isdigit() or (step_dir / BAD_MARK).exists():
-            continue
-        if ranks and all(is_whole(path_of(directory, int(step), r)) for r in ranks):
-            found.add(int(step))
-    return found

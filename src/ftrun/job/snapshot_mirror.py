@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.jsonobject import object_or_none
-from ftrun.worker.snapshot_file import STEP_DIR, is_whole, path_of
+from ftrun.worker.snapshot_file import STEP_DIR, is_whole, path_of, whole_steps
 
 PEER_DIR = "peer"
 KEEP = 2  # steps of each rank kept of a peer's
@@ -174,7 +174,7 @@ class SnapshotMirror:
                    stop: threading.Event) -> None:  # fmt: skip
         sent = -1
         while not stop.wait(every_s):
-            step = _newest_whole(self._dir, ranks)
+            step = max(whole_steps(self._dir, ranks), default=None)
             address = successor() if step is not None and step > sent else None
             if step is not None and address is not None and all(self._put(address, step, r) for r in ranks):
                 sent = step
@@ -226,15 +226,6 @@ def _head(key: bytes, op: str, step: int, rank: int, size: int) -> bytes:
 def _connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host.strip("[]"), int(port)), timeout=IO_TIMEOUT_S)
-
-
-def _newest_whole(directory: Path, ranks: list[int]) -> int | None:
-    steps = None
-    for rank in ranks:
-        mine = {int(p.parent.name.removeprefix("step-")) for p in directory.glob(f"step-*/rank-{rank}.snap")
-                if is_whole(p)}  # fmt: skip
-        steps = mine if steps is None else steps & mine
-    return max(steps) if steps else None
 
 
 def _prune(directory: Path, rank: int) -> None:

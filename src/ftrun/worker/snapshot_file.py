@@ -18,6 +18,7 @@ import mmap
 import os
 import pickle
 import struct
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cache
@@ -66,6 +67,18 @@ def is_whole(path: Path) -> bool:
             return f.read(FOOT.size)[-4:] == b"DONE"
     except OSError:
         return False
+
+
+def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
+    """The steps every one of ``ranks`` wrote whole, none of them found corrupt by a restore."""
+    found = set()
+    for step_dir in directory.glob("step-*"):
+        step = step_dir.name.removeprefix("step-")
+        if not step.isdigit() or (step_dir / BAD_MARK).exists():
+            continue
+        if ranks and all(is_whole(path_of(directory, int(step), r)) for r in ranks):
+            found.add(int(step))
+    return found
 
 
 def layout(start: int, sizes: list[int]) -> tuple[list[int], int]:
