@@ -62,6 +62,10 @@ def main() -> None:
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
     if rank == 0:
         print(f"checksum {digest.hexdigest()[:16]}", flush=True)
+    # DDP before the group: freed the other way round, the gloo group's last owner is DDP's reducer, whose
+    # destructor joins gloo's threads holding the GIL while one of them waits for it to free a DCP broadcast's
+    # tensor (torch issue 56297: the run hung at exit about one time in five).
+    del model, opt
     dist.destroy_process_group()
 
 
