@@ -1,16 +1,19 @@
 """Snapshots every step against none, in one run: what they cost the step and what they save at a crash.
 
 The job (bench/snapshot_job.py): DDP, gloo, CPU, 2 ranks on one node, --state-mb of state per rank (1 GiB by
-default), a 1 s step; rank 1 exits at step 15 of the first attempt. Alternating in one run:
+default), a 1 s step; rank 1 exits at step 15 of the first attempt. With --nodes 2 two agents of one rank each
+share a standalone store (`ftrun store`); with --fault node a third waits as a hot spare, and at rank 1's step
+15 its node (agent and worker) is SIGKILLed: the spare takes rank 1 and fetches its snapshot from the copy on
+rank 0's node. Alternating in one run:
 
   snapshots   ftrun.snapshot every step, ftrun.restore at start
   none        no snapshots: the job starts again from step 0 (its own checkpoint would be older still)
 
 Figures: the time snapshots held the job up per step (the copies at the call and the next optimizer step's
-wait for the copy in flight), as a share of the step; ftrun.restore's own time; the crash -> every rank
+wait for the copy in flight), as a share of the step; ftrun.restore's own time; the fault -> every rank
 stepping again; the steps done again (lost work).
 
-    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda] [--nodes 2]
+    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda] [--nodes 2 [--fault node]]
 
 Prints figures; asserts nothing about time.
 """
@@ -18,44 +21,64 @@ Prints figures; asserts nothing about time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import socket
+import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 JOB = Path(__file__).resolve().parent / "snapshot_job.py"
 CRASH_AT = 15
 STEPS = 19
 
 
-def run_once(snapshots: bool, state_mb: int, device: str, nodes: int, workdir: Path) -> dict[str, float]:
+def run_once(snapshots: bool, state_mb: int, device: str, nodes: int, fault: str, workdir: Path) -> dict[str, float]:
     tl = workdir / "timeline.jsonl"
-    job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--crash-at", str(CRASH_AT)]
-    job += ["--device", device]
-    job += ["--timeline", str(tl)] + (["--snapshots"] if snapshots else [])
+    job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--device", device]
+    job += (["--crash-at", str(CRASH_AT)] if fault == "crash" else []) + ["--timeline", str(tl)]
+    job += ["--snapshots"] if snapshots else []
     cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", str(2 // nodes), "--max-restarts", "1"]
-    if nodes > 1:  # agents as separate processes on this machine, the first hosting the embedded store
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    store = None
+    if nodes > 1:  # agents as separate processes on this machine around a standalone store
+        store = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)  # fmt: skip
+        assert store.stderr is not None
+        found = re.search(r"serving on (\S+)", store.stderr.readline())
+        if found is None:
+            raise SystemExit("ftrun store did not say where it serves")
+        cmd += ["--nnodes", f"{nodes}:{nodes}", "--rdzv-backend", "c10d", "--rdzv-endpoint", found.group(1)]
         cmd += ["--rdzv-id", "bench", "--local-addr", "127.0.0.1"]
+    count = nodes + (fault == "node")  # the last one a hot spare
     agents = [
         subprocess.Popen(
             [*cmd, "--log-dir", str(workdir / f"logs-{n}"), "--event-log", str(workdir / f"events-{n}.jsonl"), *job],
-            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=workdir, stdout=subprocess.DEVNULL, stderr=(workdir / f"console-{n}.txt").open("wb"),
+            start_new_session=True,
         )
-        for n in range(nodes)
+        for n in range(count)
     ]  # fmt: skip
-    for agent in agents:
-        if agent.wait(timeout=900) != 0:
-            raise SystemExit(f"an agent exited {agent.returncode}; its logs are in {workdir}")
-    records = [json.loads(line) for line in tl.read_text().splitlines()]
+    try:
+        if fault == "node":
+            lost = kill_rank_1s_node(agents, workdir, tl)
+            agents.remove(lost)
+        for agent in agents:
+            if agent.wait(timeout=900) != 0:
+                raise SystemExit(f"an agent exited {agent.returncode}; its logs are in {workdir}")
+    finally:
+        for proc in [*agents, *([store] if store else [])]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    records = timeline(tl)
     crash = next(r["wall"] for r in records if r["event"] == "crash")
-    events = [json.loads(line) for n in range(nodes) for line in (workdir / f"events-{n}.jsonl").open()]
+    events = [json.loads(line) for n in range(count) for line in (workdir / f"events-{n}.jsonl").open()]
 
     def first(kind: str) -> float:
         after = [e["wall"] - crash for e in events if e["kind"] == kind and e["wall"] > crash]
@@ -65,16 +88,45 @@ def run_once(snapshots: bool, state_mb: int, device: str, nodes: int, workdir: P
     print(f"  {'snapshots' if snapshots else 'none'}: after the crash, s: failure {first('failure'):.2f}, "
           f"workers stopped {first('group_stopped'):.2f}, attempt 1 {first('attempt_started'):.2f}, "
           f"restored {max(restored, default=float('nan')):.2f}", flush=True)  # fmt: skip
-    again = {r["rank"]: r["wall"] for r in reversed(records) if r["event"] == "step" and r["attempt"] == 1}
-    first_again = min((r["step"] for r in records if r["event"] == "step" and r["attempt"] == 1), default=0)
-    steps = [r["blocked_s"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == 0]
+    # by the clock, not by attempt: a spare's workers count their node's attempts, from 0 (as torchrun's do)
+    after = [r for r in records if r["event"] == "step" and r["wall"] > crash]
+    again = {r["rank"]: r["wall"] for r in reversed(after)}
+    first_again = min((r["step"] for r in after), default=0)
+    done = max((r["step"] for r in records if r["event"] == "step" and r["wall"] <= crash), default=-1)
+    steps = [r["blocked_s"] for r in records if r["event"] == "step" and r["wall"] <= crash and r["rank"] == 0]
     # per step: the first few share two cores with ftrun's warm pool being made, so the median, not the mean
     each = [b - a for a, b in zip([0.0, *steps], steps, strict=False)]
     blocked, worst = (statistics.median(each), max(each)) if steps else (0.0, 0.0)
     restore = [r["took_s"] for r in records if r["event"] == "restored"]
     return {"recovery_s": max(again.values()) - crash, "blocked_s": blocked, "worst_s": worst,
-            "lost_steps": CRASH_AT - first_again,
+            "lost_steps": done + 1 - first_again,
             "restore_s": max(restore) if restore else 0.0}  # fmt: skip
+
+
+def timeline(tl: Path) -> list[dict[str, Any]]:
+    """The job's records so far (a line being written is left for the next look)."""
+    records = []
+    for line in tl.read_text().splitlines() if tl.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+def kill_rank_1s_node(agents: list[subprocess.Popen[bytes]], workdir: Path, tl: Path) -> subprocess.Popen[bytes]:
+    """At rank 1's step CRASH_AT, SIGKILL its node: the agent whose log directory holds rank 1, and its worker."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if any(r["event"] == "step" and r["rank"] == 1 and r["step"] == CRASH_AT for r in timeline(tl)):
+            break
+        time.sleep(0.02)
+    else:
+        raise SystemExit(f"rank 1 never reached step {CRASH_AT}; the logs are in {workdir}")
+    [node] = [a for n, a in enumerate(agents) if list((workdir / f"logs-{n}").glob("*/attempt_0/1"))]
+    os.killpg(node.pid, signal.SIGKILL)
+    with tl.open("a") as f:
+        f.write(json.dumps({"event": "crash", "wall": time.time(), "rank": 1, "attempt": 0}) + "\n")
+    node.wait()
+    return node
 
 
 def main() -> None:
@@ -83,14 +135,23 @@ def main() -> None:
     p.add_argument("--state-mb", type=int, default=1024)
     p.add_argument("--device", default="cpu", help="cuda: every rank's tensors on GPU 0")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two agents of one rank each")
+    p.add_argument("--fault", choices=("crash", "node"), default="crash",
+                   help="node (with --nodes 2): rank 1's node SIGKILLed, a hot spare takes it")  # fmt: skip
+    p.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events under this directory")
     a = p.parse_args()
+    if a.fault == "node" and a.nodes != 2:
+        p.error("--fault node needs --nodes 2 (the node lost, the other survives, a third waits as the spare)")
+    what = f"rank 1 exits at step {CRASH_AT}" if a.fault == "crash" else f"rank 1's node SIGKILLed at step {CRASH_AT}"
     print(f"{a.reps} runs each, 2 ranks on {a.nodes} node(s), {a.state_mb} MiB of state per rank on {a.device}, "
-          f"rank 1 exits at step {CRASH_AT}")  # fmt: skip
+          f"{what}")  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"snapshots": [], "none": []}
     for _ in range(a.reps):
         for name, trials in runs.items():
-            with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
-                trials.append(run_once(name == "snapshots", a.state_mb, a.device, a.nodes, Path(d)))
+            if a.keep is not None:
+                a.keep.mkdir(parents=True, exist_ok=True)
+                kept = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=a.keep))
+            with contextlib.nullcontext(str(kept)) if a.keep else tempfile.TemporaryDirectory(prefix="ftrun-") as d:
+                trials.append(run_once(name == "snapshots", a.state_mb, a.device, a.nodes, a.fault, Path(d)))
     for name, trials in runs.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         each = ", ".join(f"{t['recovery_s']:.2f}" for t in trials)

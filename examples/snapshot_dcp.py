@@ -32,8 +32,19 @@ def main() -> None:
     p.add_argument("--checkpoint", required=True, help="where the checkpoint is outside ftrun")
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 exits at this step of the first attempt")
     a = p.parse_args()
-    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
+    digest = train(a)
+    if dist.get_rank() == 0:
+        print(f"checksum {digest}", flush=True)
+    # DDP is gone before the group: the other way round, the gloo group's last owner would be DDP's reducer,
+    # whose destructor joins gloo's threads holding the GIL while one of them waits for it to free a DCP
+    # broadcast's tensor (torch issue 56297: the run hung at exit about one time in five).
+    dist.destroy_process_group()
+
+
+def train(a: argparse.Namespace) -> str:
+    """The training loop; the weights' checksum."""
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -60,13 +71,7 @@ def main() -> None:
         opt.step()
         dcp.save(state(step), storage_writer=ftrun.SnapshotWriter(a.checkpoint, step))
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
-    if rank == 0:
-        print(f"checksum {digest.hexdigest()[:16]}", flush=True)
-    # DDP before the group: freed the other way round, the gloo group's last owner is DDP's reducer, whose
-    # destructor joins gloo's threads holding the GIL while one of them waits for it to free a DCP broadcast's
-    # tensor (torch issue 56297: the run hung at exit about one time in five).
-    del model, opt
-    dist.destroy_process_group()
+    return digest.hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Snapshots copied to the next node (real sockets on 127.0.0.1): the newest whole step goes, signed with the
-job's key; what is not the job's is never kept or served; a node fetches a rank's file from the node holding it."""
+"""Snapshots copied to the next node (real sockets on 127.0.0.1): the newest whole step goes, to and from the
+job's nodes only; a head changed on the way is never kept; a node fetches a rank's file from the node holding
+it."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,3 +92,53 @@ def test_what_is_not_the_jobs_is_never_kept_or_served(
         assert not stranger.fetch(b.address, 4, 1)  # b serves nobody without the job's key
     finally:
         stranger.close()
+
+
+def flipping_proxy(target: str) -> tuple[socket.socket, threading.Thread]:
+    """A TCP relay to ``target`` that flips one byte of what the client sends, inside the snapshot file's pickled
+    head (just after its magic): as a party on the path would."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    host, port = target.rsplit(":", 1)
+
+    def relay(src: socket.socket, dst: socket.socket, flip: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                at = data.find(file.MAGIC) if flip else -1
+                if at >= 0:
+                    i = at + file.HEAD.size + 8
+                    data, flip = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :], False
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def both_ways(client: socket.socket) -> None:
+        with client, socket.create_connection((host, int(port))) as server:
+            back = threading.Thread(target=relay, args=(server, client, False), daemon=True)
+            back.start()
+            relay(client, server, True)
+            back.join(10)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=both_ways, args=(listener.accept()[0],), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_head_changed_on_the_way_is_never_kept(tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]) -> None:
+    a, b = nodes
+    whole(tmp_path / "a", 2, 0)
+    listener, _ = flipping_proxy(b.address)
+    try:
+        via = f"127.0.0.1:{listener.getsockname()[1]}"
+        assert not a._put(via, 2, 0)  # the head's MAC does not match what came
+        assert held(tmp_path / "b") == {}
+        assert not list((tmp_path / "b").rglob("*.part"))
+        assert a._put(b.address, 2, 0)  # straight: kept
+        assert held(tmp_path / "b") == {0: {2}}
+        assert not b.fetch(via, 9, 0)  # nothing to flip: b has no step 9, said plainly
+    finally:
+        listener.close()

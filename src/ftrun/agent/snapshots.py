@@ -97,6 +97,11 @@ class SnapshotKeeper:
             self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
         elif self._unagreed:
             self._say("the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails")
+        elif any(have.values()) or holds:
+            self._say(
+                "no snapshot step is whole on every rank on the nodes here (a lost node's copy had not "
+                "reached its peer?): the workers start without one, ftrun.restore() returns None"
+            )
         if self._mirror is not None and restore is not None and restore.successor is not None:
             self._mirror.send_to(restore.successor, list(ranks))
 
