@@ -126,6 +126,9 @@ class SnapshotMirror:
         self._key = key
         self._sending: threading.Thread | None = None
         self._stop = threading.Event()
+        self._sent: tuple[str, list[int], int] | None = (
+            None  # (mirror, ranks, step) sent last: not again after a restart
+        )
 
     @property
     def address(self) -> str:
@@ -172,16 +175,26 @@ class SnapshotMirror:
     def _send_loop(self, successor: Callable[[], str | None], ranks: list[int], every_s: float,
                    stop: threading.Event) -> None:  # fmt: skip
         _yield_cpu()
-        sent, pause = -1, every_s
+        pause = every_s
         while not stop.wait(pause):
             step = max(whole_steps(self._dir, ranks), default=None)
-            address = successor() if step is not None and step > sent else None
+            address = successor() if step is not None else None
             began = time.monotonic()
-            if step is not None and address is not None and all(self._put(address, step, r, stop) for r in ranks):
-                sent = step
+            if (
+                step is None
+                or address is None
+                or (self._sent and self._sent[:2] == (address, ranks) and self._sent[2] >= step)
+            ):
+                continue
+            if all(self._put(address, step, r, stop) for r in ranks):
+                self._sent = (address, ranks, step)
             # at most half the time copying: the rest is the job's (2 cores copying 1 GiB a second each way
             # made each step wait 0.6 s); a node lost then costs a step or two more where copies are that big
             pause = max(every_s, time.monotonic() - began)
+
+    def _sent_already(self, address: str, ranks: list[int], step: int) -> bool:
+        """Whether that mirror has these ranks' step or a newer one from here (a restart does not send it again)."""
+        return self._sent is not None and self._sent[:2] == (address, ranks) and self._sent[2] >= step
 
     def _put(self, address: str, step: int, rank: int, stop: threading.Event | None = None) -> bool:
         """A rank's file of a step to the mirror at ``address`` (given up when ``stop`` is set)."""
