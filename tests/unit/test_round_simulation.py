@@ -4,6 +4,8 @@ no node is left out or counted twice; every node's work per round stays O(1)."""
 
 from __future__ import annotations
 
+import pytest
+
 from ftrun.rendezvous.state import Rules
 from ftrun.testing.round_sim import Check, RoundSim
 
@@ -14,6 +16,7 @@ def ids(first: int, count: int) -> list[str]:
     return [f"n{i:06d}" for i in range(first, first + count)]
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_nodes_join_lose_members_and_take_spares() -> None:
     rules = Rules(min_nodes=N - 1000, max_nodes=N, last_call_s=30.0, join_timeout_s=600.0, max_restarts=10)
     sim = RoundSim(rules)
