@@ -234,6 +234,7 @@ class LaunchConfig:
     cpu_affinity: tuple[str, ...] = ()  # --numa-binding: each local rank's CPUs (cpulist), () for unbound
     file_timer: Path | None = None  # TORCHELASTIC_ENABLE_FILE_TIMER=1: the pipe torch's FileTimerClient writes to
     snapshot_memory: int = 1 << 30  # --snapshot-memory in bytes: the node's ranks' ftrun.snapshot files together
+    failure_domain: str = ""  # --failure-domain: what this node shares a fate with; snapshots are copied out of it
     launcher_error_file: Path | None = None  # ftrun's own TORCHELASTIC_ERROR_FILE: the root cause goes there
     hang: HangSpec = field(default_factory=HangSpec)
     warm: WarmSpec = field(default_factory=WarmSpec)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
+from tests.integration.harness import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
 
 pytestmark = pytest.mark.torch
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 
 @pytest.mark.parametrize(

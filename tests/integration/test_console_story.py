@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 DDP_CRASH = """
 import os, time

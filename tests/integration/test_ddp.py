@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing.etcd import EtcdHarness
-from tests.integration.conftest import CONF as ELASTIC_CONF
-from tests.integration.conftest import WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.harness import CONF as ELASTIC_CONF
+from tests.integration.harness import WAIT_S, LiveFtrun, run_ftrun
 
 pytestmark = pytest.mark.torch
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")

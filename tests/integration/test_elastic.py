@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing.etcd import EtcdHarness
-from tests.integration.conftest import (
+from tests.integration.harness import (
     CONF,
     LiveFtrun,
     PortTaken,

@@ -14,7 +14,7 @@ import pytest
 from ftrun.rendezvous.records import Keys
 from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdCluster, EtcdHarness
-from tests.integration.conftest import LiveFtrun, until
+from tests.integration.harness import LiveFtrun, until
 
 TRAINS = """
 import json, os, sys, time

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, run_ftrun
 
 # Each rank notes when it took each step (CLOCK_MONOTONIC, the agent's clock too). Attempt 0: rank 1 fails
 # after step 6; attempt 1 resumes from the job's checkpoint at step 4 and runs to step 9.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing import cuda_driver
-from tests.integration.conftest import POOL, Result, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import POOL, Result, WriteScript, restarted_warm, run_ftrun
 
 pytestmark = pytest.mark.skipif(bool(cuda_driver.available()), reason=cuda_driver.available() or "built")
 

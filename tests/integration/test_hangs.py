@@ -13,7 +13,7 @@ from ftrun.monitor import stacks
 from ftrun.monitor.hangs import HangWatch
 from ftrun.monitor.table import MonitorTable
 from ftrun.worker.signals import STACK_SIGNAL
-from tests.integration.conftest import POOL, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun, until
+from tests.integration.harness import POOL, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun, until
 
 # Rank 1 hangs in the first attempt, in the way argv[1] names, inside stuck_here(); the second attempt
 # finishes. Rank 0 keeps beating until rank 1 is found (it is not blamed).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, run_ftrun
 
 pytestmark = pytest.mark.torch
 

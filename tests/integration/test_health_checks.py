@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.harness import CONF, WAIT_S, LiveFtrun, run_ftrun
 
 JOB = """
 import os, sys, time

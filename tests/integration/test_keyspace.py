@@ -10,7 +10,7 @@ import pytest
 from ftrun.store import keyspace
 from ftrun.store.factory import open_store
 from ftrun.testing.etcd import EtcdHarness
-from tests.integration.conftest import CONF, LiveFtrun
+from tests.integration.harness import CONF, LiveFtrun
 
 pytestmark = pytest.mark.torch
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshot_ddp.py"

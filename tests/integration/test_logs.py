@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import RUN_ID, WriteScript, ftrun_argv, run_ftrun
+from tests.integration.harness import RUN_ID, WriteScript, ftrun_argv, run_ftrun
 
 HELLO = """
 import os, sys

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, PortTaken, run_ftrun, with_free_port
+from tests.integration.harness import WAIT_S, LiveFtrun, PortTaken, run_ftrun, with_free_port
 
 # Attempt 0: rank 1 crashes once the test says so; attempt 1: rank 1 stops beating (a hang) when told;
 # attempt 2 runs until the test says done.

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing import netns
-from tests.integration.conftest import WAIT_S, until
+from tests.integration.harness import WAIT_S, until
 
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
 

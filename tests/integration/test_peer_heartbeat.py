@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, run_ftrun
 
 pytestmark = pytest.mark.torch
 

@@ -13,7 +13,7 @@ import pytest
 
 from ftrun.testing.clock import FakeClock
 from ftrun.warm.pool import WarmPool
-from tests.integration.conftest import until
+from tests.integration.harness import until
 
 # Preloading this takes as long as the test needs: it says it started, then sleeps in its import.
 SLOW_MODULE = """

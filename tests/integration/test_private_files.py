@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ftrun.node import ports
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 FAILS_ONCE = """
 import os, sys

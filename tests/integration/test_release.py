@@ -21,7 +21,7 @@ from ftrun.node.devices import accelerators_visible
 from ftrun.procs import proctree
 from ftrun.procs.logs import RankPaths
 from ftrun.procs.workers import Worker, frees_its_ports
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 # Rank 1 fails once rank 0 has written its line (a FIFO: no timing); rank 0 then waits to be stopped.
 JOB = """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 BODIES = {
     "plain": "def main():\n    raise ValueError('bad batch 7')\n\nmain()\n",

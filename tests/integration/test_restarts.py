@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from tests.integration.conftest import WriteScript, run_ftrun
+from tests.integration.harness import WriteScript, run_ftrun
 
 CRASH_FIRST_ATTEMPT = """
 import json, os, sys

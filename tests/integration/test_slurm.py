@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.testing.slurm import SlurmCluster, available
-from tests.integration.conftest import WAIT_S
+from tests.integration.harness import WAIT_S
 
 pytestmark = [pytest.mark.torch, pytest.mark.skipif(bool(available()), reason=available() or "")]
 

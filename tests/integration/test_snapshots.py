@@ -17,7 +17,7 @@ import pytest
 from ftrun.job.snapshot_mirror import held
 from ftrun.testing.etcd import EtcdHarness
 from ftrun.worker import snapshot_file as file
-from tests.integration.conftest import CONF, LiveFtrun, run_ftrun
+from tests.integration.harness import CONF, LiveFtrun, run_ftrun
 
 pytestmark = pytest.mark.torch
 

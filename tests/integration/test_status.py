@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, until
+from tests.integration.harness import WAIT_S, LiveFtrun, until
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ftrun.observe.timeline import COLORS
-from tests.integration.conftest import LiveFtrun, PortTaken, WriteScript, wait_gone, with_free_port
+from tests.integration.harness import LiveFtrun, PortTaken, WriteScript, wait_gone, with_free_port
 from tests.integration.screenshot import colors, hex_rgb, screenshot
 
 WORKER = """

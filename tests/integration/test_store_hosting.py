@@ -16,7 +16,7 @@ import pytest
 
 from ftrun.errors import StoreProtocolError
 from ftrun.store.tcp import TcpStoreClient
-from tests.integration.conftest import (
+from tests.integration.harness import (
     CONF,
     WAIT_S,
     LiveFtrun,

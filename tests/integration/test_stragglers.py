@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import CONF, WAIT_S, LiveFtrun, run_ftrun, until
+from tests.integration.harness import CONF, WAIT_S, LiveFtrun, run_ftrun, until
 
 pytestmark = pytest.mark.torch
 

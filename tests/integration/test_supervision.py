@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import LiveFtrun, WriteScript, run_ftrun, wait_gone
+from tests.integration.harness import LiveFtrun, WriteScript, run_ftrun, wait_gone
 
 SLEEPER = """
 import os, signal, sys, time

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import PortTaken, Result, WriteScript, run_ftrun, with_free_port
+from tests.integration.harness import PortTaken, Result, WriteScript, run_ftrun, with_free_port
 
 pytestmark = pytest.mark.torch
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import POOL, WAIT_S, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import POOL, WAIT_S, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun
 
 pytestmark = pytest.mark.torch
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, restarted_warm, run_ftrun
 
 WARM = ["--preload", "json,decimal", "--max-restarts", "1"]  # a pool (restarts to come) with a preload
 COLD = ["--no-warm", "--max-restarts", "1"]

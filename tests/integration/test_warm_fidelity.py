@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import POOL, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import POOL, WriteScript, restarted_warm, run_ftrun
 
 PROBE = """
 import gc, json, logging, os, random, resource, signal, sys, threading, time, warnings

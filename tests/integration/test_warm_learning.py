@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
+from tests.integration.harness import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, run_ftrun
 
 
 def kinds(r: Result, kind: str) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import WAIT_S, LiveFtrun, WriteScript, run_ftrun, write_gate
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, run_ftrun, write_gate
 
 ASKS = """
 import os, sys, time

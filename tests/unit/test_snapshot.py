@@ -90,6 +90,18 @@ def test_a_rank_keeps_two_steps_and_writes_the_oldest_file_again_never_whole_unt
     assert snap.read(snap.path_of(in_ftrun, 3, 3))[1]["w"][0] == 3.0
 
 
+def test_a_step_pinned_for_the_copies_between_nodes_is_kept_beyond_the_two_newest(in_ftrun: Path) -> None:
+    for step in (1, 2):
+        snap.snapshot(step, {"w": torch.full((1 << 10,), float(step))})
+        snap.wait()
+    (in_ftrun / snap.file.STEP_DIR.format(1) / snap.file.PIN_MARK).touch()  # the agent's mirror copies step 1
+    for step in (3, 4):
+        snap.snapshot(step, {"w": torch.full((1 << 10,), float(step))})
+        snap.wait()
+    assert sorted(p.name for p in in_ftrun.glob("step-*")) == [snap.file.STEP_DIR.format(s) for s in (1, 3, 4)]
+    assert snap.read(snap.path_of(in_ftrun, 1, 3))[1]["w"][0] == 1.0
+
+
 def test_a_restored_file_is_never_written_again_while_its_tensors_live(
     in_ftrun: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 from ftrun.clock import SystemClock
 from ftrun.job import snapshot_agreement
 from ftrun.job.board import JobBoard
-from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, decide
+from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, decide, ring
 from ftrun.store.memory import MemoryStore
 
 
@@ -52,3 +52,31 @@ def test_a_node_that_hears_no_decision_does_not_restore_alone(monkeypatch: pytes
     monkeypatch.setattr(snapshot_agreement, "STEPS_S", 0.3)
     decider = JobBoard(store, "job", "node-0", SystemClock())
     assert RoundAgreement(decider, 3, 2, group_rank=0).agree(Offer({0: {5}})).step is None  # the other never offered
+
+
+def test_the_copies_ring_sets_each_failure_domain_apart_and_keeps_group_ranks_without_any() -> None:
+    def offers(*domains: str) -> list[dict[str, object]]:
+        return [{"group_rank": i, "domain": d} for i, d in enumerate(domains)]
+
+    assert ring(offers("", "", "", "")) == [0, 1, 2, 3]  # none named: each node copies to the next group rank
+    assert ring(offers("a", "a", "b", "b")) == [0, 2, 1, 3]
+    order = ring(offers("a", "a", "a", "b", "b", "c"))
+    domain = {0: "a", 1: "a", 2: "a", 3: "b", 4: "b", 5: "c"}
+    assert sorted(order) == list(range(6))
+    assert all(domain[x] != domain[y] for x, y in zip(order, order[1:] + order[:1], strict=True))
+    # a domain of more than half the nodes: the fewest neighbours in one domain (2 of 4 here), every node once
+    order = ring(offers("a", "a", "a", "b"))
+    pairs = list(zip(order, order[1:] + order[:1], strict=True))
+    assert sorted(order) == [0, 1, 2, 3]
+    assert sum(x != 3 and y != 3 for x, y in pairs) == 2
+
+
+def test_each_node_copies_to_a_node_of_another_failure_domain_through_the_board() -> None:
+    store = MemoryStore(SystemClock())
+    boards = [JobBoard(store, "job", f"node-{i}", SystemClock()) for i in range(4)]
+    racks = ["r1", "r1", "r2", "r2"]
+    agreements = [RoundAgreement(boards[i], 2, 4, group_rank=i, domain=racks[i]) for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: agreements[i].agree(Offer({i: {1}}, {}, f"n{i}:1", i)), range(4)))
+    successors = [a.successor_mirror() for a in agreements]
+    assert successors == ["n2:1", "n3:1", "n1:1", "n0:1"]  # r1 -> r2 -> r1 -> r2 -> r1: each copy in the other rack

@@ -142,3 +142,32 @@ def test_a_head_changed_on_the_way_is_never_kept(tmp_path: Path, nodes: tuple[Sn
         assert not b.fetch(via, 9, 0)  # nothing to flip: b has no step 9, said plainly
     finally:
         listener.close()
+
+
+def test_every_node_copies_the_step_the_pacing_node_chose_and_keeps_it(
+    tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]
+) -> None:
+    """a paces the ring; b, a step ahead of a's copies, copies the step a began to copy to it (not its newest),
+    and both keep their own files of it: a node lost while copies lag still meets a step every node has."""
+    a, b = nodes
+    for step in (1, 2, 3):
+        whole(tmp_path / "a", step, 0)
+    for step in (1, 2, 3, 4, 5):
+        whole(tmp_path / "b", step, 1)
+    b.send_to(lambda: a.address, ranks=[1], paces=False, every_s=0.05)
+    a.send_to(lambda: b.address, ranks=[0], every_s=0.05)
+    until(lambda: held(tmp_path / "a") == {1: {3}}, "b's step 3 (a's choice, not b's newest) on a")
+    assert held(tmp_path / "b") == {0: {3}}
+    pinned = {n: {s for s in range(1, 8) if file.is_pinned(tmp_path / n / file.STEP_DIR.format(s))} for n in "ab"}
+    assert pinned == {"a": {3}, "b": {3}}
+    for step in (4, 5):
+        whole(tmp_path / "a", step, 0)
+    until(lambda: held(tmp_path / "a") == {1: {3, 5}}, "b's step 5 on a")
+    for step in (6, 7):
+        whole(tmp_path / "a", step, 0)
+        whole(tmp_path / "b", step, 1)
+    until(lambda: held(tmp_path / "a") == {1: {5, 7}}, "b's step 7 on a")
+    a.stop_sending()
+    b.stop_sending()
+    for n in "ab":  # the two newest copied steps kept, no older one
+        assert {s for s in range(1, 8) if file.is_pinned(tmp_path / n / file.STEP_DIR.format(s))} == {5, 7}

@@ -199,7 +199,7 @@ class LocalGroup:
             self._peers.stop()
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._peers = PeerRelay.open(self._reports.board, self._round, attempt_dir / "peers", *ranks, self.peer_key)
-        restore = restore_plan(self._nodes, self._reports.board, self._round, placement.group_rank)
+        restore = restore_plan(self._nodes, self._reports.board, self._round, placement.group_rank, c.failure_domain)
         self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore)
         try:
             for local_rank in range(c.nproc_per_node):

@@ -28,7 +28,7 @@ from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_DIR, ENV_MEMORY, ENV_RESTORE
 from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
-from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of, whole_steps
+from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_pinned, is_whole, path_of, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
@@ -87,7 +87,8 @@ class SnapshotKeeper:
             for steps_of_rank in have.values():
                 steps_of_rank.discard(given_up)
         for step in sorted(steps)[:-KEEP]:
-            shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
+            if not is_pinned(self.dir / STEP_DIR.format(step)):  # the step copied: a lost node's copy meets it
+                shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
         holds = {r: s for r, s in self._held.items() if r not in have}
         offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
         decision = restore.agree(offer) if restore is not None else Decision(None)
@@ -103,7 +104,7 @@ class SnapshotKeeper:
                 "reached its peer?): the workers start without one, ftrun.restore() returns None"
             )
         if self._mirror is not None and restore is not None and restore.successor is not None:
-            self._mirror.send_to(restore.successor, list(ranks))
+            self._mirror.send_to(restore.successor, list(ranks), paces=restore.group_rank == 0)
 
     def _gather(self, decision: Decision, ranks: Sequence[int]) -> bool:
         """This node's files of the decided step in their place: its own, a peer copy it holds, or fetched from
@@ -161,12 +162,14 @@ class Restore:
     successor: Callable[[], str | None] | None = None  # the next node's mirror, once it offered
 
 
-def restore_plan(nodes: int, board: JobBoard | None, round_: int | None, group_rank: int) -> Restore | None:
+def restore_plan(
+    nodes: int, board: JobBoard | None, round_: int | None, group_rank: int, domain: str = ""
+) -> Restore | None:
     """Here alone, with the other nodes through the store (copies to the next node), or not at all (a static
     job of several nodes has no store to agree through)."""
     if nodes == 1:
         return Restore(alone)
     if board is None or round_ is None:
         return None
-    agreement = RoundAgreement(board, round_, nodes, group_rank)
+    agreement = RoundAgreement(board, round_, nodes, group_rank, domain)
     return Restore(agreement.agree, group_rank, agreement.successor_mirror)

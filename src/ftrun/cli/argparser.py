@@ -130,6 +130,13 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         p,
+        "--failure-domain",
+        default=None,
+        help="what this node shares a fate with (a rack, a switch, a zone): its snapshots are copied to a node of "
+        "another where there is one",
+    )
+    _flag(
+        p,
         "--crash-loop-limit",
         default="3",
         help="no restart after the same failure this many times in a row, before the first step or at the same "

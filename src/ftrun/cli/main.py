@@ -141,6 +141,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
         notices=tuple(notices),
         echo_events=flags.parse_event_log_handler(a.event_log_handler),
         snapshot_memory=flags.parse_snapshot_memory(a.snapshot_memory, psutil.virtual_memory().total),
+        failure_domain=a.failure_domain or "",
         file_timer=flags.file_timer(environ),
         cpu_affinity=cpu_affinity,
         launcher_error_file=Path(environ["TORCHELASTIC_ERROR_FILE"])

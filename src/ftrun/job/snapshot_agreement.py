@@ -59,16 +59,17 @@ def alone(offer: Offer) -> Decision:
 class RoundAgreement:
     """One round's restore for a job of several nodes, through the board."""
 
-    def __init__(self, board: JobBoard, round_: int, nodes: int, group_rank: int) -> None:
+    def __init__(self, board: JobBoard, round_: int, nodes: int, group_rank: int, domain: str = "") -> None:
         self._board = board
         self._round = round_
         self._nodes = nodes
         self._group_rank = group_rank
+        self._domain = domain  # --failure-domain
 
     def agree(self, offer: Offer) -> Decision:
         board, round_ = self._board, self._round
         try:
-            board.publish_snapshot_offer(round_, offer.to_json())
+            board.publish_snapshot_offer(round_, {**offer.to_json(), "domain": self._domain})
             if self._group_rank == 0:
                 step, sources = decide(board.snapshot_offers(round_, self._nodes, STEPS_S), self._nodes)
                 board.publish_snapshot_decision(round_, {"step": step, "from": {str(r): a for r, a in sources.items()}})
@@ -87,12 +88,33 @@ class RoundAgreement:
         )
 
     def successor_mirror(self) -> str | None:
-        """The mirror of the round's next node (by group rank), once it offered; None before, or alone."""
-        after = (self._group_rank + 1) % self._nodes
-        for offer in self._board.snapshot_offers(self._round, self._nodes, 0.0):
-            if offer.get("group_rank") == after and after != self._group_rank and isinstance(offer.get("mirror"), str):
-                return str(offer["mirror"])
-        return None
+        """The mirror of the node after this one in the round's ring (:func:`ring`), once every node offered;
+        None before, or alone."""
+        offers = self._board.snapshot_offers(self._round, self._nodes, 0.0)
+        order = ring(offers)
+        if len(order) < self._nodes or self._group_rank not in order or self._nodes < 2:
+            return None
+        after = order[(order.index(self._group_rank) + 1) % len(order)]
+        mirror = next((o.get("mirror") for o in offers if o.get("group_rank") == after), None)
+        return mirror if isinstance(mirror, str) else None
+
+
+def ring(offers: Sequence[Mapping[str, Any]]) -> list[int]:
+    """PURE: the order the nodes copy their snapshots in (each to the next, the last to the first): by group
+    rank, or, where they named failure domains, the nodes of each domain set apart, so that a node's copy lands
+    in another domain wherever the domains' sizes allow (a domain lost whole leaves its copies on survivors)."""
+    domains: dict[str, list[int]] = {}
+    for offer in sorted(offers, key=lambda o: int(o.get("group_rank", 0))):
+        domains.setdefault(str(offer.get("domain") or ""), []).append(int(offer.get("group_rank", 0)))
+    if len(domains) < 2:
+        return [rank for ranks in domains.values() for rank in ranks]
+    # The biggest domain first, its nodes at every other place of the ring, then the rest in the places left:
+    # no two neighbours share a domain unless one domain holds more than half the nodes.
+    flat = [rank for ranks in sorted(domains.values(), key=len, reverse=True) for rank in ranks]
+    half = (len(flat) + 1) // 2
+    order = [0] * len(flat)
+    order[0::2], order[1::2] = flat[:half], flat[half:]
+    return order
 
 
 def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None, dict[int, str]]:

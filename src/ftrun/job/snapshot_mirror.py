@@ -34,10 +34,21 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ftrun.jsonobject import object_or_none
-from ftrun.worker.snapshot_file import HEAD, STEP_DIR, is_whole, open_sized, path_of, spare_of, whole_steps
+from ftrun.worker.snapshot_file import (
+    HEAD,
+    PIN_MARK,
+    STEP_DIR,
+    is_pinned,
+    is_whole,
+    open_sized,
+    path_of,
+    spare_of,
+    whole_steps,
+)
 
 PEER_DIR = "peer"
 KEEP = 2  # steps of each rank kept of a peer's
+PINNED = 2  # of this node's own steps kept for the copies
 HEAD_LIMIT = 4096
 IO_TIMEOUT_S = 60.0
 BLOCK = 4 << 20
@@ -79,6 +90,7 @@ class _Handler(socketserver.BaseRequestHandler):
         ):
             return  # not the job's: nothing kept, nothing served
         if op == "put" and size > 0:
+            self.server.announce(step)
             into = peer_path(self.server.directory, step, rank)
             if _receive(sock, into, size, self.server.key, nonce):
                 _prune(self.server.directory, rank)
@@ -107,6 +119,16 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
         self.directory = directory
         self.key = key
+        self.announced = -1  # the newest step the previous node began to copy here
+        self._lock = threading.Lock()
+
+    def announce(self, step: int) -> None:
+        """The previous node began to copy its ``step`` here: this node keeps its own (it copies the same one
+        on), so that whichever node is lost, its copy meets a step every other node has."""
+        with self._lock:
+            if step > self.announced:
+                self.announced = step
+                pin(self.directory, step)
 
 
 class SnapshotMirror:
@@ -126,21 +148,22 @@ class SnapshotMirror:
         self._key = key
         self._sending: threading.Thread | None = None
         self._stop = threading.Event()
-        self._sent: tuple[str, list[int], int] | None = (
-            None  # (mirror, ranks, step) sent last: not again after a restart
-        )
+        self._sent: tuple[list[int], int] | None = None  # (ranks, step) sent last: not again after a restart
 
     @property
     def address(self) -> str:
         host, port = self._server.server_address[:2]
         return f"{host!s}:{port}"
 
-    def send_to(self, successor: Callable[[], str | None], ranks: Sequence[int], every_s: float = 0.2) -> None:
-        """From now on, copy the newest step whole on all of ``ranks`` to the mirror ``successor()`` names
-        (None: none yet; asked again each time), until :meth:`stop_sending`."""
+    def send_to(self, successor: Callable[[], str | None], ranks: Sequence[int], *, paces: bool = True,
+                every_s: float = 0.2) -> None:  # fmt: skip
+        """From now on, copy a step whole on all of ``ranks`` to the mirror ``successor()`` names (None: none
+        yet; asked again each time), until :meth:`stop_sending`. The node that ``paces`` the ring (one per
+        round) copies its newest; each other node the step the previous node began to copy to it, so that all
+        copy the same steps and keep them (:func:`pin`) while copies lag behind the job."""
         self.stop_sending()
         self._stop = stop = threading.Event()
-        self._sending = threading.Thread(target=self._send_loop, args=(successor, list(ranks), every_s, stop),
+        self._sending = threading.Thread(target=self._send_loop, args=(successor, list(ranks), paces, every_s, stop),
                                          name="ftrun-mirror-send", daemon=True)  # fmt: skip
         self._sending.start()
 
@@ -172,29 +195,28 @@ class SnapshotMirror:
         self._server.shutdown()
         self._server.server_close()
 
-    def _send_loop(self, successor: Callable[[], str | None], ranks: list[int], every_s: float,
+    def _send_loop(self, successor: Callable[[], str | None], ranks: list[int], paces: bool, every_s: float,
                    stop: threading.Event) -> None:  # fmt: skip
         _yield_cpu()
         pause = every_s
         while not stop.wait(pause):
-            step = max(whole_steps(self._dir, ranks), default=None)
-            address = successor() if step is not None else None
-            began = time.monotonic()
-            if (
-                step is None
-                or address is None
-                or (self._sent and self._sent[:2] == (address, ranks) and self._sent[2] >= step)
-            ):
+            whole = whole_steps(self._dir, ranks)
+            step = max(whole, default=-1) if paces else self._server.announced
+            if step not in whole or self._has_sent(ranks, step):
+                continue  # not whole here yet (or announced long ago and pruned), or sent (before a restart too)
+            address = successor()  # asked only with a step to send: it reads the store
+            if address is None:
                 continue
+            pin(self._dir, step)
+            began = time.monotonic()
             if all(self._put(address, step, r, stop) for r in ranks):
-                self._sent = (address, ranks, step)
+                self._sent = (ranks, step)
             # at most half the time copying: the rest is the job's (2 cores copying 1 GiB a second each way
             # made each step wait 0.6 s); a node lost then costs a step or two more where copies are that big
             pause = max(every_s, time.monotonic() - began)
 
-    def _sent_already(self, address: str, ranks: list[int], step: int) -> bool:
-        """Whether that mirror has these ranks' step or a newer one from here (a restart does not send it again)."""
-        return self._sent is not None and self._sent[:2] == (address, ranks) and self._sent[2] >= step
+    def _has_sent(self, ranks: list[int], step: int) -> bool:
+        return self._sent is not None and self._sent[0] == ranks and self._sent[1] >= step
 
     def _put(self, address: str, step: int, rank: int, stop: threading.Event | None = None) -> bool:
         """A rank's file of a step to the mirror at ``address`` (given up when ``stop`` is set)."""
@@ -333,6 +355,16 @@ def _line(sock: socket.socket, limit: int = HEAD_LIMIT) -> bytes:
 def _connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host.strip("[]"), int(port)), timeout=IO_TIMEOUT_S)
+
+
+def pin(directory: Path, step: int) -> None:
+    """This node keeps its own files of ``step`` (the worker and the agent prune around it), and of the step
+    pinned before it, no others: a copy lost on its way leaves the previous step on every node."""
+    with contextlib.suppress(OSError):  # pruned meanwhile: nothing to keep
+        (directory / STEP_DIR.format(step) / PIN_MARK).touch(exist_ok=True)
+    pinned = sorted(int(d.name.removeprefix("step-")) for d in directory.glob("step-*") if is_pinned(d))
+    for old in pinned[:-PINNED]:
+        (directory / STEP_DIR.format(old) / PIN_MARK).unlink(missing_ok=True)
 
 
 def _prune(directory: Path, rank: int) -> None:

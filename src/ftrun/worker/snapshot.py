@@ -196,18 +196,28 @@ def _fits(step: int, size: int) -> bool:
     """Whether the files this snapshot needs fit this rank's share of --snapshot-memory: the KEEP kept and the
     one being written. When they do not, it is said once, and no snapshot is taken."""
     share = int(os.environ.get(ENV_MEMORY) or 0)
-    needed = (KEEP + 1) * size
+    pinned = _pinned_older(Path(os.environ.get(ENV_DIR, ".")), _rank())
+    needed = (KEEP + 1 + pinned) * size
     if not share or needed <= share:
         return True
     if not _writer.refused:
         _writer.refused = True
+        also = f", {pinned} older kept for the copies between nodes," if pinned else ""
         sys.stderr.write(
             f"ftrun.snapshot: no snapshots on rank {_rank()}: step {step}'s state takes {_gib(size)}, and "
-            f"{KEEP + 1} files of it (the {KEEP} kept and the one being written) need {_gib(needed)}, over this "
-            f"rank's share of --snapshot-memory ({_gib(share)}); raise --snapshot-memory or snapshot less\n"
+            f"{KEEP + 1 + pinned} files of it (the {KEEP} kept{also} and the one being written) need "
+            f"{_gib(needed)}, over this rank's share of --snapshot-memory ({_gib(share)}); raise "
+            "--snapshot-memory or snapshot less\n"
         )
         sys.stderr.flush()
     return False
+
+
+def _pinned_older(directory: Path, rank: int) -> int:
+    """This rank's files kept for the copies between nodes beyond its KEEP newest (two at most, while the
+    copies lag behind the job)."""
+    mine = sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
+    return sum(file.is_pinned(p.parent) for p in mine[:-KEEP])
 
 
 def _gib(size: int) -> str:
@@ -314,6 +324,8 @@ def _prune(directory: Path, rank: int) -> None:
     snapshot writes again (memory is what snapshots cost: a rank holds KEEP + 1 files)."""
     mine = sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
     for old in mine[:-KEEP]:
+        if file.is_pinned(old.parent):  # its copy is on its way to the next node, or the one a lost node's meets
+            continue
         with contextlib.suppress(OSError):  # the agent may have pruned it first
             if old in _writer.restored:
                 old.unlink()  # its pages stay the restored tensors' until they go

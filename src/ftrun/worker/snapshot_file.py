@@ -29,6 +29,7 @@ from crc32c import crc32c
 
 STEP_DIR = "step-{:012d}"
 BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
+PIN_MARK = "PINNED"  # in a step's directory: the nodes copy this step to each other; kept until newer ones are
 DCP_DIR = "dcp"  # in a step's directory: torch.distributed.checkpoint's files (:mod:`ftrun.worker.dcp`)
 MAGIC = b"FTSNAP3\n"
 HEAD = struct.Struct("<8sQQ")  # magic, head's length, data's end
@@ -68,6 +69,10 @@ def is_whole(path: Path) -> bool:
             return f.read(FOOT.size)[-4:] == b"DONE"
     except OSError:
         return False
+
+
+def is_pinned(step_dir: Path) -> bool:
+    return (step_dir / PIN_MARK).exists()
 
 
 def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
