@@ -119,15 +119,15 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
         self.directory = directory
         self.key = key
-        self.announced = -1  # the newest step the previous node began to copy here
+        self.announced: tuple[int, ...] = ()  # the newest steps the previous node began to copy here (PINNED)
         self._lock = threading.Lock()
 
     def announce(self, step: int) -> None:
         """The previous node began to copy its ``step`` here: this node keeps its own (it copies the same one
         on), so that whichever node is lost, its copy meets a step every other node has."""
         with self._lock:
-            if step > self.announced:
-                self.announced = step
+            if step > max(self.announced, default=-1):
+                self.announced = (*self.announced, step)[-PINNED:]
                 pin(self.directory, step)
 
 
@@ -201,7 +201,9 @@ class SnapshotMirror:
         pause = every_s
         while not stop.wait(pause):
             whole = whole_steps(self._dir, ranks)
-            step = max(whole, default=-1) if paces else self._server.announced
+            # the newest announced whole here: one announced last may never be whole here (a rank stopped
+            # writing it) while the one before is
+            step = max(whole if paces else whole.intersection(self._server.announced), default=-1)
             if step not in whole or self._has_sent(ranks, step):
                 continue  # not whole here yet (or announced long ago and pruned), or sent (before a restart too)
             address = successor()  # asked only with a step to send: it reads the store
