@@ -7,36 +7,17 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from ftrun.monitor.table import MonitorTable
 from ftrun.warm.zygotes import AdoptedHandle
-from ftrun.worker.layout import CorruptSlot, SlotView
-
-
-@pytest.fixture
-def table() -> Iterator[MonitorTable]:
-    t = MonitorTable(2, tag="test")
-    try:
-        yield t
-    finally:
-        t.close()
-
-
-def _read_or_why(table: MonitorTable, *, confirm: bool = False) -> object:
-    """A read of slot 1, or why it could not be copied whole (other CorruptSlot errors are raised)."""
-    try:
-        return table.read(1, confirm=confirm)
-    except CorruptSlot as e:
-        if "kept changing" in str(e):
-            return str(e)
-        raise
+from ftrun.worker.layout import SlotView
+from tests.unit.test_monitor_client import read_or_why, table  # noqa: F401 - table: the fixture
 
 
 @pytest.mark.parametrize("confirm", [False, True], ids=["total-store-order", "confirmed-by-a-second-copy"])
-def test_another_process_writing_all_the_time_is_read_whole(table: MonitorTable, confirm: bool) -> None:
+def test_another_process_writing_all_the_time_is_read_whole(table: MonitorTable, confirm: bool) -> None:  # noqa: F811
     """A worker process opening and closing a section as fast as it can: every copy the agent keeps is whole,
     read as x86 reads (one copy between equal sequence numbers) and as weakly ordered CPUs do (ARM)."""
     writer = subprocess.Popen(
@@ -53,7 +34,7 @@ def test_another_process_writing_all_the_time_is_read_whole(table: MonitorTable,
         assert writer.stdout.readline() == b"up\n"
         # A writer that never pauses may outrun a read now and then ("kept changing": the agent reads again at
         # its next check); what matters is that every copy kept is whole, and that most reads succeed.
-        tries = [_read_or_why(table, confirm=confirm) for _ in range(300)]
+        tries = [read_or_why(table, confirm=confirm) for _ in range(300)]
         views = [v for v in tries if isinstance(v, SlotView)]
     finally:
         writer.kill()

@@ -259,7 +259,7 @@ def test_sections_from_several_threads_never_leave_the_slot_unreadable(table: Mo
         while any(t.is_alive() for t in threads):
             # In one process the reader can hold the GIL while a writer is mid-write (never so across processes):
             # a copy that never came out whole in 100 tries is skipped here; one that parses wrong fails the test.
-            if not isinstance(_read_or_why(table), str):
+            if not isinstance(read_or_why(table), str):
                 reads += 1
             time.sleep(0.0005)
         for t in threads:
@@ -273,7 +273,7 @@ def test_sections_from_several_threads_never_leave_the_slot_unreadable(table: Mo
     assert view.idle_since > 0
 
 
-def _read_or_why(table: MonitorTable, *, confirm: bool = False) -> object:
+def read_or_why(table: MonitorTable, *, confirm: bool = False) -> object:
     """A read of slot 1, or why it could not be copied whole (other CorruptSlot errors are raised)."""
     try:
         return table.read(1, confirm=confirm)
