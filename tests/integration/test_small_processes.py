@@ -55,3 +55,19 @@ def test_a_process_that_is_not_the_agents_child_has_no_status_to_reap() -> None:
         assert handle.reap() is None
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_outside_ftrun_every_call_is_a_no_op_with_one_warning() -> None:
+    code = (
+        "import warnings, ftrun\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ftrun.heartbeat(); ftrun.heartbeat()\n"
+        "    with ftrun.section('step'):\n"
+        "        ftrun.heartbeat()\n"
+        "    print(ftrun.calculate_timeouts()['heartbeat'], len(w), w[0].message)\n"
+        "    ftrun.load_monitor_state(ftrun.monitor_state())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert out.stdout.startswith("None 1 ftrun: not running under ftrun")

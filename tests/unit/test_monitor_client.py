@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -129,22 +128,6 @@ def test_calls_return_at_once_after_the_agent_removed_the_table(table: MonitorTa
     c.heartbeat()
     c.start_section("step")
     c.end_section("step")
-
-
-def test_outside_ftrun_every_call_is_a_no_op_with_one_warning() -> None:
-    code = (
-        "import warnings, ftrun\n"
-        "with warnings.catch_warnings(record=True) as w:\n"
-        "    warnings.simplefilter('always')\n"
-        "    ftrun.heartbeat(); ftrun.heartbeat()\n"
-        "    with ftrun.section('step'):\n"
-        "        ftrun.heartbeat()\n"
-        "    print(ftrun.calculate_timeouts()['heartbeat'], len(w), w[0].message)\n"
-        "    ftrun.load_monitor_state(ftrun.monitor_state())\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
-    assert out.stdout.startswith("None 1 ftrun: not running under ftrun")
 
 
 def test_a_foreign_state_is_refused() -> None:
