@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftrun.store.url import StoreUrl
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
@@ -110,7 +111,7 @@ class RdzvSpec:
     run_id: str
     conf: RdzvConf
     token: str | None = field(default=None, repr=False)  # shared secret of the embedded store
-    store_url: str = ""  # where the nodes meet: tcp://HOST:PORT or etcd://...; "" for static
+    store: StoreUrl | None = None  # where the nodes meet (tcp://HOST:PORT, etcd://...), parsed once; None: static
 
     @property
     def embedded_store(self) -> bool:

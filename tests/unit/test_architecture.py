@@ -163,7 +163,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "reminder": set(),
     "private": {"errors"},
     "worker": {"errors", "jsonobject"},  # runs inside the workers: nothing of the agent's
-    "config": {"worker", "errors"},
+    "config": {"store", "worker", "errors"},  # the parsed store URL it carries
     "node": {"errors"},
     "store": {"node", "clock", "errors", "jsonobject"},
     "rendezvous": {"store", "clock", "errors", "jsonobject"},

@@ -281,12 +281,32 @@ def test_store_token_sources(tmp_path: Path) -> None:
 def test_multi_node_modes(tmp_path: Path, script: Path) -> None:
     c = parse(tmp_path, "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0", "train.py")
     assert c.elastic
-    assert c.rdzv.store_url == "tcp://node0:29400"
+    assert c.rdzv.store is not None
+    assert (c.rdzv.store.display, c.rdzv.store.tls) == ("tcp://node0:29400", False)
     c = parse(tmp_path, "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2:2379", "train.py")
     assert c.elastic
-    assert c.rdzv.store_url == "etcd://e1:2379,e2:2379"
+    assert c.rdzv.store is not None
+    assert c.rdzv.store.display == "etcd://e1:2379,e2:2379"
+    # parsed once, here: TLS from --rdzv-conf is the URL's, which the store, its server and its successor read
+    c = parse(
+        tmp_path,
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0",
+        "--rdzv-conf",
+        "protocol=https",
+        "train.py",
+    )
+    assert c.rdzv.store is not None
+    assert (c.rdzv.store.scheme, c.rdzv.store.tls) == ("tcps", True)
+    moved = c.rdzv.store.at("node3", 29400)  # a successor's, TLS kept
+    assert (moved.display, moved.tls) == ("tcps://node3:29400", True)
     c = parse(tmp_path, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "train.py")
     assert not c.elastic  # static: the flags place this node
+    assert c.rdzv.store is None
     assert (c.node_rank, c.master_addr, c.master_port) == (1, "node0", 29500)
     c = parse(tmp_path, "--standalone", "--rdzv-backend", "c10d", "train.py")
     assert not c.elastic

@@ -117,7 +117,8 @@ def test_ftrun_starts_right_from_the_environment_a_pytorchjob_gives_its_pods(tmp
     (tmp_path / "train.py").write_text("print('hi')\n")
     c = cli.parse(container["command"][1:], operator_env(job), tmp_path)  # every pod gets the same variables
     assert (c.nnodes.min, c.nnodes.max, c.nproc_per_node, c.max_restarts) == (2, 4, 8, 10)
-    assert (c.rdzv.backend, c.rdzv.store_url) == ("etcd", "etcd://etcd-client:2379")
+    assert c.rdzv.store is not None
+    assert (c.rdzv.backend, c.rdzv.store.display) == ("etcd", "etcd://etcd-client:2379")
     assert c.rdzv.run_id == "train"
     assert c.term_timeout_s == 90.0
 

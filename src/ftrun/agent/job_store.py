@@ -29,7 +29,7 @@ from ftrun.store.factory import open_store
 from ftrun.store.greeting import probe
 from ftrun.store.moving import MovingStore
 from ftrun.store.tcp import TcpStoreClient
-from ftrun.store.url import tcp_url
+from ftrun.store.url import StoreUrl
 
 if TYPE_CHECKING:
     from ftrun.agent.group import LocalGroup
@@ -71,7 +71,7 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         "it on until that job's agents have left",
         always=True,
     )
-    if r.token is None and not r.store_url.startswith("tcps://") and not is_loopback(host):
+    if r.token is None and not (r.store and r.store.tls) and not is_loopback(host):
         group.say(
             f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
             "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",
@@ -136,7 +136,7 @@ def serve_store(config: LaunchConfig, host: str, port: int) -> TcpStoreServer:
     from ftrun.store.tls import server_context
 
     r = config.rdzv
-    tls = server_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+    tls = server_context(dict(r.conf.etcd)) if r.store and r.store.tls else None
     return TcpStoreServer(host, port, token=r.token, tls=tls, job=config.run_id).start()
 
 
@@ -145,12 +145,12 @@ def client_tls(config: LaunchConfig) -> ssl.SSLContext | None:
     from ftrun.store.tls import client_context
 
     r = config.rdzv
-    return client_context(dict(r.conf.etcd)) if r.store_url.startswith("tcps://") else None
+    return client_context(dict(r.conf.etcd)) if r.store and r.store.tls else None
 
 
 def open_job_store(
     config: LaunchConfig,
-    url: str,
+    url: StoreUrl,
     retry_deadline_s: float,
     say: Callable[[str], None],
     host_dead: Callable[[], bool] | None = None,
@@ -181,8 +181,9 @@ class StoreSuccession:
         """Host the store here, or go to ``successor``'s; None: no successor is known (no round closed yet, or
         every one named is lost): wait for a store at the endpoint, as a node that starts early does."""
         if successor is None:
-            url = self._config.rdzv.store_url
-            self._say(f"no successor is known for the store's lost host: waiting for a store at {url}")
+            url = self._config.rdzv.store
+            assert url is not None  # a store that moves is an elastic job's
+            self._say(f"no successor is known for the store's lost host: waiting for a store at {url.display}")
             self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
             return
         where = f"{successor.addr}:{self._port}"
@@ -194,7 +195,9 @@ class StoreSuccession:
             self._say(f"the store's host was lost: this node hosts the store now, on {where}")
         else:
             self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
-        url = tcp_url(successor.addr, self._port, dict(self._config.rdzv.conf.etcd))
+        moved = self._config.rdzv.store
+        assert moved is not None  # a store that moves is an elastic job's
+        url = moved.at(successor.addr, self._port)
         port = successor.alive_port
         dead = (lambda: refuses(successor.addr, port)) if port else None
         self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say, dead))

@@ -45,7 +45,6 @@ from ftrun.rendezvous.records import Head, Keys
 from ftrun.rendezvous.state import Me, Rules, Timing
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore
-from ftrun.store.url import tcp_url
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -192,9 +191,10 @@ def node_id(host: str) -> str:
 
 def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: TcpStoreServer | None) -> int:
     conf = config.rdzv.conf
-    url = config.rdzv.store_url
+    url = config.rdzv.store
+    assert url is not None  # an elastic job's store, parsed from the flags
     if server is not None:  # hosted here: the real port, should the endpoint have said :0
-        url = tcp_url(server.host, server.port, dict(conf.etcd))
+        url = url.at(server.host, server.port)
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)

@@ -26,6 +26,7 @@ from ftrun.cli.slurm import slurm_step
 from ftrun.errors import ConfigError, FtrunError
 from ftrun.node import addresses
 from ftrun.node.devices import accelerators_visible
+from ftrun.store.url import StoreUrl
 
 EXIT_USAGE = 2
 
@@ -50,7 +51,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
             f"use one of {', '.join(flags.RDZV_BACKENDS)}",
         )
     conf = rdzv_flags.parse_rdzv_conf(a.rdzv_conf)
-    store_url = _check_nodes(a, nnodes, conf.etcd)
+    store = _check_nodes(a, nnodes, conf.etcd)
     if a.rdzv_backend == "static" and nnodes.max > 1:
         master_port = master_port or addresses.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
     if a.start_method not in flags.START_METHODS:
@@ -65,7 +66,7 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     level = flags.parse_loglevel(environ)
     host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
     token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store_url)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
         shared_base=not a.log_dir,
@@ -156,8 +157,8 @@ def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.Lau
     )
 
 
-def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple[str, str], ...]) -> str:
-    """Validate --nnodes against the rendezvous flags; returns the store URL ("" for static)."""
+def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple[str, str], ...]) -> StoreUrl | None:
+    """Validate --nnodes against the rendezvous flags; returns the store's URL (None for static)."""
     if a.rdzv_backend == "static":
         if nnodes.min != nnodes.max:
             raise ConfigError(
@@ -165,11 +166,11 @@ def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple
                 f"static rendezvous needs a fixed node count, got {a.nnodes}",
                 "pass --nnodes N, or an elastic range with --rdzv-backend c10d or etcd",
             )
-        return ""
+        return None
     if a.standalone:
         if nnodes.max != 1:
             raise ConfigError("--standalone", f"is for one node, got --nnodes {a.nnodes}", "drop --standalone")
-        return ""
+        return None
     if not a.rdzv_endpoint and nnodes.max > 1:
         raise ConfigError(
             "--rdzv-endpoint",

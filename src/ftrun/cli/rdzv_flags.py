@@ -15,7 +15,7 @@ from ftrun.cli.flags import parse_int, parse_seconds
 from ftrun.config import RdzvConf
 from ftrun.errors import ConfigError
 from ftrun.node.addresses import DEFAULT_ETCD_PORT, parse_endpoint
-from ftrun.store.url import parse_store_url, read_token_file, tcp_url
+from ftrun.store.url import StoreUrl, parse_store_url, read_token_file, tcp_url
 
 FLAG = "--rdzv-conf"
 DEFAULT_KEEP_ALIVE_INTERVAL_S = RdzvConf().keep_alive_interval_s
@@ -121,7 +121,9 @@ def store_token(token: str | None, token_file: str | None, environ: Mapping[str,
     return token or environ.get("FTRUN_TOKEN") or None
 
 
-def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int, etcd: tuple[tuple[str, str], ...] = ()) -> str:
+def rdzv_store_url(
+    backend: str, endpoint: str, default_tcp_port: int, etcd: tuple[tuple[str, str], ...] = ()
+) -> StoreUrl:
     """The store URL for ``--rdzv-backend``/``--rdzv-endpoint``; raises ConfigError naming the flag."""
     flag = "--rdzv-endpoint"
     if backend in ("etcd", "etcd-v2"):
@@ -134,10 +136,9 @@ def rdzv_store_url(backend: str, endpoint: str, default_tcp_port: int, etcd: tup
         host, port = parse_endpoint(endpoint)
         url = tcp_url(host or "127.0.0.1", default_tcp_port if port is None else port, dict(etcd))
     try:
-        parse_store_url(url)
+        return parse_store_url(url)
     except ConfigError as e:
         raise ConfigError(flag, e.problem, e.fix) from None
-    return url
 
 
 def etcd_url(endpoint: str, options: Mapping[str, str]) -> str:

@@ -27,6 +27,7 @@ from ftrun.monitor.table import read_live
 from ftrun.node.addresses import DEFAULT_STORE_PORT
 from ftrun.observe.node_status import STATUS_FILE, read_status, slot_progress, status_from_events
 from ftrun.procs.logs import last_written
+from ftrun.store.url import StoreUrl
 from ftrun.worker.layout import SlotView
 
 REFRESH_S = 1.0
@@ -77,7 +78,7 @@ class RunDir:
 class JobStore:
     """Every node's record in a multi-node job's store."""
 
-    def __init__(self, url: str, run_id: str, token: str | None) -> None:
+    def __init__(self, url: StoreUrl, run_id: str, token: str | None) -> None:
         from ftrun.store.factory import open_store
 
         self.run_id = run_id
@@ -89,7 +90,8 @@ class JobStore:
 
         records = read_statuses(self._store, self.run_id)
         if not records:
-            raise FtrunError(f"no node of run {self.run_id!r} published a status at {self.url}: check --rdzv-id")
+            where = self.url.display
+            raise FtrunError(f"no node of run {self.run_id!r} published a status at {where}: check --rdzv-id")
         keys = Keys.of(self.run_id)
         round_kv = self._store.get(keys.round)
         members: tuple[str, ...] = ()
@@ -100,7 +102,7 @@ class JobStore:
         except RecordError:
             members = ()
         registered = sorted(kv.key.rsplit("/", 1)[-1] for kv in self._store.list_prefix(keys.nodes)[0])
-        job = _job(records, source=self.url)
+        job = _job(records, source=self.url.display)
         job["spares"] = [n for n in registered if members and n not in members]
         return job
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ftrun.errors import ConfigError
 from ftrun.node.addresses import DEFAULT_ETCD_PORT, DEFAULT_STORE_PORT, bracketed, parse_endpoint
@@ -29,6 +29,14 @@ class StoreUrl:
 
     def option(self, name: str) -> str | None:
         return dict(self.options).get(name)
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme in ("tcps", "etcds")
+
+    def at(self, host: str, port: int) -> StoreUrl:
+        """The same store served at ``host:port`` (an embedded store's real port, a successor's address)."""
+        return replace(self, endpoints=((host, port),))
 
     @property
     def display(self) -> str:
