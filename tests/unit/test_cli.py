@@ -304,6 +304,9 @@ def test_multi_node_modes(tmp_path: Path, script: Path) -> None:
     assert (c.rdzv.store.scheme, c.rdzv.store.tls) == ("tcps", True)
     moved = c.rdzv.store.at("node3", 29400)  # a successor's, TLS kept
     assert (moved.display, moved.tls) == ("tcps://node3:29400", True)
+    assert f"{moved}" == "tcps://node3:29400"  # in a message: the URL, never the fields (a password)
+    secret = c.rdzv.store.__class__("etcd", (("e1", 2379),), user="u", password="hunter2")
+    assert "hunter2" not in f"{secret} {secret!r}"
     c = parse(tmp_path, "--nnodes", "2", "--node-rank", "1", "--master-addr", "node0", "train.py")
     assert not c.elastic  # static: the flags place this node
     assert c.rdzv.store is None

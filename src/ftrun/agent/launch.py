@@ -211,7 +211,7 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
         succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
             store.put(Keys.of(config.run_id).store_host, rendezvous.node_id.encode())
-        group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url}")
+        group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url.display}")
         group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
         group.peer_key = job_key(config.run_id, config.rdzv.token, store)
         group.mirror_snapshots(config.local_addr or socket.getfqdn())

@@ -44,6 +44,9 @@ class StoreUrl:
         hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
         return f"{self.scheme}://{hosts}{'/' + self.prefix if self.prefix else ''}"
 
+    def __str__(self) -> str:  # in a message: never the fields, which hold the password
+        return self.display
+
 
 _OPTIONS = {"tcp": {"token_file", "cacert", "cert", "key"}, "etcd": {"cacert", "cert", "key", "user", "password_file"}}
 _DEFAULT_PORTS = {"tcp": DEFAULT_STORE_PORT, "etcd": DEFAULT_ETCD_PORT}
