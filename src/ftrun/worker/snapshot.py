@@ -213,10 +213,15 @@ def _fits(step: int, size: int) -> bool:
     return False
 
 
+def _whole_files(directory: Path, rank: int) -> list[Path]:
+    """This rank's whole files, oldest step first."""
+    return sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
+
+
 def _pinned_older(directory: Path, rank: int) -> int:
     """This rank's files kept for the copies between nodes beyond its KEEP newest (two at most, while the
     copies lag behind the job)."""
-    mine = sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
+    mine = _whole_files(directory, rank)
     return sum(file.is_pinned(p.parent) for p in mine[:-KEEP])
 
 
@@ -322,7 +327,7 @@ def _finish(
 def _prune(directory: Path, rank: int) -> None:
     """This rank's parts of all but its KEEP newest whole steps; the oldest is kept as the spare the next
     snapshot writes again (memory is what snapshots cost: a rank holds KEEP + 1 files)."""
-    mine = sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
+    mine = _whole_files(directory, rank)
     for old in mine[:-KEEP]:
         if file.is_pinned(old.parent):  # its copy is on its way to the next node, or the one a lost node's meets
             continue
