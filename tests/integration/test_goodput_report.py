@@ -14,7 +14,7 @@ import pytest
 from tests.integration.harness import WAIT_S, LiveFtrun, run_ftrun
 
 # Each rank notes when it took each step (CLOCK_MONOTONIC, the agent's clock too). Attempt 0: rank 1 fails
-# after step 6; attempt 1 resumes from the job's checkpoint at step 4 and runs to step 9.
+# after step 6 (the others wait for it); attempt 1 resumes from the job's checkpoint at step 4 and runs to step 9.
 JOB = """
 import json, os, sys, time, pathlib
 import ftrun
@@ -30,6 +30,8 @@ for step in range(0 if restart == 0 else 4, 10):
     if restart == 0 and rank == 1 and step == 6:
         print("step 6 went wrong", flush=True)
         sys.exit(3)
+if restart == 0:
+    time.sleep(60)  # attempt 0 ends with rank 1's failure, however late rank 1 started (the agent stops us)
 """
 TOLERANCE_S = 0.25  # the job's marks against what the agent saw (process exits, scheduling on 2 busy cores)
 
