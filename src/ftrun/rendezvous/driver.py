@@ -31,6 +31,7 @@ from ftrun.errors import (
     WatchLost,
 )
 from ftrun.rendezvous import state
+from ftrun.rendezvous.failover import StoreFailover
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.places import Places
@@ -47,7 +48,6 @@ from ftrun.rendezvous.records import (
     encode_round,
 )
 from ftrun.rendezvous.state import Action, Advice, Decision, Local, Me, Rules, Timing
-from ftrun.rendezvous.succession import takeover
 from ftrun.rendezvous.values import JobValues
 from ftrun.store.base import EventType, Store, Watch
 
@@ -79,14 +79,11 @@ class Rendezvous:
         ``move_store``: host the store here or go to the successor (None: to the endpoint) when the host is gone;
         None: a store that cannot move (etcd's survives); ``renewals``: who renews the lease (default: a thread)."""
         self._renewals = renewals
-        self._move_store = move_store
+        self._failover = StoreFailover(move_store, rules)
         # With a store whose leases outlive a dead agent by their TTL (etcd): the leader holds a connection to
         # every member, the others one to the leader; one that ends is a node gone (see rendezvous.liveness).
         self._liveness = liveness
         self._leader_alive: tuple[str, str, int] | None = None  # the leader's node id, address and alive port
-        self._store_host = ""  # the node that hosts the store, as it said in the store
-        self._lost_hosts: set[str] = set()  # hosts of the store lost so far: never a successor again
-        self._seed: RoundRecord | None = None  # the round to open in a store that took over from a lost one
         self._store = store
         self._keys = Keys.of(run_id)
         self._me = me
@@ -198,12 +195,9 @@ class Rendezvous:
         """The store's host is gone (its machine refuses the connection: the agent died), in whatever state the
         rendezvous is: every survivor goes to the successor (:func:`succession.takeover`) and the job re-forms in
         the next round, the lost node counted as lost (a failure of the round, as any lost node)."""
-        lost = self._store_host
-        if self._move_store is None or not lost:
-            raise e
-        self._lost_hosts.add(lost)
-        plan = takeover(self._record or self._seed, lost, self._lost_hosts, self._rules)  # the seed: a takeover
-        self._forget_watches()  # under way, whose successor is lost too
+        lost = self._failover.host
+        plan = self._failover.take_over(self._record, e)
+        self._forget_watches()
         self._drop_lease()
         self._record, self._record_rev, self._leader = None, 0, None
         self._places.forget()
@@ -211,13 +205,13 @@ class Rendezvous:
             self._warn(f"rendezvous: {plan.why} ({e}); waiting for a store at the endpoint, as early nodes do")
         else:
             self._warn(f"rendezvous: the store's host {lost} is lost ({e}); {plan.host.node_id} takes over")
-        self._store_host, self._seed, why = plan.host.node_id if plan.host else "", plan.seed, plan.why
-        self._move_store(plan.host)
+        self._failover.move(plan)
         now = self._clock.monotonic()
         if local.running_round is not None:
-            stop = f"my workers run in round {local.running_round}, but {why}: stopping them; the job re-forms there"
+            running = f"my workers run in round {local.running_round}"
+            stop = f"{running}, but {plan.why}: stopping them; the job re-forms there"
             return Advice(Decision(Action.STOP, stop, record=plan.seed), now)
-        return Advice(Decision(Action.WAIT, why, record=plan.seed, wake_at=now), now)
+        return Advice(Decision(Action.WAIT, plan.why, record=plan.seed, wake_at=now), now)
 
     def _fence(self, round_: int) -> Decision:
         return Decision(
@@ -234,7 +228,7 @@ class Rendezvous:
                 if local.running_round is not None:
                     return Advice(self._fence(local.running_round), now)
                 self._new_lease()
-                self._seed_moved_store()
+                self._failover.seed_store(self._store, self._keys, self._me.node_id)
             decision = state.decide(self._view(local, now, self._nodes if self.leading else None), self._rules)
             if decision.action is Action.COUNT:
                 listed, _ = self._list_nodes()
@@ -320,9 +314,7 @@ class Rendezvous:
             # The store lost its history (an embedded store restarted empty, or a successor took over where it
             # was): start from what it holds now, the next round opened there if nobody did yet.
             self._log(f"rendezvous: {e}; reading the store afresh")
-            if self._record is not None and self._move_store is not None and self._store_host:
-                why = f"the store restarted empty (its host {self._store_host} was lost)"
-                self._seed = state.after_lost_store(self._record, self._rules, self._store_host, why)
+            self._failover.restarted_empty(self._record)
             self._drop_lease()
             self._forget_watches()
             self._follow_shared()
@@ -357,15 +349,6 @@ class Rendezvous:
             peers = {}
         liveness.watch(peers)
 
-    def _seed_moved_store(self) -> None:
-        """In a store that took over: the next round opened (by whoever comes first), and its host named."""
-        if self._seed is None:
-            return
-        seed, self._seed = self._seed, None
-        self._store.compare_and_set(self._keys.round, encode_round(seed), 0)  # one survivor's stands
-        if self._store_host == self._me.node_id:  # a seed comes only with a store that moved here
-            self._store.put(self._keys.store_host, self._me.node_id.encode())
-
     def _forget_watches(self) -> None:
         self._stop_leading()
         if self._shared_watch is not None:
@@ -398,7 +381,7 @@ class Rendezvous:
             if revision > self._record_rev:
                 self._apply_round(value, revision)
         elif key == self._keys.store_host:
-            self._store_host = "" if value is None else value.decode(errors="replace")
+            self._failover.host = "" if value is None else value.decode(errors="replace")
         elif key == self._keys.leader:
             self._leader = None if value is None else value.decode(errors="replace")
             if self._leader != self._me.node_id:
