@@ -137,6 +137,22 @@ def test_no_module_is_over_500_lines(name: str) -> None:
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by concept"
 
 
+COMPOSITION_ROOTS = {"ftrun.agent.launch", "ftrun.cli.main"}  # they build the parts: they know them all
+MAX_IMPORTS = 20  # ftrun modules a module may import (a hub that grows past it wants cutting along its seams)
+
+
+@pytest.mark.parametrize("name", sorted(set(modules()) - COMPOSITION_ROOTS))
+def test_no_module_but_the_composition_roots_is_a_hub(name: str) -> None:
+    found = ftrun_imports(name)
+    assert len(found) <= MAX_IMPORTS, f"{name} imports {len(found)} of ftrun's modules: {sorted(found)}"
+
+
+def test_the_local_group_is_no_hub_again() -> None:
+    """The group only drives its parts (narrator, spawning, link, watch, processes...); launch builds them."""
+    found = ftrun_imports("ftrun.agent.group")
+    assert len(found) <= 12, sorted(found)
+
+
 def test_no_agent_class_inherits_another_of_ftrun() -> None:
     """Composition, never inheritance, for the agent: a class in ftrun.agent derives from nothing of ftrun's."""
     ours = set()

@@ -20,11 +20,14 @@ import pytest
 
 from ftrun.agent import elastic, static
 from ftrun.agent.executor import Executor
-from ftrun.agent.group import LocalGroup
-from ftrun.agent.launch import rendezvous_for, static_plan
+from ftrun.agent.launch import NodeParts, rendezvous_for, static_plan
+from ftrun.agent.narrator import Narrator
+from ftrun.agent.pool_pacing import NoPacing
 from ftrun.cli import main as cli
 from ftrun.config import LaunchConfig
+from ftrun.job.link import JobLink
 from ftrun.procs.logs import Console
+from ftrun.procs.signals import SignalWakeup
 from ftrun.store.memory import MemoryStore
 from ftrun.testing.clock import FakeClock
 from ftrun.testing.spawner import EXIT_0, RUNS, STUBBORN, Behaviour, FakeProcess, FakeSpawner, Script
@@ -42,16 +45,23 @@ class Node:
         self.clock = FakeClock()
         self.spawner = FakeSpawner(script, on_spawn or (lambda p: None))
         self.stderr = io.BytesIO()
-        self.group = LocalGroup.open(
-            self.config, spawner=self.spawner, clock=self.clock, console=Console(io.BytesIO(), self.stderr), host=name
-        )
+        self.narrator = Narrator.open(self.config, Console(io.BytesIO(), self.stderr), self.clock, name)
+        self.wakeup = SignalWakeup.install()
+        parts = NodeParts(self.config, self.narrator, self.spawner, self.clock, self.wakeup, NoPacing(), lambda r: None)
+        self.group = parts.group(JobLink(None, b"key", self.clock))
+        self.narrator.run_started()
+
+    def close(self) -> None:
+        self.group.close()
+        self.narrator.close()
+        self.wakeup.close()  # the signal handlers it found, back
 
     def run_static(self) -> int:
         state = static.initial(static_plan(self.config))
         return Executor(static.step, state, self.group, clock=self.clock, fresh_port=lambda: next(PORTS)).run()
 
     def run_elastic(self, store: MemoryStore) -> int:
-        rdzv = rendezvous_for(self.config, store, clock=self.clock, host="h", log=self.group.say)
+        rdzv = rendezvous_for(self.config, store, clock=self.clock, host="h", log=self.group.narrator.say)
         try:
             rdzv.start()
             executor = Executor(
@@ -87,7 +97,7 @@ def nodes(tmp_path: Path) -> Iterator[list[Node]]:
     made: list[Node] = []
     yield made
     for n in reversed(made):  # each group restores the signal handlers it found: the last one first
-        n.group.close()
+        n.close()
 
 
 def start(nodes: list[Node], tmp_path: Path, script: Script, *flags: str, **kw: Any) -> Node:

@@ -83,7 +83,7 @@ class Executor(Generic[S]):
         self._still = Reminder(REMIND_EVERY_S, REMIND_EVERY_S)  # that wait, said again while it lasts
         # A start after SLURM requeued the job goes on from the one before: its attempts, and its restarts plus
         # the requeue (TORCHELASTIC_RESTART_COUNT), on top of the driver's own count (--max-restarts is per start).
-        self._attempts_before, self._restarts_before = carried_over(group.events.events)
+        self._attempts_before, self._restarts_before = carried_over(group.narrator.events.events)
 
     def run(self) -> int:
         """Drive the run to its end; returns ftrun's exit code."""
@@ -96,13 +96,13 @@ class Executor(Generic[S]):
             # What comes next ("restart 1 of 3") is said after the report of the failure it answers.
             reported = any(isinstance(c, ReportFailure) for c in transition.commands)
             if transition.commands and transition.said and not reported:
-                self._group.note(transition.reason)
+                self._group.narrator.note(transition.reason)
             for command in transition.commands:
                 if isinstance(command, Finish):
                     return self._group.finish(self._settle(command))
                 pending.extend(self._carry_out(command))
                 if isinstance(command, ReportFailure) and transition.said:
-                    self._group.note(transition.reason)
+                    self._group.narrator.note(transition.reason)
 
     def _carry_out(self, command: Command) -> list[Happening]:
         if isinstance(command, StartWorkers):
@@ -123,7 +123,7 @@ class Executor(Generic[S]):
         if waiting != self._waiting:
             self._waiting = waiting
             self._still.restart(self._clock.monotonic())
-        self._group.note(reason)
+        self._group.narrator.note(reason)
         if self._agreement is not None:
             self._agreement.sync()
         return [RendezvousAdvised(advice.decision)]
@@ -137,7 +137,7 @@ class Executor(Generic[S]):
         happened, news = self._group.wait(timeout, also=self._rendezvous.fileno())
         waited = self._still.due(self._clock.monotonic(), bool(self._waiting))
         if waited is not None:  # the same wait: said again
-            self._group.say(f"{self._waiting} (still, after {waited:.0f} s)")
+            self._group.narrator.say(f"{self._waiting} (still, after {waited:.0f} s)")
         if self._agreement is not None:
             self._agreement.sync()  # a local rank may have published timeouts
         if news or (self._wake_at is not None and self._clock.monotonic() >= self._wake_at):

@@ -32,13 +32,14 @@ from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.url import StoreUrl
 
 if TYPE_CHECKING:
-    from ftrun.agent.group import LocalGroup
+    from ftrun.agent.narrator import Narrator
+    from ftrun.procs.signals import SignalWakeup
     from ftrun.store.tcp_server import TcpStoreServer
 
 PROBE_S = 2.0  # an ftrun store on this machine greets within milliseconds; silence this long is something else
 
 
-def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None:
+def host_store(config: LaunchConfig, narrator: Narrator) -> TcpStoreServer | None:
     """Serve the embedded store in-process when its endpoint is this machine (as torchrun's c10d); None when
     this node is a client of it.
 
@@ -57,25 +58,23 @@ def host_store(config: LaunchConfig, group: LocalGroup) -> TcpStoreServer | None
         server = serve_store(config, host, port)
     except OSError as e:
         if config.elastic and e.errno == errno.EADDRINUSE and r.conf.is_host is None:
-            group.say(_whose_store(config, host, port), always=True)
+            narrator.warn(_whose_store(config, host, port))
             return None
         raise ConfigError(
             "--rdzv-endpoint",
             f"cannot host the store on {host}:{port}: {e.strerror or e}",
             "pick a free port (or :0) or stop whatever holds it",
         ) from None
-    group.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
-    group.say(f"hosting the rendezvous store on {host}:{server.port}")
-    server.on_new_job = lambda job, peer: group.say(
+    narrator.emit(EventKind.STORE_HOSTED, host=host, port=server.port)
+    narrator.say(f"hosting the rendezvous store on {host}:{server.port}")
+    server.on_new_job = lambda job, peer: narrator.warn(
         f"job {job!r} (from {peer}) uses the store this agent hosts too: at the end of this job the agent serves "
-        "it on until that job's agents have left",
-        always=True,
+        "it on until that job's agents have left"
     )
     if r.token is None and not (r.store and r.store.tls) and not is_loopback(host):
-        group.say(
+        narrator.warn(
             f"warning: the store on {host}:{server.port} has no token: anyone who can reach it can read the job's "
-            "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node",
-            always=True,
+            "records and steer its rounds; pass --rdzv-token-file FILE (or set FTRUN_TOKEN) on every node"
         )
     return server
 
@@ -102,27 +101,25 @@ def _whose_store(config: LaunchConfig, host: str, port: int) -> str:
     )
 
 
-def serve_on_for_others(server: TcpStoreServer, group: LocalGroup) -> None:
+def serve_on_for_others(server: TcpStoreServer, run_id: str, narrator: Narrator, wakeup: SignalWakeup) -> None:
     """At this job's end, the store this agent hosts may still serve other jobs that share the endpoint: keep
-    serving until their agents have left, or until a signal to ftrun says to stop now."""
-    wakeup = group.wakeup
+    serving until their agents have left, or until a signal to ftrun (``wakeup``) says to stop now."""
     if wakeup.drain():  # a signal came while the job ended: the person wants out now
         return
-    others = _other_jobs(server, group.config.run_id)
+    others = _other_jobs(server, run_id)
     if not others:
         return
     where = f"{server.host}:{server.port}"
-    group.say(
+    narrator.warn(
         f"job(s) {others} still use the store this agent hosts on {where}: serving it until their agents have "
-        "left (a signal to ftrun stops it now, and they lose it)",
-        always=True,
+        "left (a signal to ftrun stops it now, and they lose it)"
     )
     while others:
         if select.select([wakeup.fd], [], [], 0.5)[0] and wakeup.drain():
-            group.say(f"stopping the store on {where} now: job(s) {others} lose it", always=True)
+            narrator.warn(f"stopping the store on {where} now: job(s) {others} lose it")
             return
-        others = _other_jobs(server, group.config.run_id)
-    group.say(f"the other jobs left the store on {where}: it stops", always=True)
+        others = _other_jobs(server, run_id)
+    narrator.warn(f"the other jobs left the store on {where}: it stops")
 
 
 def _other_jobs(server: TcpStoreServer, job: str) -> str:

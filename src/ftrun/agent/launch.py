@@ -13,16 +13,22 @@ import secrets
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 from ftrun.agent import elastic, static
+from ftrun.agent.asked import Asked, LeaveReason
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
 from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
-from ftrun.agent.group import LocalGroup
+from ftrun.agent.group import AttemptListener, LocalGroup
 from ftrun.agent.health import HealthWatch
 from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others
+from ftrun.agent.narrator import Narrator
+from ftrun.agent.pool_pacing import NoPacing, PoolPacing
+from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.spawning import Spawning
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
 from ftrun.errors import ConfigError
@@ -31,14 +37,18 @@ from ftrun.job.board import JobBoard
 from ftrun.job.departures import wait_for_departures
 from ftrun.job.exclusions import Exclusions
 from ftrun.job.exit_barrier import ExitBarrier
+from ftrun.job.link import JobLink
 from ftrun.job.peer_relay import job_key
+from ftrun.monitor.watch import WorkerWatch
 from ftrun.node.addresses import DEFAULT_STORE_PORT
 from ftrun.node.health import Verdict
 from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
 from ftrun.procs.logs import Console
+from ftrun.procs.signals import SignalWakeup
+from ftrun.procs.spawner import ProcessSpawner, Spawner
 from ftrun.procs.warden import Warden
-from ftrun.procs.workers import ProcessSpawner, Spawner
+from ftrun.procs.workers import AttemptProcesses, Worker
 from ftrun.rendezvous.driver import Rendezvous
 from ftrun.rendezvous.liveness import Liveness
 from ftrun.rendezvous.records import Head, Keys
@@ -74,31 +84,77 @@ def _launch(config: LaunchConfig) -> int:
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     metrics = serve_metrics(config)  # a port that cannot be served fails before anything starts
-    pool = spawner if isinstance(spawner, WarmPool) else None
-    group = LocalGroup.open(config, spawner=spawner, clock=clock, console=console, host=socket.gethostname(), pool=pool)
-    if metrics is not None:
-        metrics.watch(group.events, group.status, config.run_id)
-        group.say(f"Prometheus metrics at {metrics.url}")
-    health = HealthWatch.start(config.health, group.host, group.emit, partial(group.say, always=True))
+    narrator = Narrator.open(config, console, clock, socket.gethostname())
+    wakeup = SignalWakeup.install()  # signals to ftrun are caught from now on
+    pacing = PoolPacing(spawner) if isinstance(spawner, WarmPool) else NoPacing()
     try:
-        server = host_store(config, group)  # hosted even by a node that fails its checks: the others meet there
+        narrator.run_started()
+        pacing.start(narrator)
+        if metrics is not None:
+            metrics.watch(narrator.events, narrator.status, config.run_id)
+            narrator.say(f"Prometheus metrics at {metrics.url}")
+        health = HealthWatch.start(config.health, narrator.host, narrator.emit, narrator.warn)
         try:
-            kept_out = health.gate(clock, config.rdzv.conf.join_timeout_s, group.wakeup.fd, group.wakeup.arrived)
-            if kept_out is not None:
-                return keep_out(group, kept_out)
-            group.asked.leave_reasons.append(health.reason_to_leave)
-            if config.elastic:
-                return run_elastic(config, group, clock, server)
-            return run_static(config, group, clock)
+            server = host_store(config, narrator)  # hosted even by a node that fails its checks: the others meet there
+            try:
+                node = NodeParts(config, narrator, spawner, clock, wakeup, pacing, health.reason_to_leave)
+                kept_out = health.gate(clock, config.rdzv.conf.join_timeout_s, wakeup.fd, wakeup.arrived)
+                if kept_out is not None:
+                    return keep_out(node, kept_out)
+                if config.elastic:
+                    return run_elastic(node, server)
+                return run_static(node)
+            finally:
+                if server is not None:
+                    serve_on_for_others(server, config.run_id, narrator, wakeup)
+                    server.stop()
         finally:
-            if server is not None:
-                serve_on_for_others(server, group)
-                server.stop()
+            health.close()
     finally:
-        health.close()
-        group.close()
+        pacing.close()
+        narrator.close()
+        wakeup.close()
         if metrics is not None:
             metrics.close()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeParts:
+    """What this node's local group is built from; the group itself is built once the job's other nodes can be
+    reached (its link to them is one of its parts)."""
+
+    config: LaunchConfig
+    narrator: Narrator
+    spawner: Spawner
+    clock: Clock
+    wakeup: SignalWakeup
+    pacing: AttemptListener
+    leave_for: LeaveReason  # the node's health: a failed check makes it leave the job (None: stays)
+
+    def group(self, link: JobLink[Worker]) -> LocalGroup:
+        """The local group, its parts built here: the workers' watch (with the other nodes' ranks where the job
+        has them), their processes (none yet), how they are spawned, their snapshots, their requests."""
+        config, narrator, clock = self.config, self.narrator, self.clock
+        watch = WorkerWatch.open(config, clock, narrator.emit, narrator.say)
+        watch.pace.node = narrator.host
+        narrator.status.pace = watch.pace
+        if link.board is not None:  # root causes, hangs, stragglers and stalls told to and judged with the others
+            board = link.board
+            board.interrupted = self.wakeup.arrived
+            narrator.reports.board = board
+            narrator.status.board, narrator.status.node = board, board.node
+            watch.share_board(board.pace_share(), board.node, board.collective_share())
+        asked = Asked(narrator.host, clock, narrator.emit, narrator.warn)
+        asked.leave_reasons += [watch.pace.reason_to_leave, self.leave_for]  # --straggler-action exclude, health
+        share = config.snapshot_memory // config.nproc_per_node
+        return LocalGroup(
+            config, narrator,
+            processes=AttemptProcesses(self.spawner, clock, (self.wakeup.fd, *watch.fds)),
+            watch=watch, wakeup=self.wakeup,
+            spawning=Spawning(config, narrator.console, clock),
+            snapshots=SnapshotKeeper.open(narrator.run_dir.name, narrator.warn, share),
+            pacing=self.pacing, asked=asked, link=link,
+        )  # fmt: skip
 
 
 def serve_metrics(config: LaunchConfig) -> Metrics | None:
@@ -155,13 +211,17 @@ def fresh_port_on(clock: Clock) -> int:
     return reserve_port("", clock.wall())
 
 
-def keep_out(group: LocalGroup, failed: Verdict) -> int:
+def keep_out(node: NodeParts, failed: Verdict) -> int:
     """The node never joined: a signal to ftrun ended its wait, or its health checks kept failing."""
-    signals = group.wakeup.drain()
-    if signals:
-        return group.finish(Finish(Outcome.INTERRUPTED, signals[0]))
-    group.say(f"{group.host} did not join: {failed.describe()} until the join timeout", always=True)
-    return group.finish(Finish(Outcome.FAILED))
+    group = node.group(JobLink(None, b"", node.clock))  # it ran nothing: only its end is told
+    try:
+        signals = node.wakeup.drain()
+        if signals:
+            return group.finish(Finish(Outcome.INTERRUPTED, signals[0]))
+        node.narrator.warn(f"{group.host} did not join: {failed.describe()} until the join timeout")
+        return group.finish(Finish(Outcome.FAILED))
+    finally:
+        group.close()
 
 
 def static_plan(config: LaunchConfig) -> static.Plan:
@@ -177,11 +237,16 @@ def static_plan(config: LaunchConfig) -> static.Plan:
     return static.Plan(config.max_restarts, placement, config.master_addr, config.master_port)
 
 
-def run_static(config: LaunchConfig, group: LocalGroup, clock: Clock) -> int:
+def run_static(node: NodeParts) -> int:
+    config, clock = node.config, node.clock
     state = static.initial(static_plan(config))
-    if config.nnodes.max > 1:  # the nodes share no store: a key derived from what they share
-        group.peer_key = job_key(config.run_id, config.rdzv.token, None)
-    return Executor(static.step, state, group, clock=clock, fresh_port=lambda: fresh_port_on(clock)).run()
+    # A job of several nodes shares no store: a key derived from what the nodes share; one node's is its own.
+    key = job_key(config.run_id, config.rdzv.token, None) if config.nnodes.max > 1 else secrets.token_bytes(32)
+    group = node.group(JobLink(None, key, clock))
+    try:
+        return Executor(static.step, state, group, clock=clock, fresh_port=lambda: fresh_port_on(clock)).run()
+    finally:
+        group.close()
 
 
 def node_id(host: str) -> str:
@@ -189,7 +254,8 @@ def node_id(host: str) -> str:
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: TcpStoreServer | None) -> int:
+def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
+    config, clock, narrator = node.config, node.clock, node.narrator
     conf = config.rdzv.conf
     url = config.rdzv.store
     assert url is not None  # an elastic job's store, parsed from the flags
@@ -198,57 +264,30 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
-    store = MovingStore(open_job_store(config, url, deadline, partial(group.say, always=True)))
+    store = MovingStore(open_job_store(config, url, deadline, narrator.warn))
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
-    succession = StoreSuccession(config, store, port, deadline, partial(group.say, always=True))
-    liveness = start_liveness(config, group)  # its port tells a dead agent from a slow one (a lost successor too)
+    succession = StoreSuccession(config, store, port, deadline, narrator.warn)
+    liveness = start_liveness(config, narrator)  # its port tells a dead agent from a slow one (a lost successor too)
     try:
-        say = group.say
         rendezvous = rendezvous_for(
-            config, store, clock=clock, host=group.host, log=partial(say, detail=True), warn=partial(say, always=True),
-            move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
+            config, store, clock=clock, host=narrator.host, log=partial(narrator.say, detail=True),
+            warn=narrator.warn, move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
         )  # fmt: skip
         succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
             store.put(Keys.of(config.run_id).store_host, rendezvous.node_id.encode())
-        group.say(f"node {rendezvous.node_id} joining {config.nnodes.min}:{config.nnodes.max} nodes at {url.display}")
-        group.share_board(JobBoard(store, config.run_id, rendezvous.node_id, clock))
-        group.peer_key = job_key(config.run_id, config.rdzv.token, store)
-        group.mirror_snapshots(config.local_addr or socket.getfqdn())
-        exclusions = Exclusions(store, config.run_id)
-        excluded = exclusions.reason(group.host)
-        if excluded is not None:
-            group.say(
-                f"{group.host} was excluded from run {config.run_id} ({excluded}) and is not readmitted; "
-                "a new job needs a new --rdzv-id",
-                always=True,
-            )
-            return group.finish(Finish(Outcome.EXCLUDED))
-        barrier = ExitBarrier(store, config.run_id, rendezvous.node_id, clock)
-        code = -1
+        nodes = f"{config.nnodes.min}:{config.nnodes.max}"
+        narrator.say(f"node {rendezvous.node_id} joining {nodes} nodes at {url.display}")
+        board = JobBoard(store, config.run_id, rendezvous.node_id, clock)
+        group = node.group(JobLink(board, job_key(config.run_id, config.rdzv.token, store), clock))
+
+        def hosting() -> bool:  # the store lives in this process now: the endpoint's, or later a successor's
+            return server is not None or succession.server is not None
+
         try:
-            rendezvous.start()
-            executor = Executor(
-                elastic.step,
-                elastic.initial(),
-                group,
-                clock=clock,
-                fresh_port=lambda: fresh_port_on(clock),
-                rendezvous=rendezvous,
-                agreement=TimeoutAgreement(group, rendezvous),
-                settle=lambda finish: leave_together(finish, rendezvous, barrier, conf.exit_barrier_timeout_s, group),
-            )
-            code = executor.run()
-            if code == EXIT_EXCLUDED:
-                exclusions.mark(group.host, group.asked.excluded_because)
-            return code
+            return _take_part(node, group, store, rendezvous, hosting)
         finally:
-            if code in (0, 1) and (server is not None or succession.server is not None):
-                # The store lives in this process: let the other nodes read how the job ended first.
-                left = wait_for_departures(store, config.run_id, rendezvous.node_id, clock, conf.close_timeout_s)
-                if left:
-                    group.say(f"{left} node(s) still registered after close_timeout; closing the store anyway")
-            rendezvous.close(leave=True)
+            group.close()
     finally:
         store.close()
         succession.close()
@@ -256,7 +295,49 @@ def run_elastic(config: LaunchConfig, group: LocalGroup, clock: Clock, server: T
             liveness.close()
 
 
-def start_liveness(config: LaunchConfig, group: LocalGroup) -> Liveness | None:
+def _take_part(
+    node: NodeParts, group: LocalGroup, store: Store, rendezvous: Rendezvous, hosting: Callable[[], bool]
+) -> int:
+    """This node's part in the elastic job, from its first rendezvous to the end; ``hosting``: whether the store
+    lives in this process now (the endpoint, or a successor's)."""
+    config, clock, narrator, conf = node.config, node.clock, node.narrator, node.config.rdzv.conf
+    group.mirror_snapshots(config.local_addr or socket.getfqdn())
+    exclusions = Exclusions(store, config.run_id)
+    excluded = exclusions.reason(group.host)
+    if excluded is not None:
+        narrator.warn(
+            f"{group.host} was excluded from run {config.run_id} ({excluded}) and is not readmitted; "
+            "a new job needs a new --rdzv-id"
+        )
+        return group.finish(Finish(Outcome.EXCLUDED))
+    barrier = ExitBarrier(store, config.run_id, rendezvous.node_id, clock)
+    code = -1
+    try:
+        rendezvous.start()
+        executor = Executor(
+            elastic.step,
+            elastic.initial(),
+            group,
+            clock=clock,
+            fresh_port=lambda: fresh_port_on(clock),
+            rendezvous=rendezvous,
+            agreement=TimeoutAgreement(group.hangs, rendezvous, narrator.warn),
+            settle=lambda end: leave_together(end, rendezvous, barrier, conf.exit_barrier_timeout_s, narrator),
+        )
+        code = executor.run()
+        if code == EXIT_EXCLUDED:
+            exclusions.mark(group.host, group.asked.excluded_because)
+        return code
+    finally:
+        if code in (0, 1) and hosting():
+            # The store lives in this process: let the other nodes read how the job ended first.
+            left = wait_for_departures(store, config.run_id, rendezvous.node_id, clock, conf.close_timeout_s)
+            if left:
+                narrator.say(f"{left} node(s) still registered after close_timeout; closing the store anyway")
+        rendezvous.close(leave=True)
+
+
+def start_liveness(config: LaunchConfig, narrator: Narrator) -> Liveness | None:
     """This agent's listener (:mod:`ftrun.rendezvous.liveness`): a connection refused there proves it dead. With a
     store whose leases outlive a dead agent by their TTL (etcd), the agents also hold connections to each other,
     which tell at once; with the embedded store, it tells a lost successor from a slow one. None, said, when this
@@ -267,19 +348,19 @@ def start_liveness(config: LaunchConfig, group: LocalGroup) -> Liveness | None:
     except OSError as e:
         lost = "a lost node is noticed by its lease's TTL" if not config.rdzv.embedded_store else (
             "should this node be lost while it takes the store over, the others cannot pass it over")  # fmt: skip
-        group.say(f"cannot listen on {addr} for the other agents ({e}): {lost}")
+        narrator.say(f"cannot listen on {addr} for the other agents ({e}): {lost}")
         return None
 
 
 def leave_together(
-    finish: Finish, rendezvous: Rendezvous, barrier: ExitBarrier, timeout_s: float, group: LocalGroup
+    finish: Finish, rendezvous: Rendezvous, barrier: ExitBarrier, timeout_s: float, narrator: Narrator
 ) -> Finish:
     """The exit barrier: once the job finished, a node whose workers succeeded waits for the other members;
     one that failed late fails the job here too."""
     members = rendezvous.finished_with()
     if not members:
         return finish
-    code = barrier.settle(finish.exit_code, members, timeout_s, lambda text: group.say(text, always=True))
+    code = barrier.settle(finish.exit_code, members, timeout_s, narrator.warn)
     return finish if code == finish.exit_code else Finish(Outcome.FAILED)
 
 

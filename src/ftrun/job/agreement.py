@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Protocol
 
 from ftrun.jsonobject import load_object
@@ -23,26 +24,26 @@ MAX_VALUE_BYTES = 64 * 1024  # a few timeouts and the sections' names
 
 
 class HoldsTimeouts(Protocol):
-    """What the agreement needs of the node's local group (the agent's LocalGroup)."""
+    """What the agreement needs of the node's hang watch (:class:`ftrun.monitor.hangs.HangWatch`)."""
 
-    @property
-    def calculated_timeouts(self) -> Timeouts: ...
+    kept: Timeouts  # what this node's ranks calculated, widened by what it adopted
 
-    def adopt_timeouts(self, theirs: Timeouts, why: str) -> None: ...
-
-    def say(self, text: str, *, always: bool = False, detail: bool = False) -> None: ...
+    def adopt(self, theirs: Timeouts, why: str) -> None: ...
 
 
 class TimeoutAgreement:
-    def __init__(self, group: HoldsTimeouts, rendezvous: Rendezvous) -> None:
-        self._group = group
+    """``warn``: what a user must hear (a garbled value in the store, ignored)."""
+
+    def __init__(self, hangs: HoldsTimeouts, rendezvous: Rendezvous, warn: Callable[[str], None]) -> None:
+        self._hangs = hangs
         self._rendezvous = rendezvous
+        self._warn = warn
         self._published = Timeouts()  # what this node last merged into the job's value
         self._heard: bytes | None = None  # the job's value this node last applied
 
     def sync(self) -> None:
         """Publish what this node's ranks calculated, and apply what the job agreed; cheap when nothing changed."""
-        mine = self._group.calculated_timeouts
+        mine = self._hangs.kept
         if mine != self._published and mine.any:
             self._rendezvous.values.merge(VALUE, lambda current: _widened(current, mine))
             self._published = mine
@@ -52,9 +53,9 @@ class TimeoutAgreement:
             try:
                 theirs = Timeouts.from_json(_timeouts(heard))
             except ValueError as e:
-                self._group.say(f"ignoring the job's calculated timeouts in the store: {e}", always=True)
+                self._warn(f"ignoring the job's calculated timeouts in the store: {e}")
                 return
-            self._group.adopt_timeouts(theirs, "the job's nodes calculated timeouts")
+            self._hangs.adopt(theirs, "the job's nodes calculated timeouts")
 
 
 def _widened(current: bytes | None, mine: Timeouts) -> bytes | None:

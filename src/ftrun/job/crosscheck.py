@@ -23,10 +23,10 @@ T = TypeVar("T")
 class HeldHangs(Generic[T]):
     """Hung workers (``T``) on their way to being acted on: at once, or held for the other nodes' word."""
 
-    def __init__(self, clock: Clock, wait_s: float = SUSPECT_WAIT_S) -> None:
+    def __init__(self, clock: Clock, board: JobBoard | None = None, wait_s: float = SUSPECT_WAIT_S) -> None:
         self._clock = clock
         self._wait_s = wait_s
-        self.board: JobBoard | None = None  # a job of one node, or with no store, never holds
+        self.board = board  # None: a job of one node, or with no store, never holds
         self._ready: list[T] = []
         self._held: list[tuple[T, int, float]] = []  # (hung, round, monotonic deadline)
 

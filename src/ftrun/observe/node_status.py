@@ -39,7 +39,7 @@ MAX_SECTIONS = 4  # per rank: the innermost open ones
 MAX_CAUSES = 3
 MAX_CAUSE_CHARS = 300
 
-Emit = Callable[..., None]
+Emit = Callable[..., object]  # an event written (EventLog.emit; what it returns is not used)
 SlotOf = Callable[[int], SlotView | None]
 
 
@@ -103,6 +103,15 @@ class NodeStatus:
         self._first_step_seen.add(attempt)
         resumed = s.first_step if s.first_step >= 0 else None  # the step it resumed at
         self._emit(EventKind.FIRST_STEP, attempt=attempt, rank=w.rank, first_mono=first, step=resumed)
+
+    def stopping(
+        self, workers: Sequence[Worker], slot_of: SlotOf, attempt: int, running: list[int], signal: str
+    ) -> None:
+        """The group stops its workers: how far they got (goodput's lost work), said as the stop's event."""
+        self.notice_first_step(workers, slot_of)
+        self._emit(
+            EventKind.GROUP_STOPPING, attempt=attempt, running=running, signal=signal, **progress(workers, slot_of)
+        )
 
     def update(
         self,

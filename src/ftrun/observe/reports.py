@@ -26,6 +26,7 @@ from ftrun.observe.reporting import (
     outcome_json,
     render,
     write_json,
+    write_launcher_error_file,
 )
 from ftrun.procs.logs import Console
 from ftrun.procs.workers import Hang, Worker, WorkerState
@@ -55,7 +56,7 @@ class Reports:
         host: str,
         run_dir: Path,
         console: Console,
-        emit: Callable[..., None],
+        emit: Callable[..., object],
         say: Callable[[str], None],
         crash_loop_limit: int = 0,
     ) -> None:
@@ -83,6 +84,16 @@ class Reports:
         report = self._build(a, will_restart, elsewhere=_peer_lost(a) or self._suspect_elsewhere(a))
         self.publish_root_cause(a)
         self._tell(a, report, will_restart)
+
+    @staticmethod
+    def oom_kills_now() -> int | None:
+        """The kernel's count of OOM kills, as an attempt's workers start (see :attr:`Attempt.oom_killed`)."""
+        return oom_kills()
+
+    def write_launcher_error_file(self, path: Path) -> None:
+        """The last report's root cause for whoever launched ftrun with an error file of its own."""
+        if self.last is not None:
+            write_launcher_error_file(self.last, path)
 
     def crash_loop(self, a: Attempt, stepped: Callable[[int], bool], slot_of: Callable[[int], SlotView | None]) -> str:
         """Once ``a``'s workers are stopped: the verdict when it failed here as the attempts before it did, too

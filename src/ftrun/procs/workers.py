@@ -14,20 +14,16 @@ import os
 import select
 import selectors
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 from ftrun.clock import Clock
-from ftrun.errors import SpawnError
 from ftrun.procs import proctree
 from ftrun.procs.logs import RankOutput, RankPaths
 from ftrun.procs.signals import name as signal_name
+from ftrun.procs.spawner import ProcessHandle, Spawner
 
-BOOT_DIR = str(Path(__file__).resolve().parents[1] / "worker" / "boot")  # ftrun's sitecustomize
 KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
 
 
@@ -43,133 +39,6 @@ class WorkerState(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-class ProcessHandle(Protocol):
-    """A started worker process, as the group needs to see it."""
-
-    pid: int
-
-    def fileno(self) -> int:
-        """An fd that becomes readable when the process exits."""
-        ...
-
-    def reap(self) -> int | None:
-        """Collect the exit status (after ``fileno`` is readable): code, or -signal; None when it cannot be known
-        (the process was not this agent's child after all)."""
-        ...
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the worker's process group (its own session); quietly if it is gone."""
-        ...
-
-
-class Spawner(Protocol):
-    """Starts worker processes (fresh, or forked from a warm pool) and sweeps what they leave behind."""
-
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
-        """Raises SpawnError when the process cannot be started."""
-        ...
-
-    def signal_strays(self, sig: int, workers: set[int]) -> None:
-        """Send ``sig`` to every process below the agent that is neither one of ``workers`` nor the spawner's
-        own: descendants that left their worker's process group, and orphans the agent adopted."""
-        ...
-
-    def sweep(self, workers: set[int], keep: set[int]) -> None:
-        """SIGKILL the strays (as :meth:`signal_strays` finds them) and reap the agent's exited children that are
-        neither in ``keep`` nor the spawner's own (adopted orphans)."""
-        ...
-
-
-class WarmPoolControl(Protocol):
-    """What the local group drives of a warm pool (:class:`ftrun.warm.pool.WarmPool`), beside spawning."""
-
-    holding: bool  # a restart is under way: the pool neither preloads nor retires
-
-    def start(
-        self,
-        log: Path,
-        say: Callable[[str], None],
-        on_ready: Callable[[dict[str, Any]], None],
-        detail: Callable[[str], None],
-    ) -> None: ...
-
-    def hold(self) -> None: ...
-
-    def go_on(self) -> None: ...
-
-    def tend(self) -> None: ...
-
-    def workers_started(self) -> None: ...
-
-    def seconds_to_refill(self) -> float | None: ...
-
-    def learn_reports(self, paths: Sequence[Path], *, run_ends: bool = False) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _PopenHandle:
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self._popen = popen
-        self.pid = popen.pid
-        self._pidfd = os.pidfd_open(popen.pid)
-
-    def fileno(self) -> int:
-        return self._pidfd
-
-    def reap(self) -> int:
-        code = self._popen.wait()
-        os.close(self._pidfd)
-        return code
-
-    def signal_group(self, sig: int) -> None:
-        proctree.signal_quietly(self.pid, sig, group=True)
-
-
-def signal_strays(sig: int, workers: set[int], helper_groups: set[int]) -> None:
-    """``Spawner.signal_strays`` for a spawner whose own processes are in the process groups ``helper_groups``."""
-    for pid in proctree.strays(workers, helper_groups):
-        proctree.signal_quietly(pid, sig)
-
-
-class ProcessSpawner:
-    """Fresh processes: own session and process group, SIGKILL when the agent dies."""
-
-    def signal_strays(self, sig: int, workers: set[int]) -> None:
-        signal_strays(sig, workers, helper_groups=set())
-
-    def sweep(self, workers: set[int], keep: set[int]) -> None:
-        proctree.sweep(signal.SIGKILL, workers, helper_groups=set(), keep=keep)
-
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
-        try:
-            popen = subprocess.Popen(
-                list(argv),
-                env=booted(argv, env),
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=stdout,
-                stderr=stderr,
-                start_new_session=True,
-                preexec_fn=proctree.die_with_parent_hook(env),  # noqa: PLW1509 - only prctl and affinity
-            )
-        except OSError as e:
-            raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
-        return _PopenHandle(popen)
-
-
-def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
-    """The environment of a fresh worker: a watched worker of ftrun's own Python starts through ftrun's
-    sitecustomize (client attached, optimizer steps as heartbeats: what a warm worker has), which puts the
-    job's PYTHONPATH back before the job's code runs. Another interpreter (PYTHON_EXEC) is left alone."""
-    env = dict(env)
-    if argv and argv[0] == sys.executable and env.get("FTRUN_MONITOR"):
-        original = env.get("PYTHONPATH", "")
-        env["FTRUN_BOOT_PYTHONPATH"] = original
-        env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR, original]) if original else BOOT_DIR
-    return env
 
 
 def may_release(accelerators: bool, duplicates: bool, fixed_port: int | None) -> Callable[[Worker], bool] | None:
@@ -293,6 +162,11 @@ class AttemptProcesses:
 
     def close(self) -> None:
         self._selector.close()
+
+    def next_attempt(self, wake_fds: Sequence[int]) -> AttemptProcesses:
+        """The next attempt's processes (none yet), this one's released workers still reaped there; closes this."""
+        self.close()
+        return AttemptProcesses(self._spawner, self._clock, wake_fds, self.released)
 
     def spawn(self, worker: Worker, output: RankOutput, cwd: Path) -> None:
         """Start ``worker`` (its ``spawn_mono`` set by the caller: the basis of its start-up timeout)."""

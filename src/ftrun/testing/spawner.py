@@ -1,6 +1,6 @@
 """Pretend workers for unit tests of the agent: nothing is started, nothing real is signalled.
 
-A :class:`FakeSpawner` implements :class:`ftrun.procs.workers.Spawner`. Each
+A :class:`FakeSpawner` implements :class:`ftrun.procs.spawner.Spawner`. Each
 pretend worker behaves as its script says (a function of the environment the
 agent gave it: rank, restart count, ...): exit at once with a code, run until
 a signal ends it, or ignore SIGTERM. Its exit is an eventfd that becomes

@@ -35,7 +35,7 @@ from typing import Any
 
 from ftrun.clock import Clock, SystemClock
 from ftrun.procs import proctree
-from ftrun.procs.workers import ProcessHandle, ProcessSpawner, signal_strays
+from ftrun.procs.spawner import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.warm import policy
 from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, read_modules_report
