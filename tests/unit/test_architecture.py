@@ -258,16 +258,21 @@ def test_at_most_eight_modules_directly_under_ftrun() -> None:
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
 
 
+OWNED = {"state", "phase", "ended_code", "waiting_stacks", "waiting_in"}  # a worker's lifecycle and findings
+
+
 def state_writers() -> dict[str, list[int]]:
-    """Where a worker's ``state`` is assigned: every ``X.state = ...`` outside a class's own ``self.state``."""
+    """Where a worker's ``state``, ``phase`` or findings are assigned: every ``X.attr = ...`` (or a tuple of
+    them) outside a class's own ``self.attr``."""
     found: dict[str, list[int]] = {}
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             targets = node.targets if isinstance(node, ast.Assign) else []
-            for t in targets:
+            flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            for t in flat:
                 if (
                     isinstance(t, ast.Attribute)
-                    and t.attr == "state"
+                    and t.attr in OWNED
                     and not (isinstance(t.value, ast.Name) and t.value.id == "self")
                 ):
                     found.setdefault(name, []).append(node.lineno)
@@ -275,7 +280,8 @@ def state_writers() -> dict[str, list[int]]:
 
 
 def test_a_workers_state_has_one_owner() -> None:
-    """procs.workers changes a worker's state; the hang watch, the requests and the reports only blame it."""
+    """procs.workers changes a worker's state and process phase; the hang watch, the requests and the reports
+    only call its methods (blame, waits_for, script_ended)."""
     writers = state_writers()
     assert "ftrun.procs.workers" in writers  # the walk sees the owner's own writes
     assert set(writers) == {"ftrun.procs.workers"}, writers

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ftrun.observe.reporting import build_report, render, write_json
 from ftrun.procs.logs import RankPaths
-from ftrun.procs.workers import Worker, WorkerState
+from ftrun.procs.workers import ProcessPhase, Worker, WorkerState
 from ftrun.worker.errorfile import exception_record
 
 
@@ -134,7 +134,7 @@ def test_a_stopped_ranks_secondary_error_is_one_line_of_the_report(tmp_path: Pat
 
 def test_a_lost_exit_status_is_reported_as_unknown_never_invented(tmp_path: Path) -> None:
     w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0)
-    w.status_lost = True
+    w.phase = ProcessPhase.STATUS_LOST  # reaped, its status lost (AttemptProcesses' move)
     assert w.exit_code is None
     assert w.signal is None
     text = report_of([w])

@@ -185,8 +185,7 @@ class WorkerWatch:
         w = quiet[chosen]
         for rank, victim in quiet.items():
             if victim is not w:
-                victim.waiting_stacks = stacks[rank]
-                victim.waiting_in = waiting_in_collective(stacks[rank]) or ""
+                victim.waits_for(stacks[rank], waiting_in_collective(stacks[rank]) or "")
                 _append(victim, f"quiet while rank {w.rank} hung; stacks of all threads:\n{stacks[rank]}")
         waiting = waiting_in_collective(stacks[chosen]) or ""
         w.blame(Hang(v.describe(), v.timeout, now_wall - (now_mono - v.deadline), stacks[chosen], why, waiting))
@@ -221,8 +220,7 @@ class WorkerWatch:
         why = f"it showed no progress for {s.quiet_s:.0f} s (stack, CPU time and I/O unchanged; {where})"
         for rank, victim in quiet.items():
             if victim is not w and not victim.reaped:
-                victim.waiting_stacks = stacks[rank]
-                victim.waiting_in = f"{s.stall.op} #{s.stall.seq}"
+                victim.waits_for(stacks[rank], f"{s.stall.op} #{s.stall.seq}")
                 _append(
                     victim, f"waiting for rank {w.rank} in {victim.waiting_in}; stacks of all threads:\n{stacks[rank]}"
                 )
@@ -255,7 +253,7 @@ class WorkerWatch:
     def _stuck_in_teardown(self, w: Worker, code: int) -> None:
         """Its script ended with ``code`` and the interpreter's teardown never did: end it (once its stacks are
         read, off the loop), keep the result."""
-        w.ended_code = code
+        w.script_ended(code)
         grace = self._config.hang.teardown_s
         self._emit(EventKind.TEARDOWN_STUCK, **w.identity(), end_code=code, grace_s=grace)
         self._say(

@@ -41,6 +41,33 @@ class WorkerState(enum.Enum):
     STOPPED = "stopped"
 
 
+class ProcessPhase(enum.Enum):
+    """Where a worker's process is (its :class:`WorkerState` says what it did)::
+
+    ALIVE --its exit, reaped------------------------------------> REAPED
+      |   '--its exit, reaped, its status not to be had----------> STATUS_LOST
+      |--counted as exited as ftrun's signal ends it-------------> RELEASED --its exit--> RELEASED_REAPED
+      '--its script failed, its teardown left to finish----------> FINISHING --its exit--> RELEASED_REAPED
+                                  FINISHING --its teardown too long: SIGKILL--> RELEASED
+
+    Moved only by :class:`AttemptProcesses` (``Worker._move`` asserts the arrows).
+    """
+
+    ALIVE = "alive"
+    RELEASED = "released"  # counted as exited: the next attempt starts beside its end
+    FINISHING = "finishing"  # released, and left to finish its interpreter's teardown (not killed for it)
+    REAPED = "reaped"  # its exit status collected: its pid (and group id) may be another process's now
+    STATUS_LOST = "status lost"  # reaped, but not this agent's child after all: its exit status is unknown
+    RELEASED_REAPED = "released, reaped"
+
+
+_ARROWS = {
+    ProcessPhase.ALIVE: {ProcessPhase.REAPED, ProcessPhase.STATUS_LOST, ProcessPhase.RELEASED, ProcessPhase.FINISHING},
+    ProcessPhase.RELEASED: {ProcessPhase.RELEASED_REAPED},
+    ProcessPhase.FINISHING: {ProcessPhase.RELEASED_REAPED, ProcessPhase.RELEASED},
+}
+
+
 def may_release(accelerators: bool, duplicates: bool, fixed_port: int | None) -> Callable[[Worker], bool] | None:
     """Whether a worker may count as gone before it is (None: never on this node): not with accelerators (their
     memory must be free first), nor duplicate output files (closed per attempt), nor a port a new worker may
@@ -93,10 +120,37 @@ class Worker:
     waiting_in: str = ""  # and the collective it waited in ("all_reduce (torch/distributed/...)")
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
     peer_lost: dict[str, object] | None = None  # it noticed its peer on another node go silent: that peer
-    released: bool = False  # stopped and certain to end: counted as exited then, reaped when its exit comes
-    finishing: bool = False  # released with its script failed and its job's code over: left to finish, unkilled
-    reaped: bool = False  # its exit status collected: its pid (and process group id) may belong to another now
-    status_lost: bool = False  # reaped, but its exit status could not be collected: shown as unknown
+    phase: ProcessPhase = ProcessPhase.ALIVE
+
+    def _move(self, to: ProcessPhase) -> None:
+        assert to in _ARROWS.get(self.phase, ()), f"{self.who}: {self.phase.value} -> {to.value}"
+        self.phase = to
+
+    @property
+    def released(self) -> bool:
+        """Stopped and certain to end: counted as exited then, reaped when its exit comes."""
+        return self.phase in (ProcessPhase.RELEASED, ProcessPhase.FINISHING, ProcessPhase.RELEASED_REAPED)
+
+    @property
+    def finishing(self) -> bool:
+        return self.phase is ProcessPhase.FINISHING
+
+    @property
+    def reaped(self) -> bool:
+        return self.phase in (ProcessPhase.REAPED, ProcessPhase.STATUS_LOST, ProcessPhase.RELEASED_REAPED)
+
+    @property
+    def status_lost(self) -> bool:
+        return self.phase is ProcessPhase.STATUS_LOST
+
+    def script_ended(self, code: int) -> None:
+        """Its script had ended with ``code`` when ftrun ended its stuck teardown (its result, whatever the
+        kill makes of its exit status)."""
+        self.ended_code = code
+
+    def waits_for(self, stacks: str, where: str) -> None:
+        """Found waiting, in the collective ``where``, for the rank found hung: its stacks, for the report."""
+        self.waiting_stacks, self.waiting_in = stacks, where
 
     def blame(self, hang: Hang | None = None) -> None:
         """Found to be the cause of the failure while it may still be running (it hung, went silent to its
@@ -223,10 +277,9 @@ class AttemptProcesses:
         self._selector.unregister(worker.handle.fileno())
         worker.exit_mono, worker.exit_wall = self._clock.monotonic(), self._clock.wall()
         code = worker.handle.reap()
-        worker.status_lost = code is None
+        worker._move(ProcessPhase.STATUS_LOST if code is None else ProcessPhase.REAPED)
         # Lost: the script's own end code when it reported one, else a failure (its real status is never shown).
         worker.returncode = code if code is not None else (1 if worker.ended_code is None else worker.ended_code)
-        worker.reaped = True
         if worker.state is WorkerState.RUNNING:
             # A script that ended before its teardown got stuck has the result it ended with.
             result = worker.returncode if worker.ended_code is None else worker.ended_code
@@ -291,7 +344,7 @@ class AttemptProcesses:
         w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
         if w.state is WorkerState.RUNNING:
             w.state = WorkerState.FAILED
-        w.released = w.finishing = True
+        w._move(ProcessPhase.FINISHING)
         self.released.append(w)
         with contextlib.suppress(OSError):  # its teardown takes CPU the next attempt's start needs: idle time only
             os.sched_setscheduler(w.pid, os.SCHED_IDLE, os.sched_param(0))
@@ -303,7 +356,7 @@ class AttemptProcesses:
         for w in [w for w in self.released if w.finishing and now - (w.exit_mono or now) >= grace_s]:
             assert w.handle is not None
             w.handle.signal_group(signal.SIGKILL)
-            w.finishing = False  # killed: nothing of it is kept any more
+            w._move(ProcessPhase.RELEASED)  # killed: nothing of it is kept any more
             say(f"{w.who}: teardown still going --teardown-timeout after its script failed; ended")
 
     def reap_released(self, grace_s: float, say: Callable[[str], None]) -> list[Worker]:
@@ -341,7 +394,7 @@ class AttemptProcesses:
             code = proctree.ending(w.pid, sent)
             if code is not None and release(w):
                 w.exit_mono, w.exit_wall, w.returncode = self._clock.monotonic(), self._clock.wall(), code
-                w.released = True  # its pidfd stays registered: wait() reaps it quietly
+                w._move(ProcessPhase.RELEASED)  # its pidfd stays registered: wait() reaps it quietly
                 self.released.append(w)
                 on_exit(w)
 
@@ -349,7 +402,7 @@ class AttemptProcesses:
         assert w.handle is not None
         self._selector.unregister(w.handle.fileno())
         w.handle.reap()  # the status it ended with was known when it was released
-        w.reaped = True
+        w._move(ProcessPhase.RELEASED_REAPED)
         self.released.remove(w)
 
     @property
