@@ -16,24 +16,20 @@ the outcome is unknown, re-read before trying again.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
 import secrets
-import select
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrun.clock import Clock, SystemClock
 from ftrun.errors import (
     StoreAuthError,
     StoreConnectionLost,
     StoreError,
-    StoreGone,
     StoreProtocolError,
     WatchLost,
 )
@@ -41,14 +37,8 @@ from ftrun.store import wire
 from ftrun.store.base import EventType, KeyValue, WatchEvent, check_key, check_value
 from ftrun.store.greeting import authenticate, greet
 from ftrun.store.retry import RETRYABLE, RETRYABLE_UNSENT, RequestNotSent, RetryPolicy
-from ftrun.store.tls import TlsChannel
+from ftrun.store.tcp_conn import Conn, ConnState, Phase, open_conn, peer_closed, readable, shut
 from ftrun.store.watchqueue import QueuedWatch
-
-Conn = socket.socket | TlsChannel  # a connection: plain, or TLS made safe to share between threads
-
-# Refused this long after our connection broke: nobody serves the store there any more (a restarting
-# `ftrun store` is back within a second; an agent that hosted the store never comes back with its state).
-GONE_AFTER_S = 2.0
 
 
 @dataclass(eq=False)
@@ -95,6 +85,7 @@ class TcpStoreClient:
         connect_timeout_s: float = 5.0,
         tls: ssl.SSLContext | None = None,
         job: str = "",
+        clock: Clock | None = None,
     ) -> None:
         """``tls``: the client's context (:func:`ftrun.store.tls.client_context`) for a store served over TLS;
         ``job``: the job this client works for, told to the store (which serves on while another job uses it)."""
@@ -111,17 +102,14 @@ class TcpStoreClient:
         self._leading: set[Conn] = set()  # connections some thread is reading right now
         self._reader_sock: Conn | None = None  # the connection the watch reader thread serves
         self._send_lock = threading.Lock()
-        self._sock: Conn | None = None
-        self._store_id: str | None = None
-        self._lost_at: float | None = None  # monotonic: when the last connection broke (None: connected, or never)
+        self._clock = clock or SystemClock()
+        self._state = ConnState(self._clock, self.endpoint)  # the connection, and what became of the last one
         self._ids = itertools.count(1)
         self._pending: dict[int, _Call] = {}
         self._subscriptions: dict[int, _Subscription] = {}  # by the id of their current watch request
-        self._closed = False
         self._client_id = secrets.token_hex(16)  # the same on every connection: the server keeps its leases
         self.job = job
         self.host_job = ""  # the job whose agent hosts the store, as its greeting said
-        self._lost_why = ""
         self.on_reconnect: Callable[[str], None] = lambda text: None  # told when a broken connection is back
         # Asked while a store that never answered refuses connections: its host proven dead, it is gone too.
         self.host_dead: Callable[[], bool] | None = None
@@ -171,10 +159,9 @@ class TcpStoreClient:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            sock, self._sock = self._sock, None
+            sock = self._state.close()
         if sock is not None:
-            _shut(sock)
+            shut(sock)
 
     # --- calls ---------------------------------------------------------------------------------------
 
@@ -196,7 +183,7 @@ class TcpStoreClient:
         except OSError as e:  # part of it may have left: not RequestNotSent
             self._lost(sock, f"send failed: {e}")
             raise StoreConnectionLost(f"{self.endpoint}: send failed: {e}") from e
-        if not self._await(sock, call, time.monotonic() + self._call_timeout_s):
+        if not self._await(sock, call, self._clock.monotonic() + self._call_timeout_s):
             self._pending.pop(request_id, None)
             # A store that stays silent this long is not behind this connection any more (a partition drops
             # packets without a reset): the next call connects afresh.
@@ -215,7 +202,7 @@ class TcpStoreClient:
         """
         with self._cond:
             while not call.done.is_set() and sock in self._leading:
-                left = deadline - time.monotonic()
+                left = deadline - self._clock.monotonic()
                 if left <= 0:
                     return False
                 self._cond.wait(left)
@@ -224,7 +211,7 @@ class TcpStoreClient:
             self._leading.add(sock)
         try:
             while not call.done.is_set():
-                left = deadline - time.monotonic()
+                left = deadline - self._clock.monotonic()
                 if left <= 0 or not self._read_one(sock, left):
                     break
         finally:
@@ -236,7 +223,7 @@ class TcpStoreClient:
     def _read_one(self, sock: Conn, timeout_s: float) -> bool:
         """Read and dispatch one frame; False on timeout or a lost connection."""
         try:
-            if not _readable(sock, timeout_s):
+            if not readable(sock, timeout_s):
                 return False
             message = wire.read_frame(sock)
         except (OSError, ValueError, EOFError, StoreProtocolError) as e:  # ValueError: closed meanwhile
@@ -250,12 +237,11 @@ class TcpStoreClient:
             self._subscriptions.pop(sub.request_id, None)
             sub.request_id = request_id
             self._subscriptions[request_id] = sub
-            if self._reader_sock is not self._sock and self._sock is not None:
+            conn = self._state.conn
+            if self._reader_sock is not conn and conn is not None:
                 # Watch events arrive unasked: from now on a thread reads this connection.
-                self._reader_sock = self._sock
-                threading.Thread(
-                    target=self._read_loop, args=(self._sock,), name="ftrun-store-watch", daemon=True
-                ).start()
+                self._reader_sock = conn
+                threading.Thread(target=self._read_loop, args=(conn,), name="ftrun-store-watch", daemon=True).start()
 
         try:
             self._call_once("watch", {"prefix": sub.prefix, "start": sub.resume_from()}, on_sent=register)
@@ -270,7 +256,7 @@ class TcpStoreClient:
             found = [rid for rid, s in self._subscriptions.items() if s.queue is queue]
             for rid in found:
                 del self._subscriptions[rid]
-            sock = self._sock
+            sock = self._state.conn
         for rid in found:
             if sock is not None:
                 try:
@@ -283,63 +269,23 @@ class TcpStoreClient:
 
     def _connected(self) -> Conn:
         """The open connection, opening it if needed (lock held)."""
-        if self._closed:
+        state = self._state
+        if state.phase is Phase.CLOSED:
             raise StoreError(f"{self.endpoint}: the client is closed")
-        if self._sock is not None:
-            if self._reader_sock is self._sock or not _peer_closed(self._sock):
-                return self._sock
-            self._lost(self._sock, "closed by the store while idle")
-        try:
-            sock = socket.create_connection(self._address, timeout=self._connect_timeout_s)
-        except ConnectionRefusedError as e:
-            raise self._refused(e) from e
-        except OSError as e:
-            raise RequestNotSent(f"{self.endpoint}: cannot connect: {e}") from e
-        conn: Conn = sock
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # Connected: the store is there. A whole job connects at once when it starts, and a store greeting
-            # thousands of clients may take longer than a connect: giving up on it early (and connecting again)
-            # would only add to its queue.
-            sock.settimeout(max(self._connect_timeout_s, self._call_timeout_s))
-            if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_hostname=self._address[0])  # its timeout: the greeting's
-                store_id = self._handshake(sock)
-                conn = TlsChannel(sock)
-            else:
-                store_id = self._handshake(sock)
-                sock.settimeout(None)
-        except ssl.SSLError as e:
-            sock.close()
-            raise StoreAuthError(
-                f"{self.endpoint}: TLS failed: {e.reason or e}; check --rdzv-conf cacert/cert/key"
-            ) from e
-        except BaseException:
-            sock.close()
-            raise
-        if self._store_id is not None and store_id != self._store_id:
+        if state.conn is not None:
+            if self._reader_sock is state.conn or not peer_closed(state.conn):
+                return state.conn
+            self._lost(state.conn, "closed by the store while idle")
+        conn, store_id = open_conn(
+            state, self._address, self._tls, self._connect_timeout_s, self._call_timeout_s, self._handshake,
+            self.host_dead,
+        )  # fmt: skip
+        restarted, back = state.connected(conn, store_id)
+        if restarted:
             self._store_restarted()
-        if self._lost_at is not None and self._store_id == store_id:
-            took = time.monotonic() - self._lost_at
-            self.on_reconnect(f"the connection to the store {self.endpoint} broke ({self._lost_why}); connected "
-                              f"again after {took:.2f} s (the store keeps this node's lease for a moment)")  # fmt: skip
-        self._store_id = store_id
-        self._sock = conn
-        self._lost_at = None
+        if back is not None:
+            self.on_reconnect(back)
         return conn
-
-    def _refused(self, e: ConnectionRefusedError) -> StoreError:
-        """Nobody listens where the store is: gone (refused long after it closed ours, or never served and its
-        host's agent proven dead), or not yet (retried)."""
-        gone_for = time.monotonic() - self._lost_at if self._lost_at is not None else 0.0
-        if self._store_id is not None and gone_for >= GONE_AFTER_S:
-            return StoreGone(
-                f"the store {self.endpoint} is gone: connections refused for {gone_for:.1f} s since it closed "
-                "ours (the agent that hosted it, or `ftrun store`, exited)"
-            )
-        if self._store_id is None and self.host_dead is not None and self.host_dead():
-            return StoreGone(f"the store {self.endpoint} never answered, and its host's agent is gone")
-        return RequestNotSent(f"{self.endpoint}: cannot connect: {e}")
 
     def _handshake(self, sock: socket.socket) -> str:  # an SSLSocket is one
         """The store's id, once each side proved the token (:mod:`ftrun.store.greeting`)."""
@@ -373,7 +319,7 @@ class TcpStoreClient:
                 self._leading.discard(sock)
                 self._cond.notify_all()
         self._lost(sock, reason)
-        if not self._closed:
+        if self._state.phase is not Phase.CLOSED:
             self._resubscribe()
 
     def _dispatch(self, message: dict[str, Any]) -> None:
@@ -399,11 +345,9 @@ class TcpStoreClient:
     def _lost(self, sock: Conn, reason: str) -> None:
         """Forget a broken connection: its calls fail (the retry policy decides what next)."""
         with self._lock:
-            if self._sock is sock:
-                self._sock = None
-                self._lost_at, self._lost_why = time.monotonic(), reason
+            self._state.lost(sock, reason)
             pending, self._pending = self._pending, {}
-        _shut(sock)
+        shut(sock)
         for call in pending.values():
             call.finish(error=StoreConnectionLost(f"{self.endpoint}: connection lost: {reason}"))
         with self._cond:
@@ -432,31 +376,3 @@ def _error(message: dict[str, Any]) -> StoreError:
     except StoreError as e:
         return e
     return StoreProtocolError("an error message without an error")
-
-
-def _readable(sock: Conn, timeout_s: float) -> bool:
-    """poll(), not select(): a process with a thousand connections has fds above select's limit of 1024."""
-    if isinstance(sock, TlsChannel):
-        return sock.ready(timeout_s)
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
-
-
-def _peer_closed(sock: Conn) -> bool:
-    """Whether an idle connection was closed by the other side (so a request would be lost on it)."""
-    if isinstance(sock, TlsChannel):
-        return sock.peer_closed()
-    try:
-        return _readable(sock, 0.0) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except (OSError, ValueError):
-        return True
-
-
-def _shut(sock: Conn) -> None:
-    """Shut down, then close: a plain close would not wake the reader thread blocked in recv."""
-    with contextlib.suppress(OSError):  # already disconnected
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()

@@ -1,10 +1,10 @@
 """The embedded store server: asyncio, one KeyValueState, token-authenticated connections.
 
-Each connection first passes the handshake of :mod:`ftrun.store.greeting`
-(5 s to do so), then sends requests that are answered in order. Watches push
+Each connection (:mod:`ftrun.store.server_connection`) first passes the handshake of
+:mod:`ftrun.store.greeting`, then sends requests that are answered in order. Watches push
 their events on the same connection. Pending work per connection is bounded:
 at most :data:`MAX_WATCHES` watches, and a client that stops reading while
-more than :data:`MAX_BUFFERED` bytes wait for it is disconnected. Leases
+too much waits for it is disconnected. Leases
 expire on their TTL whether or not their client's connection is open.
 """
 
@@ -25,16 +25,13 @@ from ftrun.clock import Clock, SystemClock
 from ftrun.errors import StoreError, StoreProtocolError, StoreRequestError
 from ftrun.store import greeting, wire
 from ftrun.store.base import KeyValue, WatchEvent
-from ftrun.store.greeting import OPENING, WrongToken
+from ftrun.store.greeting import WrongToken
 from ftrun.store.kv import KeyValueState
+from ftrun.store.server_connection import HANDSHAKE_TIMEOUT_S, ClientConnection
 
 log = logging.getLogger("ftrun.store")
 
-# A connection that never completes its handshake is dropped after this (a stray or a slow squatter holds no fd
-# for long); generous, because a whole job connects at once and the store greets thousands before it hears back.
-HANDSHAKE_TIMEOUT_S = 30.0
 MAX_WATCHES = 256  # per connection
-MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 # A connection is not a node: when a client that named itself loses its connection abruptly (a reset, a flapping
 # link), its leases wait this long for it to connect again (its watches bring it back within milliseconds)
@@ -58,93 +55,6 @@ def _arg(message: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise StoreRequestError(f"argument {name!r} missing or of the wrong type")
     return value
-
-
-class _Connection(asyncio.Protocol):
-    """One client connection: frames are parsed from the byte stream and answered at once.
-
-    Handling is synchronous (every operation is in memory), so there is no
-    per-request task; until the handshake passes, frames go to the handshake.
-    """
-
-    def __init__(self, server: TcpStoreServer) -> None:
-        self._server = server
-        self._buffer = bytearray()
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
-        self.nonce = wire.new_nonce()
-        self.authenticated = False
-        self.watches: dict[int, str] = {}  # watch id -> prefix
-        self.leases: set[int] = set()  # kept alive over this connection: revoked when it closes
-        self.client_id = ""  # the client's name for itself, the same on each of its connections ("": unnamed)
-        self.job = ""  # the job the client works for ("": unnamed)
-        self.opened = False  # the client's opening line came (greeting.OPENING)
-        self._deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        address = transport.get_extra_info("peername")
-        self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-        self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
-        self.send(self._server.hello(self))
-
-    def _too_slow(self) -> None:
-        if not self.authenticated:
-            self.close(f"no handshake within {HANDSHAKE_TIMEOUT_S} s")
-
-    def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        if not self.opened:
-            if len(self._buffer) < len(OPENING) and OPENING.startswith(bytes(self._buffer)):
-                return
-            if not self._buffer.startswith(OPENING):
-                self.close(f"not an ftrun client: it opened with {bytes(self._buffer[:40])!r}", flush=False)
-                return
-            del self._buffer[: len(OPENING)]
-            self.opened = True
-        try:
-            while len(self._buffer) >= wire.HEADER.size:
-                length = wire.frame_length(bytes(self._buffer[: wire.HEADER.size]))
-                end = wire.HEADER.size + length
-                if len(self._buffer) < end:
-                    return
-                message = wire.decode(bytes(self._buffer[wire.HEADER.size : end]))
-                del self._buffer[:end]
-                if self.authenticated:
-                    self._server._dispatch(self, message)
-                else:
-                    self._server._handshake(self, message)
-                    self.authenticated = True
-                    if self._deadline is not None:
-                        self._deadline.cancel()
-                    self._server._connected(self)
-                if self.transport is None or self.transport.is_closing():
-                    return
-        except StoreError as e:
-            self.close(str(e))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._server._disconnected(self, abrupt=exc is not None)
-        self.transport = None
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return
-        self.transport.write(wire.encode(message))
-        if self.transport.get_write_buffer_size() > MAX_BUFFERED:
-            self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)", flush=False)
-
-    def close(self, reason: str, *, flush: bool = True) -> None:
-        """Close and log; ``flush`` sends what is queued first (the refusal of a bad token)."""
-        log.warning("store: closing connection from %s: %s", self.peer, reason)
-        if self.transport is not None:
-            if flush:
-                self.transport.close()
-            else:
-                self.transport.abort()
 
 
 class TcpStoreServer:
@@ -173,10 +83,10 @@ class TcpStoreServer:
         self._tls = tls
         self._clock = clock or SystemClock()
         self._state = KeyValueState(first_lease=secrets.randbits(40) + 1)
-        self._connections: set[_Connection] = set()
+        self._connections: set[ClientConnection] = set()
         # prefix -> the (connection, watch id) pairs watching it: an event is matched against the few
         # distinct prefixes, not against every connection (a round has one watcher per node).
-        self._watchers: dict[str, dict[tuple[_Connection, int], None]] = {}
+        self._watchers: dict[str, dict[tuple[ClientConnection, int], None]] = {}
         self.store_id = secrets.token_hex(8)  # changes on restart: clients learn their watches are lost
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -195,7 +105,7 @@ class TcpStoreServer:
         # A whole job connects at once when it starts; asyncio's default backlog (100) would drop
         # the rest of the SYNs, and their retries cost 1 s, then 3 s.
         self._server = await loop.create_server(
-            lambda: _Connection(self),
+            lambda: ClientConnection(self),
             self.host,
             self.port,
             backlog=LISTEN_BACKLOG,
@@ -264,7 +174,7 @@ class TcpStoreServer:
         with self._jobs_lock:
             return dict(+self._jobs)
 
-    def _connected(self, conn: _Connection) -> None:
+    def connected(self, conn: ClientConnection) -> None:
         self._connections.add(conn)
         with self._jobs_lock:
             new = conn.job not in self._jobs
@@ -279,7 +189,7 @@ class TcpStoreServer:
                 self._own(conn, lease)
             log.warning("store: %s connected again within %g s: it keeps its leases", conn.peer, RECONNECT_GRACE_S)
 
-    def _disconnected(self, conn: _Connection, *, abrupt: bool = False) -> None:
+    def disconnected(self, conn: ClientConnection, *, abrupt: bool = False) -> None:
         """A connection closed in order ends its leases at once: a node whose agent died (SIGKILL, the OOM
         killer, a crash: the kernel closes its socket) leaves the job now, not a keep-alive TTL later. One that
         broke (``abrupt``: a reset) keeps them RECONNECT_GRACE_S for its client to connect again. A node that
@@ -314,7 +224,7 @@ class TcpStoreServer:
         for lease in sorted(leases):
             self._publish(self._state.revoke(lease))
 
-    def _drop_watch(self, conn: _Connection, watch_id: int) -> None:
+    def _drop_watch(self, conn: ClientConnection, watch_id: int) -> None:
         prefix = conn.watches.pop(watch_id, None)
         if prefix is None:
             return
@@ -323,7 +233,7 @@ class TcpStoreServer:
         if not watchers:
             del self._watchers[prefix]
 
-    def _handshake(self, conn: _Connection, reply: dict[str, Any]) -> None:
+    def handshake(self, conn: ClientConnection, reply: dict[str, Any]) -> None:
         """Check the client's answer to the greeting; raises StoreError to refuse it."""
         try:
             client = greeting.introduce(reply, self._token, conn.nonce)
@@ -333,12 +243,12 @@ class TcpStoreServer:
         conn.client_id, conn.job = client.client_id, client.job
         conn.send(client.verdict)
 
-    def hello(self, conn: _Connection) -> dict[str, Any]:
+    def hello(self, conn: ClientConnection) -> dict[str, Any]:
         return greeting.hello(self.store_id, self.job, conn.nonce, self._token is not None)
 
     # --- requests ----------------------------------------------------------------------------------
 
-    def _dispatch(self, conn: _Connection, message: dict[str, Any]) -> None:
+    def dispatch(self, conn: ClientConnection, message: dict[str, Any]) -> None:
         request_id = message.get("id")
         op = message.get("op")
         if not isinstance(request_id, int) or isinstance(request_id, bool) or not isinstance(op, str):
@@ -392,25 +302,25 @@ class TcpStoreServer:
         self._expiry_at = deadline
         self._expiry = self._loop.call_later(max(0.0, deadline - self._now()), self._on_expiry_timer)
 
-    def _get(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _get(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         kv = self._state.get(_arg(m, "key", str))
         return _kv(kv) if kv else None
 
-    def _put(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _put(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         revision, events = self._state.put(
             _arg(m, "key", str), _arg(m, "value", bytes), _arg(m, "lease", int), self._now()
         )
         self._publish(events)
         return revision
 
-    def _cas(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _cas(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         ok, revision, events = self._state.compare_and_set(
             _arg(m, "key", str), _arg(m, "value", bytes), _arg(m, "expected", int), _arg(m, "lease", int), self._now()
         )
         self._publish(events)
         return [ok, revision]
 
-    def _delete(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _delete(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         expected = m.get("expected")
         if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool)):
             raise StoreRequestError("argument 'expected' must be an integer or nil")
@@ -418,35 +328,35 @@ class TcpStoreServer:
         self._publish(events)
         return deleted
 
-    def _list(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _list(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         kvs, revision = self._state.list_prefix(_arg(m, "prefix", str))
         return [[_kv(kv) for kv in kvs], revision]
 
-    def _add(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _add(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         value, events = self._state.add(_arg(m, "key", str), _arg(m, "delta", int))
         self._publish(events)
         return value
 
-    def _grant(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _grant(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         lease = self._state.grant(float(_arg(m, "ttl", (int, float))), self._now())
         conn.leases.add(lease)
         self._schedule_expiry()
         return lease
 
-    def _keepalive(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _keepalive(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         lease = _arg(m, "lease", int)
         ttl = self._state.keep_alive(lease, self._now())
         self._own(conn, lease)  # a client that reconnected keeps its lease alive over its new connection
         self._schedule_expiry()
         return ttl
 
-    def _revoke(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _revoke(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         lease = _arg(m, "lease", int)
         self._publish(self._state.revoke(lease))
         self._disown(lease)
         return None
 
-    def _own(self, conn: _Connection, lease: int) -> None:
+    def _own(self, conn: ClientConnection, lease: int) -> None:
         if lease not in conn.leases:
             self._disown(lease)
             conn.leases.add(lease)
@@ -457,7 +367,7 @@ class TcpStoreServer:
         for leases, _ in self._awaited.values():
             leases.discard(lease)
 
-    def _watch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _watch(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         if len(conn.watches) >= MAX_WATCHES:
             raise StoreRequestError(f"at most {MAX_WATCHES} watches per connection")
         prefix = _arg(m, "prefix", str)
@@ -470,14 +380,14 @@ class TcpStoreServer:
         self._watchers.setdefault(prefix, {})[(conn, rid)] = None
         return _ALREADY_ANSWERED
 
-    def _unwatch(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _unwatch(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         self._drop_watch(conn, _arg(m, "watch", int))
         return None
 
-    def _ping(self, conn: _Connection, rid: int, m: dict[str, Any]) -> Any:
+    def _ping(self, conn: ClientConnection, rid: int, m: dict[str, Any]) -> Any:
         return self.store_id
 
-    _ops: ClassVar[dict[str, Callable[[TcpStoreServer, _Connection, int, dict[str, Any]], Any]]] = {
+    _ops: ClassVar[dict[str, Callable[[TcpStoreServer, ClientConnection, int, dict[str, Any]], Any]]] = {
         "get": _get,
         "put": _put,
         "cas": _cas,

@@ -1,0 +1,122 @@
+"""One client's connection to the embedded store server (:mod:`.tcp_server`): the client's opening line, frames
+parsed from the byte stream, the handshake first (:mod:`.greeting`, within :data:`HANDSHAKE_TIMEOUT_S`), then
+requests handed to the server one by one; what waits for a client that stopped reading is bounded
+(:data:`MAX_BUFFERED`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from ftrun.errors import StoreError
+from ftrun.store import wire
+from ftrun.store.greeting import OPENING
+
+log = logging.getLogger("ftrun.store")
+
+# A connection that never completes its handshake is dropped after this (a stray or a slow squatter holds no fd
+# for long); generous, because a whole job connects at once and the store greets thousands before it hears back.
+HANDSHAKE_TIMEOUT_S = 30.0
+MAX_BUFFERED = 16 * 1024 * 1024  # bytes waiting for a client that does not read
+
+
+class Server(Protocol):
+    """What a connection asks of the server (:class:`ftrun.store.tcp_server.TcpStoreServer`)."""
+
+    def hello(self, conn: ClientConnection) -> dict[str, Any]: ...
+
+    def handshake(self, conn: ClientConnection, reply: dict[str, Any]) -> None: ...
+
+    def connected(self, conn: ClientConnection) -> None: ...
+
+    def disconnected(self, conn: ClientConnection, *, abrupt: bool = False) -> None: ...
+
+    def dispatch(self, conn: ClientConnection, message: dict[str, Any]) -> None: ...
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: frames are parsed from the byte stream and answered at once.
+
+    Handling is synchronous (every operation is in memory), so there is no
+    per-request task; until the handshake passes, frames go to the handshake.
+    """
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.nonce = wire.new_nonce()
+        self.authenticated = False
+        self.watches: dict[int, str] = {}  # watch id -> prefix
+        self.leases: set[int] = set()  # kept alive over this connection: revoked when it closes
+        self.client_id = ""  # the client's name for itself, the same on each of its connections ("": unnamed)
+        self.job = ""  # the job the client works for ("": unnamed)
+        self.opened = False  # the client's opening line came (greeting.OPENING)
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        address = transport.get_extra_info("peername")
+        self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
+        self.send(self._server.hello(self))
+
+    def _too_slow(self) -> None:
+        if not self.authenticated:
+            self.close(f"no handshake within {HANDSHAKE_TIMEOUT_S} s")
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if not self.opened:
+            if len(self._buffer) < len(OPENING) and OPENING.startswith(bytes(self._buffer)):
+                return
+            if not self._buffer.startswith(OPENING):
+                self.close(f"not an ftrun client: it opened with {bytes(self._buffer[:40])!r}", flush=False)
+                return
+            del self._buffer[: len(OPENING)]
+            self.opened = True
+        try:
+            while len(self._buffer) >= wire.HEADER.size:
+                length = wire.frame_length(bytes(self._buffer[: wire.HEADER.size]))
+                end = wire.HEADER.size + length
+                if len(self._buffer) < end:
+                    return
+                message = wire.decode(bytes(self._buffer[wire.HEADER.size : end]))
+                del self._buffer[:end]
+                if self.authenticated:
+                    self._server.dispatch(self, message)
+                else:
+                    self._server.handshake(self, message)
+                    self.authenticated = True
+                    if self._deadline is not None:
+                        self._deadline.cancel()
+                    self._server.connected(self)
+                if self.transport is None or self.transport.is_closing():
+                    return
+        except StoreError as e:
+            self.close(str(e))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._server.disconnected(self, abrupt=exc is not None)
+        self.transport = None
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(wire.encode(message))
+        if self.transport.get_write_buffer_size() > MAX_BUFFERED:
+            self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)", flush=False)
+
+    def close(self, reason: str, *, flush: bool = True) -> None:
+        """Close and log; ``flush`` sends what is queued first (the refusal of a bad token)."""
+        log.warning("store: closing connection from %s: %s", self.peer, reason)
+        if self.transport is not None:
+            if flush:
+                self.transport.close()
+            else:
+                self.transport.abort()
