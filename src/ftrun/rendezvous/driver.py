@@ -33,7 +33,7 @@ from ftrun.errors import (
 from ftrun.rendezvous import state
 from ftrun.rendezvous.failover import StoreFailover
 from ftrun.rendezvous.lease import LeaseKeeper
-from ftrun.rendezvous.liveness import Liveness
+from ftrun.rendezvous.liveness import Liveness, Watched
 from ftrun.rendezvous.places import Places
 from ftrun.rendezvous.records import (
     Head,
@@ -82,8 +82,7 @@ class Rendezvous:
         self._failover = StoreFailover(move_store, rules)
         # With a store whose leases outlive a dead agent by their TTL (etcd): the leader holds a connection to
         # every member, the others one to the leader; one that ends is a node gone (see rendezvous.liveness).
-        self._liveness = liveness
-        self._leader_alive: tuple[str, str, int] | None = None  # the leader's node id, address and alive port
+        self._watched = Watched(liveness, me.node_id) if liveness is not None else None
         self._store = store
         self._keys = Keys.of(run_id)
         self._me = me
@@ -117,8 +116,8 @@ class Rendezvous:
         self._changed_at = self._waiting_since = now
         self._new_lease()
         self._follow_shared()
-        if self._liveness is not None:
-            self._selector.register(self._liveness.fileno(), selectors.EVENT_READ)
+        if self._watched is not None:
+            self._selector.register(self._watched.liveness.fileno(), selectors.EVENT_READ)
         return self
 
     def fileno(self) -> int:
@@ -323,31 +322,23 @@ class Rendezvous:
             raise
         if self._leader is None and self._keeper is not None:
             self._try_to_lead()
-        if self._liveness is not None:
-            self._check_liveness(self._liveness)
+        if self._watched is not None:
+            self._check_liveness(self._watched)
 
-    def _check_liveness(self, liveness: Liveness) -> None:
+    def _check_liveness(self, watched: Watched) -> None:
         """Remove the keys of the agents whose connection ended (the leader: members'; the others: the leader's
         and its leadership), and hold connections to the agents to watch now."""
-        for node in liveness.gone():
+        for node in watched.liveness.gone():
             self._warn(f"rendezvous: node {node} is gone (its agent's connection to this one ended)")
             if self.leading or node == self._leader:
                 self._store.delete(self._keys.node(node))
             if node == self._leader and not self.leading:
                 self._store.delete(self._keys.leader)
-        if self.leading:
-            me = self._me.node_id
-            peers = {n: (i.addr, i.alive_port) for n, i in self._nodes.items() if n != me and i.alive_port}
-        elif self._leader is not None and self._leader != self._me.node_id:
-            if self._leader_alive is None or self._leader_alive[0] != self._leader:
-                found = self._store.get(self._keys.node(self._leader))
-                info = self._decode(decode_node, self._keys.node(self._leader), found.value) if found else None
-                self._leader_alive = (self._leader, info.addr, info.alive_port) if info else None
-            leader = self._leader_alive
-            peers = {leader[0]: (leader[1], leader[2])} if leader is not None and leader[2] else {}
-        else:
-            peers = {}
-        liveness.watch(peers)
+        watched.follow(self.leading, self._nodes, self._leader, self._read_node)
+
+    def _read_node(self, node: str) -> NodeInfo | None:
+        found = self._store.get(self._keys.node(node))
+        return self._decode(decode_node, self._keys.node(node), found.value) if found else None
 
     def _forget_watches(self) -> None:
         self._stop_leading()

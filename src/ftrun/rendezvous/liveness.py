@@ -15,6 +15,9 @@ import os
 import selectors
 import socket
 import threading
+from collections.abc import Callable, Mapping
+
+from ftrun.rendezvous.records import NodeInfo
 
 CONNECT_TIMEOUT_S = 2.0
 
@@ -124,6 +127,31 @@ class Liveness:
         self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+
+class Watched:
+    """Whom this node's agent holds a connection to: every other member while it leads the rendezvous, else the
+    leader (its address read once per leader)."""
+
+    def __init__(self, liveness: Liveness, me: str) -> None:
+        self.liveness = liveness
+        self._me = me
+        self._leader: NodeInfo | None = None  # the leader's record, as last read
+
+    def follow(
+        self, leading: bool, members: Mapping[str, NodeInfo], leader: str | None,
+        read: Callable[[str], NodeInfo | None],
+    ) -> None:  # fmt: skip
+        """Hold the connections to watch now (``read``: a node's record from the store)."""
+        peers: dict[str, tuple[str, int]] = {}
+        if leading:
+            peers = {n: (i.addr, i.alive_port) for n, i in members.items() if n != self._me and i.alive_port}
+        elif leader is not None and leader != self._me:
+            if self._leader is None or self._leader.node_id != leader:
+                self._leader = read(leader)
+            found = self._leader
+            peers = {leader: (found.addr, found.alive_port)} if found is not None and found.alive_port else {}
+        self.liveness.watch(peers)
 
 
 def refuses(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
