@@ -186,7 +186,11 @@ def test_nvidias_rank_monitor_client_maps_onto_ftruns(table: MonitorTable) -> No
         client._client = client._NotYet()
 
 
-def test_learned_timeouts_come_after_the_steps_asked_for_with_a_floor_and_only_grow(table: MonitorTable) -> None:
+def test_learned_timeouts_come_after_the_steps_asked_for_with_a_floor_and_only_grow(
+    table: MonitorTable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(client, "_now", lambda: now[0])  # the worker's clock, moved by hand
     c = attach(table, FTRUN_LEARN_AFTER="3", FTRUN_LEARNED_FLOOR="0.5", FTRUN_SAFETY_FACTOR="2")
     c.auto_heartbeat()
     c.auto_heartbeat()
@@ -195,13 +199,13 @@ def test_learned_timeouts_come_after_the_steps_asked_for_with_a_floor_and_only_g
     c.auto_heartbeat()  # step 3: learned; the gaps were tiny, so the floor
     assert published(table.read(1)) == Timeouts(heartbeat=0.5)
     c.auto_heartbeat()
-    time.sleep(0.4)  # a long gap (an evaluation, say): the next learning widens the timeout to 2 x 0.4 s
+    now[0] += 0.4  # a long gap (an evaluation, say): the next learning widens the timeout to 2 x 0.4 s
     c.auto_heartbeat()
     c.auto_heartbeat()  # step 6
     widened = published(table.read(1))
     assert widened is not None
     assert widened.heartbeat is not None
-    assert widened.heartbeat >= 0.8
+    assert widened.heartbeat == pytest.approx(0.8)  # exactly: the clock moved by hand
     c.heartbeat()  # the job beats on its own: nothing automatic counts any more
     for _ in range(6):
         c.auto_heartbeat()

@@ -38,6 +38,7 @@ from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled
 
 DEFAULT_SAFETY_FACTOR = 5.0
+_now = time.monotonic  # CLOCK_MONOTONIC, as the agent reads it; a test may set another clock here
 
 
 class _Attached:
@@ -86,7 +87,7 @@ class _Attached:
         self._steps = 0
         self._named_step: int | None = None  # by ftrun.snapshot or ftrun.restore: the step computed next
         # What was observed, for calculate_timeouts().
-        self._attached = time.monotonic()
+        self._attached = _now()
         # Start-up is measured from when the agent started this process, the basis it judges it on.
         self._spawned = _spawned_at(environ, self._attached)
         self._idle_since = 0.0  # out of section counts from the end of the first section
@@ -127,7 +128,7 @@ class _Attached:
         """The script itself is over with ``code``; what comes next is the interpreter's teardown. After a
         failure the agent may restart at once, beside the teardown (atexit handlers, torch's finalizers: 30-100
         ms), which it leaves to finish unkilled: the job's open files are flushed first (:mod:`.flush`)."""
-        layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, time.monotonic(), code)
+        layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, _now(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
         if code:
@@ -229,7 +230,7 @@ class _Attached:
             self.set_timeouts(self._calculated.widest(Timeouts(heartbeat=learned)))
 
     def _beat(self, step: int | None = None) -> None:
-        now = time.monotonic()
+        now = _now()
         last = self._last_beat
         if last:
             self._longest_beat_gap = max(self._longest_beat_gap, now - last)
@@ -263,7 +264,7 @@ class _Attached:
             if not self._free:
                 raise ValueError(f"more than {layout.MAX_OPEN} sections open at once (opening {name!r})")
             entry = self._free.pop()
-            now = time.monotonic()
+            now = _now()
             if not self._open and self._idle_since and now - self._idle_since > self._longest_idle:
                 self._longest_idle = now - self._idle_since
             self._open[name] = entry
@@ -275,7 +276,7 @@ class _Attached:
             entry = self._open.pop(name, None)
             if entry is None:
                 raise ValueError(f"section {name!r} is not open")
-            now = time.monotonic()
+            now = _now()
             took = now - self._started.pop(name)
             if took > self._longest_section.get(name, 0.0):
                 self._longest_section[name] = took
@@ -308,7 +309,7 @@ class _Attached:
     def observed(self) -> Timeouts:
         idle = self._longest_idle
         if not self._open and self._idle_since:
-            idle = max(idle, time.monotonic() - self._idle_since)
+            idle = max(idle, _now() - self._idle_since)
         return Timeouts(
             self._first_beat,
             self._longest_beat_gap or None,
