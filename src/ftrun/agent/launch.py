@@ -68,19 +68,20 @@ def launch(config: LaunchConfig) -> int:
     check_master_port(config)
     warden = Warden.start()  # first: whatever the agent starts from here on dies with it, even by SIGKILL
     try:
-        return _launch(config)
+        return _launch(config, frozenset({warden.group}))
     finally:
         warden.close()
 
 
-def _launch(config: LaunchConfig) -> int:
+def _launch(config: LaunchConfig, spared: frozenset[int]) -> int:
+    """``spared``: the process groups of the agent's own helpers below it (the warden's), never strays."""
     proctree.become_subreaper()
-    spawner: Spawner = ProcessSpawner()
+    spawner: Spawner = ProcessSpawner(spared)
     # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed);
     # and the zygote is ftrun's own code, so it runs in ftrun's interpreter (not another PYTHON_EXEC's).
     restarts_can_come = config.elastic or config.max_restarts > 0
     if config.warm.enabled and restarts_can_come and config.python == sys.executable:
-        spawner = warm_pool(config)
+        spawner = warm_pool(config, spared)
     clock = SystemClock()
     console = Console(sys.stdout.buffer, sys.stderr.buffer)
     metrics = serve_metrics(config)  # a port that cannot be served fails before anything starts
@@ -166,7 +167,7 @@ def serve_metrics(config: LaunchConfig) -> Metrics | None:
     return Metrics.serve(host, port)
 
 
-def warm_pool(config: LaunchConfig) -> WarmPool:
+def warm_pool(config: LaunchConfig, spared: frozenset[int] = frozenset()) -> WarmPool:
     """The pool with all that is known to preload before any worker ran: --preload, the job's cache, the
     entry script's imports."""
     w = config.warm
@@ -182,6 +183,7 @@ def warm_pool(config: LaunchConfig) -> WarmPool:
         workers=config.nproc_per_node,
         cache=cache,
         script=script,
+        spared=spared,
     )
     if w.auto:
         pool.add(entry_imports(config.entrypoint, config.cwd, config.python))

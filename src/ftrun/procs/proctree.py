@@ -62,21 +62,12 @@ def descendants(roots: Iterable[int], table: dict[int, tuple[int, int]] | None =
     return found
 
 
-_spared_groups: set[int] = set()  # process groups never swept (the warden, once re-parented to the agent)
-
-
-def spare_group(pgid: int) -> None:
-    """Never count the processes of group ``pgid`` among the strays (the agent's own, long-lived helpers)."""
-    _spared_groups.add(pgid)
-
-
 def strays(workers: set[int], helper_groups: set[int], table: dict[int, tuple[int, int]] | None = None) -> set[int]:
     """The agent's descendants that are neither ``workers`` nor in one of ``helper_groups`` (process groups of
     the agent's own helpers, e.g. the warm pool, whose standby workers are the agent's children)."""
     table = _table() if table is None else table
     below = descendants([os.getpid()], table) - workers
-    spared = helper_groups | _spared_groups
-    return {pid for pid in below if pid in table and table[pid][1] not in spared}
+    return {pid for pid in below if pid in table and table[pid][1] not in helper_groups}
 
 
 def sweep(sig: int, workers: set[int], helper_groups: set[int], keep: set[int]) -> None:

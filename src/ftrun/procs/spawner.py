@@ -80,13 +80,17 @@ def signal_strays(sig: int, workers: set[int], helper_groups: set[int]) -> None:
 
 
 class ProcessSpawner:
-    """Fresh processes: own session and process group, SIGKILL when the agent dies."""
+    """Fresh processes: own session and process group, SIGKILL when the agent dies. ``spared``: process groups
+    of the agent's own long-lived helpers below it (the warden), never strays."""
+
+    def __init__(self, spared: frozenset[int] = frozenset()) -> None:
+        self._spared = spared
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
-        signal_strays(sig, workers, helper_groups=set())
+        signal_strays(sig, workers, helper_groups=set(self._spared))
 
     def sweep(self, workers: set[int], keep: set[int]) -> None:
-        proctree.sweep(signal.SIGKILL, workers, helper_groups=set(), keep=keep)
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=set(self._spared), keep=keep)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         try:

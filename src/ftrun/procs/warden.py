@@ -64,14 +64,15 @@ class Warden:
         )  # it moves itself out of the cgroup first thing (it must outlive what it kills)
         # It forks and this process exits (reaped with the agent's other exited children, or at close); the
         # warden lives on in the process group this one leads. Re-parented to init, or to the agent once it is
-        # a subreaper: never swept as a stray either way. Not waited for: the job's start does not wait.
-        proctree.spare_group(proc.pid)
+        # a subreaper: its process group is given to the spawners as never stray (``group``). Not waited for: the
+        # job's start does not wait.
         return cls(proc, cgroup)
 
     def __init__(self, proc: subprocess.Popen[bytes], cgroup: Path | None) -> None:
         """Use :meth:`start`."""
         self._proc = proc
         self.cgroup = cgroup
+        self.group = proc.pid  # the process group the warden lives in (it leads it): never a stray
 
     def close(self) -> None:
         """The agent is about to exit, its workers ended: the warden removes the cgroup and exits too."""

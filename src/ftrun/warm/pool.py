@@ -59,6 +59,7 @@ class WarmPool:
         cache: Cache | None = None,
         script: str | None = None,
         clock: Clock | None = None,
+        spared: frozenset[int] = frozenset(),
     ) -> None:
         """``standbys``: how many workers each zygote keeps forked ahead of time; ``workers``: the node's workers
         (default: ``standbys``); ``script``: the entry script's absolute path, compiled once in each zygote."""
@@ -75,7 +76,8 @@ class WarmPool:
         self._say: Say = lambda text: None
         self._detail: Say = lambda text: None
         self._on_ready: Callable[[dict[str, Any]], None] = lambda info: None
-        self._fresh = ProcessSpawner()
+        self._spared = spared  # process groups of the agent's other helpers (the warden): never strays
+        self._fresh = ProcessSpawner(spared)
         self._zygotes: list[Zygote] = []
         self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
         self._refill = policy.Refill()
@@ -117,11 +119,11 @@ class WarmPool:
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
         """The zygotes and their standby workers (in the zygotes' process groups) are the pool's own."""
-        signal_strays(sig, workers, helper_groups={z.proc.pid for z in self._zygotes})
+        signal_strays(sig, workers, helper_groups={z.proc.pid for z in self._zygotes} | self._spared)
 
     def sweep(self, workers: set[int], keep: set[int]) -> None:
         zygotes = {z.proc.pid for z in self._zygotes}
-        proctree.sweep(signal.SIGKILL, workers, helper_groups=zygotes, keep=keep | zygotes)
+        proctree.sweep(signal.SIGKILL, workers, helper_groups=zygotes | self._spared, keep=keep | zygotes)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         request = worker_request(argv, self._python)
