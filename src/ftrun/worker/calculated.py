@@ -25,7 +25,7 @@ def calculate_timeouts(*, safety_factor: float | None = None, synchronize: bool 
     del synchronize  # the agents agree across ranks and nodes (see above)
     if safety_factor is not None and not safety_factor > 0:
         raise ValueError(f"safety_factor must be > 0, got {safety_factor}")
-    return client._client.calculate_timeouts(safety_factor).to_json()  # type: ignore[no-any-return]
+    return client._client.calculate_timeouts(safety_factor).to_json()
 
 
 def monitor_state() -> dict[str, Any]:

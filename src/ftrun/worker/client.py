@@ -27,15 +27,15 @@ import struct
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 from ftrun.worker import collectives, layout
 from ftrun.worker.flush import flush_open_files
 from ftrun.worker.imports import report_modules
 from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled
+from ftrun.worker.unattached import Unattached
 
 DEFAULT_SAFETY_FACTOR = 5.0
 _now = time.monotonic  # CLOCK_MONOTONIC, as the agent reads it; a test may set another clock here
@@ -397,57 +397,63 @@ def script_ended(code: int) -> None:
         _client.script_ended(code)
 
 
-class _Unattached:
-    """Outside ftrun: every call does nothing (after one warning), but a request raises: its caller must know."""
+class _Client(Protocol):
+    """What the worker API calls: the attached client (:class:`_Attached`) or, outside ftrun, :class:`Unattached`."""
 
-    def __init__(self, why: str) -> None:
-        warnings.warn(f"ftrun: {why}; heartbeats and sections do nothing", RuntimeWarning, stacklevel=4)
-        self.calculated = Timeouts()
-        self.why = why
+    @property
+    def calculated(self) -> Timeouts: ...
 
-    def request(self, raw: bytes) -> None:
-        raise RuntimeError(f"ftrun: nothing was done: {self.why}; workload control needs the ftrun launcher")
+    def heartbeat(self, step: int | None = None) -> None: ...
 
-    def _nothing(self, *args: object) -> None:
-        """Heartbeats, steps, sections and ftrun's own notes: nothing to tell outside ftrun."""
+    def name_step(self, step: int) -> None: ...
 
-    heartbeat = auto_heartbeat = auto_progress = paced = start_section = end_section = end_all_sections = _nothing
-    name_step = _nothing
+    def auto_heartbeat(self) -> None: ...
 
-    def calculate_timeouts(self, safety_factor: float | None) -> Timeouts:
-        return self.calculated
+    def auto_progress(self) -> None: ...
 
-    def fresh_timeouts(self, safety_factor: float | None) -> Timeouts:
-        return Timeouts()
+    def paced(self, compute_s: float, step_s: float) -> None: ...
 
-    def set_timeouts(self, timeouts: Timeouts) -> None:
-        self.calculated = timeouts
+    def start_section(self, name: str) -> None: ...
 
-    script_ended = meeting = _nothing
+    def end_section(self, name: str) -> None: ...
+
+    def end_all_sections(self) -> None: ...
+
+    def request(self, raw: bytes) -> None: ...
+
+    def calculate_timeouts(self, safety_factor: float | None) -> Timeouts: ...
+
+    def fresh_timeouts(self, safety_factor: float | None) -> Timeouts: ...
+
+    def set_timeouts(self, timeouts: Timeouts) -> None: ...
+
+    def script_ended(self, code: int) -> None: ...
+
+    def meeting(self, on: bool) -> None: ...
 
 
 class _NotYet:
-    """Before the first call: attach (or not) on first use, then get out of the way."""
+    """Before the first call: attach (or not) on first use, then get out of the way (it stands for either)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(_attach(), name)
 
 
-_client: Any = _NotYet()
+_client: _Client = cast("_Client", _NotYet())
 
 
-def _attach() -> _Attached | _Unattached:
+def _attach() -> _Attached | Unattached:
     # The one place that replaces the client: the hot path then reads a plain global.
     global _client  # noqa: PLW0603
     path, slot = os.environ.get("FTRUN_MONITOR"), os.environ.get("FTRUN_MONITOR_SLOT")
-    client: _Attached | _Unattached
+    client: _Attached | Unattached
     if not path or slot is None:
-        client = _Unattached("not running under ftrun (no FTRUN_MONITOR)")
+        client = Unattached("not running under ftrun (no FTRUN_MONITOR)")
     else:
         try:
             client = _Attached.attach(path, int(slot), os.environ)
         except (OSError, ValueError) as e:
-            client = _Unattached(f"cannot attach to the monitor table {path}: {e}")
+            client = Unattached(f"cannot attach to the monitor table {path}: {e}")
     _client = client
     return client
 
