@@ -192,6 +192,12 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     other.proc.kill()
     assert head.wait() == 0, head.stderr()
     assert spare.wait() == 0, spare.stderr()
+    # The killed agent's snapshots (up to its whole --snapshot-memory) do not hold RAM until some next agent
+    # starts on the machine: its warden frees them and says so.
+    deadline = time.monotonic() + 30
+    while own.exists() or not re.search(r"its warden ended .* and freed \d+ MiB of its snapshots", other.stderr()):
+        assert time.monotonic() < deadline, f"{own} outlived its agent: {other.stderr()[-500:]}"
+        time.sleep(0.1)
     assert re.search(r"rank 1's snapshot of step \d+ fetched from the node holding its copy", spare.stderr())
     named = [re.findall(r"the workers restore the snapshot of step (\d+)", f.stderr()) for f in (head, spare)]
     assert named[0][-1:] == named[1][-1:] == [str(newest)], named  # after the loss: rank 1's newest, on both

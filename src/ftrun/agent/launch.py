@@ -27,7 +27,7 @@ from ftrun.agent.health import HealthWatch
 from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others
 from ftrun.agent.narrator import Narrator
 from ftrun.agent.pool_pacing import NoPacing, PoolPacing
-from ftrun.agent.snapshots import SnapshotKeeper
+from ftrun.agent.snapshots import SnapshotKeeper, snapshot_root
 from ftrun.agent.spawning import Spawning
 from ftrun.clock import Clock, SystemClock
 from ftrun.config import EntrypointKind, LaunchConfig
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     check_master_port(config)
-    warden = Warden.start()  # first: whatever the agent starts from here on dies with it, even by SIGKILL
+    warden = Warden.start(snapshot_root())  # first: what the agent starts from here on dies with it, even by SIGKILL
     try:
         return _launch(config, frozenset({warden.group}))
     finally:

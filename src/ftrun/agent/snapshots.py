@@ -8,7 +8,8 @@ restart takes the step before), agreed with the other nodes of the job (:mod:`ft
 A step restored twice, each time followed by a failure before a newer step was whole, is given up too: the
 state itself may be what fails (a NaN it holds), so the restart after takes the step before, and after that
 none (the job's own checkpoint). It keeps the newest :data:`KEEP` whole steps of each rank, and removes the
-directory when the run ends (an agent SIGKILLed leaves it to the next agent of this user, which removes it).
+directory when the run ends (an agent SIGKILLed: its warden removes it at once, or else the next agent of this
+user).
 """
 
 from __future__ import annotations
@@ -35,13 +36,20 @@ KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
 GIVE_UP_AFTER = 2  # restores of one step, each followed by a failure before a newer one, before it is given up
 
 
+def snapshot_root() -> Path:
+    """Where this user's agents keep their runs' snapshots: ``<pid>-<run>-...`` each (the warden frees a
+    SIGKILLed agent's at once)."""
+    base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
+    return base / f"ftrun-snapshots-{os.geteuid()}"
+
+
 class SnapshotKeeper:
     @classmethod
     def open(cls, run_name: str, say: Callable[[str], None], rank_share: int = 1 << 30) -> SnapshotKeeper:
         """A directory of this run's in shared memory (the temp dir where there is none), named after this
-        agent's pid; those of agents that died without removing theirs (SIGKILL) are removed first."""
-        base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
-        parent = own_dir(base / f"ftrun-snapshots-{os.geteuid()}")
+        agent's pid; those of agents that died without removing theirs (SIGKILL, and their warden killed too)
+        are removed first."""
+        parent = own_dir(snapshot_root())
         for stale in parent.iterdir():
             owner = stale.name.split("-", 1)[0]
             if owner.isdigit() and not psutil.pid_exists(int(owner)):

@@ -20,6 +20,9 @@ goodbye (the agent died), the warden kills everything the agent left:
   the agent (``FTRUN_AGENT_PID``, which every worker has and its children
   inherit); only a process started in the last ``LOOK_S`` that also cleared its
   environment may escape.
+
+It also frees what the agent kept in memory that outlives processes: its snapshot directories in shared memory
+(``AGENT-*`` under the directory it was given), which would otherwise hold RAM until the next agent starts.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,8 +49,9 @@ class Warden:
     """The agent's side: start it first thing; :meth:`close` at the very end (the agent's own ending)."""
 
     @classmethod
-    def start(cls) -> Warden:
-        """The warden process started, guarding this process from now on (in a cgroup of its own where it can)."""
+    def start(cls, memory: Path | None = None) -> Warden:
+        """The warden process started, guarding this process from now on (in a cgroup of its own where it can);
+        ``memory``: where this agent's directories in shared memory are (``<pid>-*``), freed should it die."""
         agent = os.getpid()
         cgroup = None if os.environ.get(MODE_ENV) == "tree" else _new_cgroup(agent)
         if cgroup is not None:
@@ -57,7 +62,7 @@ class Warden:
                     cgroup.rmdir()
                 cgroup = None
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ftrun.procs.warden", str(agent), str(cgroup or "")],
+            [sys.executable, "-m", "ftrun.procs.warden", str(agent), str(cgroup or ""), str(memory or "")],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # a signal to the agent's process group does not reach it
@@ -121,7 +126,7 @@ def _cgroup2_mount() -> Path | None:
 # --- the warden process ----------------------------------------------------------------------------
 
 
-def main(agent: int, cgroup: str) -> None:
+def main(agent: int, cgroup: str, memory: str = "") -> None:
     if os.fork():  # not the agent's child: never one of the strays it sweeps, nor in the tree it leaves
         os._exit(0)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -144,11 +149,24 @@ def main(agent: int, cgroup: str) -> None:
             seen = _descendants(agent) or seen
     _await_exit(agent)
     killed = _kill_cgroup(Path(cgroup)) if cgroup else _kill_seen(seen, agent)
-    if killed and said != GOODBYE:
+    freed = _free(Path(memory), agent) if memory and said != GOODBYE else 0
+    if (killed or freed) and said != GOODBYE:
+        also = f" and freed {freed / (1 << 20):.0f} MiB of its snapshots" if freed else ""
         os.write(
             2,
-            f"ftrun: the agent (pid {agent}) was killed; its warden ended the {killed} process(es) it left\n".encode(),
+            f"ftrun: the agent (pid {agent}) was killed; its warden ended the {killed} process(es) it left{also}\n".encode(),
         )
+
+
+def _free(memory: Path, agent: int) -> int:
+    """Remove the dead agent's directories under ``memory`` (named ``<agent pid>-...``); the bytes freed."""
+    freed = 0
+    for found in memory.glob(f"{agent}-*"):
+        for f in found.rglob("*"):
+            with contextlib.suppress(OSError):
+                freed += f.lstat().st_size if f.is_file() else 0
+        shutil.rmtree(found, ignore_errors=True)
+    return freed
 
 
 def _descendants(agent: int) -> dict[int, int]:
@@ -216,4 +234,4 @@ def _marked(agent: int) -> set[int]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "")
+    main(int(sys.argv[1]), *sys.argv[2:4])
