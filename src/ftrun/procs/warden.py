@@ -152,10 +152,8 @@ def main(agent: int, cgroup: str, memory: str = "") -> None:
     freed = _free(Path(memory), agent) if memory and said != GOODBYE else 0
     if (killed or freed) and said != GOODBYE:
         also = f" and freed {freed / (1 << 20):.0f} MiB of its snapshots" if freed else ""
-        os.write(
-            2,
-            f"ftrun: the agent (pid {agent}) was killed; its warden ended the {killed} process(es) it left{also}\n".encode(),
-        )
+        said_here = f"ftrun: the agent (pid {agent}) was killed; its warden ended the {killed} process(es) it left"
+        os.write(2, f"{said_here}{also}\n".encode())
 
 
 def _free(memory: Path, agent: int) -> int:
