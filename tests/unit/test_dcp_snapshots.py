@@ -82,3 +82,29 @@ def test_async_save_takes_the_same_writer(in_ftrun: Path, tmp_path: Path, monkey
     into = state(0)
     dcp.load(into, storage_reader=SnapshotReader(tmp_path / "ckpt"))
     assert equal(into, state(6))
+
+
+def test_a_step_too_big_for_snapshot_memory_goes_to_the_path_said_once(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Linear(64, 32): 8,320 bytes of tensors; three copies at once (two kept, one written) are 24,960 bytes."""
+    monkeypatch.setenv(snap.ENV_MEMORY, "20000")
+    for step in (8, 9):
+        dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
+    assert (tmp_path / "ckpt" / ".metadata").is_file()  # the job's own checkpoint, as outside ftrun
+    assert not list(in_ftrun.glob("step-*"))  # nothing held in memory, not even an empty step
+    said = capfd.readouterr().err
+    assert said.count("over a rank's share of --snapshot-memory") == 1, said  # said once, not every step
+    assert "written to" in said
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")  # the agent names no step: the job's checkpoint is read
+    dcp.load(into, storage_reader=reader)
+    assert reader.step is None
+    assert equal(into, state(9))
+
+
+def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(snap.ENV_MEMORY, str(30_000))  # above the three copies' 24,960 bytes
+    dcp.save(state(2), storage_writer=SnapshotWriter(tmp_path / "ckpt", 2))
+    assert snap.is_whole(snap.path_of(in_ftrun, 2, 0))
+    assert not (tmp_path / "ckpt").exists()

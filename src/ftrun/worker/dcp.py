@@ -12,16 +12,24 @@ snapshot. The reader reads the step the agent names once every file's checksum m
 raises CorruptSnapshot and marks the step bad: the next restart takes the step before), and the job's own
 checkpoint at ``path`` where there is none. Outside ftrun both are torch's FileSystemWriter and
 FileSystemReader at ``path``: the writer saves there, the reader reads from there.
+
+A step whose files would not fit --snapshot-memory (every rank's part, times the steps kept and the one being
+written, against a rank's share) goes to ``path`` instead, for every rank alike (the coordinator decides from the
+plans it gathers), and the job is told once: memory stays bounded, and the step is the job's own checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from crc32c import crc32c
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
 
 from ftrun.worker import snapshot
 from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot
@@ -30,12 +38,38 @@ METADATA_SUFFIX = ".metadata"
 CHUNK = 16 << 20
 
 
+@dataclass
+class _ToPath(_StoragePrefix):
+    """A rank's plan whose step goes to the writer's ``path``: the step does not fit --snapshot-memory."""
+
+    need: int = 0  # bytes of the step's files kept at once (per rank, the largest)
+    share: int = 0
+
+
+def _bytes(plan: Any) -> int:
+    """The tensors' bytes a rank's save plan writes (its other items, pickled objects, are small)."""
+    total = 0
+    for item in plan.items:
+        data = getattr(item, "tensor_data", None)
+        if data is not None:
+            total += math.prod(data.size) * data.properties.dtype.itemsize
+    return total
+
+
+_said_too_big = False
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
+
+
 class SnapshotWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str], step: int, **kwargs: Any) -> None:
         """``path``: where the checkpoint goes outside ftrun; ``step``: the step it holds (the job resumes at
         the next); ``kwargs``: FileSystemWriter's."""
         directory = os.environ.get(snapshot.ENV_DIR)
         self.step = step
+        self._path = Path(path)  # the job's own checkpoint: outside ftrun, and for a step too big for memory
         self._inside = bool(directory)
         if directory:
             path = Path(directory) / STEP_DIR.format(step) / DCP_DIR
@@ -48,7 +82,19 @@ class SnapshotWriter(FileSystemWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._coordinator = is_coordinator
 
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        plans = super().prepare_global_plan(plans)
+        share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
+        if not self._inside or not share:
+            return plans
+        need = (snapshot.KEEP + 1) * max((_bytes(p) for p in plans), default=0)
+        if need <= share:
+            return plans
+        return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need, share)) for p in plans]
+
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if isinstance(plan.storage_data, _ToPath):
+            self._to_path(plan.storage_data)
         written = super().write_data(plan, planner)
         if self._inside:
             self._mine = sorted({r.storage_data.relative_path for r in written.wait()})  # written when it returns
@@ -60,6 +106,24 @@ class SnapshotWriter(FileSystemWriter):
         super().finish(metadata, results)
         if self._inside and self._coordinator:
             self._seal(self._mine + sorted(p.name for p in Path(self.path).glob(f"*{METADATA_SUFFIX}")))
+
+    def _to_path(self, why: _ToPath) -> None:
+        """This step goes to the job's own checkpoint at ``path`` (said once per process)."""
+        global _said_too_big  # noqa: PLW0603 - once per worker, as ftrun.snapshot's refusal
+        if not _said_too_big:
+            _said_too_big = True
+            sys.stderr.write(
+                f"ftrun.SnapshotWriter: step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank "
+                f"({snapshot.KEEP} steps kept and the one being written), over a rank's share of "
+                f"--snapshot-memory ({_size(why.share)}): written to {self._path} instead (the job's "
+                "own checkpoint); raise --snapshot-memory to keep such steps in memory\n"
+            )
+        for made in (Path(self.path), Path(self.path).parent):  # the step's empty directories in memory
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        self.path = self._path
+        self.fs.mkdir(self.path)
+        self._inside = False
 
     def _seal(self, names: list[str]) -> None:
         snapshot.write_now(self.step, {DCP_DIR: {name: _crc(Path(self.path) / name) for name in names}})
