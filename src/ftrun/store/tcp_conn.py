@@ -106,7 +106,8 @@ def open_conn(
         sock.settimeout(max(connect_timeout_s, call_timeout_s))
         if tls is not None:
             sock = tls.wrap_socket(sock, server_hostname=address[0])  # its timeout: the greeting's
-            return TlsChannel(sock), handshake(sock)
+            store_id = handshake(sock)  # before the channel takes the socket over (it makes it non-blocking)
+            return TlsChannel(sock), store_id
         store_id = handshake(sock)
         sock.settimeout(None)
         return sock, store_id
