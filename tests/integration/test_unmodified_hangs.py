@@ -111,8 +111,12 @@ def test_a_rank_that_stops_at_exit_is_a_stuck_teardown_not_a_hang(
     r = run_ftrun(tmp_path, *flags, "w.py", "at_exit", str(tmp_path / "ckpt.pt"), timeout=240, env=POOL)
     assert r.returncode == 0, r.stderr
     assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True, True]
-    [stuck] = [e for e in r.events() if e["kind"] == "teardown_stuck"]
-    assert stuck["rank"] == 1
+    stuck = {(e["attempt"], e["rank"]): e for e in r.events() if e["kind"] == "teardown_stuck"}
+    assert (1, 1) in stuck, stuck  # rank 1's thread at exit
+    # Another rank at times too: its DDP, freed at the interpreter's end after destroy_process_group, can deadlock
+    # in gloo's teardown (torch issue 56297; twice the one expected, once in the suite): a stuck teardown all the
+    # same, ended with the script's result.
+    assert [e["end_code"] for e in stuck.values()] == [0] * len(stuck), stuck
     assert [e for e in r.events() if e["kind"] == "hang"] == []
     assert checksums(r, 1) == {failure_free}
 
