@@ -122,7 +122,7 @@ class LocalGroup:
                 f"master {command.master_addr}:{master_port}"
             )
         previous = self._processes.workers
-        self._processes = self._processes.next_attempt(self._wake_fds)
+        self._processes = self._processes.next_attempt()
         self._attempt, self._master_port, self._round = command.attempt, master_port, command.round
         self._world_size = placement.world_size or c.nproc_per_node
         self._nodes = placement.group_world_size or 1
@@ -306,10 +306,6 @@ class LocalGroup:
             released=w.released,  # stopped and certain to end: not waited for
         )
         return WorkerExited(w.local_rank, success=w.state is WorkerState.SUCCEEDED)
-
-    @property
-    def _wake_fds(self) -> tuple[int, ...]:
-        return (self.wakeup.fd, *self._watch.fds)
 
     def _signals(self) -> list[Interrupted]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""

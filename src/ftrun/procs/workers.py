@@ -217,10 +217,11 @@ class AttemptProcesses:
     def close(self) -> None:
         self._selector.close()
 
-    def next_attempt(self, wake_fds: Sequence[int]) -> AttemptProcesses:
-        """The next attempt's processes (none yet), this one's released workers still reaped there; closes this."""
+    def next_attempt(self) -> AttemptProcesses:
+        """The next attempt's processes (none yet), woken by the same fds, this one's released workers still
+        reaped there; closes this."""
         self.close()
-        return AttemptProcesses(self._spawner, self._clock, wake_fds, self.released)
+        return AttemptProcesses(self._spawner, self._clock, tuple(self._wake_fds), self.released)
 
     def spawn(self, worker: Worker, output: RankOutput, cwd: Path) -> None:
         """Start ``worker`` (its ``spawn_mono`` set by the caller: the basis of its start-up timeout)."""
