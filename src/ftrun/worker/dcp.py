@@ -64,6 +64,8 @@ def _size(n: int) -> str:
 
 
 class SnapshotWriter(FileSystemWriter):
+    path: str | os.PathLike[Any]  # FileSystemWriter's (declared here for mypy where torch is not installed)
+
     def __init__(self, path: str | os.PathLike[str], step: int, **kwargs: Any) -> None:
         """``path``: where the checkpoint goes outside ftrun; ``step``: the step it holds (the job resumes at
         the next); ``kwargs``: FileSystemWriter's."""
