@@ -209,3 +209,29 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "80")
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
+
+
+def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
+    tmp_path: Path, tcp_server: str, live: list[LiveFtrun]
+) -> None:
+    """DCP's files of a step are spread over the nodes (the coordinator's metadata on its node; each replicated
+    tensor written by one rank): each node's reader reads the whole step all the same, and the weights end as in
+    a run that never failed."""
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "2", "--nproc-per-node", "1"]
+    flags += ["--max-restarts", "1", str(DCP_EXAMPLE), "--checkpoint", "ckpt", "--crash-at", "30"]
+    agents = [LiveFtrun(tmp_path, *flags, name=name, run_id="snap-dcp") for name in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        assert agent.wait() == 0, agent.stderr()
+    named = [re.findall(r"the workers restore the snapshot of step (\d+)", agent.stderr()) for agent in agents]
+    assert named[0] == named[1], named
+    [step] = named[0]
+    assert int(step) in (28, 29), named
+    after = {int(p.parent.name): p.read_text() for a in agents for p in a.run_dir.glob("attempt_1/*/stdout.log")}
+    for rank in (0, 1):
+        assert f"rank {rank} restored step {step} (attempt 1)" in after[rank], after[rank]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint", "ckpt")
+    assert never.returncode == 0, never.stderr
+    assert checksum(after[0]) == checksum(never.log(0, 0))

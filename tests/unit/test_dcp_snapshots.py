@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from ftrun.worker import snapshot as snap
+from ftrun.worker import snapshot_file as file
 
 # In one process, without a process group (what DCP says it assumes then is what these tests want).
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
-from ftrun.worker.dcp import SnapshotReader, SnapshotWriter  # noqa: E402 - needs torch
+from ftrun.worker import dcp as ftrun_dcp  # noqa: E402 - needs torch
+from ftrun.worker.dcp import SnapshotReader, SnapshotWriter  # noqa: E402
 
 
 def state(seed: int) -> dict[str, object]:
@@ -32,6 +34,7 @@ def in_ftrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(snap.ENV_DIR, str(shm))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv(snap.ENV_RESTORE, raising=False)
+    monkeypatch.setattr(ftrun_dcp, "_said", False)  # said once per worker: each test is a worker
     return shm
 
 
@@ -92,15 +95,54 @@ def test_a_step_too_big_for_snapshot_memory_goes_to_the_path_said_once(
     for step in (8, 9):
         dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
     assert (tmp_path / "ckpt" / ".metadata").is_file()  # the job's own checkpoint, as outside ftrun
-    assert not list(in_ftrun.glob("step-*"))  # nothing held in memory, not even an empty step
+    assert not list(in_ftrun.glob("step-*/dcp"))  # none of its files held in memory
     said = capfd.readouterr().err
     assert said.count("over a rank's share of --snapshot-memory") == 1, said  # said once, not every step
     assert "written to" in said
     into = state(0)
-    reader = SnapshotReader(tmp_path / "ckpt")  # the agent names no step: the job's checkpoint is read
+    monkeypatch.setenv(snap.ENV_RESTORE, "9")  # the step's part names the path: agreed on as any step
+    reader = SnapshotReader(tmp_path / "ckpt")
     dcp.load(into, storage_reader=reader)
-    assert reader.step is None
+    assert reader.step == 9
     assert equal(into, state(9))
+
+
+def test_a_step_at_the_path_is_not_passed_over_for_an_older_one_in_memory(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that grows past --snapshot-memory: step 3 in memory, step 4 at the path. The agent names the newest
+    step whole on every rank, 4, and the reader reads it from the path."""
+    monkeypatch.setenv(snap.ENV_MEMORY, "30000")
+    dcp.save(state(3), storage_writer=SnapshotWriter(tmp_path / "ckpt", 3))
+    monkeypatch.setenv(snap.ENV_MEMORY, "20000")
+    dcp.save(state(4), storage_writer=SnapshotWriter(tmp_path / "ckpt", 4))
+    assert max(file.whole_steps(in_ftrun, [0])) == 4
+    monkeypatch.setenv(snap.ENV_RESTORE, "4")
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")
+    dcp.load(into, storage_reader=reader)
+    assert (reader.step, equal(into, state(4))) == (4, True)
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")  # torch's, saving at one path
+def test_on_several_nodes_the_steps_go_to_the_path_each_with_its_part(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """DCP spreads a step's files over the ranks that wrote them: no node could read one back from its own
+    memory. Every step goes to the job's path, said once, and its part names it."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    for step in (5, 6):
+        dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    assert not list(in_ftrun.glob("step-*/dcp"))
+    assert file.whole_steps(in_ftrun, [0]) == {5, 6}
+    said = capfd.readouterr().err
+    assert said.count("a job of 2 nodes") == 1, said
+    monkeypatch.setenv(snap.ENV_RESTORE, "6")
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")
+    dcp.load(into, storage_reader=reader)
+    assert (reader.step, equal(into, state(6))) == (6, True)
 
 
 def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

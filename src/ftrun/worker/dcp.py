@@ -16,6 +16,11 @@ FileSystemReader at ``path``: the writer saves there, the reader reads from ther
 A step whose files would not fit --snapshot-memory (every rank's part, times the steps kept and the one being
 written, against a rank's share) goes to ``path`` instead, for every rank alike (the coordinator decides from the
 plans it gathers), and the job is told once: memory stays bounded, and the step is the job's own checkpoint.
+So does every step of a job of several nodes: DCP spreads a step's files over the ranks that wrote them (the
+metadata on the coordinator's node, each replicated tensor written by one rank), so no node could read a step
+back from its own memory. A step written to ``path`` still has its part on every rank, which names the path:
+the agent agrees on it as on any step, and the reader reads it from there, so a newer step at ``path`` is never
+passed over for an older one in memory.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
 
 from ftrun.worker import snapshot
-from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot
+from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot, path_of
 
 METADATA_SUFFIX = ".metadata"
+AT_PATH = "dcp_at_path"  # in a rank's part of a step written to the job's own path: that path
 CHUNK = 16 << 20
 
 
@@ -56,7 +62,11 @@ def _bytes(plan: Any) -> int:
     return total
 
 
-_said_too_big = False
+_said = False  # that the steps go to the job's own path (once per worker)
+
+
+def _nodes() -> int:
+    return int(os.environ.get("GROUP_WORLD_SIZE") or 1)
 
 
 def _size(n: int) -> str:
@@ -71,14 +81,21 @@ class SnapshotWriter(FileSystemWriter):
         the next); ``kwargs``: FileSystemWriter's."""
         directory = os.environ.get(snapshot.ENV_DIR)
         self.step = step
-        self._path = Path(path)  # the job's own checkpoint: outside ftrun, and for a step too big for memory
-        self._inside = bool(directory)
-        if directory:
-            path = Path(directory) / STEP_DIR.format(step) / DCP_DIR
+        self._path = Path(path)  # the job's own checkpoint: outside ftrun, and where a step does not fit memory
+        self._inside = bool(directory)  # under ftrun: the step has a part on every rank, in memory
+        self._at_path = not directory or _nodes() > 1  # the step's files at ``path``, not in memory
+        if not self._at_path:
+            path = Path(str(directory)) / STEP_DIR.format(step) / DCP_DIR
             kwargs.setdefault("sync_files", False)
         super().__init__(path, **kwargs)
         self._coordinator = False
         self._mine: list[str] = []
+        if self._inside and self._at_path:
+            _say(
+                f"a job of {_nodes()} nodes: DCP spreads a step's files over the ranks that wrote them, so no "
+                f"node could read a step back from its own memory: written to {self._path} (the job's own "
+                "checkpoint); ftrun.snapshot keeps each rank's whole state in memory on any number of nodes"
+            )
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -87,7 +104,7 @@ class SnapshotWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         plans = super().prepare_global_plan(plans)
         share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
-        if not self._inside or not share:
+        if self._at_path or not share:
             return plans
         need = (snapshot.KEEP + 1) * max((_bytes(p) for p in plans), default=0)
         if need <= share:
@@ -110,25 +127,34 @@ class SnapshotWriter(FileSystemWriter):
             self._seal(self._mine + sorted(p.name for p in Path(self.path).glob(f"*{METADATA_SUFFIX}")))
 
     def _to_path(self, why: _ToPath) -> None:
-        """This step goes to the job's own checkpoint at ``path`` (said once per process)."""
-        global _said_too_big  # noqa: PLW0603 - once per worker, as ftrun.snapshot's refusal
-        if not _said_too_big:
-            _said_too_big = True
-            sys.stderr.write(
-                f"ftrun.SnapshotWriter: step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank "
-                f"({snapshot.KEEP} steps kept and the one being written), over a rank's share of "
-                f"--snapshot-memory ({_size(why.share)}): written to {self._path} instead (the job's "
-                "own checkpoint); raise --snapshot-memory to keep such steps in memory\n"
-            )
+        """This step goes to the job's own checkpoint at ``path``."""
+        _say(
+            f"step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank ({snapshot.KEEP} steps "
+            f"kept and the one being written), over a rank's share of --snapshot-memory ({_size(why.share)}): "
+            f"written to {self._path} instead (the job's own checkpoint); raise --snapshot-memory to keep such "
+            "steps in memory"
+        )
         for made in (Path(self.path), Path(self.path).parent):  # the step's empty directories in memory
             with contextlib.suppress(OSError):
                 made.rmdir()
         self.path = self._path
         self.fs.mkdir(self.path)
-        self._inside = False
+        self._at_path = True
 
     def _seal(self, names: list[str]) -> None:
-        snapshot.write_now(self.step, {DCP_DIR: {name: _crc(Path(self.path) / name) for name in names}})
+        """This rank's part of the step: its files' checksums, or where the step went."""
+        if self._at_path:
+            snapshot.write_now(self.step, {AT_PATH: str(self.path)})
+        else:
+            snapshot.write_now(self.step, {DCP_DIR: {name: _crc(Path(self.path) / name) for name in names}})
+
+
+def _say(what: str) -> None:
+    """Once per worker (as ftrun.snapshot's refusal), by the job's first rank."""
+    global _said  # noqa: PLW0603
+    if not _said and os.environ.get("RANK", "0") == "0":
+        sys.stderr.write(f"ftrun.SnapshotWriter: {what}\n")
+    _said = True
 
 
 class SnapshotReader(FileSystemReader):
@@ -142,6 +168,8 @@ class SnapshotReader(FileSystemReader):
             if (step_dir / DCP_DIR).is_dir():
                 verify(step_dir)
                 path, self.step = step_dir / DCP_DIR, step
+            elif (at := _written_to(Path(directory), step)) is not None:
+                path, self.step = at, step
         if directory:
             snapshot.name_start(self.step)
         super().__init__(path, **kwargs)
@@ -159,6 +187,18 @@ def verify(step_dir: Path) -> None:
     except (CorruptSnapshot, OSError) as e:
         (step_dir / BAD_MARK).touch()
         raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
+
+
+def _written_to(directory: Path, step: int) -> str | None:
+    """The job's path a step went to, from this rank's part of it (None: not a DCP step written there)."""
+    part = path_of(directory, step, int(os.environ.get("RANK", "0")))
+    try:
+        _, state = snapshot.read(part)
+    except (CorruptSnapshot, OSError) as e:
+        (part.parent / BAD_MARK).touch()
+        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
+    at = state.get(AT_PATH) if isinstance(state, dict) else None
+    return str(at) if at is not None else None
 
 
 def _crc(path: Path) -> int:
