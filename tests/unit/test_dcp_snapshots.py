@@ -28,6 +28,15 @@ def equal(a: dict[str, object], b: dict[str, object]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a["model"].values(), b["model"].values(), strict=True))  # type: ignore[attr-defined]
 
 
+def restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, named: int) -> tuple[int | None, dict[str, object]]:
+    """What a restart that the agent names step ``named`` for loads: the reader's step and the state."""
+    monkeypatch.setenv(snap.ENV_RESTORE, str(named))
+    into = state(0)
+    reader = SnapshotReader(tmp_path / "ckpt")
+    dcp.load(into, storage_reader=reader)
+    return reader.step, into
+
+
 @pytest.fixture
 def in_ftrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     shm = tmp_path / "shm"
@@ -45,11 +54,8 @@ def test_under_ftrun_a_save_is_a_snapshot_step_and_a_load_reads_it_verified(
         dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
     assert not (tmp_path / "ckpt").exists()  # in memory, not at the path
     assert snap.is_whole(snap.path_of(in_ftrun, 5, 0))  # the rank's part: the checksums of what it wrote
-    monkeypatch.setenv(snap.ENV_RESTORE, "5")
-    into = state(0)
-    reader = SnapshotReader(tmp_path / "ckpt")
-    dcp.load(into, storage_reader=reader)
-    assert reader.step == 5
+    step, into = restored(tmp_path, monkeypatch, 5)
+    assert step == 5
     assert equal(into, state(5))
 
 
@@ -81,9 +87,7 @@ def test_outside_ftrun_both_are_torchs_own_at_the_path(tmp_path: Path, monkeypat
 def test_async_save_takes_the_same_writer(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dcp.async_save(state(6), storage_writer=SnapshotWriter(tmp_path / "ckpt", 6)).result(timeout=60)
     assert snap.is_whole(snap.path_of(in_ftrun, 6, 0))
-    monkeypatch.setenv(snap.ENV_RESTORE, "6")
-    into = state(0)
-    dcp.load(into, storage_reader=SnapshotReader(tmp_path / "ckpt"))
+    _, into = restored(tmp_path, monkeypatch, 6)
     assert equal(into, state(6))
 
 
@@ -99,11 +103,8 @@ def test_a_step_too_big_for_snapshot_memory_goes_to_the_path_said_once(
     said = capfd.readouterr().err
     assert said.count("over a rank's share of --snapshot-memory") == 1, said  # said once, not every step
     assert "written to" in said
-    into = state(0)
-    monkeypatch.setenv(snap.ENV_RESTORE, "9")  # the step's part names the path: agreed on as any step
-    reader = SnapshotReader(tmp_path / "ckpt")
-    dcp.load(into, storage_reader=reader)
-    assert reader.step == 9
+    step, into = restored(tmp_path, monkeypatch, 9)  # the step's part names the path: agreed on as any step
+    assert step == 9
     assert equal(into, state(9))
 
 
@@ -117,11 +118,8 @@ def test_a_step_at_the_path_is_not_passed_over_for_an_older_one_in_memory(
     monkeypatch.setenv(snap.ENV_MEMORY, "20000")
     dcp.save(state(4), storage_writer=SnapshotWriter(tmp_path / "ckpt", 4))
     assert max(file.whole_steps(in_ftrun, [0])) == 4
-    monkeypatch.setenv(snap.ENV_RESTORE, "4")
-    into = state(0)
-    reader = SnapshotReader(tmp_path / "ckpt")
-    dcp.load(into, storage_reader=reader)
-    assert (reader.step, equal(into, state(4))) == (4, True)
+    step, into = restored(tmp_path, monkeypatch, 4)
+    assert (step, equal(into, state(4))) == (4, True)
 
 
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")  # torch's, saving at one path
@@ -138,11 +136,8 @@ def test_on_several_nodes_the_steps_go_to_the_path_each_with_its_part(
     assert file.whole_steps(in_ftrun, [0]) == {5, 6}
     said = capfd.readouterr().err
     assert said.count("a job of 2 nodes") == 1, said
-    monkeypatch.setenv(snap.ENV_RESTORE, "6")
-    into = state(0)
-    reader = SnapshotReader(tmp_path / "ckpt")
-    dcp.load(into, storage_reader=reader)
-    assert (reader.step, equal(into, state(6))) == (6, True)
+    step, into = restored(tmp_path, monkeypatch, 6)
+    assert (step, equal(into, state(6))) == (6, True)
 
 
 def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -185,8 +185,13 @@ def verify(step_dir: Path) -> None:
                 if _crc(step_dir / DCP_DIR / name) != crc:
                     raise CorruptSnapshot(f"{step_dir / DCP_DIR / name}: its checksum does not match")
     except (CorruptSnapshot, OSError) as e:
-        (step_dir / BAD_MARK).touch()
-        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
+        raise _given_up(step_dir, e) from None
+
+
+def _given_up(step_dir: Path, why: Exception) -> CorruptSnapshot:
+    """A step found corrupt: marked bad, so that the next restart restores the one before."""
+    (step_dir / BAD_MARK).touch()
+    return CorruptSnapshot(f"{why}; ftrun restores an older snapshot at the next restart")
 
 
 def _written_to(directory: Path, step: int) -> str | None:
@@ -195,8 +200,7 @@ def _written_to(directory: Path, step: int) -> str | None:
     try:
         _, state = snapshot.read(part)
     except (CorruptSnapshot, OSError) as e:
-        (part.parent / BAD_MARK).touch()
-        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
+        raise _given_up(part.parent, e) from None
     at = state.get(AT_PATH) if isinstance(state, dict) else None
     return str(at) if at is not None else None
 
