@@ -25,7 +25,8 @@ time.sleep(0.3)  # start-up: data loading, say
 for step in range(0 if restart == 0 else 4, 10):
     ftrun.heartbeat(step=step)
     noted["steps"].append([step, time.monotonic()])
-    marks.write_text(json.dumps(noted))
+    marks.with_suffix(".tmp").write_text(json.dumps(noted))
+    marks.with_suffix(".tmp").replace(marks)  # whole, even when the agent stops this rank mid-write
     time.sleep(0.1)
     if restart == 0 and rank == 1 and step == 6:
         print("step 6 went wrong", flush=True)
