@@ -4,7 +4,8 @@ changes is the storage, ``ftrun.SnapshotWriter`` / ``ftrun.SnapshotReader``.
     ftrun --nproc-per-node 2 --max-restarts 3 examples/snapshot_dcp.py --checkpoint ckpt --crash-at 30
 
 Every step it saves its model and optimizer (DCP's state-dict API) through ftrun.SnapshotWriter: under ftrun
-into shared memory the agent keeps, each rank's files checksummed; after a failure ftrun.SnapshotReader reads
+into shared memory the agent keeps, checksummed (on several nodes each rank's whole state, copied to the next
+node); after a failure ftrun.SnapshotReader reads
 the step the agent names, verified. Outside ftrun (plain torchrun) the same calls save to and load from
 --checkpoint, as torch's FileSystemWriter and FileSystemReader do. Deterministic: a run that crashed and
 restored ends with the same weights as one that never failed; rank 0 prints the checksum.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--checkpoint", required=True, help="where the checkpoint is outside ftrun")
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 exits at this step of the first attempt")
     a = p.parse_args()
     dist.init_process_group("gloo")
@@ -69,6 +72,7 @@ def train(a: argparse.Namespace) -> str:
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        time.sleep(a.step_time)
         dcp.save(state(step), storage_writer=ftrun.SnapshotWriter(a.checkpoint, step))
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
     return digest.hexdigest()[:16]

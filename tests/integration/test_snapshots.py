@@ -152,15 +152,16 @@ def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tm
     assert checksum(crashed.log(1, 0)) == checksum(plain.stdout)
 
 
+@pytest.mark.parametrize("job", [[EXAMPLE], [DCP_EXAMPLE, "--checkpoint", "ckpt"]], ids=["snapshot", "dcp"])
 def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds(
-    tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun]
+    tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun], job: list[str | Path]
 ) -> None:
     """2 nodes x 1 rank and a hot spare: each node's snapshots are copied to the other; a node is SIGKILLed;
     the spare takes its rank, fetches that rank's snapshot from the survivor, and both restore one step. The
-    weights end as in a run that never failed."""
+    weights end as in a run that never failed. The same for a DCP job (nothing at its --checkpoint)."""
     flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.url.removeprefix("etcd://"), "--rdzv-conf", CONF]
     flags += ["--local-addr", "127.0.0.1", "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "2"]
-    flags += [str(EXAMPLE), "--steps", "80", "--step-time", "0.1"]
+    flags += [*map(str, job), "--steps", "80", "--step-time", "0.1"]
 
     def agent(name: str) -> LiveFtrun:
         started = LiveFtrun(tmp_path, *flags, name=name, run_id="snap-spare")
@@ -206,17 +207,18 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     after = {rank: path.read_text() for _, rank, path in logs}  # each rank's latest attempt
     assert f"rank 1 restored step {named[1][-1]}" in after[1]
     (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE), "--steps", "80")
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", *map(str, job), "--steps", "80")
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
+    assert not (tmp_path / "ckpt").exists()  # a DCP job's steps: in memory, on every node
 
 
 def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
     tmp_path: Path, tcp_server: str, live: list[LiveFtrun]
 ) -> None:
-    """DCP's files of a step are spread over the nodes (the coordinator's metadata on its node; each replicated
-    tensor written by one rank): each node's reader reads the whole step all the same, and the weights end as in
-    a run that never failed."""
+    """DCP spreads a step's files over the nodes (the coordinator's metadata on its node; each replicated tensor
+    written by one rank): on several nodes each rank's part is its whole state, in memory, and each node's
+    reader reads its own back; the weights end as in a run that never failed."""
     flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
     flags += ["--local-addr", "127.0.0.1", "--nnodes", "2", "--nproc-per-node", "1"]
     flags += ["--max-restarts", "1", str(DCP_EXAMPLE), "--checkpoint", "ckpt", "--crash-at", "30"]
@@ -231,6 +233,7 @@ def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
     after = {int(p.parent.name): p.read_text() for a in agents for p in a.run_dir.glob("attempt_1/*/stdout.log")}
     for rank in (0, 1):
         assert f"rank {rank} restored step {step} (attempt 1)" in after[rank], after[rank]
+    assert not (tmp_path / "ckpt").exists()  # every step in memory
     (tmp_path / "never").mkdir()
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint", "ckpt")
     assert never.returncode == 0, never.stderr

@@ -122,22 +122,52 @@ def test_a_step_at_the_path_is_not_passed_over_for_an_older_one_in_memory(
     assert (step, equal(into, state(4))) == (4, True)
 
 
-@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")  # torch's, saving at one path
-def test_on_several_nodes_the_steps_go_to_the_path_each_with_its_part(
-    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+def test_on_several_nodes_each_rank_keeps_its_whole_state_in_its_part(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DCP spreads a step's files over the ranks that wrote them: no node could read one back from its own
-    memory. Every step goes to the job's path, said once, and its part names it."""
+    memory. On several nodes a rank's part is its whole state with the metadata to read it, an ftrun snapshot
+    like any other (copied to the next node, restored on a spare); nothing goes to the path."""
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     for step in (5, 6):
         dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
-    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    snap.wait()
+    assert not (tmp_path / "ckpt").exists()
     assert not list(in_ftrun.glob("step-*/dcp"))
     assert file.whole_steps(in_ftrun, [0]) == {5, 6}
-    said = capfd.readouterr().err
-    assert said.count("a job of 2 nodes") == 1, said
+    _, part = snap.read(snap.path_of(in_ftrun, 6, 0))
+    assert set(part) == {ftrun_dcp.WHOLE}
     step, into = restored(tmp_path, monkeypatch, 6)
     assert (step, equal(into, state(6))) == (6, True)
+    assert int(into["step"]) == 6  # type: ignore[call-overload]
+
+
+def test_on_several_nodes_a_changed_byte_in_a_part_is_never_loaded(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    dcp.save(state(7), storage_writer=SnapshotWriter(tmp_path / "ckpt", 7))
+    snap.wait()
+    part = snap.path_of(in_ftrun, 7, 0)
+    raw = bytearray(part.read_bytes())
+    raw[len(raw) // 2] ^= 0x08
+    part.write_bytes(raw)
+    monkeypatch.setenv(snap.ENV_RESTORE, "7")
+    with pytest.raises(snap.CorruptSnapshot, match="checksum"):
+        SnapshotReader(tmp_path / "ckpt")
+    assert (in_ftrun / "step-000000000007" / snap.BAD_MARK).exists()
+
+
+def test_on_several_nodes_a_step_too_big_goes_to_the_path(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv(snap.ENV_MEMORY, "20000")  # under the three copies' 24,960 bytes
+    dcp.save(state(8), storage_writer=SnapshotWriter(tmp_path / "ckpt", 8))
+    assert (tmp_path / "ckpt" / ".metadata").is_file()
+    assert "over a rank's share of --snapshot-memory" in capfd.readouterr().err
+    step, into = restored(tmp_path, monkeypatch, 8)
+    assert (step, equal(into, state(8))) == (8, True)
 
 
 def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,3 +175,25 @@ def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkey
     dcp.save(state(2), storage_writer=SnapshotWriter(tmp_path / "ckpt", 2))
     assert snap.is_whole(snap.path_of(in_ftrun, 2, 0))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_sharded_state_is_read_from_its_part_only_by_the_world_that_wrote_it(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's part holds its own shards: in a world of another size they are not its shards any more."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def part(rows_held: int, world: int) -> dict[str, object]:
+        chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([rows_held, 4]))
+        md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([8, 4]), [chunk])
+        return {"metadata": Metadata({"w": md}), "items": {}, "world": world}
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert ftrun_dcp._readable_here(part(8, 2), "ckpt")  # replicated (DDP): any world
+    assert ftrun_dcp._readable_here(part(4, 4), "ckpt")  # sharded, the same world
+    assert not ftrun_dcp._readable_here(part(4, 2), "ckpt")  # sharded, another world: the job's checkpoint

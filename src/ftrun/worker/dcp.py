@@ -4,7 +4,7 @@
     reader = ftrun.SnapshotReader(path)
     dcp.load(state, storage_reader=reader)                                 # reader.step: the step restored
 
-Under ftrun the writer puts the checkpoint into the run's snapshot directory in shared memory
+Under ftrun, on one node, the writer puts the checkpoint into the run's snapshot directory in shared memory
 (``step-<step>/dcp/``), not at ``path``: torch's own files (FileSystemWriter's, with no fsync: memory is the
 point), and beside them, as each rank's part of the step, the checksums of the files it wrote (the
 coordinator's with the metadata's). So the agent counts, agrees on, prunes and frees a DCP step as any
@@ -13,19 +13,24 @@ raises CorruptSnapshot and marks the step bad: the next restart takes the step b
 checkpoint at ``path`` where there is none. Outside ftrun both are torch's FileSystemWriter and
 FileSystemReader at ``path``: the writer saves there, the reader reads from there.
 
-A step whose files would not fit --snapshot-memory (every rank's part, times the steps kept and the one being
-written, against a rank's share) goes to ``path`` instead, for every rank alike (the coordinator decides from the
-plans it gathers), and the job is told once: memory stays bounded, and the step is the job's own checkpoint.
-So does every step of a job of several nodes: DCP spreads a step's files over the ranks that wrote them (the
-metadata on the coordinator's node, each replicated tensor written by one rank), so no node could read a step
-back from its own memory. A step written to ``path`` still has its part on every rank, which names the path:
-the agent agrees on it as on any step, and the reader reads it from there, so a newer step at ``path`` is never
-passed over for an older one in memory.
+A job of several nodes keeps its steps in memory another way: DCP spreads a step's files over the ranks that
+wrote them (the metadata on the coordinator's node, each replicated tensor written by one rank), so no node could
+read a step back from its own memory, nor a spare from a lost node's copy. There each rank's part of the step is
+its whole state as DCP planned it (every item, none left to another rank) with the metadata to read it back: an
+ftrun snapshot like any other, checksummed, copied to the next node and to a spare, and read back by that rank
+alone.
+
+A step that would not fit --snapshot-memory (every rank's part, times the steps kept and the one being written,
+against a rank's share) goes to ``path`` instead, for every rank alike (the coordinator decides from the plans it
+gathers), and the job is told once: memory stays bounded, and the step is the job's own checkpoint. Such a step
+still has its part on every rank, which names the path: the agent agrees on it as on any step, and the reader
+reads it from there, so a newer step at ``path`` is never passed over for an older one in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import sys
@@ -34,13 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from crc32c import crc32c
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ftrun.worker import snapshot
-from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot, path_of
+from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot
 
 METADATA_SUFFIX = ".metadata"
 AT_PATH = "dcp_at_path"  # in a rank's part of a step written to the job's own path: that path
+WHOLE = "dcp_whole"  # in a rank's part of a step of a job of several nodes: its whole state and its metadata
 CHUNK = 16 << 20
 
 
@@ -50,6 +61,13 @@ class _ToPath(_StoragePrefix):
 
     need: int = 0  # bytes of the step's files kept at once (per rank, the largest)
     share: int = 0
+
+
+@dataclass
+class _Whole:
+    """A rank's plan on several nodes: its whole state, ``nbytes`` of tensors, goes into its own part."""
+
+    nbytes: int
 
 
 def _bytes(plan: Any) -> int:
@@ -73,6 +91,12 @@ def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
 
 
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
 class SnapshotWriter(FileSystemWriter):
     path: str | os.PathLike[Any]  # FileSystemWriter's (declared here for mypy where torch is not installed)
 
@@ -83,35 +107,40 @@ class SnapshotWriter(FileSystemWriter):
         self.step = step
         self._path = Path(path)  # the job's own checkpoint: outside ftrun, and where a step does not fit memory
         self._inside = bool(directory)  # under ftrun: the step has a part on every rank, in memory
-        self._at_path = not directory or _nodes() > 1  # the step's files at ``path``, not in memory
-        if not self._at_path:
+        self._whole = self._inside and _nodes() > 1  # each rank's whole state in its part (module doc)
+        self._at_path = not directory  # the step's files at ``path``, not in memory
+        if self._inside and not self._whole:
             path = Path(str(directory)) / STEP_DIR.format(step) / DCP_DIR
             kwargs.setdefault("sync_files", False)
         super().__init__(path, **kwargs)
         self._coordinator = False
         self._mine: list[str] = []
-        if self._inside and self._at_path:
-            _say(
-                f"a job of {_nodes()} nodes: DCP spreads a step's files over the ranks that wrote them, so no "
-                f"node could read a step back from its own memory: written to {self._path} (the job's own "
-                "checkpoint); ftrun.snapshot keeps each rank's whole state in memory on any number of nodes"
-            )
+        self._local: Any = None  # this rank's plan before DCP left its replicated items to one rank
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._coordinator = is_coordinator
 
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if not self._whole:
+            return super().prepare_local_plan(plan)
+        self._local = plan
+        return replace(plan, storage_data=_Whole(_bytes(plan)))
+
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        plans = super().prepare_global_plan(plans)
         share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
-        if self._at_path or not share:
+        if self._whole:
+            need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
+        else:
+            plans = super().prepare_global_plan(plans)
+            need = (snapshot.KEEP + 1) * max((_bytes(p) for p in plans), default=0)
+        if self._at_path or not share or need <= share:
             return plans
-        need = (snapshot.KEEP + 1) * max((_bytes(p) for p in plans), default=0)
-        if need <= share:
-            return plans
-        return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need, share)) for p in plans]
+        return [replace(p, storage_data=_ToPath(f"__{i}_", need, share)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if isinstance(plan.storage_data, _Whole):
+            return self._write_whole(plan, planner)
         if isinstance(plan.storage_data, _ToPath):
             self._to_path(plan.storage_data)
         written = super().write_data(plan, planner)
@@ -122,9 +151,24 @@ class SnapshotWriter(FileSystemWriter):
         return written
 
     def finish(self, metadata: Any, results: Any) -> None:
+        if self._whole and not self._at_path:
+            return  # no global metadata: each rank's part has its own
         super().finish(metadata, results)
         if self._inside and self._coordinator:
             self._seal(self._mine + sorted(p.name for p in Path(self.path).glob(f"*{METADATA_SUFFIX}")))
+
+    def _write_whole(self, plan: Any, planner: Any) -> Future[list[Any]]:
+        """This rank's whole state, every item of its own plan, as its part of the step, with the metadata that
+        reads it back (ftrun.snapshot's copy: the big tensors while the job goes on)."""
+        _, metadata = create_default_global_save_plan([self._local])
+        items = {}
+        for item in self._local.items:
+            data = planner.resolve_data(item)
+            items[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else data
+        metadata = replace(metadata, planner_data=self._local.planner_data, storage_data={})
+        world = int(os.environ.get("WORLD_SIZE") or 1)
+        snapshot.snapshot(self.step, {WHOLE: {"metadata": metadata, "items": items, "world": world}})
+        return _done([WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items])
 
     def _to_path(self, why: _ToPath) -> None:
         """This step goes to the job's own checkpoint at ``path``."""
@@ -162,17 +206,74 @@ class SnapshotReader(FileSystemReader):
         """Reads the snapshot the agent names for this attempt, verified, or else the checkpoint at ``path``;
         ``step`` says which snapshot it was (None: ``path``)."""
         self.step: int | None = None
+        self._whole: dict[str, Any] | None = None  # this rank's whole state (a job of several nodes)
         directory, step = os.environ.get(snapshot.ENV_DIR), snapshot.restore_step()
         if directory and step is not None:
             step_dir = Path(directory) / STEP_DIR.format(step)
             if (step_dir / DCP_DIR).is_dir():
                 verify(step_dir)
                 path, self.step = step_dir / DCP_DIR, step
-            elif (at := _written_to(Path(directory), step)) is not None:
-                path, self.step = at, step
+            else:
+                part = _part()
+                if AT_PATH in part:
+                    path, self.step = part[AT_PATH], step
+                elif WHOLE in part and _readable_here(part[WHOLE], path):
+                    self._whole, self.step = part[WHOLE], step
         if directory:
             snapshot.name_start(self.step)
         super().__init__(path, **kwargs)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._whole is None:
+            return super().read_metadata(*args, **kwargs)
+        metadata = self._whole["metadata"]
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        if self._whole is None:
+            return super().read_data(plan, planner)
+        items = self._whole["items"]
+        for want in plan.items:
+            data = items[want.storage_index]
+            if want.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(want, io.BytesIO(data))
+            else:
+                into = planner.resolve_tensor(want).detach()
+                into.copy_(_narrowed(data, want.storage_offsets, want.lengths))
+                planner.commit_tensor(want, into)
+        return _done(None)
+
+
+def _narrowed(tensor: Any, offsets: Any, lengths: Any) -> Any:
+    """The part of a saved tensor a read asks for (all of it, unless the job's shards are cut otherwise)."""
+    for dim, (at, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, at, length)
+    return tensor
+
+
+def _part() -> dict[str, Any]:
+    """This rank's part of the step the agent names, verified (a corrupt one is marked bad, and raises)."""
+    restored = snapshot.restore()
+    state = restored[1] if restored is not None else None
+    return state if isinstance(state, dict) else {}
+
+
+def _readable_here(whole: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """Whether this rank can read its state back from its own part: always, unless the state is sharded (FSDP: a
+    tensor only part of which is this rank's) and the world is no longer the one that wrote it; then the job's
+    own checkpoint is read, as every rank of a sharded job decides alike."""
+    sharded = any(
+        isinstance(md, TensorStorageMetadata) and sum(math.prod(c.sizes) for c in md.chunks) < math.prod(md.size)
+        for md in whole["metadata"].state_dict_metadata.values()
+    )
+    if not sharded or whole["world"] == int(os.environ.get("WORLD_SIZE") or 1):
+        return True
+    _say(
+        f"this rank's snapshot holds its shards of a world of {whole['world']} ranks, and the world is now "
+        f"{os.environ.get('WORLD_SIZE')}: reading the job's own checkpoint at {path} instead"
+    )
+    return False
 
 
 def verify(step_dir: Path) -> None:
@@ -185,24 +286,8 @@ def verify(step_dir: Path) -> None:
                 if _crc(step_dir / DCP_DIR / name) != crc:
                     raise CorruptSnapshot(f"{step_dir / DCP_DIR / name}: its checksum does not match")
     except (CorruptSnapshot, OSError) as e:
-        raise _given_up(step_dir, e) from None
-
-
-def _given_up(step_dir: Path, why: Exception) -> CorruptSnapshot:
-    """A step found corrupt: marked bad, so that the next restart restores the one before."""
-    (step_dir / BAD_MARK).touch()
-    return CorruptSnapshot(f"{why}; ftrun restores an older snapshot at the next restart")
-
-
-def _written_to(directory: Path, step: int) -> str | None:
-    """The job's path a step went to, from this rank's part of it (None: not a DCP step written there)."""
-    part = path_of(directory, step, int(os.environ.get("RANK", "0")))
-    try:
-        _, state = snapshot.read(part)
-    except (CorruptSnapshot, OSError) as e:
-        raise _given_up(part.parent, e) from None
-    at = state.get(AT_PATH) if isinstance(state, dict) else None
-    return str(at) if at is not None else None
+        (step_dir / BAD_MARK).touch()  # the next restart restores the one before
+        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
 
 
 def _crc(path: Path) -> int:
