@@ -84,8 +84,13 @@ def test_outside_ftrun_both_are_torchs_own_at_the_path(tmp_path: Path, monkeypat
     assert equal(into, state(3))
 
 
-def test_async_save_takes_the_same_writer(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("nodes", ["1", "2"])
+def test_async_save_takes_the_same_writer(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: str
+) -> None:
+    monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
     dcp.async_save(state(6), storage_writer=SnapshotWriter(tmp_path / "ckpt", 6)).result(timeout=60)
+    snap.wait()
     assert snap.is_whole(snap.path_of(in_ftrun, 6, 0))
     _, into = restored(tmp_path, monkeypatch, 6)
     assert equal(into, state(6))
