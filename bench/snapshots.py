@@ -13,7 +13,7 @@ Figures: the time snapshots held the job up per step (the copies at the call and
 wait for the copy in flight), as a share of the step; ftrun.restore's own time; the fault -> every rank
 stepping again; the steps done again (lost work).
 
-    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda] [--nodes 2 [--fault node]]
+    python bench/snapshots.py [--reps 2] [--state-mb 1024] [--device cuda] [--nodes 2 [--fault node]] [--api dcp]
 
 Prints figures; asserts nothing about time.
 """
@@ -39,9 +39,10 @@ CRASH_AT = 15
 STEPS = 19
 
 
-def run_once(snapshots: bool, state_mb: int, device: str, nodes: int, fault: str, workdir: Path) -> dict[str, float]:
+def run_once(snapshots: bool, a: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    state_mb, device, nodes, fault = a.state_mb, a.device, a.nodes, a.fault
     tl = workdir / "timeline.jsonl"
-    job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--device", device]
+    job = [str(JOB), "--state-mb", str(state_mb), "--steps", str(STEPS), "--device", device, "--api", a.api]
     job += (["--crash-at", str(CRASH_AT)] if fault == "crash" else []) + ["--timeline", str(tl)]
     job += ["--snapshots"] if snapshots else []
     cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", str(2 // nodes), "--max-restarts", "1"]
@@ -137,13 +138,15 @@ def main() -> None:
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two agents of one rank each")
     p.add_argument("--fault", choices=("crash", "node"), default="crash",
                    help="node (with --nodes 2): rank 1's node SIGKILLed, a hot spare takes it")  # fmt: skip
+    p.add_argument("--api", choices=("snapshot", "dcp"), default="snapshot",
+                   help="dcp: dcp.save / dcp.load through ftrun.SnapshotWriter / SnapshotReader")  # fmt: skip
     p.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events under this directory")
     a = p.parse_args()
     if a.fault == "node" and a.nodes != 2:
         p.error("--fault node needs --nodes 2 (the node lost, the other survives, a third waits as the spare)")
     what = f"rank 1 exits at step {CRASH_AT}" if a.fault == "crash" else f"rank 1's node SIGKILLed at step {CRASH_AT}"
     print(f"{a.reps} runs each, 2 ranks on {a.nodes} node(s), {a.state_mb} MiB of state per rank on {a.device}, "
-          f"{what}")  # fmt: skip
+          f"{what}, {a.api} API")  # fmt: skip
     runs: dict[str, list[dict[str, float]]] = {"snapshots": [], "none": []}
     for _ in range(a.reps):
         for name, trials in runs.items():
@@ -151,7 +154,7 @@ def main() -> None:
                 a.keep.mkdir(parents=True, exist_ok=True)
                 kept = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=a.keep))
             with contextlib.nullcontext(str(kept)) if a.keep else tempfile.TemporaryDirectory(prefix="ftrun-") as d:
-                trials.append(run_once(name == "snapshots", a.state_mb, a.device, a.nodes, a.fault, Path(d)))
+                trials.append(run_once(name == "snapshots", a, Path(d)))
     for name, trials in runs.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         each = ", ".join(f"{t['recovery_s']:.2f}" for t in trials)

@@ -4,11 +4,10 @@ changes is the storage, ``ftrun.SnapshotWriter`` / ``ftrun.SnapshotReader``.
     ftrun --nproc-per-node 2 --max-restarts 3 examples/snapshot_dcp.py --checkpoint ckpt --crash-at 30
 
 Every step it saves its model and optimizer (DCP's state-dict API) through ftrun.SnapshotWriter: under ftrun
-into shared memory the agent keeps, checksummed (on several nodes each rank's whole state, copied to the next
-node); after a failure ftrun.SnapshotReader reads
-the step the agent names, verified. Outside ftrun (plain torchrun) the same calls save to and load from
---checkpoint, as torch's FileSystemWriter and FileSystemReader do. Deterministic: a run that crashed and
-restored ends with the same weights as one that never failed; rank 0 prints the checksum.
+into shared memory the agent keeps, each rank's whole state checksummed and copied to the next node; after a
+failure ftrun.SnapshotReader reads the step the agent names, verified. Outside ftrun (plain torchrun) the same
+calls save to and load from --checkpoint, as torch's FileSystemWriter and FileSystemReader do. Deterministic: a
+run that crashed and restored ends with the same weights as one that never failed; rank 0 prints the checksum.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""torch.distributed.checkpoint through ftrun's snapshots: under ftrun a save goes to the snapshot directory with
-each rank's checksums, a load reads the step the agent names once every file matches; outside ftrun both are
-torch's own, at the path given."""
+"""torch.distributed.checkpoint through ftrun's snapshots: under ftrun a save is each rank's snapshot part (its
+whole state and the metadata to read it), a load reads the step the agent names once the part verifies; outside
+ftrun both are torch's own, at the path given."""
 
 from __future__ import annotations
 
@@ -52,23 +52,27 @@ def test_under_ftrun_a_save_is_a_snapshot_step_and_a_load_reads_it_verified(
 ) -> None:
     for step in (4, 5):
         dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
+    snap.wait()
     assert not (tmp_path / "ckpt").exists()  # in memory, not at the path
-    assert snap.is_whole(snap.path_of(in_ftrun, 5, 0))  # the rank's part: the checksums of what it wrote
+    assert file.whole_steps(in_ftrun, [0]) == {4, 5}
+    _, part = snap.read(snap.path_of(in_ftrun, 5, 0))
+    assert set(part) == {ftrun_dcp.WHOLE}  # the rank's whole state and the metadata to read it
     step, into = restored(tmp_path, monkeypatch, 5)
     assert step == 5
     assert equal(into, state(5))
 
 
-def test_a_changed_byte_in_any_dcp_file_is_never_loaded(
+def test_a_changed_byte_in_a_part_is_never_loaded(
     in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dcp.save(state(7), storage_writer=SnapshotWriter(tmp_path / "ckpt", 7))
-    [data] = (in_ftrun / "step-000000000007" / "dcp").glob("*.distcp")
-    raw = bytearray(data.read_bytes())
+    snap.wait()
+    part = snap.path_of(in_ftrun, 7, 0)
+    raw = bytearray(part.read_bytes())
     raw[len(raw) // 2] ^= 0x08
-    data.write_bytes(raw)
+    part.write_bytes(raw)
     monkeypatch.setenv(snap.ENV_RESTORE, "7")
-    with pytest.raises(snap.CorruptSnapshot, match="checksum does not match"):
+    with pytest.raises(snap.CorruptSnapshot, match="checksum"):
         SnapshotReader(tmp_path / "ckpt")
     assert (in_ftrun / "step-000000000007" / snap.BAD_MARK).exists()  # the next restart takes the step before
 
@@ -84,11 +88,7 @@ def test_outside_ftrun_both_are_torchs_own_at_the_path(tmp_path: Path, monkeypat
     assert equal(into, state(3))
 
 
-@pytest.mark.parametrize("nodes", ["1", "2"])
-def test_async_save_takes_the_same_writer(
-    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: str
-) -> None:
-    monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+def test_async_save_takes_the_same_writer(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dcp.async_save(state(6), storage_writer=SnapshotWriter(tmp_path / "ckpt", 6)).result(timeout=60)
     snap.wait()
     assert snap.is_whole(snap.path_of(in_ftrun, 6, 0))
@@ -104,7 +104,7 @@ def test_a_step_too_big_for_snapshot_memory_goes_to_the_path_said_once(
     for step in (8, 9):
         dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
     assert (tmp_path / "ckpt" / ".metadata").is_file()  # the job's own checkpoint, as outside ftrun
-    assert not list(in_ftrun.glob("step-*/dcp"))  # none of its files held in memory
+    assert all(set(snap.read(p)[1]) == {ftrun_dcp.AT_PATH} for p in in_ftrun.glob("step-*/rank-*"))  # no state
     said = capfd.readouterr().err
     assert said.count("over a rank's share of --snapshot-memory") == 1, said  # said once, not every step
     assert "written to" in said
@@ -127,57 +127,10 @@ def test_a_step_at_the_path_is_not_passed_over_for_an_older_one_in_memory(
     assert (step, equal(into, state(4))) == (4, True)
 
 
-def test_on_several_nodes_each_rank_keeps_its_whole_state_in_its_part(
-    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """DCP spreads a step's files over the ranks that wrote them: no node could read one back from its own
-    memory. On several nodes a rank's part is its whole state with the metadata to read it, an ftrun snapshot
-    like any other (copied to the next node, restored on a spare); nothing goes to the path."""
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    for step in (5, 6):
-        dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step))
-    snap.wait()
-    assert not (tmp_path / "ckpt").exists()
-    assert not list(in_ftrun.glob("step-*/dcp"))
-    assert file.whole_steps(in_ftrun, [0]) == {5, 6}
-    _, part = snap.read(snap.path_of(in_ftrun, 6, 0))
-    assert set(part) == {ftrun_dcp.WHOLE}
-    step, into = restored(tmp_path, monkeypatch, 6)
-    assert (step, equal(into, state(6))) == (6, True)
-    assert int(into["step"]) == 6  # type: ignore[call-overload]
-
-
-def test_on_several_nodes_a_changed_byte_in_a_part_is_never_loaded(
-    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    dcp.save(state(7), storage_writer=SnapshotWriter(tmp_path / "ckpt", 7))
-    snap.wait()
-    part = snap.path_of(in_ftrun, 7, 0)
-    raw = bytearray(part.read_bytes())
-    raw[len(raw) // 2] ^= 0x08
-    part.write_bytes(raw)
-    monkeypatch.setenv(snap.ENV_RESTORE, "7")
-    with pytest.raises(snap.CorruptSnapshot, match="checksum"):
-        SnapshotReader(tmp_path / "ckpt")
-    assert (in_ftrun / "step-000000000007" / snap.BAD_MARK).exists()
-
-
-def test_on_several_nodes_a_step_too_big_goes_to_the_path(
-    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    monkeypatch.setenv(snap.ENV_MEMORY, "20000")  # under the three copies' 24,960 bytes
-    dcp.save(state(8), storage_writer=SnapshotWriter(tmp_path / "ckpt", 8))
-    assert (tmp_path / "ckpt" / ".metadata").is_file()
-    assert "over a rank's share of --snapshot-memory" in capfd.readouterr().err
-    step, into = restored(tmp_path, monkeypatch, 8)
-    assert (step, equal(into, state(8))) == (8, True)
-
-
 def test_a_step_that_fits_stays_in_memory(in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(snap.ENV_MEMORY, str(30_000))  # above the three copies' 24,960 bytes
     dcp.save(state(2), storage_writer=SnapshotWriter(tmp_path / "ckpt", 2))
+    snap.wait()
     assert snap.is_whole(snap.path_of(in_ftrun, 2, 0))
     assert not (tmp_path / "ckpt").exists()
 

@@ -4,23 +4,18 @@
     reader = ftrun.SnapshotReader(path)
     dcp.load(state, storage_reader=reader)                                 # reader.step: the step restored
 
-Under ftrun, on one node, the writer puts the checkpoint into the run's snapshot directory in shared memory
-(``step-<step>/dcp/``), not at ``path``: torch's own files (FileSystemWriter's, with no fsync: memory is the
-point), and beside them, as each rank's part of the step, the checksums of the files it wrote (the
-coordinator's with the metadata's). So the agent counts, agrees on, prunes and frees a DCP step as any
-snapshot. The reader reads the step the agent names once every file's checksum matches (one that does not
-raises CorruptSnapshot and marks the step bad: the next restart takes the step before), and the job's own
-checkpoint at ``path`` where there is none. Outside ftrun both are torch's FileSystemWriter and
-FileSystemReader at ``path``: the writer saves there, the reader reads from there.
+Under ftrun the writer makes each rank's part of the step an ftrun snapshot (:mod:`ftrun.worker.snapshot`): the
+rank's whole state as DCP planned it (every item of its own plan, none left to another rank as DCP's files
+would) with the metadata to read it back, nothing at ``path``. So a DCP step costs what ``ftrun.snapshot`` does
+(the big tensors copied while the job goes on), and is checksummed, agreed on, copied to the next node, fetched
+by a spare, pruned and freed as any snapshot; a rank reads its state back from its own part, on any node.
+(DCP's own files would spread a step over the ranks that wrote them, the metadata on the coordinator's node:
+no node could read a step back from its own memory.) The reader reads the step the agent names, verified (a
+part that does not verify raises CorruptSnapshot and marks the step bad: the next restart takes the step
+before), and the job's own checkpoint at ``path`` where there is none. Outside ftrun both are torch's
+FileSystemWriter and FileSystemReader at ``path``: the writer saves there, the reader reads from there.
 
-A job of several nodes keeps its steps in memory another way: DCP spreads a step's files over the ranks that
-wrote them (the metadata on the coordinator's node, each replicated tensor written by one rank), so no node could
-read a step back from its own memory, nor a spare from a lost node's copy. There each rank's part of the step is
-its whole state as DCP planned it (every item, none left to another rank) with the metadata to read it back: an
-ftrun snapshot like any other, checksummed, copied to the next node and to a spare, and read back by that rank
-alone.
-
-A step that would not fit --snapshot-memory (every rank's part, times the steps kept and the one being written,
+A step that would not fit --snapshot-memory (a rank's part, times the steps kept and the one being written,
 against a rank's share) goes to ``path`` instead, for every rank alike (the coordinator decides from the plans it
 gathers), and the job is told once: memory stays bounded, and the step is the job's own checkpoint. Such a step
 still has its part on every rank, which names the path: the agent agrees on it as on any step, and the reader
@@ -29,16 +24,13 @@ reads it from there, so a newer step at ``path`` is never passed over for an old
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import os
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from crc32c import crc32c
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
@@ -47,27 +39,24 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ftrun.worker import snapshot
-from ftrun.worker.snapshot_file import BAD_MARK, DCP_DIR, STEP_DIR, CorruptSnapshot
 
-METADATA_SUFFIX = ".metadata"
 AT_PATH = "dcp_at_path"  # in a rank's part of a step written to the job's own path: that path
-WHOLE = "dcp_whole"  # in a rank's part of a step of a job of several nodes: its whole state and its metadata
-CHUNK = 16 << 20
+WHOLE = "dcp_whole"  # in a rank's part of a step in memory: its whole state, the metadata, the world's size
+
+
+@dataclass
+class _Whole:
+    """A rank's plan under ftrun: its whole state, ``nbytes`` of tensors, goes into its own part."""
+
+    nbytes: int
 
 
 @dataclass
 class _ToPath(_StoragePrefix):
     """A rank's plan whose step goes to the writer's ``path``: the step does not fit --snapshot-memory."""
 
-    need: int = 0  # bytes of the step's files kept at once (per rank, the largest)
+    need: int = 0  # bytes of the step's parts kept at once (per rank, the largest)
     share: int = 0
-
-
-@dataclass
-class _Whole:
-    """A rank's plan on several nodes: its whole state, ``nbytes`` of tensors, goes into its own part."""
-
-    nbytes: int
 
 
 def _bytes(plan: Any) -> int:
@@ -83,12 +72,12 @@ def _bytes(plan: Any) -> int:
 _said = False  # that the steps go to the job's own path (once per worker)
 
 
-def _nodes() -> int:
-    return int(os.environ.get("GROUP_WORLD_SIZE") or 1)
-
-
 def _size(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE") or 1)
 
 
 def _done(value: Any) -> Future[Any]:
@@ -101,40 +90,31 @@ class SnapshotWriter(FileSystemWriter):
     path: str | os.PathLike[Any]  # FileSystemWriter's (declared here for mypy where torch is not installed)
 
     def __init__(self, path: str | os.PathLike[str], step: int, **kwargs: Any) -> None:
-        """``path``: where the checkpoint goes outside ftrun; ``step``: the step it holds (the job resumes at
-        the next); ``kwargs``: FileSystemWriter's."""
-        directory = os.environ.get(snapshot.ENV_DIR)
-        self.step = step
-        self._path = Path(path)  # the job's own checkpoint: outside ftrun, and where a step does not fit memory
-        self._inside = bool(directory)  # under ftrun: the step has a part on every rank, in memory
-        self._whole = self._inside and _nodes() > 1  # each rank's whole state in its part (module doc)
-        self._at_path = not directory  # the step's files at ``path``, not in memory
-        if self._inside and not self._whole:
-            path = Path(str(directory)) / STEP_DIR.format(step) / DCP_DIR
-            kwargs.setdefault("sync_files", False)
+        """``path``: where the checkpoint goes outside ftrun, or when it does not fit memory; ``step``: the step
+        it holds (the job resumes at the next); ``kwargs``: FileSystemWriter's."""
         super().__init__(path, **kwargs)
+        self.step = step
+        self._inside = bool(os.environ.get(snapshot.ENV_DIR))  # under ftrun: the step has a part on every rank
+        self._at_path = not self._inside  # the step's files at ``path``, not in memory
         self._coordinator = False
-        self._mine: list[str] = []
-        self._local: Any = None  # this rank's plan before DCP left its replicated items to one rank
+        self._local: Any = None  # this rank's plan as it made it, before DCP left replicated items to one rank
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         self._coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if not self._whole:
+        if not self._inside:
             return super().prepare_local_plan(plan)
         self._local = plan
         return replace(plan, storage_data=_Whole(_bytes(plan)))
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        if not self._inside:
+            return super().prepare_global_plan(plans)
         share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
-        if self._whole:
-            need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
-        else:
-            plans = super().prepare_global_plan(plans)
-            need = (snapshot.KEEP + 1) * max((_bytes(p) for p in plans), default=0)
-        if self._at_path or not share or need <= share:
+        need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
+        if not share or need <= share:
             return plans
         return [replace(p, storage_data=_ToPath(f"__{i}_", need, share)) for i, p in enumerate(plans)]
 
@@ -144,30 +124,28 @@ class SnapshotWriter(FileSystemWriter):
         if isinstance(plan.storage_data, _ToPath):
             self._to_path(plan.storage_data)
         written = super().write_data(plan, planner)
-        if self._inside:
-            self._mine = sorted({r.storage_data.relative_path for r in written.wait()})  # written when it returns
-            if not self._coordinator:
-                self._seal(self._mine)
+        if self._inside and not self._coordinator:  # the coordinator's part once the metadata is written
+            written.wait()
+            snapshot.write_now(self.step, {AT_PATH: str(self.path)})
         return written
 
     def finish(self, metadata: Any, results: Any) -> None:
-        if self._whole and not self._at_path:
+        if not self._at_path:
             return  # no global metadata: each rank's part has its own
         super().finish(metadata, results)
-        if self._inside and self._coordinator:
-            self._seal(self._mine + sorted(p.name for p in Path(self.path).glob(f"*{METADATA_SUFFIX}")))
+        if self._inside:
+            snapshot.write_now(self.step, {AT_PATH: str(self.path)})
 
     def _write_whole(self, plan: Any, planner: Any) -> Future[list[Any]]:
         """This rank's whole state, every item of its own plan, as its part of the step, with the metadata that
         reads it back (ftrun.snapshot's copy: the big tensors while the job goes on)."""
         _, metadata = create_default_global_save_plan([self._local])
+        metadata = replace(metadata, planner_data=self._local.planner_data, storage_data={})
         items = {}
         for item in self._local.items:
             data = planner.resolve_data(item)
             items[item.index] = data.getvalue() if isinstance(data, io.BytesIO) else data
-        metadata = replace(metadata, planner_data=self._local.planner_data, storage_data={})
-        world = int(os.environ.get("WORLD_SIZE") or 1)
-        snapshot.snapshot(self.step, {WHOLE: {"metadata": metadata, "items": items, "world": world}})
+        snapshot.snapshot(self.step, {WHOLE: {"metadata": metadata, "items": items, "world": _world()}})
         return _done([WriteResult(index=item.index, size_in_bytes=0, storage_data=None) for item in plan.items])
 
     def _to_path(self, why: _ToPath) -> None:
@@ -175,22 +153,11 @@ class SnapshotWriter(FileSystemWriter):
         _say(
             f"step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank ({snapshot.KEEP} steps "
             f"kept and the one being written), over a rank's share of --snapshot-memory ({_size(why.share)}): "
-            f"written to {self._path} instead (the job's own checkpoint); raise --snapshot-memory to keep such "
+            f"written to {self.path} instead (the job's own checkpoint); raise --snapshot-memory to keep such "
             "steps in memory"
         )
-        for made in (Path(self.path), Path(self.path).parent):  # the step's empty directories in memory
-            with contextlib.suppress(OSError):
-                made.rmdir()
-        self.path = self._path
         self.fs.mkdir(self.path)
         self._at_path = True
-
-    def _seal(self, names: list[str]) -> None:
-        """This rank's part of the step: its files' checksums, or where the step went."""
-        if self._at_path:
-            snapshot.write_now(self.step, {AT_PATH: str(self.path)})
-        else:
-            snapshot.write_now(self.step, {DCP_DIR: {name: _crc(Path(self.path) / name) for name in names}})
 
 
 def _say(what: str) -> None:
@@ -206,20 +173,15 @@ class SnapshotReader(FileSystemReader):
         """Reads the snapshot the agent names for this attempt, verified, or else the checkpoint at ``path``;
         ``step`` says which snapshot it was (None: ``path``)."""
         self.step: int | None = None
-        self._whole: dict[str, Any] | None = None  # this rank's whole state (a job of several nodes)
-        directory, step = os.environ.get(snapshot.ENV_DIR), snapshot.restore_step()
-        if directory and step is not None:
-            step_dir = Path(directory) / STEP_DIR.format(step)
-            if (step_dir / DCP_DIR).is_dir():
-                verify(step_dir)
-                path, self.step = step_dir / DCP_DIR, step
-            else:
-                part = _part()
-                if AT_PATH in part:
-                    path, self.step = part[AT_PATH], step
-                elif WHOLE in part and _readable_here(part[WHOLE], path):
-                    self._whole, self.step = part[WHOLE], step
-        if directory:
+        self._whole: dict[str, Any] | None = None  # this rank's part of the step: its state, the metadata
+        inside, step = bool(os.environ.get(snapshot.ENV_DIR)), snapshot.restore_step()
+        if inside and step is not None:
+            part = _part()
+            if AT_PATH in part:
+                path, self.step = part[AT_PATH], step
+            elif WHOLE in part and _readable_here(part[WHOLE], path):
+                self._whole, self.step = part[WHOLE], step
+        if inside:
             snapshot.name_start(self.step)
         super().__init__(path, **kwargs)
 
@@ -267,32 +229,10 @@ def _readable_here(whole: dict[str, Any], path: str | os.PathLike[str]) -> bool:
         isinstance(md, TensorStorageMetadata) and sum(math.prod(c.sizes) for c in md.chunks) < math.prod(md.size)
         for md in whole["metadata"].state_dict_metadata.values()
     )
-    if not sharded or whole["world"] == int(os.environ.get("WORLD_SIZE") or 1):
+    if not sharded or whole["world"] == _world():
         return True
     _say(
         f"this rank's snapshot holds its shards of a world of {whole['world']} ranks, and the world is now "
-        f"{os.environ.get('WORLD_SIZE')}: reading the job's own checkpoint at {path} instead"
+        f"{_world()}: reading the job's own checkpoint at {path} instead"
     )
     return False
-
-
-def verify(step_dir: Path) -> None:
-    """Every rank's files of a DCP step against the checksums that rank wrote; raises CorruptSnapshot (and marks
-    the step bad) for one that does not match or is missing."""
-    try:
-        for part in sorted(step_dir.glob("rank-*.snap")):
-            _, sums = snapshot.read(part)
-            for name, crc in sums.get(DCP_DIR, {}).items():
-                if _crc(step_dir / DCP_DIR / name) != crc:
-                    raise CorruptSnapshot(f"{step_dir / DCP_DIR / name}: its checksum does not match")
-    except (CorruptSnapshot, OSError) as e:
-        (step_dir / BAD_MARK).touch()  # the next restart restores the one before
-        raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
-
-
-def _crc(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            crc = crc32c(chunk, crc)
-    return crc

@@ -22,7 +22,6 @@ import importlib
 import mmap
 import os
 import pickle
-import shutil
 import sys
 import threading
 import time
@@ -127,7 +126,7 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
 
 
 def write_now(step: int, state: Mapping[str, Any]) -> None:
-    """A small snapshot without tensors, written whole at once in the caller's thread (a DCP step's checksums:
+    """A small snapshot without tensors, written whole at once in the caller's thread (where a DCP step went:
     :mod:`ftrun.worker.dcp`); outside ftrun, nothing."""
     directory = os.environ.get(ENV_DIR)
     if not directory:
@@ -336,7 +335,6 @@ def _prune(directory: Path, rank: int) -> None:
                 old.unlink()  # its pages stay the restored tensors' until they go
             else:
                 old.replace(file.spare_of(directory, rank))
-        shutil.rmtree(old.parent / file.DCP_DIR, ignore_errors=True)  # the ranks save DCP steps together
         with contextlib.suppress(OSError):  # the other ranks' parts may still be there
             old.parent.rmdir()
 

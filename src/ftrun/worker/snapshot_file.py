@@ -30,7 +30,6 @@ from crc32c import crc32c
 STEP_DIR = "step-{:012d}"
 BAD_MARK = "BAD"  # in a step's directory: a restore found a part of it corrupt
 PIN_MARK = "PINNED"  # in a step's directory: the nodes copy this step to each other; kept until newer ones are
-DCP_DIR = "dcp"  # in a step's directory: torch.distributed.checkpoint's files (:mod:`ftrun.worker.dcp`)
 MAGIC = b"FTSNAP3\n"
 HEAD = struct.Struct("<8sQQ")  # magic, head's length, data's end
 FOOT = struct.Struct("<I4s")  # CRC-32C of the chunks' table, b"DONE"
