@@ -41,7 +41,7 @@ class StoreUrl:
     @property
     def display(self) -> str:
         """The URL without secrets, for messages."""
-        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        hosts = ",".join(f"{bracketed(h)}:{p}" for h, p in self.endpoints)
         return f"{self.scheme}://{hosts}{'/' + self.prefix if self.prefix else ''}"
 
     def __str__(self) -> str:  # in a message: never the fields, which hold the password
