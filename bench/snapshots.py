@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -152,9 +153,10 @@ def main() -> None:
         for name, trials in runs.items():
             if a.keep is not None:
                 a.keep.mkdir(parents=True, exist_ok=True)
-                kept = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=a.keep))
-            with contextlib.nullcontext(str(kept)) if a.keep else tempfile.TemporaryDirectory(prefix="ftrun-") as d:
-                trials.append(run_once(name == "snapshots", a, Path(d)))
+            d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=a.keep))
+            trials.append(run_once(name == "snapshots", a, d))  # a run that fails keeps its logs, and says where
+            if a.keep is None:
+                shutil.rmtree(d)
     for name, trials in runs.items():
         med = {k: statistics.median(t[k] for t in trials) for k in trials[0]}
         each = ", ".join(f"{t['recovery_s']:.2f}" for t in trials)
