@@ -111,7 +111,8 @@ class SnapshotWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         if not self._inside:
-            return super().prepare_global_plan(plans)
+            outside: list[Any] = super().prepare_global_plan(plans)
+            return outside
         share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
         need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
         if not share or need <= share:
