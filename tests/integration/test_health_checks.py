@@ -4,6 +4,8 @@ it trains leaves the job, the others going on; several agents (separate processe
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.integration.harness import CONF, WAIT_S, LiveFtrun, run_ftrun
@@ -88,3 +90,14 @@ def test_a_node_failing_its_check_while_training_leaves_and_the_other_goes_on(
     failed = [e for e in events(b.run_dir) if e["kind"] == "health_check" and not e["healthy"]]
     assert [(e["when"], e["ended"]) for e in failed] == [("while training", "exit 1")]
     a.wait_for_lines(r"up rank=0 world=1", 1)  # the other goes on alone, in a new round
+
+
+def test_a_wake_up_that_comes_after_the_agents_loop_does_not_end_it() -> None:
+    """A health check's wake-up (a real-time signal) racing the end of the run killed the agent by the signal's
+    default action: the run exited -40 instead of 1 (the test above, about one run in two)."""
+    late = (
+        "import os; from ftrun.procs.signals import SignalWakeup; from ftrun.worker.signals import REQUEST_SIGNAL\n"
+        "SignalWakeup.install().close(); os.kill(os.getpid(), REQUEST_SIGNAL); print('still here')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=WAIT_S)
+    assert (r.returncode, r.stdout) == (0, "still here\n"), r.stderr

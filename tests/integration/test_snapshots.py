@@ -164,7 +164,7 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     flags += [*map(str, job), "--steps", "80", "--step-time", "0.1"]
 
     def agent(name: str) -> LiveFtrun:
-        started = LiveFtrun(tmp_path, *flags, name=name, run_id="snap-spare")
+        started = LiveFtrun(tmp_path, *flags, name=name, run_id=f"snap-spare-{Path(str(job[0])).stem}")
         live.append(started)
         return started
 

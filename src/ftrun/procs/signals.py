@@ -81,10 +81,12 @@ class SignalWakeup:
         return self._read_fd
 
     def close(self) -> None:
-        """Restore the handlers that were there before, and close the pipe."""
+        """Restore the handlers that were there before, and close the pipe. A wake-up that comes after (a health
+        check's or a worker's, racing the end) is ignored: a real-time signal's default would end the agent."""
         if self._active:
             for s, handler in self._saved.items():
-                signal.signal(s, handler)  # type: ignore[arg-type]
+                late_wakeup = s == REQUEST_SIGNAL and handler in (signal.SIG_DFL, None)
+                signal.signal(s, signal.SIG_IGN if late_wakeup else handler)  # type: ignore[arg-type]
             signal.set_wakeup_fd(self._saved_fd)
             self._active = False
         os.close(self._read_fd)
