@@ -164,7 +164,8 @@ def test_a_collective_every_rank_entered_that_never_finishes_names_the_rank_stop
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", timeout=200)
     assert r.returncode == 0, r.stderr
     [hang] = [e for e in r.events() if e["kind"] == "hang"]
-    assert (hang["attempt"], hang["rank"], hang["timeout"]) == (0, 1, "collective")
+    # named rank 0 once in CI under load, not reproduced here: the verdict and the console, to read if again
+    assert (hang["attempt"], hang["rank"], hang["timeout"]) == (0, 1, "collective"), (hang, r.stderr[-3000:])
     root = r.report(0)["root_cause"]
     assert isinstance(root, dict)
     said = r"ranks 0-1 entered all_reduce #\d+ \(default_pg, 4.0 KB\) at .*; it never finished \(rank 1 stopped"
