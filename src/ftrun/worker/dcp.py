@@ -117,7 +117,8 @@ class SnapshotWriter(FileSystemWriter):
         need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
         if not share or need <= share:
             return plans
-        return [replace(p, storage_data=_ToPath(f"__{i}_", need, share)) for i, p in enumerate(plans)]
+        named = super().prepare_global_plan([replace(p, storage_data=None) for p in plans])  # torch's file prefixes
+        return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need, share)) for p in named]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if isinstance(plan.storage_data, _Whole):
