@@ -155,3 +155,41 @@ def test_a_sharded_state_is_read_from_its_part_only_by_the_world_that_wrote_it(
     assert ftrun_dcp._readable_here(part(8, 2), "ckpt")  # replicated (DDP): any world
     assert ftrun_dcp._readable_here(part(4, 4), "ckpt")  # sharded, the same world
     assert not ftrun_dcp._readable_here(part(4, 2), "ckpt")  # sharded, another world: the job's checkpoint
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["one-planner", "a-planner-per-save"])
+def test_dcps_plan_caching_is_taken_and_each_step_is_still_the_ranks_whole_state(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept: bool
+) -> None:
+    """DCP's plan caching sends a rank's plan once and then 'unchanged' (an empty plan) while it does not change:
+    every step's part still holds the rank's whole state, and the step restored is the one saved."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    for step in (4, 5, 6):
+        into = planner if kept else DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(state(step), storage_writer=SnapshotWriter(tmp_path / "ckpt", step), planner=into)
+    snap.wait()
+    assert not (tmp_path / "ckpt").exists()
+    step, loaded = restored(tmp_path, monkeypatch, 6)
+    assert (step, equal(loaded, state(6))) == (6, True)
+
+
+def test_a_plan_cached_where_ftrun_cannot_forget_it_is_a_clear_error(
+    in_ftrun: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch whose plan caches ftrun does not know: the second save names the flag to drop, no part half made."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    real = ftrun_dcp._PLAN_CACHES
+    monkeypatch.setattr(ftrun_dcp, "_PLAN_CACHES", ())
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    try:
+        dcp.save(state(1), storage_writer=SnapshotWriter(tmp_path / "ckpt", 1), planner=planner)
+        with pytest.raises(BaseException, match="without enable_plan_caching"):  # DCP raises a BaseException
+            dcp.save(state(2), storage_writer=SnapshotWriter(tmp_path / "ckpt", 2), planner=planner)
+        snap.wait()
+        assert file.whole_steps(in_ftrun, [0]) == {1}
+    finally:  # torch's caches (class-level) as the next test expects them
+        monkeypatch.setattr(ftrun_dcp, "_PLAN_CACHES", real)
+        ftrun_dcp._plan_afresh_next_time(planner)

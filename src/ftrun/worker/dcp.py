@@ -34,7 +34,7 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.planner import LoadItemType, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -106,6 +106,12 @@ class SnapshotWriter(FileSystemWriter):
     def prepare_local_plan(self, plan: Any) -> Any:
         if not self._inside:
             return super().prepare_local_plan(plan)
+        if not plan.usable:
+            raise ValueError(
+                "ftrun.SnapshotWriter: DCP's plan caching sent this rank's plan as unchanged, and under ftrun a "
+                "rank's part is its whole plan; this torch keeps its cache where ftrun cannot forget it: save with "
+                "a planner without enable_plan_caching"
+            )
         self._local = plan
         return replace(plan, storage_data=_Whole(_bytes(plan)))
 
@@ -121,6 +127,8 @@ class SnapshotWriter(FileSystemWriter):
         return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need, share)) for p in named]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._inside:
+            _plan_afresh_next_time(planner)
         if isinstance(plan.storage_data, _Whole):
             return self._write_whole(plan, planner)
         if isinstance(plan.storage_data, _ToPath):
@@ -160,6 +168,22 @@ class SnapshotWriter(FileSystemWriter):
         )
         self.fs.mkdir(self.path)
         self._at_path = True
+
+
+_PLAN_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                "_cached_final_save_plan")  # fmt: skip
+
+
+def _plan_afresh_next_time(planner: Any) -> None:
+    """DCP's plan caching (``enable_plan_caching``) sends a rank's plan once, then an empty one while it does not
+    change, and has the rank write the plan cached, in which DCP left each replicated item to one rank. Under ftrun
+    a rank's part is its whole own plan, planned on the rank: the next save is planned afresh (torch's caches,
+    class-level, forgotten for this planner's key). Planning is small next to a step's copy."""
+    key = getattr(planner, "_cached_plans_key", None)
+    for name in _PLAN_CACHES:
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            cache.pop(key, None)
 
 
 def _say(what: str) -> None:
