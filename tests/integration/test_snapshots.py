@@ -188,8 +188,12 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     [own] = copies.glob(f"{other.proc.pid}-*")
     [survivor] = copies.glob(f"{head.proc.pid}-*")
     deadline = time.monotonic() + 60
-    while (paced := max(file.whole_steps(own, [1]) & pinned(survivor), default=-1)) not in held(survivor).get(1, ()):
-        assert time.monotonic() < deadline, f"rank 1's step {paced} never reached the node of rank 0"
+
+    def paced() -> int:  # rank 1's newest step whole on its node that the survivor's node paced (-1: none)
+        return max(file.whole_steps(own, [1]) & file.pinned_steps(survivor), default=-1)
+
+    while paced() not in held(survivor).get(1, ()):
+        assert time.monotonic() < deadline, f"rank 1's step {paced()} never reached the node of rank 0"
         time.sleep(0.1)
     os.kill(worker, signal.SIGKILL)
     other.proc.kill()
@@ -214,11 +218,6 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
     assert not (tmp_path / "ckpt").exists()  # a DCP job's steps: in memory, on every node
-
-
-def pinned(directory: Path) -> set[int]:
-    """The steps a node keeps for the ring's copies."""
-    return {int(d.name.removeprefix("step-")) for d in directory.glob("step-*") if file.is_pinned(d)}
 
 
 def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(

@@ -38,10 +38,10 @@ from ftrun.worker.snapshot_file import (
     HEAD,
     PIN_MARK,
     STEP_DIR,
-    is_pinned,
     is_whole,
     open_sized,
     path_of,
+    pinned_steps,
     spare_of,
     whole_steps,
 )
@@ -364,7 +364,7 @@ def pin(directory: Path, step: int) -> None:
     pinned before it, no others: a copy lost on its way leaves the previous step on every node."""
     with contextlib.suppress(OSError):  # pruned meanwhile: nothing to keep
         (directory / STEP_DIR.format(step) / PIN_MARK).touch(exist_ok=True)
-    pinned = sorted(int(d.name.removeprefix("step-")) for d in directory.glob("step-*") if is_pinned(d))
+    pinned = sorted(pinned_steps(directory))
     for old in pinned[:-PINNED]:
         (directory / STEP_DIR.format(old) / PIN_MARK).unlink(missing_ok=True)
 

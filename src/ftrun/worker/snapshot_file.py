@@ -74,6 +74,12 @@ def is_pinned(step_dir: Path) -> bool:
     return (step_dir / PIN_MARK).exists()
 
 
+def pinned_steps(directory: Path) -> set[int]:
+    """The steps a node keeps for the copies between nodes (:func:`ftrun.job.snapshot_mirror.pin`)."""
+    return {int(d.name.removeprefix("step-")) for d in directory.glob("step-*")
+            if d.name.removeprefix("step-").isdigit() and is_pinned(d)}  # fmt: skip
+
+
 def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
     """The steps every one of ``ranks`` wrote whole, none of them found corrupt by a restore."""
     found = set()
