@@ -19,6 +19,11 @@ import gc, json, logging, os, random, resource, signal, sys, threading, time, wa
 import numpy as np
 import torch
 from threadpoolctl import threadpool_info
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+with open("/proc/self/environ", "rb") as f:
+    proc_environ = dict(v.decode().partition("=")[::2] for v in f.read().split(b"\\0") if v)
+OURS = "PYTHONPATH"
 um = os.umask(0)
 os.umask(um)
 facts = {
@@ -33,7 +38,11 @@ facts = {
     "flags": repr(sys.flags),
     "path": sys.path,
     "argv": sys.argv,
-    "cmdline": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),  # ps, pgrep -f, nvidia-smi
+    "cmdline": open("/proc/self/cmdline").read().split("\\0"),  # ps, pgrep -f, nvidia-smi, psutil: argv as exec'd
+    # what monitoring agents map a pid to its rank by: the variables the process started with, with their values
+    # (a fresh worker starts with ftrun's boot directory on PYTHONPATH, which its sitecustomize takes off again)
+    "proc_environ": sorted(k for k in proc_environ if not k.startswith("FTRUN_") and k not in ("WAIT_FOR_POOL", OURS)),
+    "proc_environ_values": {k: proc_environ.get(k) == os.environ[k] for k in TORCHRUN},
     "comm": open("/proc/self/comm").read().strip(),  # ps -o comm, pgrep, top
     "main": sorted(k for k in vars(sys.modules["__main__"]) if k.startswith("__")),
     "warnings": [repr(f) for f in warnings.filters],
@@ -106,6 +115,8 @@ def test_a_warm_worker_observes_what_a_fresh_one_does(
         if name not in RANDOM and name not in ALLOWED and warm[worker][name] != fresh[worker][name]
     }
     assert differences == {}
+    for worker, facts in warm.items():  # the file says the rank it is: monitoring agents read it
+        assert all(facts["proc_environ_values"].values()), (worker, facts["proc_environ_values"])
     assert warm[1, 0]["pools"] == fresh[1, 0]["pools"]
     assert ["openblas", 2] in warm[1, 0]["pools"]  # (JSON makes the pairs lists)
 

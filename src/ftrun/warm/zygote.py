@@ -37,9 +37,9 @@ import sys
 import time
 import types
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
+from ftrun.worker import procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 
 MAX_MESSAGE = 1 << 20
@@ -314,41 +314,24 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
-    name_as_fresh(request)
+    procfs.show_as_fresh(fresh_argv(request), request["env"])  # /proc/PID/cmdline and environ
 
 
 def claim_the_title() -> None:
     """setproctitle takes over the argv and environment area at its first call, which must come before anything
-    sets a variable (libc then moves the environment, and the title could no longer be written)."""
-    with contextlib.suppress(ImportError), keeping_the_name():
+    sets a variable (libc then moves the environment, and the title could no longer be written). Only needed
+    where the kernel refuses to show a worker's own ranges (:mod:`ftrun.worker.procfs`)."""
+    with contextlib.suppress(ImportError), procfs.keeping_the_name():
         import setproctitle
 
         setproctitle.getproctitle()
 
 
-def name_as_fresh(request: dict[str, Any]) -> None:
-    """Show the command line a fresh worker has (`python3 -u train.py ARGS`), not the zygote's, to ps, pgrep -f,
-    htop, nvidia-smi and kill scripts: setproctitle rewrites the process's argv area (/proc/PID/cmdline).
-    Without setproctitle (not installed), the zygote's command line stays."""
-    setproctitle = sys.modules.get("setproctitle")
-    for name in [m for m in sys.modules if m == "setproctitle" or m.startswith("setproctitle.")]:
-        del sys.modules[name]  # the job's modules are its own, as in a fresh worker (faulthandler lists them)
-    if setproctitle is not None:
-        module = ["-m"] if request["kind"] == "module" else []
-        with keeping_the_name():
-            setproctitle.setproctitle(" ".join([sys.executable, "-u", *module, request["target"], *request["args"]]))
-
-
-@contextlib.contextmanager
-def keeping_the_name() -> Iterator[None]:
-    """setproctitle names the thread (comm: ps -o comm, pgrep, top) after the title; the interpreter's name
-    stays, as a fresh worker's."""
-    with open("/proc/self/comm", "rb") as f:
-        comm = f.read().strip()
-    try:
-        yield
-    finally:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(comm), 0, 0, 0)
+def fresh_argv(request: dict[str, Any]) -> list[str]:
+    """The command line a fresh worker has (`python3 -u train.py ARGS`): what ps, pgrep -f, htop and
+    nvidia-smi show."""
+    module = ["-m"] if request["kind"] == "module" else []
+    return [sys.executable, "-u", *module, request["target"], *request["args"]]
 
 
 ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
