@@ -131,3 +131,9 @@ def test_cold_workers_keep_the_preloading_zygotes_still_when_no_core_is_spare() 
     assert not policy.held_for_cold_workers(cold=True, cores=16, workers=8, preloading=2)  # a GPU node: cores spare
     assert not policy.held_for_cold_workers(cold=False, cores=2, workers=2, preloading=1)  # warm: none competes
     assert not policy.held_for_cold_workers(cold=True, cores=2, workers=2, preloading=0)
+
+
+def test_what_is_still_preloaded_is_said_by_package() -> None:
+    assert policy.packages([]) == "nothing"
+    assert policy.packages(["torch", "torch.nn", "numpy"]) == "torch, numpy"
+    assert policy.packages([f"p{i}.x" for i in range(9)], shown=3) == "p0, p1, p2 and 6 more"

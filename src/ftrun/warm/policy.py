@@ -53,6 +53,16 @@ def refused(module: str, never: set[str]) -> bool:
     return any(module == bad or module.startswith(bad + ".") for bad in never)
 
 
+def packages(modules: Sequence[str], shown: int = 6) -> str:
+    """What ``modules`` preload, said by their top-level packages: "torch, numpy and 3 more" (for the console)."""
+    tops = list(dict.fromkeys(m.split(".", 1)[0] for m in modules))
+    if not tops:
+        return "nothing"
+    if len(tops) <= shown:
+        return ", ".join(tops)
+    return f"{', '.join(tops[:shown])} and {len(tops) - shown} more"
+
+
 def retired(zygotes: Sequence[Z], holding: bool) -> list[Z]:
     """The ready zygotes a bigger ready one replaces; none while a restart is under way (the teardown of a
     zygote costs ~15 ms of a core, which the restart needs)."""

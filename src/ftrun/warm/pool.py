@@ -189,10 +189,11 @@ class WarmPool:
             self._zygotes.remove(z)
         if z.culprit:  # one module cannot be forked after: the rest is preloaded without it
             self._never.add(z.culprit)
+            rest = [m for m in z.preload if not policy.refused(m, self._never)]
             self._trouble(
                 f"warm pool: importing {z.culprit!r} {why}; the workers import it themselves, the rest is preloaded"
+                f" ({policy.packages(rest)})"
             )
-            rest = [m for m in z.preload if not policy.refused(m, self._never)]
             if self._cache is not None:
                 self._cache.save(rest, self._import_s)  # the next run does not try it again
             if rest:

@@ -39,7 +39,7 @@ import types
 import warnings
 from typing import Any
 
-from ftrun.worker import procfs
+from ftrun.worker import jemalloc, procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 
 MAX_MESSAGE = 1 << 20
@@ -52,10 +52,6 @@ STARTUP_MODULES = (
     "ftrun.worker.autobeat",
     "ftrun.worker.imports",
 )  # what set_up imports (no torch, no thread)
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 def rss_kb() -> int:
@@ -85,6 +81,7 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, str]:
     """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None, the module refused)."""
     loaded, failed = [], {}
+    known = jemalloc.mapped_libraries()  # the libraries a jemalloc that starts a thread could be in: those after
     for name in names:
         try:
             importlib.import_module(name)
@@ -92,6 +89,7 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, st
             failed[name] = f"{type(e).__name__}: {e}"[:200]
             continue
         loaded.append(name)
+        jemalloc.stop_background_threads(known)  # pyarrow's, polars': started again in each worker
         refusal = unforkable()
         if refusal:
             return loaded, failed, refusal, name
@@ -102,8 +100,10 @@ def unforkable() -> str:
     """Why this process can no longer be forked into workers ("": it can)."""
     if torch_cuda_initialised() or cuda_driver_initialised():
         return "initialised CUDA, which a forked worker cannot use (initialise it in the job, not at import)"
-    if threads() > 1:
-        return "started a thread (forking a process with threads is unsafe: OpenMP/BLAS pools are pinned to 1)"
+    others = jemalloc.thread_names()[1:]
+    if others:
+        named = ", ".join(sorted(set(others)))
+        return f"started a thread ({named}): forking a process with threads is unsafe"
     return ""
 
 
@@ -300,6 +300,7 @@ def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
         faulthandler.enable(all_threads=True)
     redraw_randomness()
     restore_threads()
+    jemalloc.start_again()
     if os.environ.get("FTRUN_MONITOR"):
         # Before the job's code: its stacks can be dumped even if it hangs in an import (no py-spy needed),
         # and every optimizer step is a heartbeat, with no change to the script.

@@ -1,0 +1,87 @@
+"""The libraries real training jobs import, in the warm pool: each family installed here is preloaded and its
+workers restart warm, with what a fresh worker has; or the pool refuses it precisely (the module, the thread, what
+is still preloaded) and the rest stays warm. docs/WARM_RESTARTS.md has the table of findings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import POOL, WriteScript, restarted_warm, run_ftrun
+
+# A worker's threads by name once it used what it imported (a fresh worker's are the measure).
+THREADS = """
+import json, os, time
+{imports}
+{use}
+time.sleep(0.2)  # jemalloc starts its background thread as its arena is first used
+names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print(json.dumps(names), flush=True)
+"""
+
+
+def threads_of(tmp_path: Path, script: WriteScript, how: str, imports: str, use: str) -> list[str]:
+    script(f"{how}.py", restarted_warm(THREADS.format(imports=imports, use=use)))
+    flags = ["--preload", imports.replace("import ", "").replace("\n", ",")] if how == "warm" else ["--no-warm"]
+    r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--max-restarts", "1", *flags, f"{how}.py",
+                  env=POOL if how == "warm" else {})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r.run_dir = tmp_path / how / "t"
+    assert "warm pool" not in r.stderr, r.stderr  # nothing refused, nothing off
+    spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+    assert spawned == [how == "warm"], spawned
+    names: list[str] = json.loads(r.log(1, 0).splitlines()[-1])
+    return names
+
+
+def test_arrow_is_preloaded_and_a_warm_worker_has_jemallocs_background_thread_as_a_fresh_one(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """pyarrow (datasets, pandas) starts jemalloc's background thread at import: the zygote turns it off before
+    it forks, every warm worker turns it on again."""
+    pytest.importorskip("pyarrow")
+    use = "table = pyarrow.table({'x': list(range(100_000))})"
+    warm = threads_of(tmp_path, script, "warm", "import pyarrow", use)
+    fresh = threads_of(tmp_path, script, "fresh", "import pyarrow", use)
+    assert "jemalloc_bg_thd" in fresh, fresh
+    assert warm == fresh
+
+
+def test_pandas_and_datasets_restart_warm(tmp_path: Path, script: WriteScript) -> None:
+    pytest.importorskip("pandas")
+    pytest.importorskip("datasets")
+    use = "frame = pandas.DataFrame({'x': range(1000)})"
+    warm = threads_of(tmp_path, script, "warm", "import pandas\nimport datasets", use)
+    assert "jemalloc_bg_thd" in warm, warm
+
+
+def test_a_library_whose_own_thread_cannot_be_stopped_is_refused_by_name_and_the_rest_stays_warm(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """polars starts a thread of its own at import (its out-of-core cleaner): the console names the module, the
+    thread and what is still preloaded."""
+    pytest.importorskip("polars")
+    script("w.py", restarted_warm("import json, polars\nprint('ran', flush=True)\n"))
+    r = run_ftrun(tmp_path, "--preload", "json,polars,decimal", "--max-restarts", "1", "w.py", env=POOL)
+    assert r.returncode == 0, r.stderr
+    said = [ln for ln in r.stderr.splitlines() if "warm pool: importing 'polars' started a thread" in ln]
+    assert len(said) == 1, r.stderr
+    assert "polars-ooc" in said[0], said  # the thread, by its name
+    assert "the rest is preloaded (json, decimal" in said[0], said  # (and what the script imports: os)
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True]
+    assert r.log(1, 0) == "ran\n"
+
+
+@pytest.mark.parametrize(
+    ("family", "imports"),
+    [
+        ("hugging face", "import transformers\nimport tokenizers"),
+        ("lightning", "import lightning_fabric"),
+    ],
+)
+def test_framework_families_restart_warm(tmp_path: Path, script: WriteScript, family: str, imports: str) -> None:
+    for line in imports.splitlines():
+        pytest.importorskip(line.split()[1])
+    threads_of(tmp_path, script, "warm", imports, "")
