@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,68 @@ def test_the_root_cause_goes_to_the_launchers_own_error_file(
     # stopped before it does)
     root = r.report(0)["root_cause"]["rank"]  # type: ignore[index]
     assert (r.run_dir / "attempt_0" / str(root) / "error.json").exists()
+
+
+# An excepthook installed after ftrun's that holds what Python prints and writes it once the inner hooks returned,
+# as torch.distributed's does (it prefixes each line with "[rankN]:"), slowly: as on a node whose cores are busy.
+HOLDS_THE_TRACEBACK = """
+import io, sys, time
+inner = sys.excepthook
+def holding(*args):
+    real, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        inner(*args)
+    finally:
+        held, sys.stderr = sys.stderr.getvalue(), real
+    time.sleep(1.0)
+    sys.stderr.write("".join("[held]: " + line for line in held.splitlines(keepends=True)))
+sys.excepthook = holding
+def main():
+    raise ValueError('bad batch 7')
+main()
+"""
+
+
+def test_a_traceback_an_outer_excepthook_writes_late_is_in_the_root_cause(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", HOLDS_THE_TRACEBACK)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 1
+    assert "[held]: ValueError: bad batch 7" in r.report(0)["root_cause"]["stderr_tail"], r.stderr  # type: ignore[index]
+    root = r.stderr[r.stderr.index("ROOT CAUSE") :]
+    assert "[held]: ValueError: bad batch 7" in root.split("STOPPED BY FTRUN")[0], root
+
+
+PLAIN_DDP_RAISES = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")  # torch.distributed's excepthook prefixes the traceback with "[rankN]:"
+for step in range(40):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    time.sleep(0.01)
+    if step == 10 and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise RuntimeError(f"injected failure at step {step}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_a_plain_ddp_scripts_exception_is_in_the_root_cause_every_time_on_a_busy_node(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """A script that never imports ftrun raises on rank 1 while every core is busy; the report names the
+    exception in each of three runs, and counts the crash from the first attempt."""
+    script("w.py", PLAIN_DDP_RAISES)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        for run in range(3):
+            r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / f"logs{run}"), "--nproc-per-node", "2",
+                          "--max-restarts", "1", "w.py", timeout=180)  # fmt: skip
+            r.run_dir = tmp_path / f"logs{run}" / "t"
+            assert r.returncode == 0, r.stderr
+            tail = r.report(0)["root_cause"]["stderr_tail"]  # type: ignore[index]
+            assert "[rank1]: RuntimeError: injected failure at step 10" in tail, (run, tail)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()

@@ -46,15 +46,27 @@ def _boot() -> None:
 def _tells_the_agent(hook: Callable[..., object]) -> Callable[..., None]:
     """An uncaught exception ends the script: once Python printed it, the agent hears of the end at once (as a
     warm worker's zygote tells it), flushes the job's files and may restart beside the interpreter's teardown,
-    before the other ranks see this one's sockets close and print their own tracebacks."""
+    before the other ranks see this one's sockets close and print their own tracebacks. A hook installed after
+    this one may hold what was printed and write it once this one returns (torch.distributed's, which prefixes
+    each line with "[rankN]:", swaps sys.stderr for a buffer around it): then the end is told as the interpreter
+    finalizes, after every hook, else the agent would report the failure before its traceback is in the log."""
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         hook(kind, value, tb)
-        from ftrun.worker import client
+        if sys.stderr is sys.__stderr__:
+            _tell_the_end()
+        else:
+            import atexit
 
-        client.script_ended(1)
+            atexit.register(_tell_the_end)  # the first to run of the atexit handlers: they come after the hooks
 
     return excepthook
+
+
+def _tell_the_end() -> None:
+    from ftrun.worker import client
+
+    client.script_ended(1)
 
 
 def _hand_over() -> None:
