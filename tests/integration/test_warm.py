@@ -383,3 +383,36 @@ def test_a_failure_flushes_the_jobs_files_silently_whatever_its_heap(tmp_path: P
     assert stderr[0] == "Traceback (most recent call last):"
     assert stderr[-1] == "RuntimeError: boom"
     assert not [line for line in stderr if "Warning" in line]
+
+
+NO_ZOMBIES = (
+    WAITS_FOR_THE_POOL
+    + """
+import os, time
+wait_for_the_pool()  # the bigger zygote ready: the base one retires, its standbys let go
+agent = os.getppid()
+def zombies():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == agent:
+            found.append(pid)
+    return found
+deadline = time.monotonic() + 20
+while zombies() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("zombies:", len(zombies()), flush=True)
+"""
+)
+
+
+def test_an_agent_keeps_no_zombie_children_in_a_fault_free_run(tmp_path: Path, script: WriteScript) -> None:
+    """The standbys a retired zygote lets go and the warden's launcher are reaped as the agent idles, not at the
+    first restart (a zombie alert would fire on every long fault-free run)."""
+    script("w.py", NO_ZOMBIES)
+    r = run_ftrun(tmp_path, "--preload", "json", "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert r.log(0, 0) == "zombies: 0\n"

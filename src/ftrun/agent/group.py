@@ -186,6 +186,7 @@ class LocalGroup:
         if not happened:  # a failure is answered first (learning may start a zygote)
             settled = not running or self.status.stepped(self._attempt)  # awaiting a round, or the workers stepped
             self._pacing.idle(settled, self._processes.workers)
+            self._processes.reap_exited_helpers()
         return happened, also_ready
 
     def stop(self, first_signal: int | None = None) -> list[Happening]:

@@ -25,6 +25,7 @@ from ftrun.procs.signals import name as signal_name
 from ftrun.procs.spawner import ProcessHandle, Spawner
 
 KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
+REAP_EVERY_S = 2.0  # how often an idle agent looks for exited children that are no worker (a /proc walk)
 
 
 class WorkerState(enum.Enum):
@@ -209,6 +210,7 @@ class AttemptProcesses:
             self._selector.register(fd, selectors.EVENT_READ)
         self.workers: list[Worker] = []
         self.released: list[Worker] = []  # not reaped yet
+        self._next_reap = 0.0  # monotonic: see reap_exited_helpers
         for w in released:
             assert w.handle is not None
             self._selector.register(w.handle.fileno(), selectors.EVENT_READ, w)
@@ -216,6 +218,16 @@ class AttemptProcesses:
 
     def close(self) -> None:
         self._selector.close()
+
+    def reap_exited_helpers(self) -> None:
+        """Reap the agent's exited children that are no worker of its (the standbys a retired zygote let go, the
+        warden's launcher) as the agent idles, at most every REAP_EVERY_S: left to the next restart's sweep, they
+        stood as zombies for a whole fault-free run, which a zombie alert would take for a leak."""
+        now = self._clock.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + REAP_EVERY_S
+        proctree.reap_orphans({w.pid for w in (*self.running, *self.released)})
 
     def next_attempt(self) -> AttemptProcesses:
         """The next attempt's processes (none yet), woken by the same fds, this one's released workers still
