@@ -416,3 +416,24 @@ def test_an_agent_keeps_no_zombie_children_in_a_fault_free_run(tmp_path: Path, s
     r = run_ftrun(tmp_path, "--preload", "json", "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
     assert r.returncode == 0, r.stderr
     assert r.log(0, 0) == "zombies: 0\n"
+
+
+CRASHES_AT_ONCE = """
+import json, os
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    os._exit(3)  # before anything else: the pool must be ready from the first second
+print("ran", flush=True)
+"""
+
+
+def test_the_pool_serves_from_the_first_attempt_and_a_crash_at_once_restarts_warm(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """The entry script's imports are known before it runs: the first attempt's workers wait for the zygote
+    preloading them (it imports once, not once per worker), which is then ready for a failure at any moment."""
+    script("w.py", CRASHES_AT_ONCE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert [(e["attempt"], e["warm"]) for e in spawned(r)] == [(0, True), (0, True), (1, True), (1, True)]
+    assert r.log(1, 0) == "ran\n"
+    assert "1 restart (warm)" in r.stderr

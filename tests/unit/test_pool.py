@@ -137,3 +137,11 @@ def test_what_is_still_preloaded_is_said_by_package() -> None:
     assert policy.packages([]) == "nothing"
     assert policy.packages(["torch", "torch.nn", "numpy"]) == "torch, numpy"
     assert policy.packages([f"p{i}.x" for i in range(9)], shown=3) == "p0, p1, p2 and 6 more"
+
+
+def test_the_first_attempts_workers_wait_for_the_zygote_preloading_what_is_known_and_later_ones_never() -> None:
+    base, known = Z([], {}), Z(["json", "numpy"])
+    assert policy.waited_for_first([base, known], started=False) is known
+    assert policy.waited_for_first([base, known], started=True) is None  # a restart never waits
+    assert policy.waited_for_first([base, Z(["json"], {})], started=False) is None  # ready: forked at once
+    assert policy.waited_for_first([base], started=False) is None  # nothing known to preload

@@ -48,6 +48,17 @@ def fork_from(zygotes: Sequence[Z]) -> Z | None:
     return next((z for z in zygotes if not z.preload and z.ready is not None), None)
 
 
+def waited_for_first(zygotes: Sequence[Z], started: bool) -> Z | None:
+    """The zygote the first attempt's workers wait for: before any worker started, the one preloading what was
+    known before the job ran (the entry script's imports, --preload, the job's cache), still preloading. It
+    imports once what each fresh worker would import for itself, so the first attempt is no slower (faster with
+    more workers than cores), and the pool is ready for a failure from the first step on. None: no wait."""
+    if started:
+        return None
+    preloading = [z for z in zygotes if z.preload and z.ready is None]
+    return max(preloading, key=lambda z: len(z.preload)) if preloading else None
+
+
 def refused(module: str, never: set[str]) -> bool:
     """Whether ``module`` is one a zygote refused, or inside one (importing it imports the refused package)."""
     return any(module == bad or module.startswith(bad + ".") for bad in never)

@@ -3,11 +3,12 @@
 At start the pool launches a *base* zygote that preloads nothing (ready as soon
 as Python is: forking from it is as fast as a fresh start) and, when something
 is known to preload (``--preload``, the job's cache, its entry script's
-imports), a second one that preloads it. Each spawn forks from the biggest
-*ready* zygote; with none ready the worker starts fresh at once, as under
-torchrun: the pool is never on a worker's critical path. Zygotes preload at idle
-CPU priority (they use the cores the workers leave, never slow them down) and
-stand still while a restart is under way. Each zygote keeps twice as many
+imports), a second one that preloads it: the first attempt's workers wait for it
+(it imports once what each would import, see :func:`policy.waited_for_first`).
+From then on each spawn forks from the biggest *ready* zygote; with none ready
+the worker starts fresh at once, as under torchrun: a restart never waits for the
+pool. Zygotes started later preload at idle CPU priority (they use the cores the
+workers leave, never slow them down) and stand still while a restart is under way. Each zygote keeps twice as many
 standby workers forked ahead of time as the node runs workers: a spawn hands a
 standby its work in one message, and a failure that comes before the standbys
 taken are forked again (half a second later, when the new workers have started)
@@ -42,6 +43,7 @@ from ftrun.warm.preload import Cache, read_modules_report
 from ftrun.warm.zygotes import PoolError, Zygote
 
 Say = Callable[[str], None]
+FIRST_WAIT_S = 60.0  # see WarmPool._wait_for_first: about what a fresh worker's imports take on a busy node
 
 
 class WarmPool:
@@ -60,9 +62,12 @@ class WarmPool:
         script: str | None = None,
         clock: Clock | None = None,
         spared: frozenset[int] = frozenset(),
+        first_wait_s: float = FIRST_WAIT_S,
     ) -> None:
         """``standbys``: how many workers each zygote keeps forked ahead of time; ``workers``: the node's workers
-        (default: ``standbys``); ``script``: the entry script's absolute path, compiled once in each zygote."""
+        (default: ``standbys``); ``script``: the entry script's absolute path, compiled once in each zygote;
+        ``first_wait_s``: how long the first attempt's workers wait for the zygote preloading what is known
+        (0: they start fresh beside it, as before)."""
         self._clock = clock or SystemClock()
         self._python = python
         self._script = script
@@ -83,6 +88,7 @@ class WarmPool:
         self._refill = policy.Refill()
         self._workers = standbys if workers is None else workers
         self._cores = len(os.sched_getaffinity(0))
+        self._first_wait_s = first_wait_s
         self.holding = False  # a restart is under way: see hold()
         self._cold = False  # a worker of this attempt started without a preloaded zygote
         self._restarted = False  # workers were started more than once
@@ -96,8 +102,8 @@ class WarmPool:
         user what to know (the pool is off), ``detail`` how it works (--verbose); ``on_ready`` gets ready reports."""
         self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
         self._launch([])
-        if self._known:
-            self._launch(self._known, idle=True)
+        if self._known:  # at normal priority when the first attempt's workers are to wait for it
+            self._launch(self._known, idle=self._first_wait_s <= 0)
 
     def add(self, modules: Sequence[str]) -> None:
         """More modules known before any worker ran (the entry script's imports)."""
@@ -131,6 +137,7 @@ class WarmPool:
             self._cold = True
             return self._fresh.spawn(argv, env, cwd, stdout, stderr)
         request.update(env=dict(env), cwd=str(cwd))
+        self._wait_for_first()
         while (zygote := self._best()) is not None:
             try:
                 handle = zygote.standby().run(request, stdout, stderr)
@@ -167,6 +174,21 @@ class WarmPool:
             z.close(wait=False)
             self._retired.append(z.proc)
             self._zygotes.remove(z)
+
+    def _wait_for_first(self) -> None:
+        """The first attempt's workers wait (at most ``first_wait_s``) for the zygote preloading what the job was
+        known to import (see :func:`policy.waited_for_first`); past that, or when it refused a module, they start
+        fresh as before, and it preloads on at idle time."""
+        zygote = None if self._off else policy.waited_for_first(self._zygotes, self._refill.started)
+        if zygote is None or self._first_wait_s <= 0:
+            return
+        zygote.pause(False)  # the attempt's start held it
+        if not zygote.poll(self._first_wait_s) and not zygote.failed:
+            self._detail(f"warm pool: not ready in {self._first_wait_s:g} s; the first workers start fresh")
+            self._first_wait_s = 0.0
+            zygote.pause(True)  # with the workers started cold, as any zygote still preloading
+        if zygote.ready is not None:
+            self._ready(zygote)
 
     def _best(self) -> Zygote | None:
         """The zygote to fork from now (see :func:`policy.fork_from`); None: the worker starts fresh."""

@@ -151,11 +151,12 @@ class Zygote:
         self.owed = 0  # standbys taken and not yet asked for again
         self.paused = False
 
-    def poll(self) -> bool:
-        """Whether it is ready, without waiting (nobody waits for a zygote); a refusal or death is recorded."""
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether it is ready, waiting at most ``timeout_s`` (only the first attempt's workers wait, and only for
+        the zygote preloading what the job was known to import); a refusal or death is recorded."""
         if self.ready is None and not self.failed:
             try:
-                answer = self._receive(0.0, "to finish preloading")
+                answer = self._receive(timeout_s, "to finish preloading")
             except NotYet:
                 return False
             except PoolError as e:  # gone
