@@ -63,10 +63,17 @@ class Trial:
 
 
 def run_once(
-    launcher: str, crash_at: int, workdir: Path, cache: Path, timeout: float, fault: str, driver: str | None
+    launcher: str,
+    crash_at: int,
+    workdir: Path,
+    cache: Path,
+    timeout: float,
+    fault: str,
+    driver: str | None,
+    nproc: int = 2,
 ) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
-    flags = ["--nproc-per-node", "2", "--max-restarts", "3"]
+    flags = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
     env = {**os.environ, "FTRUN_CACHE_DIR": str(cache)}
     if driver:
         env["LD_PRELOAD"] = driver
@@ -99,13 +106,13 @@ def run_once(
             resumed.setdefault(r["attempt"], {}).setdefault(r["rank"], r["wall"])
         elif r["event"] == "start":
             started.setdefault(r["attempt"], {})[r["rank"]] = r["wall"]
-    complete = sorted(a for a, ranks in resumed.items() if len(ranks) == 2)
+    complete = sorted(a for a, ranks in resumed.items() if len(ranks) == nproc)
     recovery = max(resumed[complete[0]].values()) - crash if complete else None
     own = warm = stop = released = None
     if launcher.startswith("ftrun") and events.exists():
         ev = [json.loads(line) for line in events.read_text().splitlines()]
         failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
-        if len(started.get(1, {})) == 2:
+        if len(started.get(1, {})) == nproc:
             own = max(started[1].values()) - failed["wall"]
         exits = [e for e in ev if e["kind"] == "worker_exited" and e["attempt"] == failed["attempt"]]
         stop = max(e["wall"] for e in exits) - failed["wall"]
@@ -113,7 +120,7 @@ def run_once(
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
         warm = bool(respawned) and all(e["warm"] for e in respawned)
     firsts = [min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k),
-                  default=None) for k in (0, 1)]  # fmt: skip
+                  default=None) for k in range(nproc)]  # fmt: skip
     start = max(firsts) - launched if None not in firsts else None  # type: ignore[type-var, operator]
     return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, stop, released, warm, start)
 
@@ -147,6 +154,7 @@ def main() -> None:
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--fault", choices=["crash", "raise"], default="crash", help="SIGKILL, or an uncaught exception")
     p.add_argument("--cuda-standin", action="store_true", help="a GPU node's CUDA driver, stood in for (see above)")
+    p.add_argument("--nproc", type=int, default=2, help="workers (ranks) on this node")
     args = p.parse_args()
     launchers = args.launchers.split(",")
     crash_points = [int(c) for c in args.crash_at.split(",")]
@@ -168,7 +176,7 @@ def main() -> None:
                 for launcher in order:
                     workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
                     workdir.mkdir()
-                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver)
+                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver, args.nproc)
                     trials.append(t)
                     rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
                     how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")
