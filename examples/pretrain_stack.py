@@ -32,8 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-from torch.distributed.checkpoint.state_dict import set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
@@ -110,74 +114,90 @@ def main() -> None:
                 f.write("\n")
 
     mark("start")
-    workdir = Path(a.workdir)
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-
-    torch.manual_seed(0)
-    model = LanguageModel()
-    for block in model.blocks:
-        block.compile(backend=a.compile_backend)
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(warmup=5, total=a.steps))
-
-    table = corpus(workdir, sequences=a.steps * BATCH * world)
-    sampler = DistributedSampler(table, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = StatefulDataLoader(table, batch_size=BATCH, sampler=sampler, num_workers=2, drop_last=True)
-
-    def state() -> dict[str, object]:
-        model_state, opt_state = get_state_dict(model, opt)
-        return {"model": model_state, "optim": opt_state, "sched": sched.state_dict(),
-                f"loader_{rank}": loader.state_dict(), "step": torch.tensor(0)}  # fmt: skip
-
-    start = 0
-    latest = workdir / "checkpoints" / "latest"
-    if latest.exists():  # the newest whole checkpoint (its name written once every rank finished it)
-        saved = state()
-        dcp.load(saved, checkpoint_id=str(workdir / "checkpoints" / latest.read_text()))
-        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
-        sched.load_state_dict(saved["sched"])  # type: ignore[arg-type]
-        loader.load_state_dict(saved[f"loader_{rank}"])  # type: ignore[arg-type]
-        start = int(saved["step"])  # type: ignore[call-overload]
-        print(f"rank {rank}: resumed from step {start}", flush=True)
-
-    batches = iter(loader)
+    job = Job(Path(a.workdir), a.steps, a.compile_backend)
+    start = job.resume()
+    batches = iter(job.loader)
     for step in range(start, a.steps):
-        tokens = next(batches)["tokens"]
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+        loss = job.step(next(batches)["tokens"])
         mark("step", step=step)
         if attempt == 0 and rank == 1 and step == a.crash_at:
             print(f"rank 1: exits at step {step}", flush=True)
             os._exit(1)
         if (step + 1) % a.ckpt_every == 0:
-            saving = state()
-            saving["step"] = torch.tensor(step + 1)
-            name = f"step-{step + 1}"
-            dcp.save(saving, checkpoint_id=str(workdir / "checkpoints" / name))
-            dist.barrier()
-            if rank == 0:
-                (workdir / "checkpoints" / "latest.tmp").write_text(name)
-                os.replace(workdir / "checkpoints" / "latest.tmp", latest)
+            job.save(step + 1)
         if rank == 0 and step % 10 == 0:
-            print(f"step {step} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.5f}", flush=True)
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            print(f"step {step} loss {loss:.4f} lr {job.sched.get_last_lr()[0]:.5f}", flush=True)
+    digest = job.checksum()
     if rank == 0:
+        print(f"checksum {digest}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class Job:
+    """The model, its optimizer and schedule, the data, and their checkpoints."""
+
+    def __init__(self, workdir: Path, steps: int, backend: str) -> None:
+        self.workdir, self.rank, world = workdir, dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        self.model = LanguageModel()
+        for block in self.model.blocks:
+            block.compile(backend=backend)
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule(warmup=5, total=steps))
+        table = corpus(workdir, sequences=steps * BATCH * world)
+        sampler = DistributedSampler(table, num_replicas=world, rank=self.rank, shuffle=True, seed=0, drop_last=True)
+        self.loader = StatefulDataLoader(table, batch_size=BATCH, sampler=sampler, num_workers=2, drop_last=True)
+        self.checkpoints = workdir / "checkpoints"
+
+    def step(self, tokens: torch.Tensor) -> float:
+        loss = nn.functional.cross_entropy(self.model(tokens[:, :-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.sched.step()
+        return float(loss.item())
+
+    def state(self, step: int) -> dict[str, object]:
+        model_state, opt_state = get_state_dict(self.model, self.opt)
+        return {"model": model_state, "optim": opt_state, "sched": self.sched.state_dict(),
+                f"loader_{self.rank}": self.loader.state_dict(), "step": torch.tensor(step)}  # fmt: skip
+
+    def save(self, step: int) -> None:
+        """A DCP checkpoint of ``step`` steps done, named "latest" once every rank has written its part."""
+        name = f"step-{step}"
+        dcp.save(self.state(step), checkpoint_id=str(self.checkpoints / name))
+        dist.barrier()
+        if self.rank == 0:
+            (self.checkpoints / "latest.tmp").write_text(name)
+            os.replace(self.checkpoints / "latest.tmp", self.checkpoints / "latest")
+
+    def resume(self) -> int:
+        """The newest whole checkpoint loaded, if any; the step to start from."""
+        latest = self.checkpoints / "latest"
+        if not latest.exists():
+            return 0
+        saved = self.state(0)
+        dcp.load(saved, checkpoint_id=str(self.checkpoints / latest.read_text()))
+        set_state_dict(self.model, self.opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+        self.sched.load_state_dict(saved["sched"])  # type: ignore[arg-type]
+        self.loader.load_state_dict(saved[f"loader_{self.rank}"])  # type: ignore[arg-type]
+        start = int(saved["step"])  # type: ignore[call-overload]
+        print(f"rank {self.rank}: resumed from step {start}", flush=True)
+        return start
+
+    def checksum(self) -> str:
+        """A digest of the full weights (gathered on every rank)."""
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         digest = hashlib.sha256()
         for name in sorted(full):
             digest.update(name.encode())
             digest.update(full[name].detach().contiguous().numpy().tobytes())
-        print(f"checksum {digest.hexdigest()[:16]}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+        return digest.hexdigest()[:16]
 
 
 if __name__ == "__main__":
