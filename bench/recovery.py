@@ -16,6 +16,10 @@ every rank having finished its first step after the restart; how many recovered 
 and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
 
     python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise] [--cuda-standin]
+                             [--nproc 2] [--job ddp|stack]
+
+--job stack: the real-stack job instead (examples/pretrain_stack.py: FSDP2 on a 2-D mesh, torch.compile with
+inductor, DCP every 5 steps, a StatefulDataLoader over a datasets table); rank 1 exits (os._exit) at the step.
 
 --cuda-standin: a GPU node's driver on this machine: the stand-in CUDA driver (ftrun.testing.cuda_driver)
 preloaded into every launcher and worker, and every worker initialises it first (cuInit), as GPU jobs do.
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 JOB = Path(__file__).resolve().parent / "plain_ddp.py"
+STACK = Path(__file__).resolve().parents[1] / "examples" / "pretrain_stack.py"  # --job stack
 FTRUN = [sys.executable, "-m", "ftrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 LAUNCHERS = {
@@ -71,6 +76,7 @@ def run_once(
     fault: str,
     driver: str | None,
     nproc: int = 2,
+    stack: bool = False,
 ) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
@@ -82,8 +88,12 @@ def run_once(
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     steps = crash_at + 5
-    job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
-    job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if driver else [])
+    if stack:
+        job = [str(STACK), "--workdir", str(workdir), "--crash-at", str(crash_at), "--timeline", str(timeline)]
+        job += ["--steps", str(steps)]
+    else:
+        job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
+        job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if driver else [])
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(
@@ -155,6 +165,9 @@ def main() -> None:
     p.add_argument("--fault", choices=["crash", "raise"], default="crash", help="SIGKILL, or an uncaught exception")
     p.add_argument("--cuda-standin", action="store_true", help="a GPU node's CUDA driver, stood in for (see above)")
     p.add_argument("--nproc", type=int, default=2, help="workers (ranks) on this node")
+    p.add_argument("--job", choices=["ddp", "stack"], default="ddp",
+                   help="ddp: bench/plain_ddp.py; stack: examples/pretrain_stack.py (FSDP2, DCP, torch.compile, "
+                   "a datasets loader; steps of its own length, a SIGKILL-free exit at the step)")  # fmt: skip
     args = p.parse_args()
     launchers = args.launchers.split(",")
     crash_points = [int(c) for c in args.crash_at.split(",")]
@@ -176,7 +189,8 @@ def main() -> None:
                 for launcher in order:
                     workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
                     workdir.mkdir()
-                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver, args.nproc)
+                    t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver, args.nproc,
+                                 args.job == "stack")  # fmt: skip
                     trials.append(t)
                     rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
                     how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")

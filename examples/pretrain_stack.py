@@ -122,6 +122,7 @@ def main() -> None:
         loss = job.step(next(batches)["tokens"])
         mark("step", step=step)
         if attempt == 0 and rank == 1 and step == a.crash_at:
+            mark("crash", step=step)
             print(f"rank 1: exits at step {step}", flush=True)
             os._exit(1)
         if (step + 1) % a.ckpt_every == 0:
