@@ -22,12 +22,16 @@ from tests.integration.harness import WriteScript, run_ftrun
         (["--no-python", "./not-exec.sh"], "--no-python"),
         (["--rdzv-conf", "join_timeout=abc", "w.py"], "--rdzv-conf join_timeout"),
         (["--nnodes", "2:4", "w.py"], "--nnodes"),
+        (["--log-dir", "/proc/ftrun-logs", "w.py"], "--log-dir"),  # a directory nobody can make
+        (["--log-dir", "a-file/logs", "w.py"], "--log-dir"),  # under a file
+        (["--nproc-per-node", "2", "w.py"], "PET_MAX_RESTARTS (for --max-restarts)"),  # torchrun's variables named
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, script: WriteScript, args: list[str], flag: str) -> None:
     script("w.py", "open('started', 'w').close()\n")
     (tmp_path / "not-exec.sh").write_text("#!/bin/sh\n")
-    r = run_ftrun(tmp_path, *args)
+    (tmp_path / "a-file").write_text("")
+    r = run_ftrun(tmp_path, *args, env={"PET_MAX_RESTARTS": "-1"} if flag.startswith("PET_") else None)
     assert r.returncode == 2
     assert r.stderr.startswith(f"ftrun: error: {flag}: ")
     assert len(r.stderr.strip().splitlines()) == 1

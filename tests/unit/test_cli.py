@@ -537,3 +537,27 @@ def test_nvidia_ft_launcher_settings_mean_the_same(tmp_path: Path, script: Path)
     (tmp_path / "other.yaml").write_text("a: 1\n")
     with pytest.raises(ConfigError, match="no fault_tolerance: section"):
         parse(tmp_path, "--ft-cfg-path", "other.yaml", "train.py")
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "environ", "said"),
+    [
+        (["--rdzv-conf", "join_timeout=abc"], None, {}, "pass e.g. --rdzv-conf join_timeout=5"),
+        (["--section-timeout", "step=soon"], None, {}, "pass e.g. --section-timeout step=30"),
+        ([], 'heartbeat_timeout = "thirty"\n', {}, "write e.g. heartbeat_timeout = 5 in "),
+        ([], None, {"PET_NPROC_PER_NODE": "x"}, "PET_NPROC_PER_NODE (for --nproc-per-node): "),
+        ([], None, {"PET_NPROC_PER_NODE": "x"}, "set e.g. PET_NPROC_PER_NODE=2"),
+        (["--nproc-per-node", "0"], None, {"PET_NPROC_PER_NODE": "x"}, "--nproc-per-node: must be >= 1"),
+    ],
+)
+def test_a_hint_is_written_as_the_value_is_given(
+    tmp_path: Path, script: Path, argv: list[str], config: str | None, environ: dict[str, str], said: str
+) -> None:
+    """Where the value came from (a flag with KEY=VALUE, a config file, a PET_* variable) is named, and the fix
+    is written the way that source writes it."""
+    if config is not None:
+        (tmp_path / "ftrun.toml").write_text(config)
+        argv = [*argv, "--config", str(tmp_path / "ftrun.toml")]
+    with pytest.raises(ConfigError) as e:
+        parse(tmp_path, *argv, str(script), environ=environ)
+    assert said in str(e.value)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from ftrun.cli import nvidia_ft
@@ -263,6 +263,19 @@ _PET = frozenset(
         "event_log_handler",
     }
 )
+
+
+def from_the_environment(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's flags whose value comes from a ``PET_*`` variable (not given on the command line before the
+    script): the flag -> the variable, so that an error names where the value came from."""
+    script = next((i for i, arg in enumerate(argv) if not arg.startswith("-") and arg.endswith(".py")), len(argv))
+    given = {arg.split("=", 1)[0].replace("_", "-") for arg in argv[:script] if arg.startswith("--")}
+    found = {}
+    for dest in _PET:
+        flag, variable = "--" + dest.replace("_", "-"), f"PET_{dest.upper()}"
+        if variable in environ and flag not in given:
+            found[flag] = variable
+    return found
 
 
 def _environment_defaults(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:

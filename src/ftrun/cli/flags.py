@@ -39,14 +39,17 @@ def parse_int(flag: str, text: str, minimum: int) -> int:
     return value
 
 
-def parse_seconds(flag: str, text: str, *, allow_zero: bool = False) -> float:
+def parse_seconds(flag: str, text: str, *, allow_zero: bool = False, fix: str | None = None) -> float:
+    """``fix``: how to write a good value where it is not ``FLAG 5`` (``--rdzv-conf join_timeout=5``, a key in
+    a config file)."""
+    fix = fix or f"pass e.g. {flag} 5"
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(flag, f"expected seconds as a number, got {text!r}", f"pass e.g. {flag} 5") from None
+        raise ConfigError(flag, f"expected seconds as a number, got {text!r}", fix) from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(flag, f"must be a finite number of seconds {bound}, got {text!r}", f"pass e.g. {flag} 5")
+        raise ConfigError(flag, f"must be a finite number of seconds {bound}, got {text!r}", fix)
     return value
 
 

@@ -32,7 +32,8 @@ def parse_section_timeouts(flag: str, items: Sequence[str]) -> dict[str, float]:
         name, sep, seconds = item.partition("=")
         if not sep or not name.strip():
             raise ConfigError(flag, f"expected NAME=SECONDS, got {item!r}", f"pass e.g. {flag} step=30")
-        found[name.strip()] = parse_seconds(f"{flag} {name.strip()}", seconds)
+        name = name.strip()
+        found[name] = parse_seconds(f"{flag} {name}", seconds, fix=f"pass e.g. {flag} {name}=30")
     return found
 
 
@@ -68,14 +69,18 @@ def parse_hang(
     def raw(key: str) -> object:
         return next((layer[key] for layer in layers if layer.get(key) is not None), None)
 
+    def in_file(key: str) -> bool:
+        setter = next((i for i, layer in enumerate(layers) if layer.get(key) is not None), 0)
+        return setter == 2 and config_path is not None
+
     def named(key: str) -> str:
         """Who set ``key``, as an error names it: the flag, or the key in the --config file."""
-        setter = next((i for i, layer in enumerate(layers) if layer.get(key) is not None), 0)
-        return f"{key} in {config_path}" if setter == 2 and config_path is not None else HANG_KEYS[key]
+        return f"{key} in {config_path}" if in_file(key) else HANG_KEYS[key]
 
     def seconds(key: str) -> float | None:
         value = raw(key)
-        return None if value is None else parse_seconds(named(key), str(value))
+        fix = f"write e.g. {key} = 5 in {config_path}" if in_file(key) else None
+        return None if value is None else parse_seconds(named(key), str(value), fix=fix)
 
     sections: dict[str, float] = {}
     for layer in reversed(layers):  # the first source wins, section by section

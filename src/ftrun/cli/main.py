@@ -18,7 +18,7 @@ import psutil
 
 from ftrun import config as cfg
 from ftrun.cli import flags, nvidia_ft, rdzv_flags
-from ftrun.cli.argparser import build_parser
+from ftrun.cli.argparser import build_parser, from_the_environment
 from ftrun.cli.config_file import read_config_file
 from ftrun.cli.hang_flags import HANG_KEYS, parse_hang
 from ftrun.cli.node_flags import NODE_KEYS, parse_health, parse_stragglers
@@ -32,7 +32,21 @@ EXIT_USAGE = 2
 
 
 def parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.LaunchConfig:
-    """Parse and validate ``argv``; raises ConfigError naming the flag and the fix."""
+    """Parse and validate ``argv``; raises ConfigError naming the flag and the fix, or the ``PET_*`` variable
+    a torchrun flag's value came from (under the Kubeflow operator the flag is on no command line)."""
+    try:
+        return _parse(argv, environ, cwd)
+    except ConfigError as e:
+        variable = from_the_environment(argv, environ).get(e.flag)
+        if variable is None:
+            raise
+        fix = e.fix.replace(f"pass e.g. {e.flag} ", f"set e.g. {variable}=").replace(
+            f"pass {e.flag} ", f"set {variable}="
+        )
+        raise ConfigError(f"{variable} (for {e.flag})", e.problem, fix) from None
+
+
+def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.LaunchConfig:
     a = build_parser(environ, version()).parse_args(list(argv))
     notices: list[str] = []
     step = slurm_step(environ)

@@ -73,7 +73,7 @@ def parse_rdzv_conf(text: str) -> RdzvConf:  # noqa: PLR0912 - one branch per ki
         if not sep or not value:
             raise ConfigError(FLAG, f"expected KEY=VALUE, got {item!r}", "pass e.g. --rdzv-conf join_timeout=900")
         if key in _DURATIONS:
-            values[_DURATIONS[key]] = parse_seconds(f"{FLAG} {key}", value)
+            values[_DURATIONS[key]] = parse_seconds(f"{FLAG} {key}", value, fix=f"pass e.g. {FLAG} {key}=5")
         elif key == "keep_alive_max_attempt":
             values[key] = parse_int(f"{FLAG} {key}", value, minimum=1)
         elif key in _BOOLS:

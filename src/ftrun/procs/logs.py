@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ftrun.config import LaunchConfig, LogSpec, Std
+from ftrun.errors import ConfigError
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
 
 _CHUNK = 65536
@@ -320,7 +321,12 @@ def open_run_dir(config: LaunchConfig, carry_on: CarryOn | None = None) -> tuple
         name = f"{Path(config.entrypoint.target).name.removesuffix('.py') or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if config.requeued and carry_on and (before := carry_on(logs.base_dir, name, config.slurm_node)) is not None:
         return before, f"SLURM requeued the job ({config.requeued} time(s)): carrying on in {before}"
-    run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
+    try:
+        run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
+    except OSError as e:  # a read-only mount, a path under a file, /proc: said before anything starts
+        flag = "--log-dir" if not logs.shared_base else "the default log directory"
+        raise ConfigError(flag, f"cannot create {logs.base_dir / name}: {e.strerror or e}",
+                          "pass --log-dir DIR, a directory this user can write") from None  # fmt: skip
     if not logs.shared_base:
         return run_dir, ""
     runs = [d for d in logs.base_dir.iterdir() if (d / "events.jsonl").is_file()]
