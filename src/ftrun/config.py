@@ -162,6 +162,9 @@ class WarmSpec:
     cache_dir: Path | None = None  # what each job imported last time on this machine (None: not kept)
 
 
+HANG_QUIET_S = 20.0  # a rank its peers wait for in a collective, with no sign of progress this long: hung
+
+
 @dataclass(frozen=True, slots=True)
 class HangSpec:
     """Hang detection: the configured timeouts (None = off until calculated) and what to do on a hang."""
@@ -173,6 +176,7 @@ class HangSpec:
     learn_after: int = 0  # --learn-timeouts: optimizer steps before the heartbeat timeout is learned (0: never)
     learned_floor_s: float = LEARNED_FLOOR_S  # --learned-timeout-floor: the smallest heartbeat timeout learned
     collectives: bool = True  # hangs found with no flag, by the collectives (--no-hang-detection: off)
+    quiet_s: float = HANG_QUIET_S  # --hang-timeout: found with no flag once it shows no progress this long
 
 
 STRAGGLER_THRESHOLD = 0.05  # 5% longer per step than the other ranks

@@ -31,6 +31,7 @@ PURE = [
     "ftrun.rendezvous.succession",
     "ftrun.rendezvous.records",
     "ftrun.monitor.stragglers",
+    "ftrun.monitor.collectives",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -561,3 +561,25 @@ def test_a_hint_is_written_as_the_value_is_given(
     with pytest.raises(ConfigError) as e:
         parse(tmp_path, *argv, str(script), environ=environ)
     assert said in str(e.value)
+
+
+def test_the_hang_timeout_comes_from_the_flag_or_the_config_file(tmp_path: Path, script: Path) -> None:
+    assert parse(tmp_path, str(script)).hang.quiet_s == 20.0
+    assert parse(tmp_path, "--hang-timeout", "4", str(script)).hang.quiet_s == 4.0
+    (tmp_path / "ftrun.toml").write_text("hang_timeout = 6\n")
+    assert parse(tmp_path, "--config", "ftrun.toml", str(script)).hang.quiet_s == 6.0
+    with pytest.raises(ConfigError, match="--hang-timeout"):
+        parse(tmp_path, "--hang-timeout", "0", str(script))
+
+
+def test_the_hang_notice_reads_as_sentences(tmp_path: Path, script: Path) -> None:
+    from ftrun.monitor.watch import watching
+
+    said = "hangs: a rank its peers wait for in a collective, showing no progress for 20 s, is stopped and named"
+    assert watching(parse(tmp_path, str(script))) == (
+        f"{said} (--hang-timeout S; sooner: --heartbeat-timeout S); --no-hang-detection turns this off"
+    )
+    assert watching(parse(tmp_path, "--heartbeat-timeout", "30", str(script))) == (
+        f"{said}; the timeouts given are watched too; --no-hang-detection turns this off"
+    )
+    assert watching(parse(tmp_path, "--no-hang-detection", str(script))) == "hangs: not watched"

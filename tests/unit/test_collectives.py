@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ftrun.monitor.collectives import QUIET_S, Progress, RankCollectives, Sample, stalls
+from ftrun.monitor.collectives import Patience, Progress, RankCollectives, Sample, stalls
 from ftrun.worker.collectives import merged, summary
 
 # What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
@@ -67,14 +67,15 @@ def test_the_rank_that_never_entered_is_named_with_the_collective() -> None:
     [stall] = stalls(ranks, now)
     assert stall.missing == (2,)
     assert stall.seq == 7
-    assert stall.describe(2).startswith("rank 2 never entered all_reduce #7 (default_pg, 4.0 MB) that ranks 0-1")
+    said = stall.describe(2, "12:01:03")
+    assert said == "rank 2 never entered all_reduce #7 (default_pg, 4.0 MB) that ranks 0-1 entered at 12:01:03"
 
 
 def test_nobody_is_missing_when_every_rank_is_in_the_collective_or_none_waits_long() -> None:
     assert stalls([rank(0, [waits(7, 99.5)]), rank(1, [["0", "", 6, 6, None]])], 100.0) == []  # 0.5 s: a step
     [stall] = stalls([rank(0, [waits(7, 80.0)]), rank(1, [waits(7, 80.0)])], 100.0)
     assert stall.missing == ()
-    said = stall.describe(1)  # judged as a whole, once none of them moves: named the one that stopped first
+    said = stall.describe(1, "12:01:03")  # judged as a whole, once none of them moves: named the one that stopped first
     assert said.startswith("ranks 0-1 entered all_reduce #7 (default_pg, 4.0 MB) at ")
     assert said.endswith("; it never finished (rank 1 stopped moving first)")
 
@@ -150,7 +151,7 @@ def test_a_summary_gone_stale_tells_no_stack_change() -> None:
     p = Progress()
     p.add(2, sample(100.0), "")
     stale = rank(2, [], read_at=95.0, stack_since=94.0)
-    assert p.quiet_since(stale, 100.0 + QUIET_S) == 100.0
+    assert p.quiet_since(stale, 100.0 + Patience().quiet_s) == 100.0
 
 
 @pytest.mark.parametrize("bad", [b"", b"[]", b'{"t": 1}', b'{"t":1,"s":1,"w":"","g":[["0","",1]]}'])
@@ -173,3 +174,8 @@ def test_a_rank_whose_watcher_never_wrote_is_missing_from_the_default_group() ->
     [stall] = stalls([rank(0, [waits(6, 80.0)]), RankCollectives.unseen(1)], 100.0)
     assert stall.missing == (1,)
     assert stalls([rank(0, [waits(3, 80.0, group="5")]), RankCollectives.unseen(1)], 100.0)[0].missing == ()
+
+
+def test_the_waits_before_a_verdict_follow_one_setting() -> None:
+    assert (Patience().quiet_s, Patience().waited_s, Patience().unfinished_s) == (20.0, 10.0, 40.0)
+    assert (Patience(4.0).waited_s, Patience(4.0).unfinished_s) == (2.0, 8.0)

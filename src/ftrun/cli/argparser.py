@@ -155,6 +155,12 @@ def _ftrun_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not watch for ranks the others wait for in a collective (on with no flag); timeouts still apply",
     )
+    _flag(
+        hang,
+        "--hang-timeout",
+        default=None,
+        help="a rank its peers wait for in a collective is hung once it shows no progress this long (20 s)",
+    )
     _flag(hang, "--initial-heartbeat-timeout", default=None, help="seconds from start to the first heartbeat")
     _flag(hang, "--heartbeat-timeout", default=None, help="seconds allowed between heartbeats")
     _flag(

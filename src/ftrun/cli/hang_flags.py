@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ftrun.cli import nvidia_ft
 from ftrun.cli.flags import parse_seconds, parse_signal_name
-from ftrun.config import HangSpec
+from ftrun.config import HANG_QUIET_S, HangSpec
 from ftrun.errors import ConfigError
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
@@ -23,6 +23,7 @@ HANG_KEYS = {
     "learn_timeouts": "--learn-timeouts",
     "learned_timeout_floor": "--learned-timeout-floor",
     "hang_detection": "--no-hang-detection",
+    "hang_timeout": "--hang-timeout",
 }
 
 
@@ -112,5 +113,6 @@ def parse_hang(
         parse_steps(named("learn_timeouts"), raw("learn_timeouts")),
         seconds("learned_timeout_floor") or LEARNED_FLOOR_S,
         detection is not False,
+        seconds("hang_timeout") or HANG_QUIET_S,
     )
     return spec, notices

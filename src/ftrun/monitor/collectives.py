@@ -1,9 +1,10 @@
 """PURE: hangs found with no flag, by the collectives: which rank the others wait for, and whether it moves.
 
 Every rank's summary of its collectives (:mod:`ftrun.worker.collectives`) says, per process group, the last
-collective it entered and the last that finished. When some ranks have waited :data:`WAITED_S` in collective
-#S of a group and a member of that group never entered #S, that member is what they wait for. It is hung
-once it has shown no progress for :data:`QUIET_S`: its main thread's stack unchanged (or unreadable: its
+collective it entered and the last that finished. When some ranks have waited :attr:`Patience.waited_s` in
+collective #S of a group and a member of that group never entered #S, that member is what they wait for. It is
+hung once it has shown no progress for :attr:`Patience.quiet_s` (``--hang-timeout``, 20 s; the other waits
+follow from it): its main thread's stack unchanged (or unreadable: its
 interpreter held), its CPU time and its I/O unchanged. CPU time spent where the host only spins on a GPU
 (``torch.cuda.synchronize``) is not progress, nor the trickle of a process's other threads waking to ask for a
 GIL its main thread holds (they wake every 5 ms: a few percent of a core on a loaded machine).
@@ -15,7 +16,6 @@ between epochs on every rank: none is a hang.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -23,9 +23,6 @@ from ftrun.jsonobject import load_object
 from ftrun.worker.layout import COLLECTIVES_MAX
 
 LOOK_S = 2.0  # ranks in a collective this long: the members that never entered it are looked at
-WAITED_S = 10.0  # and found hung no sooner than this
-QUIET_S = 20.0  # once they showed no progress this long
-UNFINISHED_S = 40.0  # a collective every member entered, not finished, none of them moving this long: hung
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
 BUSY_SHARE = 0.05  # the main thread's CPU time growing faster than this share of a core is progress
 OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, faster than this share
@@ -35,6 +32,28 @@ OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, fast
 IO_BUSY_BYTES_PER_S = 2048
 DEFAULT_GROUP = "0"  # torch names the default process group "0", every rank's first
 SPIN_WAITS = ("torch/cuda/__init__.py", "torch/cuda/streams.py")  # the host spins there on the GPU's work
+
+
+@dataclass(frozen=True, slots=True)
+class Patience:
+    """How long the rules wait before a verdict, all from one setting (``--hang-timeout``): a rank the others
+    wait for is hung once it showed no progress for ``quiet_s``, and they waited at least half of that; a
+    collective every member entered, not finished, none of them moving, is hung after twice that.
+
+    Clocks of other nodes: how long the others waited is read from wall times their nodes wrote, so a clock
+    skew between nodes moves that gate; but the rank judged is always this node's, and its quiet time (its
+    stack, CPU and I/O, sampled here) is measured on this node's clock alone and is twice as long: a skew under
+    ``quiet_s / 2`` changes no verdict, and NTP keeps a cluster's clocks within milliseconds."""
+
+    quiet_s: float = 20.0
+
+    @property
+    def waited_s(self) -> float:
+        return self.quiet_s / 2
+
+    @property
+    def unfinished_s(self) -> float:
+        return 2 * self.quiet_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +131,10 @@ class Stall:
         """When the first rank entered it."""
         return min(since for _, since in self.waiting)
 
-    def describe(self, rank: int) -> str:
+    def describe(self, rank: int, at: str) -> str:
         """'rank 3 never entered all_reduce #1412 (default_pg, 4.0 MB) that ranks 0-2 entered at 12:01:03', or
         where every member entered it: 'ranks 0-3 entered ... at 12:01:03; it never finished (rank 3 stopped
-        moving first)'."""
-        at = time.strftime("%H:%M:%S", time.localtime(self.since))
+        moving first)'; ``at``: :attr:`since` as the reader's clock of day says it (the caller's local time)."""
         what = f"{self.op} #{self.seq} ({self.description or 'group ' + self.group}, {_size(self.nbytes)})"
         waiting = _ranks([r for r, _ in self.waiting])
         if not self.missing:

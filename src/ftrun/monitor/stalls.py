@@ -15,10 +15,8 @@ import psutil
 
 from ftrun.clock import Clock
 from ftrun.monitor.collectives import (
-    QUIET_S,
     STALE_S,
-    UNFINISHED_S,
-    WAITED_S,
+    Patience,
     Progress,
     RankCollectives,
     Sample,
@@ -58,9 +56,10 @@ class Stalled:
 
 
 class StallWatch:
-    def __init__(self, enabled: bool, clock: Clock) -> None:
+    def __init__(self, enabled: bool, clock: Clock, patience: Patience) -> None:
         self._enabled = enabled
         self._clock = clock
+        self.patience = patience
         self._progress = Progress()
         self.share: CollectiveShare | None = None  # set when the job has other nodes
         # The agent checks every 50 ms while timeouts are in force; the summaries change once a second, and CPU
@@ -73,8 +72,9 @@ class StallWatch:
             self.share.follow(round_)
 
     def find(self, running: Sequence[Worker], slot: Callable[[int], SlotView | None]) -> list[Stalled]:
-        """The local ranks the others wait for in a collective that have shown no progress for QUIET_S; where
-        every member entered the collective and none moves for UNFINISHED_S, the one that stopped moving first."""
+        """The local ranks the others wait for in a collective that have shown no progress for the patience's
+        quiet_s; where every member entered the collective and none moves for its unfinished_s, the one that
+        stopped moving first."""
         if not self._enabled or self._clock.monotonic() < self._next_look:
             return []
         self._next_look = self._clock.monotonic() + LOOK_EVERY_S
@@ -89,14 +89,15 @@ class StallWatch:
         found = stalls(summaries.values(), now)
         stall = next((s for s in found if s.missing), None)
         if stall is not None:
-            return self._judge(stall, [w for w in running if w.rank in stall.missing], summaries, now, QUIET_S)
+            missing = [w for w in running if w.rank in stall.missing]
+            return self._judge(stall, missing, summaries, now, self.patience.quiet_s)
         stall = found[0] if found else None  # every member entered it: judged as a whole, more patiently
         if stall is None:
             self._progress.forget([])
             return []
         members = {rank for rank, _ in stall.waiting}
         local = [w for w in running if w.rank in members]
-        quiet = self._judge(stall, local, summaries, now, UNFINISHED_S)
+        quiet = self._judge(stall, local, summaries, now, self.patience.unfinished_s)
         if len(quiet) < len(local):
             return []  # one of them moves: the collective may be slow, not hung
         # The one that stopped moving first: a stopped process, else the stack that has not changed the longest.
@@ -106,7 +107,7 @@ class StallWatch:
         self, stall: Stall, looked: list[Worker], summaries: dict[int, RankCollectives], now: float, quiet_s: float
     ) -> list[Stalled]:
         """Of ``looked`` (ranks in ``stall``, missing from it or in it), those showing no progress for
-        ``quiet_s`` with ``stall`` as old as WAITED_S."""
+        ``quiet_s`` with ``stall`` as old as the patience's waited_s."""
         self._progress.forget([w.rank for w in looked])
         found = []
         for w in looked:
@@ -116,7 +117,7 @@ class StallWatch:
                 continue  # it is gone: its exit tells
             self._progress.add(w.rank, sample, r.where)
             quiet = now - self._progress.quiet_since(r, now)
-            if quiet >= quiet_s and now - stall.since >= WAITED_S:
+            if quiet >= quiet_s and now - stall.since >= self.patience.waited_s:
                 where = r.where if now - r.read_at <= STALE_S else ""
                 found.append(Stalled(w, stall, quiet, where, sample.stopped))
         return found

@@ -12,6 +12,7 @@ other.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.monitor.blame import suspect, waiting_in_collective
-from ftrun.monitor.collectives import QUIET_S
+from ftrun.monitor.collectives import Patience
 from ftrun.monitor.dumps import StackDumps
 from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
@@ -62,7 +63,7 @@ class WorkerWatch:
             clock, emit, say, enabled=stragglers.enabled, threshold=stragglers.threshold, exclude=stragglers.exclude
         )
         self.meeting = MeetingNotice(awaited(config))
-        self.stalls = StallWatch(config.hang.collectives, clock)
+        self.stalls = StallWatch(config.hang.collectives, clock, Patience(config.hang.quiet_s))
         self._told = False  # what is watched for, said at the first attempt
         self._meeting_look_at = 0.0  # monotonic: when the ranks' slots are next read for a long init
         # What follows a dump: the worker found hung (blamed, signalled), or None (a stuck teardown, ended).
@@ -213,7 +214,7 @@ class WorkerWatch:
         w = s.worker
         if w.reaped or w.state is not WorkerState.RUNNING:
             return None  # it exited meanwhile: its exit tells
-        what = f"hang: {s.stall.describe(w.rank)}"
+        what = f"hang: {s.stall.describe(w.rank, time.strftime('%H:%M:%S', time.localtime(s.stall.since)))}"
         where = f"at {s.where}" if s.where else "its interpreter held: ftrun's thread in it cannot run"
         if s.stopped:
             where = "its process is stopped (SIGSTOP, a debugger)"
@@ -226,8 +227,8 @@ class WorkerWatch:
                 )
         w.blame(Hang(what, COLLECTIVE, self._clock.wall(), stacks[w.local_rank], why))
         self._emit(
-            EventKind.HANG, **w.identity(), timeout=COLLECTIVE, limit_s=QUIET_S, elapsed_s=s.quiet_s, lag_s=0.0,
-            quiet_s=s.quiet_s,
+            EventKind.HANG, **w.identity(), timeout=COLLECTIVE, limit_s=self.stalls.patience.quiet_s,
+            elapsed_s=s.quiet_s, lag_s=0.0, quiet_s=s.quiet_s,
         )  # fmt: skip
         self._say(f"{w.who} {what}: {why}", always=True)
         _append(w, f"{what}; {why}; stacks of all threads:\n{stacks[w.local_rank]}")
@@ -301,10 +302,10 @@ def watching(config: LaunchConfig) -> str:
     t = config.hang.timeouts
     if not config.hang.collectives:
         return "hangs: only the timeouts given are watched (--no-hang-detection)" if t.any else "hangs: not watched"
-    own = " and the timeouts given" if t.any else " (tighter: --heartbeat-timeout S)"
+    own = "; the timeouts given are watched too" if t.any else " (--hang-timeout S; sooner: --heartbeat-timeout S)"
     return (
-        f"hangs: a rank its peers wait for in a collective, showing no progress for {QUIET_S:g} s, is stopped and "
-        f"named{own}; --no-hang-detection turns this off"
+        f"hangs: a rank its peers wait for in a collective, showing no progress for {config.hang.quiet_s:g} s, is "
+        f"stopped and named{own}; --no-hang-detection turns this off"
     )
 
 
