@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ftrun.monitor.collectives import Patience, Progress, RankCollectives, Sample, stalls
+from ftrun.monitor.collectives import Patience, Progress, RankCollectives, Sample, stalls, stopped_first
 from ftrun.worker.collectives import merged, summary
 
 # What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
@@ -179,3 +179,9 @@ def test_a_rank_whose_watcher_never_wrote_is_missing_from_the_default_group() ->
 def test_the_waits_before_a_verdict_follow_one_setting() -> None:
     assert (Patience().quiet_s, Patience().waited_s, Patience().unfinished_s) == (20.0, 10.0, 40.0)
     assert (Patience(4.0).waited_s, Patience(4.0).unfinished_s) == (2.0, 8.0)
+
+
+def test_of_ranks_none_of_which_moves_the_one_that_stopped_first_is_blamed() -> None:
+    summaries = {r: rank(r, [waits(7, 80.0)], stack_since=since) for r, since in ((0, 95.0), (1, 97.0), (2, 90.0))}
+    assert stopped_first([(0, False), (1, True), (2, False)], summaries, 100.0) == 1  # a stopped process first
+    assert stopped_first([(0, False), (1, False), (2, False)], summaries, 100.0) == 2  # else the stack still longest

@@ -181,6 +181,13 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_
     return sorted(found, key=lambda s: (-len(s.waiting), s.since))
 
 
+def stopped_first(quiet: Sequence[tuple[int, bool]], summaries: dict[int, RankCollectives], now: float) -> int:
+    """Of the ranks in a collective every member entered, none of them moving (``quiet``: rank, and whether its
+    process is stopped), the one blamed: the one that stopped moving first, a stopped process before any other,
+    else the one whose stack has not changed the longest."""
+    return min(quiet, key=lambda q: (not q[1], summaries[q[0]].stack_since or now))[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     """What a rank's process did, as /proc tells, at one moment."""

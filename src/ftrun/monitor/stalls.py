@@ -22,6 +22,7 @@ from ftrun.monitor.collectives import (
     Sample,
     Stall,
     stalls,
+    stopped_first,
 )
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
@@ -100,8 +101,8 @@ class StallWatch:
         quiet = self._judge(stall, local, summaries, now, self.patience.unfinished_s)
         if len(quiet) < len(local):
             return []  # one of them moves: the collective may be slow, not hung
-        # The one that stopped moving first: a stopped process, else the stack that has not changed the longest.
-        return sorted(quiet, key=lambda q: (not q.stopped, summaries[q.worker.rank].stack_since or now))[:1]
+        first = stopped_first([(q.worker.rank, q.stopped) for q in quiet], summaries, now)
+        return [q for q in quiet if q.worker.rank == first]
 
     def _judge(
         self, stall: Stall, looked: list[Worker], summaries: dict[int, RankCollectives], now: float, quiet_s: float
