@@ -4,6 +4,7 @@ never restored: the job falls back to the step before, and says so. The weights 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrun.agent.snapshots import snapshot_root
 from ftrun.job.snapshot_mirror import held
 from ftrun.testing.etcd import EtcdHarness
 from ftrun.worker import snapshot_file as file
@@ -245,3 +247,60 @@ def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
     never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint", "ckpt")
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
+
+
+BIG_STATE = """
+import os, sys, time
+import torch
+import ftrun
+rank = int(os.environ["RANK"])
+state = {"weights": torch.full((1 << 20,), float(rank))}  # 4 MiB per rank
+for step in range(int(sys.argv[1])):
+    state["weights"] += 1
+    ftrun.snapshot(step, state)
+    time.sleep(0.05)
+print(f"rank {rank} done", flush=True)
+"""
+STATE = 4 << 20
+
+
+def node_bytes(agent: LiveFtrun) -> int:
+    """The memory an agent's snapshot directory holds in /dev/shm now: its ranks' files and the peer copies."""
+    total = 0
+    for directory in snapshot_root().glob(f"{agent.proc.pid}-*"):
+        for where, _, names in os.walk(directory):  # files and directories come and go as it walks: skipped
+            for name in names:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(where, name)).st_blocks * 512
+    return total
+
+
+@pytest.mark.parametrize(("memory", "taken"), [(6 * STATE, False), (9 * STATE, True)])
+def test_two_nodes_hold_no_more_snapshot_memory_than_they_are_given_at_any_moment(
+    tmp_path: Path, live: list[LiveFtrun], tcp_server: str, memory: int, taken: bool
+) -> None:
+    """Two nodes of one rank each, a 4 MiB state snapshotted every step and copied to the other node: each node's
+    /dev/shm, sampled while they train, stays within --snapshot-memory with its own steps, the pinned ones and
+    the other node's copies. Six states' worth does not hold a rank of a job of several nodes (eight files at
+    most): no snapshot is taken, said once; nine does, and the copies go on within it."""
+    (tmp_path / "w.py").write_text(BIG_STATE)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "2", "--nproc-per-node", "1"]
+    flags += ["--snapshot-memory", str(memory), str(tmp_path / "w.py"), "60"]
+    agents = [LiveFtrun(tmp_path, *flags, name=name, run_id=f"shm-{memory}") for name in ("a", "b")]
+    live.extend(agents)
+    most = 0
+    while any(a.proc.poll() is None for a in agents):
+        most = max([most, *(node_bytes(a) for a in agents)])
+        time.sleep(0.02)  # sampling a quantity that changes with no event to wait on; bounded by the agents' end
+    for agent in agents:
+        assert agent.wait() == 0, agent.stderr()
+    assert most <= memory, (most, memory)
+    refused = [a for a in agents if "no snapshots on rank" in a.stderr()]
+    if taken:
+        assert most > 3 * STATE, most  # its own steps and the other node's copies were there
+        assert refused == []
+    else:
+        assert most == 0
+        assert len(refused) == 2
+        assert all(a.stderr().count("no snapshots on rank") == 1 for a in agents)

@@ -32,6 +32,7 @@ PURE = [
     "ftrun.rendezvous.records",
     "ftrun.monitor.stragglers",
     "ftrun.monitor.collectives",
+    "ftrun.worker.snapshot_budget",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -27,12 +27,12 @@ from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, alone
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
-from ftrun.worker.snapshot import ENV_DIR, ENV_MEMORY, ENV_RESTORE
+from ftrun.worker import snapshot_budget as budget
+from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE
 from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_pinned, is_whole, path_of, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
-KEEP = 2  # whole steps of each rank kept: the newest, and one to fall back to
 GIVE_UP_AFTER = 2  # restores of one step, each followed by a failure before a newer one, before it is given up
 
 
@@ -94,9 +94,9 @@ class SnapshotKeeper:
         if given_up is not None:
             for steps_of_rank in have.values():
                 steps_of_rank.discard(given_up)
-        for step in sorted(steps)[:-KEEP]:
-            if not is_pinned(self.dir / STEP_DIR.format(step)):  # the step copied: a lost node's copy meets it
-                shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
+        pinned = {step for step in steps if is_pinned(self.dir / STEP_DIR.format(step))}  # a lost node's copy meets
+        for step in budget.to_prune(steps, pinned):
+            shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
         holds = {r: s for r, s in self._held.items() if r not in have}
         offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
         decision = restore.agree(offer) if restore is not None else Decision(None)
@@ -149,7 +149,7 @@ class SnapshotKeeper:
         return last
 
     def env(self) -> dict[str, str]:
-        env = {ENV_DIR: str(self.dir), ENV_MEMORY: str(self._rank_share)}
+        env = {ENV_DIR: str(self.dir), ENV_MEMORY: str(self._rank_share), ENV_COPIES: "1" if self._mirror else "0"}
         if self._restore is not None or self._unagreed:
             env[ENV_RESTORE] = RESTORE_UNAGREED if self._unagreed else str(self._restore)
         return env

@@ -4,8 +4,8 @@ on a survivor, which serves them to whichever node takes those ranks (a survivor
 A node's mirror is a small TCP server on this node's address (published on the board for the round) and a
 thread that sends: each time the newest step is whole on all this node's ranks, their files go to the next
 node's mirror (the ring of the round's nodes by group rank), which keeps them under ``peer/`` in its snapshot
-directory (the newest :data:`KEEP` steps of each rank). A node asks another for a rank's file of a step with
-a GET. One request per connection.
+directory (the newest steps of each rank the budget keeps: :mod:`ftrun.worker.snapshot_budget`). A node asks
+another for a rank's file of a step with a GET. One request per connection.
 
 Only the job's nodes take part: each request proves the job's key against the server's fresh nonce (HMAC-SHA256)
 before a byte is kept or served, and each file's head, the part a restore unpickles, is signed against the
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ftrun.jsonobject import object_or_none
+from ftrun.worker import snapshot_budget as budget
 from ftrun.worker.snapshot_file import (
     HEAD,
     PIN_MARK,
@@ -47,8 +48,6 @@ from ftrun.worker.snapshot_file import (
 )
 
 PEER_DIR = "peer"
-KEEP = 2  # steps of each rank kept of a peer's
-PINNED = 2  # of this node's own steps kept for the copies
 HEAD_LIMIT = 4096
 IO_TIMEOUT_S = 60.0
 BLOCK = 4 << 20
@@ -127,7 +126,7 @@ class _Server(socketserver.ThreadingTCPServer):
         on), so that whichever node is lost, its copy meets a step every other node has."""
         with self._lock:
             if step > max(self.announced, default=-1):
-                self.announced = (*self.announced, step)[-PINNED:]
+                self.announced = (*self.announced, step)[-budget.PINNED :]
                 pin(self.directory, step)
 
 
@@ -364,14 +363,13 @@ def pin(directory: Path, step: int) -> None:
     pinned before it, no others: a copy lost on its way leaves the previous step on every node."""
     with contextlib.suppress(OSError):  # pruned meanwhile: nothing to keep
         (directory / STEP_DIR.format(step) / PIN_MARK).touch(exist_ok=True)
-    pinned = sorted(pinned_steps(directory))
-    for old in pinned[:-PINNED]:
+    kept = budget.still_pinned(pinned_steps(directory))
+    for old in pinned_steps(directory) - set(kept):
         (directory / STEP_DIR.format(old) / PIN_MARK).unlink(missing_ok=True)
 
 
 def _prune(directory: Path, rank: int) -> None:
-    mine = sorted(held(directory).get(rank, set()))
-    for step in mine[:-KEEP]:  # the last one pruned kept as the rank's spare, to be written again
+    for step in budget.to_prune(held(directory).get(rank, set())):  # the last one kept as the rank's spare
         with contextlib.suppress(OSError):
             peer_path(directory, step, rank).replace(spare_of(directory / PEER_DIR, rank))
         with contextlib.suppress(OSError):

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ftrun.worker import snapshot
+from ftrun.worker import snapshot_budget as budget
 
 AT_PATH = "dcp_at_path"  # in a rank's part of a step written to the job's own path: that path
 WHOLE = "dcp_whole"  # in a rank's part of a step in memory: its whole state, the metadata, the world's size
@@ -57,6 +58,7 @@ class _ToPath(_StoragePrefix):
 
     need: int = 0  # bytes of the step's parts kept at once (per rank, the largest)
     share: int = 0
+    files: str = ""  # which files those are (snapshot_budget.Need.says)
 
 
 def _bytes(plan: Any) -> int:
@@ -120,11 +122,13 @@ class SnapshotWriter(FileSystemWriter):
             outside: list[Any] = super().prepare_global_plan(plans)
             return outside
         share = int(os.environ.get(snapshot.ENV_MEMORY) or 0)
-        need = (snapshot.KEEP + 1) * max(p.storage_data.nbytes for p in plans)
-        if not share or need <= share:
+        copies = snapshot.copies_held()  # the coordinator decides for every rank: pinned steps at their most
+        need = budget.need(max(p.storage_data.nbytes for p in plans), pinned=budget.PINNED if copies else 0,
+                           copies=copies)  # fmt: skip
+        if not share or need.bytes <= share:
             return plans
         named = super().prepare_global_plan([replace(p, storage_data=None) for p in plans])  # torch's file prefixes
-        return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need, share)) for p in named]
+        return [replace(p, storage_data=_ToPath(p.storage_data.prefix, need.bytes, share, need.says())) for p in named]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         if self._inside:
@@ -161,8 +165,8 @@ class SnapshotWriter(FileSystemWriter):
     def _to_path(self, why: _ToPath) -> None:
         """This step goes to the job's own checkpoint at ``path``."""
         _say(
-            f"step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank ({snapshot.KEEP} steps "
-            f"kept and the one being written), over a rank's share of --snapshot-memory ({_size(why.share)}): "
+            f"step {self.step}'s checkpoint needs {_size(why.need)} of memory per rank ({why.files}), over a "
+            f"rank's share of --snapshot-memory ({_size(why.share)}): "
             f"written to {self.path} instead (the job's own checkpoint); raise --snapshot-memory to keep such "
             "steps in memory"
         )

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.worker import client
+from ftrun.worker import snapshot_budget as budget
 from ftrun.worker import snapshot_file as file
 from ftrun.worker.snapshot_file import BAD_MARK, CorruptSnapshot, is_whole, path_of
 
@@ -40,7 +41,7 @@ ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
 ENV_MEMORY = "FTRUN_SNAPSHOT_MEMORY"  # bytes this rank's files may take: its share of --snapshot-memory
 UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
-KEEP = 2  # of its own steps, a worker keeps the newest whole ones
+ENV_COPIES = "FTRUN_SNAPSHOT_COPIES"  # "1": the job has several nodes, and this node holds its predecessor's copies
 AT_ONCE_BYTES = 1 << 20
 
 
@@ -192,24 +193,27 @@ def wait() -> None:
 
 
 def _fits(step: int, size: int) -> bool:
-    """Whether the files this snapshot needs fit this rank's share of --snapshot-memory: the KEEP kept and the
-    one being written. When they do not, it is said once, and no snapshot is taken."""
+    """Whether the files this snapshot needs fit this rank's share of --snapshot-memory (:mod:`snapshot_budget`).
+    When they do not, it is said once, and no snapshot is taken."""
     share = int(os.environ.get(ENV_MEMORY) or 0)
     pinned = _pinned_older(Path(os.environ.get(ENV_DIR, ".")), _rank())
-    needed = (KEEP + 1 + pinned) * size
-    if not share or needed <= share:
+    if budget.fits(share, size, pinned=pinned, copies=copies_held()):
         return True
     if not _writer.refused:
         _writer.refused = True
-        also = f", {pinned} older kept for the copies between nodes," if pinned else ""
+        need = budget.need(size, pinned=pinned, copies=copies_held())
         sys.stderr.write(
             f"ftrun.snapshot: no snapshots on rank {_rank()}: step {step}'s state takes {_gib(size)}, and "
-            f"{KEEP + 1 + pinned} files of it (the {KEEP} kept{also} and the one being written) need "
-            f"{_gib(needed)}, over this rank's share of --snapshot-memory ({_gib(share)}); raise "
-            "--snapshot-memory or snapshot less\n"
+            f"{need.says()} need {_gib(need.bytes)}, over this rank's share of --snapshot-memory ({_gib(share)}); "
+            "raise --snapshot-memory or snapshot less\n"
         )
         sys.stderr.flush()
     return False
+
+
+def copies_held() -> bool:
+    """Whether this node holds copies of the previous node's ranks' steps (the job has several nodes)."""
+    return os.environ.get(ENV_COPIES) == "1"
 
 
 def _whole_files(directory: Path, rank: int) -> list[Path]:
@@ -218,10 +222,15 @@ def _whole_files(directory: Path, rank: int) -> list[Path]:
 
 
 def _pinned_older(directory: Path, rank: int) -> int:
-    """This rank's files kept for the copies between nodes beyond its KEEP newest (two at most, while the
+    """This rank's files kept for the copies between nodes beyond its newest kept (two at most, while the
     copies lag behind the job)."""
     mine = _whole_files(directory, rank)
-    return sum(file.is_pinned(p.parent) for p in mine[:-KEEP])
+    return sum(file.is_pinned(p.parent) for p in mine[: max(0, len(mine) - budget.KEEP)])
+
+
+def _step_of(path: Path) -> int:
+    """The step of a rank's file (``.../step-N/rank-R...``)."""
+    return int(path.parent.name.removeprefix("step-"))
 
 
 def _gib(size: int) -> str:
@@ -324,12 +333,12 @@ def _finish(
 
 
 def _prune(directory: Path, rank: int) -> None:
-    """This rank's parts of all but its KEEP newest whole steps; the oldest is kept as the spare the next
-    snapshot writes again (memory is what snapshots cost: a rank holds KEEP + 1 files)."""
-    mine = _whole_files(directory, rank)
-    for old in mine[:-KEEP]:
-        if file.is_pinned(old.parent):  # its copy is on its way to the next node, or the one a lost node's meets
-            continue
+    """This rank's parts of the steps the budget prunes (all but the newest kept, less the pinned: their copy is
+    on its way to the next node, or the one a lost node's meets); the oldest is kept as the spare the next
+    snapshot writes again (memory is what snapshots cost)."""
+    mine = {_step_of(p): p for p in _whole_files(directory, rank)}
+    pinned = {step for step, p in mine.items() if file.is_pinned(p.parent)}
+    for old in (mine[step] for step in budget.to_prune(mine, pinned)):
         with contextlib.suppress(OSError):  # the agent may have pruned it first
             if old in _writer.restored:
                 old.unlink()  # its pages stay the restored tensors' until they go
