@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftrun.worker import snapshot_budget as budget
+
 JOB = Path(__file__).resolve().parent / "snapshot_job.py"
 CRASH_AT = 15
 STEPS = 19
@@ -47,6 +49,10 @@ def run_once(snapshots: bool, a: argparse.Namespace, workdir: Path) -> dict[str,
     job += (["--crash-at", str(CRASH_AT)] if fault == "crash" else []) + ["--timeline", str(tl)]
     job += ["--snapshots"] if snapshots else []
     cmd = [sys.executable, "-m", "ftrun", "--nproc-per-node", str(2 // nodes), "--max-restarts", "1"]
+    # What a node's ranks may hold at most (snapshot_budget: on several nodes their copies of the previous node's
+    # too): the default 25% of RAM would refuse a big state on several nodes.
+    most = budget.need(state_mb << 20, pinned=budget.PINNED, copies=nodes > 1).bytes * (2 // nodes)
+    cmd += ["--snapshot-memory", str(most)]
     store = None
     if nodes > 1:  # agents as separate processes on this machine around a standalone store
         store = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--port", "0"], stderr=subprocess.PIPE,
