@@ -4,6 +4,7 @@ the job's fate (a refused module, a dead zygote: fresh processes take over)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -429,11 +430,17 @@ print("ran", flush=True)
 def test_the_pool_serves_from_the_first_attempt_and_a_crash_at_once_restarts_warm(
     tmp_path: Path, script: WriteScript
 ) -> None:
-    """The entry script's imports are known before it runs: the first attempt's workers wait for the zygote
-    preloading them (it imports once, not once per worker), which is then ready for a failure at any moment."""
+    """The entry script's imports are known before it runs: on a node with no core to spare, the first attempt
+    starts one worker fresh on the core the preloading zygote leaves and the others wait for it (one import, not
+    one each), which is then ready for a failure at any moment, the first second included."""
     script("w.py", CRASHES_AT_ONCE)
-    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(cpus)[:2])  # 2 workers on 2 cores, whatever this machine has (ftrun inherits it)
+    try:
+        r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    finally:
+        os.sched_setaffinity(0, cpus)
     assert r.returncode == 0, r.stderr
-    assert [(e["attempt"], e["warm"]) for e in spawned(r)] == [(0, True), (0, True), (1, True), (1, True)]
+    assert [(e["attempt"], e["warm"]) for e in spawned(r)] == [(0, False), (0, True), (1, True), (1, True)]
     assert r.log(1, 0) == "ran\n"
     assert "1 restart (warm)" in r.stderr

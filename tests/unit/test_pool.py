@@ -145,3 +145,10 @@ def test_the_first_attempts_workers_wait_for_the_zygote_preloading_what_is_known
     assert policy.waited_for_first([base, known], started=True) is None  # a restart never waits
     assert policy.waited_for_first([base, Z(["json"], {})], started=False) is None  # ready: forked at once
     assert policy.waited_for_first([base], started=False) is None  # nothing known to preload
+
+
+def test_the_first_attempt_starts_fresh_on_every_core_but_the_one_the_zygote_preloads_on() -> None:
+    assert policy.first_fresh(cores=2, workers=2) == 1  # one imports itself, the zygote on the other core
+    assert policy.first_fresh(cores=2, workers=8) == 1  # seven fork from the zygote: one import, not seven
+    assert policy.first_fresh(cores=16, workers=8) == 8  # a core to spare: as before
+    assert policy.first_fresh(cores=1, workers=4) == 0

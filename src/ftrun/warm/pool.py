@@ -89,6 +89,7 @@ class WarmPool:
         self._workers = standbys if workers is None else workers
         self._cores = len(os.sched_getaffinity(0))
         self._first_wait_s = first_wait_s
+        self._first_fresh = -1  # how many more of the first attempt's workers start fresh (-1: not decided yet)
         self.holding = False  # a restart is under way: see hold()
         self._cold = False  # a worker of this attempt started without a preloaded zygote
         self._restarted = False  # workers were started more than once
@@ -137,6 +138,9 @@ class WarmPool:
             self._cold = True
             return self._fresh.spawn(argv, env, cwd, stdout, stderr)
         request.update(env=dict(env), cwd=str(cwd))
+        if self._fresh_first():
+            self._cold = True
+            return self._fresh.spawn(argv, env, cwd, stdout, stderr)
         self._wait_for_first()
         while (zygote := self._best()) is not None:
             try:
@@ -174,6 +178,18 @@ class WarmPool:
             z.close(wait=False)
             self._retired.append(z.proc)
             self._zygotes.remove(z)
+
+    def _fresh_first(self) -> bool:
+        """Whether this worker of the first attempt starts fresh, on a core the preloading zygote leaves (see
+        :func:`policy.first_fresh`)."""
+        if self._off or policy.waited_for_first(self._zygotes, self._refill.started) is None:
+            return False
+        if self._first_fresh < 0:
+            self._first_fresh = policy.first_fresh(self._cores, self._workers)
+        if self._first_fresh == 0:
+            return False
+        self._first_fresh -= 1
+        return True
 
     def _wait_for_first(self) -> None:
         """The first attempt's workers wait (at most ``first_wait_s``) for the zygote preloading what the job was
