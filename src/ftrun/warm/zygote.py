@@ -171,8 +171,11 @@ def main() -> int:
     ENVIRONMENT.update(os.environ)
     # What preloading left as garbage goes; the rest is frozen: the workers' garbage collections never write
     # to the preloaded objects, so their pages stay shared with the zygote instead of being copied, worker by
-    # worker, at each full collection.
-    gc.collect()
+    # worker, at each full collection. Not when workers wait for this zygote (the first attempt's: it runs at
+    # normal priority): the collection takes ~130 ms after importing torch, and the garbage frozen with the rest
+    # costs only the zygote's memory, its pages shared, never copied.
+    if idle:
+        gc.collect()
     gc.freeze()
     send(sock, {"ready": True, "loaded": len(loaded), "failed": failed, "import_s": time.monotonic() - started,
                 "rss_kb": rss_kb()})  # fmt: skip
