@@ -182,6 +182,7 @@ class WarmPool:
     def _fresh_first(self) -> bool:
         """Whether this worker of the first attempt starts fresh, on a core the preloading zygote leaves (see
         :func:`policy.first_fresh`)."""
+        self.tend()  # a zygote ready by now serves every worker (its word may sit unread in its socket)
         if self._off or policy.waited_for_first(self._zygotes, self._refill.started) is None:
             return False
         if self._first_fresh < 0:
