@@ -21,14 +21,16 @@ def probe(port: int, path: str) -> tuple[int, str]:
 def test_ready_only_while_the_nodes_workers_run_alive_throughout() -> None:
     metrics = Metrics.serve("127.0.0.1", 0)
     try:
-        assert probe(metrics.port, "/healthz") == (503, "starting\n")
+        assert probe(metrics.port, "/readyz") == (503, "starting\n")
         assert probe(metrics.port, "/livez") == (200, "alive\n")
         status = SimpleNamespace(record={"phase": "waiting"}, node="n")
         metrics.watch(cast(Any, SimpleNamespace(events=[])), cast(Any, status), "r")
-        assert probe(metrics.port, "/healthz") == (503, "waiting\n")  # in the rendezvous, or restarting
+        assert probe(metrics.port, "/readyz") == (503, "waiting\n")  # in the rendezvous, or restarting
+        for liveness in ("/livez", "/healthz"):  # a liveness probe on Kubernetes' legacy path never kills a recovery
+            assert probe(metrics.port, liveness) == (200, "alive\n")
         status.record = {"phase": "running"}
-        assert probe(metrics.port, "/healthz") == (200, "running\n")
+        assert probe(metrics.port, "/readyz") == (200, "running\n")
         status.record = {"phase": "finished"}
-        assert probe(metrics.port, "/healthz")[0] == 503
+        assert probe(metrics.port, "/readyz")[0] == 503
     finally:
         metrics.close()

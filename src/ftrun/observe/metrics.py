@@ -1,6 +1,7 @@
 """``--metrics-port``: this agent's job, in Prometheus' text format at ``/metrics`` (prometheus-client), and
-its health for Kubernetes' probes: ``/healthz`` (ready: this node's workers run in a round; 503 otherwise, with
-the phase) and ``/livez`` (the agent answers).
+its health for Kubernetes' probes, by Kubernetes' own names: ``/readyz`` (readiness: this node's workers run in a
+round; 503 otherwise, with the phase), ``/livez`` (liveness: the agent answers) and ``/healthz``, the legacy
+health check, as liveness: a liveness probe copied onto it must never kill a pod while ftrun recovers the job.
 
 Everything is computed when Prometheus scrapes, from the same sources as the
 summary and ``ftrun status``: the event log (restarts, hangs, downtime, goodput)
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from ftrun.observe.node_status import NodeStatus
 
 LABELS = ["run_id", "node"]
+READINESS = "/readyz"
+PROBES = (READINESS, "/livez", "/healthz")  # /healthz: Kubernetes' legacy health check, answered as liveness
 ALL_ADDRESSES = "0.0.0.0"  # noqa: S104 - an exporter is scraped from elsewhere; pass HOST: to narrow it
 
 
@@ -81,9 +84,9 @@ class Metrics(Collector):
 
     def _serve(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        if path not in ("/healthz", "/livez"):
+        if path not in PROBES:
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
-        ok, phase = self.ready() if path == "/healthz" else (True, "alive")
+        ok, phase = self.ready() if path == READINESS else (True, "alive")
         start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
         return [f"{phase}\n".encode()]
 
