@@ -33,7 +33,7 @@ def checksum(output: str) -> str:
 def test_the_real_stack_restarts_warm_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     (tmp_path / "clean").mkdir()
     clean = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(JOB),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB),
          "--workdir", str(tmp_path / "clean"), *ARGS],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip

@@ -1,0 +1,71 @@
+"""The README's code blocks as users copy them: each runs inside a job, under ftrun, with a failure."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import run_ftrun
+
+pytestmark = pytest.mark.torch
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+# What the DCP block assumes around it: a DDP model, its optimizer, a checkpoint directory, the steps, a step.
+AROUND_DCP = """
+import hashlib, os, sys
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch import nn
+import ftrun
+
+dist.init_process_group("gloo")
+rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+ckpt_dir, steps = sys.argv[1], 12
+
+def train_step(step):
+    if attempt == 0 and rank == 1 and step == int(os.environ.get("CRASH_AT", -1)):
+        os._exit(3)
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+    optimizer.step()
+
+{block}
+print(f"rank {{rank}} started at {{start}}", flush=True)
+digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
+print("checksum", digest.hexdigest()[:16], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+
+
+def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(tmp_path: Path) -> None:
+    [block] = [b for b in python_blocks() if "SnapshotWriter" in b]
+    (tmp_path / "job.py").write_text(AROUND_DCP.format(block=block))
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "job.py", str(tmp_path / "ckpt"),
+                  env={"CRASH_AT": "7"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"the workers restore the snapshot of step [56]\b", r.stderr), r.stderr
+    root = r.report(0)["root_cause"]  # the first start found nothing to load, and trained until the crash
+    assert isinstance(root, dict)
+    assert root["rank"] == 1, root
+    assert "exit code 3" in r.stderr
+    (tmp_path / "clean").mkdir()
+    clean = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "job.py"), str(tmp_path / "clean" / "ckpt")],
+        cwd=tmp_path / "clean", capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    restored = re.findall(r"checksum (\w+)", r.log(1, 0))
+    assert restored == re.findall(r"checksum (\w+)", clean.stdout)[:1] != [], (restored, clean.stdout)
