@@ -100,7 +100,7 @@ def unforkable() -> str:
     """Why this process can no longer be forked into workers ("": it can)."""
     if torch_cuda_initialised() or cuda_driver_initialised():
         return "initialised CUDA, which a forked worker cannot use (initialise it in the job, not at import)"
-    others = jemalloc.thread_names()[1:]
+    others = jemalloc.thread_names()[1:] if len(os.listdir("/proc/self/task")) > 1 else []
     if others:
         named = ", ".join(sorted(set(others)))
         return f"started a thread ({named}): forking a process with threads is unsafe"
