@@ -8,8 +8,9 @@ imports), a second one that preloads it: the first attempt's workers wait for it
 From then on each spawn forks from the biggest *ready* zygote; with none ready
 the worker starts fresh at once, as under torchrun: a restart never waits for the
 pool. Zygotes started later preload at idle CPU priority (they use the cores the
-workers leave, never slow them down) and stand still while a restart is under way. Each zygote keeps twice as many
-standby workers forked ahead of time as the node runs workers: a spawn hands a
+workers leave, never slow them down) and stand still while a restart is under
+way. Each zygote keeps twice as many standby workers forked ahead of time as the
+node runs workers: a spawn hands a
 standby its work in one message, and a failure that comes before the standbys
 taken are forked again (half a second later, when the new workers have started)
 still finds enough. When the workers report more imports, a bigger zygote is
