@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import POOL, WAITS_FOR_THE_POOL, Result, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import (
+    POOL,
+    RUN_ID,
+    WAITS_FOR_THE_POOL,
+    Result,
+    WriteScript,
+    restarted_warm,
+    run_ftrun,
+)
 
 WARM = ["--preload", "json,decimal", "--max-restarts", "1"]  # a pool (restarts to come) with a preload
 COLD = ["--no-warm", "--max-restarts", "1"]
@@ -438,15 +446,23 @@ def test_the_pool_serves_from_the_first_attempt_and_a_crash_at_once_restarts_war
 ) -> None:
     """The entry script's imports are known before it runs: on a node with no core to spare, the first attempt
     starts one worker fresh on the core the preloading zygote leaves and the others wait for it (one import, not
-    one each), which is then ready for a failure at any moment, the first second included."""
+    one each), which is then ready for a failure at any moment, the first second included. On a rerun the job's
+    cache knows what the workers imported over a whole run: every worker of the first attempt waits for it."""
     script("w.py", CRASHES_AT_ONCE)
     cpus = os.sched_getaffinity(0)
     os.sched_setaffinity(0, sorted(cpus)[:2])  # 2 workers on 2 cores, whatever this machine has (ftrun inherits it)
+    runs = {}
     try:
-        r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+        for run in ("first", "rerun"):
+            runs[run] = run_ftrun(tmp_path, "--log-dir", str(tmp_path / run), "--nproc-per-node", "2",
+                                  "--max-restarts", "1", "w.py")  # fmt: skip
+            runs[run].run_dir = tmp_path / run / RUN_ID
     finally:
         os.sched_setaffinity(0, cpus)
-    assert r.returncode == 0, r.stderr
-    assert [(e["attempt"], e["warm"]) for e in spawned(r)] == [(0, False), (0, True), (1, True), (1, True)]
-    assert r.log(1, 0) == "ran\n"
-    assert "1 restart (warm)" in r.stderr
+    first, rerun = runs["first"], runs["rerun"]
+    for r in (first, rerun):
+        assert r.returncode == 0, r.stderr
+        assert r.log(1, 0) == "ran\n"
+        assert "1 restart (warm)" in r.stderr
+    assert [(e["attempt"], e["warm"]) for e in spawned(first)] == [(0, False), (0, True), (1, True), (1, True)]
+    assert [(e["attempt"], e["warm"]) for e in spawned(rerun)] == [(0, True), (0, True), (1, True), (1, True)]

@@ -85,3 +85,35 @@ def test_framework_families_restart_warm(tmp_path: Path, script: WriteScript, fa
     for line in imports.splitlines():
         pytest.importorskip(line.split()[1])
     threads_of(tmp_path, script, "warm", imports, "")
+
+
+# What inductor asks of the machine once per process, before its first compile on CPU.
+VEC_ISA = """
+import json
+import torch._inductor.codecache
+from torch._inductor import cpu_vec_isa
+asked_before = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+print(json.dumps([asked_before, [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]]), flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_warm_worker_has_inductors_answers_about_the_machine_as_a_fresh_one_works_them_out(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """inductor builds and loads a test library per vector instruction set once per process (1.1 s here): the
+    zygote asks, a warm worker has the answer a fresh worker works out itself."""
+    pytest.importorskip("torch._inductor.cpu_vec_isa")
+    answers = {}
+    for how in ("warm", "fresh"):
+        script(f"{how}.py", restarted_warm(VEC_ISA))
+        flags = ["--preload", "torch._inductor.codecache,torch._inductor.cpu_vec_isa"] if how == "warm" else []
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--max-restarts", "1",
+                      *(flags or ["--no-warm"]), f"{how}.py", env=POOL if how == "warm" else {})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        r.run_dir = tmp_path / how / "t"
+        assert "warm pool" not in r.stderr, r.stderr
+        answers[how] = json.loads(r.log(1, 0).splitlines()[-1])
+    assert answers["warm"][0] == 1, answers  # asked in the zygote...
+    assert answers["fresh"][0] == 0, answers  # ...where a fresh worker asks itself
+    assert answers["warm"][1] == answers["fresh"][1], answers

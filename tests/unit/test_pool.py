@@ -148,7 +148,14 @@ def test_the_first_attempts_workers_wait_for_the_zygote_preloading_what_is_known
 
 
 def test_the_first_attempt_starts_fresh_on_every_core_but_the_one_the_zygote_preloads_on() -> None:
-    assert policy.first_fresh(cores=2, workers=2) == 1  # one imports itself, the zygote on the other core
-    assert policy.first_fresh(cores=2, workers=8) == 1  # seven fork from the zygote: one import, not seven
-    assert policy.first_fresh(cores=16, workers=8) == 8  # a core to spare: as before
-    assert policy.first_fresh(cores=1, workers=4) == 0
+    assert policy.first_fresh(cores=2, workers=2, whole=False) == 1  # one imports itself, the zygote beside it
+    assert policy.first_fresh(cores=2, workers=8, whole=False) == 1  # seven fork from it: one import, not seven
+    assert policy.first_fresh(cores=16, workers=8, whole=False) == 8  # a core to spare: as before
+    assert policy.first_fresh(cores=1, workers=4, whole=False) == 0
+
+
+def test_the_first_attempt_waits_for_a_zygote_preloading_what_a_whole_run_imported() -> None:
+    """The job's cache has what its workers imported lazily too (compiling, stepping): a fresh worker would
+    import it all on its own critical path."""
+    assert policy.first_fresh(cores=2, workers=2, whole=True) == 0
+    assert policy.first_fresh(cores=16, workers=8, whole=True) == 0

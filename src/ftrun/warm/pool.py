@@ -78,6 +78,7 @@ class WarmPool:
         self._cache = cache
         cached, self._import_s = cache.load() if cache is not None and auto else ([], None)
         self._known = list(dict.fromkeys([*preload, *cached]))  # the most we know to preload
+        self._known_whole = bool(cached)  # what the workers imported over a whole run (see policy.first_fresh)
         self._log = Path(os.devnull)
         self._say: Say = lambda text: None
         self._detail: Say = lambda text: None
@@ -187,7 +188,7 @@ class WarmPool:
         if self._off or policy.waited_for_first(self._zygotes, self._refill.started) is None:
             return False
         if self._first_fresh < 0:
-            self._first_fresh = policy.first_fresh(self._cores, self._workers)
+            self._first_fresh = policy.first_fresh(self._cores, self._workers, whole=self._known_whole)
         if self._first_fresh == 0:
             return False
         self._first_fresh -= 1

@@ -39,6 +39,7 @@ import types
 import warnings
 from typing import Any
 
+from ftrun.warm import compile_probes
 from ftrun.worker import jemalloc, procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 
@@ -93,7 +94,9 @@ def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, st
         refusal = unforkable()
         if refusal:
             return loaded, failed, refusal, name
-    return loaded, failed, None, ""
+    failed.update(compile_probes.ask_in_advance())  # what the preloaded compiler works out once per process
+    refusal = unforkable()
+    return loaded, failed, refusal or None, "torch._inductor" if refusal else ""
 
 
 def unforkable() -> str:
