@@ -127,6 +127,7 @@ print("slept", flush=True)
 LONG_S = "10"  # with --hang-timeout 6, the watch found every stuck rank above in under 9 s
 
 
+@pytest.mark.alone  # a child's CPU share is its progress: others' load would starve it
 def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, script: WriteScript) -> None:
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
     child processes, a slow read, a long sleep on every rank, a job without torch.distributed: each longer than

@@ -162,6 +162,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.alone  # it takes every core
 @pytest.mark.torch
 def test_a_plain_ddp_scripts_exception_is_in_the_root_cause_every_time_on_a_busy_node(
     tmp_path: Path, script: WriteScript

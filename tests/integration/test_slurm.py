@@ -14,7 +14,11 @@ import pytest
 from ftrun.testing.slurm import SlurmCluster, available
 from tests.integration.harness import WAIT_S
 
-pytestmark = [pytest.mark.torch, pytest.mark.skipif(bool(available()), reason=available() or "")]
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.xdist_group("slurm"),  # under xdist, one cluster for the module on one process
+    pytest.mark.skipif(bool(available()), reason=available() or ""),
+]
 
 JOB = """
 import hashlib, os, socket, sys, time

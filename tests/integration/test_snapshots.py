@@ -52,8 +52,19 @@ def checksum(text: str) -> str:
 
 
 def snapshot_dirs() -> set[str]:
+    """The agents' snapshot directories ("PID-..."), but those of agents alive now (other tests')."""
     base = Path("/dev/shm") / f"ftrun-snapshots-{os.geteuid()}"
-    return {d.name for d in base.iterdir()} if base.is_dir() else set()
+    return {d.name for d in base.iterdir() if not alive(d.name.split("-")[0])} if base.is_dir() else set()
+
+
+def alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tmp_path: Path) -> None:

@@ -104,7 +104,10 @@ def test_the_live_view_in_a_terminal_follows_a_restart_to_the_end(
     assert "ftrun run t" in shown
     (tmp_path / "crash").touch()
     # Both ranks of the new attempt running, each with a heartbeat age (once its first beat is in the record).
-    shown = until(showing(screen, lambda s: "restarts 1" in s and s.count(" s ago ") >= 2), "the restart")
+    try:
+        shown = until(showing(screen, lambda s: "restarts 1" in s and s.count(" s ago ") >= 2), "the restart")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nthe screen:\n{screen()}\nftrun's stderr:\n{job.stderr()}") from None
     assert shown.count(" running ") >= 2
     assert "failure 1: rank 1 (local rank 1" in shown
     assert "exit code 3" in shown

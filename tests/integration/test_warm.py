@@ -441,6 +441,7 @@ print("ran", flush=True)
 """
 
 
+@pytest.mark.alone  # 2 workers on 2 cores: which start fresh depends on the cores being theirs
 def test_the_pool_serves_from_the_first_attempt_and_a_crash_at_once_restarts_warm(
     tmp_path: Path, script: WriteScript
 ) -> None:

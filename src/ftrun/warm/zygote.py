@@ -39,8 +39,7 @@ import types
 import warnings
 from typing import Any
 
-from ftrun.warm import compile_probes
-from ftrun.worker import jemalloc, procfs
+from ftrun.worker import compile_probes, jemalloc, procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 
 MAX_MESSAGE = 1 << 20
