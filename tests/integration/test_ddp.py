@@ -71,6 +71,7 @@ def test_a_hang_mid_run_is_found_and_recovers_with_identical_weights(tmp_path: P
     assert "inject_faults" in root["stacks"]  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_ddp_across_two_agents_survives_the_loss_of_one(tmp_path: Path, live: list[LiveFtrun]) -> None:
     """2 nodes x 2 workers on etcd plus a hot spare; one node is SIGKILLed mid-run; the weights still match.
 

@@ -62,6 +62,7 @@ CULPRITS = [
 ]
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_any_way_before_an_all_reduce_is_named_by_the_collective(
     tmp_path: Path, script: WriteScript
 ) -> None:
@@ -91,6 +92,7 @@ def test_a_rank_stuck_any_way_before_an_all_reduce_is_named_by_the_collective(
     ]
 
 
+@pytest.mark.slow
 def test_across_two_nodes_the_node_of_the_rank_they_wait_for_names_it(
     tmp_path: Path, live: list[LiveFtrun], rdzv: list[str]
 ) -> None:
@@ -127,6 +129,7 @@ print("slept", flush=True)
 LONG_S = "10"  # with --hang-timeout 6, the watch found every stuck rank above in under 9 s
 
 
+@pytest.mark.slow
 @pytest.mark.alone  # a child's CPU share is its progress: others' load would starve it
 def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, script: WriteScript) -> None:
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
@@ -163,6 +166,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_collective_every_rank_entered_that_never_finishes_names_the_rank_stopped_inside_it(
     tmp_path: Path, script: WriteScript
 ) -> None:

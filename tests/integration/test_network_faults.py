@@ -126,6 +126,7 @@ def finish(tmp: Path, agents: list[Agent]) -> None:
         assert agent.proc.wait(WAIT_S * 2) == 0, agent.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut_s", [1.0, 6.0, 35.0], ids=["shorter-than-ttl", "longer-than-ttl", "longer-than-30s"])
 @pytest.mark.parametrize("where", ["client", "store-host"])
 def test_a_partitioned_node_fences_itself_and_rejoins_after_it_heals(
@@ -185,6 +186,7 @@ def test_loss_and_delay_while_training_cause_no_spurious_restart(
     assert len(found) == 1, found
 
 
+@pytest.mark.slow
 def test_a_malformed_record_in_the_store_is_said_and_ignored(
     tmp_path: Path, job: tuple[netns.Network, list[Agent]]
 ) -> None:

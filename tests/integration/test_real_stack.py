@@ -30,6 +30,7 @@ def checksum(output: str) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_the_real_stack_restarts_warm_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     (tmp_path / "clean").mkdir()
     clean = subprocess.run(

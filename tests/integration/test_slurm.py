@@ -183,6 +183,7 @@ def finished(slurm: SlurmCluster, job: str, workdir: Path) -> str:
     return (workdir / "out").read_text(errors="replace")
 
 
+@pytest.mark.slow
 def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_nothing_lost(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -165,6 +165,7 @@ def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tm
     assert checksum(crashed.log(1, 0)) == checksum(plain.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", [[EXAMPLE], [DCP_EXAMPLE, "--checkpoint", "ckpt"]], ids=["snapshot", "dcp"])
 def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds(
     tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun], job: list[str | Path]

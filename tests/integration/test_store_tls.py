@@ -96,6 +96,7 @@ def test_a_store_whose_certificate_the_client_cannot_verify_is_refused(
         store.close()
 
 
+@pytest.mark.slow
 def test_a_job_hosts_its_store_over_tls_with_torchruns_rdzv_conf_keys(tmp_path: Path, certs: dict[str, Path]) -> None:
     (tmp_path / "w.py").write_text("print('worker ran')\n")
     conf = f"cacert={certs['ca.crt']},cert={certs['server.crt']},key={certs['server.key']}"

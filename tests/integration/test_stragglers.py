@@ -91,6 +91,7 @@ def test_a_slow_rank_is_named_with_its_cost_in_every_place(tmp_path: Path, live:
     assert "  straggler: rank 2" in agent.stderr()  # the run's summary
 
 
+@pytest.mark.slow
 def test_a_balanced_job_with_a_slow_checkpoint_and_an_evaluation_names_nobody(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(DDP_JOB)
     r = run_ftrun(
@@ -151,6 +152,7 @@ def test_a_job_can_ask_for_the_scores(tmp_path: Path) -> None:
     assert "rank 1 sees scores [(0, " in r.stdout
 
 
+@pytest.mark.slow
 def test_exclude_a_straggler_node_for_a_hot_spare(tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str) -> None:
     """Three agents, two nodes wanted: the slow node leaves at its next step, the spare takes its place."""
     (tmp_path / "job.py").write_text(DDP_JOB)

@@ -60,6 +60,7 @@ def test_request_restart_restarts_now_and_counts_against_the_budget(tmp_path: Pa
     assert "asked for a restart: loss is NaN at step 7" in spent.stderr
 
 
+@pytest.mark.slow
 def test_exclude_this_node_on_a_single_node_ends_the_run_with_its_own_exit_code(
     tmp_path: Path, script: WriteScript
 ) -> None:

@@ -10,7 +10,7 @@ import pytest
 from ftrun.clock import SystemClock
 from ftrun.job import snapshot_agreement
 from ftrun.job.board import JobBoard
-from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, decide, ring
+from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, decide, ring
 from ftrun.store.memory import MemoryStore
 
 
@@ -48,7 +48,7 @@ def test_a_node_that_hears_no_decision_does_not_restore_alone(monkeypatch: pytes
     monkeypatch.setattr(snapshot_agreement, "DECISION_S", 0.3)
     store = MemoryStore(SystemClock())
     follower = JobBoard(store, "job", "node-1", SystemClock())
-    assert RoundAgreement(follower, 2, 2, group_rank=1).agree(Offer({1: {5}})).step == UNAGREED
+    assert RoundAgreement(follower, 2, 2, group_rank=1).agree(Offer({1: {5}})).step == UNAGREED_STEP
     monkeypatch.setattr(snapshot_agreement, "STEPS_S", 0.3)
     decider = JobBoard(store, "job", "node-0", SystemClock())
     assert RoundAgreement(decider, 3, 2, group_rank=0).agree(Offer({0: {5}})).step is None  # the other never offered

@@ -9,7 +9,7 @@ import pytest
 
 from ftrun.agent import snapshots
 from ftrun.agent.snapshots import Restore, SnapshotKeeper, restore_plan, whole_steps
-from ftrun.job.snapshot_agreement import UNAGREED, Decision
+from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision
 from ftrun.worker.snapshot import BAD_MARK, ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, path_of
 from ftrun.worker.snapshot_file import FOOT
 
@@ -42,7 +42,7 @@ def test_a_restart_restores_the_newest_step_whole_on_every_rank_and_not_a_bad_on
     assert not (keeper.dir / "step-000000000004").exists()  # written again whole, it will count again
     keeper.new_attempt([0, 1], None)  # a static job of several nodes: nothing to agree through, none restored
     assert ENV_RESTORE not in keeper.env()
-    keeper.new_attempt([0, 1], Restore(lambda offer: Decision(UNAGREED)))  # not agreed: the workers' restore fails
+    keeper.new_attempt([0, 1], Restore(lambda offer: Decision(UNAGREED_STEP)))  # not agreed: the workers' restore fails
     assert keeper.env()[ENV_RESTORE] == "unagreed"
 
 

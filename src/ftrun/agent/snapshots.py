@@ -24,12 +24,11 @@ from pathlib import Path
 import psutil
 
 from ftrun.job.board import JobBoard
-from ftrun.job.snapshot_agreement import UNAGREED, Decision, Offer, RoundAgreement, alone
+from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, alone
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
 from ftrun.worker import snapshot_budget as budget
-from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE
-from ftrun.worker.snapshot import UNAGREED as RESTORE_UNAGREED
+from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_pinned, is_whole, path_of, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
@@ -100,7 +99,7 @@ class SnapshotKeeper:
         holds = {r: s for r, s in self._held.items() if r not in have}
         offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
         decision = restore.agree(offer) if restore is not None else Decision(None)
-        self._unagreed = decision.step == UNAGREED or not self._gather(decision, ranks)
+        self._unagreed = decision.step == UNAGREED_STEP or not self._gather(decision, ranks)
         self._restore = None if self._unagreed else decision.step
         if self._restore is not None:
             self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
@@ -118,7 +117,7 @@ class SnapshotKeeper:
         """This node's files of the decided step in their place: its own, a peer copy it holds, or fetched from
         the mirror the decision names; False when one cannot be had."""
         step = decision.step
-        if step is None or step == UNAGREED:
+        if step is None or step == UNAGREED_STEP:
             return True
         for rank in ranks:
             own, copy = path_of(self.dir, step, rank), peer_path(self.dir, step, rank)

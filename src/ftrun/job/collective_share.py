@@ -1,10 +1,10 @@
 """The ranks' collectives shared between nodes while some wait: the rank they wait for may run elsewhere.
 
-A node whose ranks have waited in a collective for a moment (:data:`ftrun.monitor.collectives.LOOK_S`) puts its
-ranks' summaries under ``/ftrun/<run_id>/collectives/<round>/<node>``, once a second while they wait. Every node
-follows that prefix for the round (one watch: nothing is read while nobody waits), and once another node
-published, publishes its own too, so the node of the rank the others wait for finds it missing and judges it:
-only that node can see whether its process moves. Writes and the watch are off the agent's loop.
+A node whose ranks have waited in a collective for a moment (:data:`ftrun.monitor.collectives.WAITED_TO_LOOK_S`)
+puts its ranks' summaries under ``/ftrun/<run_id>/collectives/<round>/<node>``, once a second while they wait. Every
+node follows that prefix for the round (one watch: nothing is read while nobody waits), and once another node
+published, publishes its own too, so the node of the rank the others wait for finds it missing and judges it: only
+that node can see whether its process moves. Writes and the watch are off the agent's loop.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 from ftrun.clock import Clock
 from ftrun.job.board import SUSPECT_WAIT_S, JobBoard
 
-LOOK_S = 0.1  # how often the board is read while a verdict is held
+READ_EVERY_S = 0.1  # how often the board is read while a verdict is held
 T = TypeVar("T")
 
 
@@ -48,7 +48,7 @@ class HeldHangs(Generic[T]):
         return ready
 
     def seconds_to_next(self) -> float | None:
-        return LOOK_S if self._held else None
+        return READ_EVERY_S if self._held else None
 
     def forget(self) -> None:
         """A new attempt: what was held belongs to the last one."""

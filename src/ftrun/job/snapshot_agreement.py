@@ -7,7 +7,7 @@ takes the newest step every rank of the job can have, from its own node or from 
 when a node did not offer in time), and publishes that with, for each rank whose node lacks it, the mirror to
 fetch it from. Every node starts its workers with the decision. A node that hears no decision in time cannot
 restore alone without perhaps leaving its ranks on another step than the others' (their weights would silently
-differ): its workers' restore fails instead (``UNAGREED``), the round fails, and the next one agrees again.
+differ): its workers' restore fails instead (``UNAGREED_STEP``), the round fails, and the next one agrees again.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from ftrun.errors import StoreError
 from ftrun.job.board import JobBoard
 
-UNAGREED = -1  # a Decision's step when the nodes did not agree on one
+UNAGREED_STEP = -1  # a Decision's step when the nodes did not agree on one
 STEPS_S = 10.0  # the decider waits this long for every node's offer (they start the round together)
 DECISION_S = 20.0  # the others wait this long for its decision
 
@@ -47,7 +47,7 @@ class Offer:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    step: int | None  # UNAGREED: the nodes did not agree
+    step: int | None  # UNAGREED_STEP: the nodes did not agree
     fetch: Mapping[int, str] = field(default_factory=dict)  # this node's ranks it lacks the step of -> a mirror
 
 
@@ -75,10 +75,10 @@ class RoundAgreement:
                 board.publish_snapshot_decision(round_, {"step": step, "from": {str(r): a for r, a in sources.items()}})
                 return Decision(step, {r: a for r, a in sources.items() if r in offer.have})
         except StoreError:
-            return Decision(UNAGREED)
+            return Decision(UNAGREED_STEP)
         decision = board.snapshot_decision(round_, DECISION_S)
         if decision is None:
-            return Decision(UNAGREED)
+            return Decision(UNAGREED_STEP)
         chosen, wanted = decision.get("step"), decision.get("from")
         if not isinstance(chosen, int) or isinstance(chosen, bool):
             return Decision(None)

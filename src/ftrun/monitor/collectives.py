@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ftrun.jsonobject import load_object
 from ftrun.worker.layout import COLLECTIVES_MAX
 
-LOOK_S = 2.0  # ranks in a collective this long: the members that never entered it are looked at
+WAITED_TO_LOOK_S = 2.0  # ranks in a collective this long: the members that never entered it are looked at
 STALE_S = 3.0  # a summary this old: the worker's watcher cannot run (its GIL held, the process stopped)
 BUSY_SHARE = 0.05  # the main thread's CPU time growing faster than this share of a core is progress
 OTHERS_BUSY_SHARE = 0.25  # and its other threads' and children's together, faster than this share
@@ -142,7 +142,7 @@ class Stall:
         return f"rank {rank} never entered {what} that {waiting} entered at {at}"
 
 
-def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = LOOK_S) -> list[Stall]:
+def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITED_TO_LOOK_S) -> list[Stall]:
     """The collectives some ranks have waited in for ``waited_s``, per group, with the members that never
     entered them (a member is a rank whose summary has the group); the one most ranks wait in first.
 

@@ -30,7 +30,7 @@ from ftrun.worker.layout import SlotView
 LOOK_EVERY_S = 1.0
 
 
-class CollectiveShare(Protocol):
+class PeersCollectives(Protocol):
     """The other nodes' ranks' summaries (:class:`ftrun.job.collective_share.CollectiveShare`)."""
 
     @property
@@ -62,7 +62,7 @@ class StallWatch:
         self._clock = clock
         self.patience = patience
         self._progress = Progress()
-        self.share: CollectiveShare | None = None  # set when the job has other nodes
+        self.share: PeersCollectives | None = None  # set when the job has other nodes
         # The agent checks every 50 ms while timeouts are in force; the summaries change once a second, and CPU
         # time sampled that often would be all tick granularity (10 ms): looked at once a second at most.
         self._next_look = 0.0

@@ -26,7 +26,7 @@ from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
 from ftrun.monitor.pace import PaceWatch
 from ftrun.monitor.pace import Share as PaceShare
-from ftrun.monitor.stalls import CollectiveShare, Stalled, StallWatch
+from ftrun.monitor.stalls import PeersCollectives, Stalled, StallWatch
 from ftrun.monitor.watchdog import TEARDOWN
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -85,7 +85,7 @@ class WorkerWatch:
         self.pace.new_attempt(round_, attempt_dir)
         self.stalls.new_attempt(round_)
 
-    def share_board(self, pace: PaceShare, node: str, collectives: CollectiveShare) -> None:
+    def share_board(self, pace: PaceShare, node: str, collectives: PeersCollectives) -> None:
         """The job has other nodes (this one is ``node``): stragglers and stalls are judged with their ranks."""
         self.pace.share, self.pace.node = pace, node
         self.stalls.share = collectives

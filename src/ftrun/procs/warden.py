@@ -15,10 +15,10 @@ goodbye (the agent died), the warden kills everything the agent left:
   the warden, so every process it starts from then on, and theirs, however they
   detach, is in it; the warden kills the cgroup (``cgroup.kill``) and removes it.
 - **tree** elsewhere: the warden reads the agent's tree of descendants every
-  ``LOOK_S`` and kills what it last saw (checking each process's start time, so
+  ``TREE_READ_EVERY_S`` and kills what it last saw (checking each process's start time, so
   a reused pid is never hit), and every process whose environment still names
   the agent (``FTRUN_AGENT_PID``, which every worker has and its children
-  inherit); only a process started in the last ``LOOK_S`` that also cleared its
+  inherit); only a process started in the last ``TREE_READ_EVERY_S`` that also cleared its
   environment may escape.
 
 It also frees what the agent kept in memory that outlives processes: its snapshot directories in shared memory
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ftrun.procs import proctree
 
-LOOK_S = 0.5  # tree mode: how often the agent's descendants are read
+TREE_READ_EVERY_S = 0.5  # tree mode: how often the agent's descendants are read
 AGENT_EXIT_WAIT_S = 10.0  # a goodbye comes just before the agent exits: its own exit is awaited first
 EMPTY_WAIT_S = 5.0  # for a killed cgroup to empty
 GOODBYE = b"bye"
@@ -139,7 +139,7 @@ def main(agent: int, cgroup: str, memory: str = "") -> None:
     seen: dict[int, int] = {}
     said = b""
     while True:
-        ready, _, _ = select.select([0], [], [], LOOK_S)
+        ready, _, _ = select.select([0], [], [], TREE_READ_EVERY_S)
         if ready:
             chunk = os.read(0, 64)
             if not chunk:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ftrun.clock import Clock
 from ftrun.store.base import EventType, Store
 
-LOOK_S = 0.1  # with a ``stop``: how often it is asked while nothing changes
+STOP_ASKED_EVERY_S = 0.1  # with a ``stop``: how often it is asked while nothing changes
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,15 +31,15 @@ def follow(
     store: Store, prefix: str, clock: Clock, timeout_s: float, stop: Callable[[], bool] = _never
 ) -> tuple[list[Change], Iterator[Change]]:
     """The records under ``prefix`` now, and the changes after them: an iterator that watches (only once
-    iterated) until ``timeout_s`` passed or ``stop()`` says so (asked every LOOK_S); the caller stops iterating
-    once it has what it waits for. Raises StoreError."""
+    iterated) until ``timeout_s`` passed or ``stop()`` says so (asked every STOP_ASKED_EVERY_S); the caller stops
+    iterating once it has what it waits for. Raises StoreError."""
     deadline = clock.monotonic() + timeout_s
     kvs, revision = store.list_prefix(prefix)
 
     def changes() -> Iterator[Change]:
         with store.watch(prefix, revision + 1) as watch:
             while (left := deadline - clock.monotonic()) > 0 and not stop():
-                event = watch.get(left if stop is _never else min(left, LOOK_S))
+                event = watch.get(left if stop is _never else min(left, STOP_ASKED_EVERY_S))
                 if event is not None:
                     yield Change(event.key, None if event.type is EventType.DELETE else event.value)
 

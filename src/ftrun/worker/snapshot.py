@@ -40,7 +40,7 @@ __all__ = ["CorruptSnapshot", "blocked_s", "restore", "snapshot", "wait"]
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
 ENV_MEMORY = "FTRUN_SNAPSHOT_MEMORY"  # bytes this rank's files may take: its share of --snapshot-memory
-UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
+RESTORE_UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
 ENV_COPIES = "FTRUN_SNAPSHOT_COPIES"  # "1": the job has several nodes, and this node holds its predecessor's copies
 AT_ONCE_BYTES = 1 << 20
 
@@ -146,7 +146,7 @@ def restore_step() -> int | None:
     """The step the agent names for this attempt's restore (None: none, or outside ftrun); raises where the
     nodes did not agree on one."""
     step = os.environ.get(ENV_RESTORE) if os.environ.get(ENV_DIR) else None
-    if step == UNAGREED:  # restoring alone could leave this node's ranks on another step than the others'
+    if step == RESTORE_UNAGREED:  # restoring alone could leave this node's ranks on another step than the others'
         raise RuntimeError(
             "ftrun.restore: this node did not hear which snapshot step the job's nodes restore; "
             "this attempt ends and the next one agrees again"
