@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from ftrun.monitor.collectives import Patience, Progress, RankCollectives, Sample, stalls, stopped_first
+from ftrun.monitor.collectives import (
+    Patience,
+    Progress,
+    RankCollectives,
+    Sample,
+    culprits,
+    stalls,
+    suspects,
+)
 from ftrun.worker.collectives import merged, summary
 
 # What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
@@ -183,5 +191,28 @@ def test_the_waits_before_a_verdict_follow_one_setting() -> None:
 
 def test_of_ranks_none_of_which_moves_the_one_that_stopped_first_is_blamed() -> None:
     summaries = {r: rank(r, [waits(7, 80.0)], stack_since=since) for r, since in ((0, 95.0), (1, 97.0), (2, 90.0))}
-    assert stopped_first([(0, False), (1, True), (2, False)], summaries, 100.0) == 1  # a stopped process first
-    assert stopped_first([(0, False), (1, False), (2, False)], summaries, 100.0) == 2  # else the stack still longest
+    [stall] = stalls(summaries.values(), 100.0)
+    watched = suspects([stall], Patience(10.0))
+    assert watched is not None
+    assert (watched.ranks, watched.quiet_s, watched.whole) == ({0, 1, 2}, 20.0, True)
+    quiet = {0: (25.0, False), 1: (25.0, True), 2: (25.0, False)}
+    assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == [1]  # a stopped process first
+    quiet[1] = (25.0, False)
+    assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == [2]  # else the stack still longest
+    quiet[0] = (3.0, False)
+    assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == []  # one moves: slow, not hung
+    quiet[0] = None
+    assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == []  # one is gone: its exit tells
+
+
+def test_the_members_missing_from_a_collective_are_suspects_before_a_collective_every_member_entered() -> None:
+    behind = ["0", "default_pg", 5, 5, None]  # rank 1 never entered the 6th
+    summaries = {0: rank(0, [waits(6, 80.0)]), 1: rank(1, [behind]), 2: rank(2, [waits(6, 80.0)])}
+    found = stalls(summaries.values(), 100.0)
+    watched = suspects(found, Patience(10.0))
+    assert watched is not None
+    assert (watched.ranks, watched.quiet_s, watched.whole) == ({1}, 10.0, False)
+    assert culprits(watched, {1: (12.0, False)}, summaries, 100.0, Patience(10.0)) == [1]
+    assert culprits(watched, {1: (8.0, False)}, summaries, 100.0, Patience(10.0)) == []  # not quiet long enough
+    assert culprits(watched, {1: (12.0, False)}, summaries, 84.0, Patience(10.0)) == []  # others waited 4 s only
+    assert suspects([], Patience(10.0)) is None

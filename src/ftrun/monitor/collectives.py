@@ -16,7 +16,7 @@ between epochs on every rank: none is a hang.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ftrun.jsonobject import load_object
@@ -181,11 +181,48 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITE
     return sorted(found, key=lambda s: (-len(s.waiting), s.since))
 
 
-def stopped_first(quiet: Sequence[tuple[int, bool]], summaries: dict[int, RankCollectives], now: float) -> int:
-    """Of the ranks in a collective every member entered, none of them moving (``quiet``: rank, and whether its
-    process is stopped), the one blamed: the one that stopped moving first, a stopped process before any other,
-    else the one whose stack has not changed the longest."""
-    return min(quiet, key=lambda q: (not q[1], summaries[q[0]].stack_since or now))[0]
+@dataclass(frozen=True, slots=True)
+class Suspects:
+    """Whom a stall puts under watch: the members missing from its collective, each hung once quiet for
+    ``quiet_s``; else (``whole``: every member entered it) all of them, with more patience, one blamed only
+    when none of them moves."""
+
+    stall: Stall
+    ranks: frozenset[int]
+    quiet_s: float
+    whole: bool
+
+
+def suspects(found: Sequence[Stall], patience: Patience) -> Suspects | None:
+    """The stall to judge of those :func:`stalls` found (one with missing members first), and whom."""
+    missing = next((s for s in found if s.missing), None)
+    if missing is not None:
+        return Suspects(missing, frozenset(missing.missing), patience.quiet_s, whole=False)
+    if not found:
+        return None
+    return Suspects(found[0], frozenset(rank for rank, _ in found[0].waiting), patience.unfinished_s, whole=True)
+
+
+def culprits(
+    watched: Suspects,
+    quiet: Mapping[int, tuple[float, bool] | None],
+    summaries: Mapping[int, RankCollectives],
+    now: float,
+    patience: Patience,
+) -> list[int]:
+    """The suspects blamed, of those looked at on this node (``quiet``: rank -> how long it showed no progress
+    and whether its process is stopped; None: its process is gone, and its exit tells). A missing member is
+    hung once quiet long enough, with the others waiting at least the patience's waited_s. In a collective
+    every member entered, none of the local members may move, and only one is blamed: the one that stopped
+    moving first, a stopped process before any other, else the one whose stack has not changed the longest."""
+    if now - watched.stall.since < patience.waited_s:
+        return []
+    hung = {rank: q[1] for rank, q in quiet.items() if q is not None and q[0] >= watched.quiet_s}
+    if not watched.whole or not hung:
+        return list(hung)
+    if len(hung) < len(quiet):
+        return []  # one of them moves (or is gone): the collective may be slow, not hung
+    return [min(hung, key=lambda rank: (not hung[rank], summaries[rank].stack_since or now))]
 
 
 @dataclass(frozen=True, slots=True)

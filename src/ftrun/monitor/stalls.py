@@ -21,8 +21,9 @@ from ftrun.monitor.collectives import (
     RankCollectives,
     Sample,
     Stall,
+    culprits,
     stalls,
-    stopped_first,
+    suspects,
 )
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
@@ -87,41 +88,26 @@ class StallWatch:
                 self.share.offer(raw)
             summaries = _parsed(self.share.others()) | summaries
         summaries |= {w.rank: RankCollectives.unseen(w.rank) for w in running if w.rank not in summaries}
-        found = stalls(summaries.values(), now)
-        stall = next((s for s in found if s.missing), None)
-        if stall is not None:
-            missing = [w for w in running if w.rank in stall.missing]
-            return self._judge(stall, missing, summaries, now, self.patience.quiet_s)
-        stall = found[0] if found else None  # every member entered it: judged as a whole, more patiently
-        if stall is None:
+        watched = suspects(stalls(summaries.values(), now), self.patience)
+        if watched is None:
             self._progress.forget([])
             return []
-        members = {rank for rank, _ in stall.waiting}
-        local = [w for w in running if w.rank in members]
-        quiet = self._judge(stall, local, summaries, now, self.patience.unfinished_s)
-        if len(quiet) < len(local):
-            return []  # one of them moves: the collective may be slow, not hung
-        first = stopped_first([(q.worker.rank, q.stopped) for q in quiet], summaries, now)
-        return [q for q in quiet if q.worker.rank == first]
-
-    def _judge(
-        self, stall: Stall, looked: list[Worker], summaries: dict[int, RankCollectives], now: float, quiet_s: float
-    ) -> list[Stalled]:
-        """Of ``looked`` (ranks in ``stall``, missing from it or in it), those showing no progress for
-        ``quiet_s`` with ``stall`` as old as the patience's waited_s."""
+        looked = [w for w in running if w.rank in watched.ranks]
         self._progress.forget([w.rank for w in looked])
-        found = []
+        found: dict[int, Stalled] = {}
+        quiet: dict[int, tuple[float, bool] | None] = {}
         for w in looked:
             r = summaries[w.rank]
             sample = _sample(w.pid, now)
             if sample is None:
-                continue  # it is gone: its exit tells
+                quiet[w.rank] = None
+                continue
             self._progress.add(w.rank, sample, r.where)
-            quiet = now - self._progress.quiet_since(r, now)
-            if quiet >= quiet_s and now - stall.since >= self.patience.waited_s:
-                where = r.where if now - r.read_at <= STALE_S else ""
-                found.append(Stalled(w, stall, quiet, where, sample.stopped))
-        return found
+            quiet_s = now - self._progress.quiet_since(r, now)
+            quiet[w.rank] = (quiet_s, sample.stopped)
+            where = r.where if now - r.read_at <= STALE_S else ""
+            found[w.rank] = Stalled(w, watched.stall, quiet_s, where, sample.stopped)
+        return [found[rank] for rank in culprits(watched, quiet, summaries, now, self.patience)]
 
 
 def _parsed(raw: dict[int, bytes]) -> dict[int, RankCollectives]:
