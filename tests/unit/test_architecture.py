@@ -33,6 +33,7 @@ PURE = [
     "ftrun.monitor.stragglers",
     "ftrun.monitor.collectives",
     "ftrun.worker.snapshot_budget",
+    "ftrun.agent.snapshot_plan",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import psutil
 
+from ftrun.agent.snapshot_plan import GIVE_UP_AFTER, plan_attempt
 from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, alone
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
-from ftrun.worker import snapshot_budget as budget
 from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_pinned, is_whole, path_of, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
-GIVE_UP_AFTER = 2  # restores of one step, each followed by a failure before a newer one, before it is given up
 
 
 def snapshot_root() -> Path:
@@ -84,18 +83,24 @@ class SnapshotKeeper:
         if self._mirror is not None:
             self._mirror.stop_sending()
         self._held = held(self.dir)
-        have = {r: whole_steps(self.dir, [r]) | self._held.get(r, set()) for r in ranks}
-        steps = set.intersection(*have.values()) if have else set()
-        given_up = self._given_up(steps)
-        for step_dir in self.dir.glob("step-*"):
-            if (step_dir / BAD_MARK).exists() or (given_up is not None and step_dir.name == STEP_DIR.format(given_up)):
-                shutil.rmtree(step_dir, ignore_errors=True)  # written again whole, it counts again
-        if given_up is not None:
-            for steps_of_rank in have.values():
-                steps_of_rank.discard(given_up)
-        pinned = {step for step in steps if is_pinned(self.dir / STEP_DIR.format(step))}  # a lost node's copy meets
-        for step in budget.to_prune(steps, pinned):
+        found = {r: whole_steps(self.dir, [r]) | self._held.get(r, set()) for r in ranks}
+        step_dirs = {int(d.name.removeprefix("step-")): d for d in self.dir.glob("step-*") if d.name[5:].isdigit()}
+        plan = plan_attempt(
+            found,
+            bad={step for step, d in step_dirs.items() if (d / BAD_MARK).exists()},
+            pinned={step for step, d in step_dirs.items() if is_pinned(d)},  # a lost node's copy meets them
+            restored=self._restore,
+            failed_after=self._failed_after,
+        )
+        self._failed_after = plan.failed_after
+        if plan.given_up is not None:
+            self._say(
+                f"step {plan.given_up} was restored {GIVE_UP_AFTER} times and the job failed each time before a "
+                "newer snapshot: its state may be what fails; it is given up for an older one"
+            )
+        for step in (*plan.remove, *plan.prune):  # a step removed and written again whole counts again
             shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
+        have = plan.have
         holds = {r: s for r, s in self._held.items() if r not in have}
         offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
         decision = restore.agree(offer) if restore is not None else Decision(None)
@@ -133,19 +138,6 @@ class SnapshotKeeper:
                 return False
             self._say(f"rank {rank}'s snapshot of step {step} fetched from the node holding its copy ({source})")
         return True
-
-    def _given_up(self, steps: set[int]) -> int | None:
-        """The step restored last, if the attempt that restored it failed before a newer one was whole for the
-        second time."""
-        last = self._restore
-        if last is None or last not in steps or max(steps) != last:
-            return None
-        self._failed_after[last] = self._failed_after.get(last, 0) + 1
-        if self._failed_after[last] < GIVE_UP_AFTER:
-            return None
-        self._say(f"step {last} was restored {GIVE_UP_AFTER} times and the job failed each time before a newer "
-                  "snapshot: its state may be what fails; it is given up for an older one")  # fmt: skip
-        return last
 
     def env(self) -> dict[str, str]:
         env = {ENV_DIR: str(self.dir), ENV_MEMORY: str(self._rank_share), ENV_COPIES: "1" if self._mirror else "0"}
