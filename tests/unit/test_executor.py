@@ -20,7 +20,7 @@ import pytest
 
 from ftrun.agent import elastic, static
 from ftrun.agent.executor import Executor
-from ftrun.agent.launch import NodeParts, rendezvous_for, static_plan
+from ftrun.agent.launch import NodeParts, node_id, rendezvous_for, static_plan
 from ftrun.agent.narrator import Narrator
 from ftrun.agent.pool_pacing import NoPacing
 from ftrun.cli import main as cli
@@ -61,7 +61,7 @@ class Node:
         return Executor(static.step, state, self.group, clock=self.clock, fresh_port=lambda: next(PORTS)).run()
 
     def run_elastic(self, store: MemoryStore) -> int:
-        rdzv = rendezvous_for(self.config, store, clock=self.clock, host="h", log=self.group.narrator.say)
+        rdzv = rendezvous_for(self.config, store, clock=self.clock, me=node_id("h"), log=self.group.narrator.say)
         try:
             rdzv.start()
             executor = Executor(

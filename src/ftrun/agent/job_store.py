@@ -163,15 +163,21 @@ def open_job_store(
 
 class StoreSuccession:
     def __init__(
-        self, config: LaunchConfig, store: MovingStore, port: int, retry_deadline_s: float, say: Callable[[str], None]
+        self,
+        config: LaunchConfig,
+        store: MovingStore,
+        port: int,
+        retry_deadline_s: float,
+        say: Callable[[str], None],
+        me: str,
     ) -> None:
-        """``port``: the store's port, where a successor serves it too."""
+        """``port``: the store's port, where a successor serves it too; ``me``: this node's id in the rendezvous."""
         self._config = config
         self._store = store
         self._port = port
         self._deadline_s = retry_deadline_s
         self._say = say
-        self.me = ""  # this node's id, once the rendezvous named it
+        self._me = me
         self.server: TcpStoreServer | None = None  # the store this node took over, if it did
 
     def __call__(self, successor: Head | None) -> None:
@@ -184,7 +190,7 @@ class StoreSuccession:
             self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say))
             return
         where = f"{successor.addr}:{self._port}"
-        if successor.node_id == self.me:
+        if successor.node_id == self._me:
             try:
                 self.server = serve_store(self._config, successor.addr, self._port)
             except OSError as e:

@@ -268,14 +268,14 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
     store = MovingStore(open_job_store(config, url, deadline, narrator.warn))
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
-    succession = StoreSuccession(config, store, port, deadline, narrator.warn)
+    me = node_id(narrator.host)
+    succession = StoreSuccession(config, store, port, deadline, narrator.warn, me)
     liveness = start_liveness(config, narrator)  # its port tells a dead agent from a slow one (a lost successor too)
     try:
         rendezvous = rendezvous_for(
-            config, store, clock=clock, host=narrator.host, log=partial(narrator.say, detail=True),
+            config, store, clock=clock, me=me, log=partial(narrator.say, detail=True),
             warn=narrator.warn, move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
         )  # fmt: skip
-        succession.me = rendezvous.node_id
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
             store.put(Keys.of(config.run_id).store_host, rendezvous.node_id.encode())
         nodes = f"{config.nnodes.min}:{config.nnodes.max}"
@@ -371,19 +371,19 @@ def rendezvous_for(
     store: Store,
     *,
     clock: Clock,
-    host: str,
+    me: str,
     log: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
     move_store: Callable[[Head | None], None] | None = None,
     liveness: Liveness | None = None,
 ) -> Rendezvous:
-    """This node's side of the rendezvous of ``config``'s job (not started)."""
+    """This node's side of the rendezvous of ``config``'s job (not started); ``me``: the node's id (node_id)."""
     conf = config.rdzv.conf
     rules = Rules(
         config.nnodes.min, config.nnodes.max, conf.last_call_timeout_s, conf.join_timeout_s, config.max_restarts
     )
     alive_port = liveness.port if liveness is not None else 0
-    me = Me(node_id(host), config.local_addr or socket.getfqdn(), config.nproc_per_node, alive_port)
+    node = Me(me, config.local_addr or socket.getfqdn(), config.nproc_per_node, alive_port)
     timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
 
     def offer_port() -> int:
@@ -391,7 +391,7 @@ def rendezvous_for(
         return config.master_port or fresh_port_on(clock)
 
     return Rendezvous(
-        store, config.run_id, me, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
+        store, config.run_id, node, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
         # The agents watch each other's connections only where a dead agent's lease outlives it (etcd); the
         # embedded store ties leases to connections already, and uses the listener's port alone (Me).
         move_store=move_store, liveness=None if config.rdzv.embedded_store else liveness,
