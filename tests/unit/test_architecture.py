@@ -8,6 +8,7 @@ TYPE_CHECKING), so a cycle hidden in a function body counts as much as one at th
 from __future__ import annotations
 
 import ast
+import re
 from functools import cache
 from pathlib import Path
 
@@ -380,3 +381,17 @@ def test_the_declared_python_floor_has_every_stdlib_module_ftrun_imports() -> No
     for module, since in NEWER_STDLIB.items():
         if module in imported:
             assert floor >= since, f"{module} needs Python {since}, the project declares {declared}"
+
+
+# Growth discipline (a ratchet: lower these as code is cleaned, never raise them): a line the formatter may not
+# touch, and a value whose type nobody wrote down, are each a small debt; a module near a cap is split by concept.
+MAX_FMT_SKIPS = 43
+MAX_ANY_LINES = 269
+
+
+def test_formatter_escapes_and_untyped_values_do_not_grow() -> None:
+    sources = [p.read_text() for p in modules().values()]
+    skips = sum(text.count("# fmt: skip") for text in sources)
+    untyped = sum(1 for text in sources for line in text.splitlines() if re.search(r"\bAny\b", line))
+    assert skips <= MAX_FMT_SKIPS, f"{skips} '# fmt: skip' in ftrun (at most {MAX_FMT_SKIPS}): let ruff format it"
+    assert untyped <= MAX_ANY_LINES, f"{untyped} lines with Any in ftrun (at most {MAX_ANY_LINES}): type it"

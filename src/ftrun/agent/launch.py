@@ -149,13 +149,17 @@ class NodeParts:
         asked.leave_reasons += [watch.pace.reason_to_leave, self.leave_for]  # --straggler-action exclude, health
         share = config.snapshot_memory // config.nproc_per_node
         return LocalGroup(
-            config, narrator,
+            config,
+            narrator,
             processes=AttemptProcesses(self.spawner, clock, (self.wakeup.fd, *watch.fds)),
-            watch=watch, wakeup=self.wakeup,
+            watch=watch,
+            wakeup=self.wakeup,
             spawning=Spawning(config, narrator.console, clock),
             snapshots=SnapshotKeeper.open(narrator.run_dir.name, narrator.warn, share),
-            pacing=self.pacing, asked=asked, link=link,
-        )  # fmt: skip
+            pacing=self.pacing,
+            asked=asked,
+            link=link,
+        )
 
 
 def serve_metrics(config: LaunchConfig) -> Metrics | None:
@@ -273,9 +277,15 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
     liveness = start_liveness(config, narrator)  # its port tells a dead agent from a slow one (a lost successor too)
     try:
         rendezvous = rendezvous_for(
-            config, store, clock=clock, me=me, log=partial(narrator.say, detail=True),
-            warn=narrator.warn, move_store=succession if config.rdzv.embedded_store else None, liveness=liveness,
-        )  # fmt: skip
+            config,
+            store,
+            clock=clock,
+            me=me,
+            log=partial(narrator.say, detail=True),
+            warn=narrator.warn,
+            move_store=succession if config.rdzv.embedded_store else None,
+            liveness=liveness,
+        )
         if server is not None:  # every node learns who hosts the store: the survivors' successor is another
             store.put(Keys.of(config.run_id).store_host, rendezvous.node_id.encode())
         nodes = f"{config.nnodes.min}:{config.nnodes.max}"
@@ -348,8 +358,11 @@ def start_liveness(config: LaunchConfig, narrator: Narrator) -> Liveness | None:
     try:
         return Liveness().start(addr)
     except OSError as e:
-        lost = "a lost node is noticed by its lease's TTL" if not config.rdzv.embedded_store else (
-            "should this node be lost while it takes the store over, the others cannot pass it over")  # fmt: skip
+        lost = (
+            "a lost node is noticed by its lease's TTL"
+            if not config.rdzv.embedded_store
+            else ("should this node be lost while it takes the store over, the others cannot pass it over")
+        )
         narrator.say(f"cannot listen on {addr} for the other agents ({e}): {lost}")
         return None
 
@@ -391,8 +404,17 @@ def rendezvous_for(
         return config.master_port or fresh_port_on(clock)
 
     return Rendezvous(
-        store, config.run_id, node, rules, timing, clock=clock, offer_port=offer_port, log=log, warn=warn,
+        store,
+        config.run_id,
+        node,
+        rules,
+        timing,
+        clock=clock,
+        offer_port=offer_port,
+        log=log,
+        warn=warn,
         # The agents watch each other's connections only where a dead agent's lease outlives it (etcd); the
         # embedded store ties leases to connections already, and uses the listener's port alone (Me).
-        move_store=move_store, liveness=None if config.rdzv.embedded_store else liveness,
-    )  # fmt: skip
+        move_store=move_store,
+        liveness=None if config.rdzv.embedded_store else liveness,
+    )

@@ -98,8 +98,11 @@ class _Handler(socketserver.BaseRequestHandler):
             self._send(sock, step, rank, theirs)
 
     def _send(self, sock: socket.socket, step: int, rank: int, nonce: str) -> None:
-        found = [p for p in (path_of(self.server.directory, step, rank), peer_path(self.server.directory, step, rank))
-                 if is_whole(p)]  # fmt: skip
+        found = [
+            p
+            for p in (path_of(self.server.directory, step, rank), peer_path(self.server.directory, step, rank))
+            if is_whole(p)
+        ]
         if not found:
             sock.sendall(json.dumps({"size": -1}).encode() + b"\n")
             return
@@ -154,16 +157,21 @@ class SnapshotMirror:
         host, port = self._server.server_address[:2]
         return f"{host!s}:{port}"
 
-    def send_to(self, successor: Callable[[], str | None], ranks: Sequence[int], *, paces: bool = True,
-                every_s: float = 0.2) -> None:  # fmt: skip
+    def send_to(
+        self, successor: Callable[[], str | None], ranks: Sequence[int], *, paces: bool = True, every_s: float = 0.2
+    ) -> None:
         """From now on, copy a step whole on all of ``ranks`` to the mirror ``successor()`` names (None: none
         yet; asked again each time), until :meth:`stop_sending`. The node that ``paces`` the ring (one per
         round) copies its newest; each other node the step the previous node began to copy to it, so that all
         copy the same steps and keep them (:func:`pin`) while copies lag behind the job."""
         self.stop_sending()
         self._stop = stop = threading.Event()
-        self._sending = threading.Thread(target=self._send_loop, args=(successor, list(ranks), paces, every_s, stop),
-                                         name="ftrun-mirror-send", daemon=True)  # fmt: skip
+        self._sending = threading.Thread(
+            target=self._send_loop,
+            args=(successor, list(ranks), paces, every_s, stop),
+            name="ftrun-mirror-send",
+            daemon=True,
+        )
         self._sending.start()
 
     def stop_sending(self) -> None:
@@ -194,8 +202,9 @@ class SnapshotMirror:
         self._server.shutdown()
         self._server.server_close()
 
-    def _send_loop(self, successor: Callable[[], str | None], ranks: list[int], paces: bool, every_s: float,
-                   stop: threading.Event) -> None:  # fmt: skip
+    def _send_loop(
+        self, successor: Callable[[], str | None], ranks: list[int], paces: bool, every_s: float, stop: threading.Event
+    ) -> None:
         _yield_cpu()
         pause = every_s
         while not stop.wait(pause):
