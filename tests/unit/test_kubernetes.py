@@ -127,3 +127,16 @@ def test_pet_standalone_set_empty_by_the_operator_means_standalone(tmp_path: Pat
     """The operator sets PET_STANDALONE to "" for `standalone: true` (torchrun fails on it: int(''))."""
     (tmp_path / "train.py").write_text("print('hi')\n")
     assert cli.parse(["train.py"], {"PET_STANDALONE": ""}, tmp_path).standalone
+
+
+def test_the_jobset_survives_a_lost_pod() -> None:
+    """A node range below the pods' count (the others train on without one), and a Job that replaces a failed pod
+    instead of failing at once (which would recreate every pod of the set)."""
+    js = load("jobset-embedded-store.yaml")
+    [rjob] = js["spec"]["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    [container] = job["template"]["spec"]["containers"]
+    [nnodes] = [a.split("=", 1)[1] for a in container["command"] if a.startswith("--nnodes=")]
+    low, high = (int(n) for n in nnodes.split(":"))
+    assert low < high == job["parallelism"] == job["completions"]
+    assert job["backoffLimit"] >= 1
