@@ -40,6 +40,24 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, script: WriteScript, a
     assert not (tmp_path / "started").exists()
 
 
+def test_a_store_host_that_does_not_resolve_is_waited_for_then_named_with_exit_2(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Said at once (a store's pod may not be in DNS yet: waited for up to join_timeout), then one error line.
+    ".invalid" never resolves (RFC 2606)."""
+    script("w.py", "open('started', 'w').close()\n")
+    endpoint = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29400"]
+    r = run_ftrun(tmp_path, "--nnodes", "2", *endpoint, "--rdzv-conf", "join_timeout=1", "w.py")
+    assert r.returncode == 2, r.stderr
+    waiting = [ln for ln in r.stderr.splitlines() if "no-such-host.invalid does not resolve" in ln]
+    assert len(waiting) == 2, r.stderr  # the wait said once, and the error
+    assert waiting[0].startswith("ftrun: the store's host")
+    assert "join_timeout" in waiting[0]
+    assert waiting[1].startswith("ftrun: error: --rdzv-endpoint: the store's host no-such-host.invalid")
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "started").exists()
+
+
 @pytest.mark.parametrize("nodes", [[], ["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "0"]])
 def test_a_master_port_in_use_is_named_before_anything_starts(
     tmp_path: Path, script: WriteScript, nodes: list[str]

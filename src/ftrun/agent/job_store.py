@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import errno
 import select
+import socket
 import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, FtrunError, StoreError
 from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from ftrun.store.tcp_server import TcpStoreServer
 
 PROBE_S = 2.0  # an ftrun store on this machine greets within milliseconds; silence this long is something else
+NAME_RETRY_S = 1.0  # how often a store's host name that does not resolve yet is asked again
 
 
 def host_store(config: LaunchConfig, narrator: Narrator) -> TcpStoreServer | None:
@@ -143,6 +146,46 @@ def client_tls(config: LaunchConfig) -> ssl.SSLContext | None:
 
     r = config.rdzv
     return client_context(dict(r.conf.etcd)) if r.store and r.store.tls else None
+
+
+def wait_for_names(
+    url: StoreUrl,
+    timeout_s: float,
+    clock: Clock,
+    say: Callable[[str], None],
+    wake_fd: int,
+    interrupted: Callable[[], bool],
+) -> None:
+    """Return once a host of the store's endpoints resolves (etcd: any member will do).
+
+    A name that does not resolve is waited for, up to ``timeout_s`` (the join timeout), and said once: on
+    Kubernetes a pod's name enters DNS only once the pod runs, and the store's pod may start after this one
+    (torchrun waits too). A typo then costs that wait, but the line says what is wrong at once. Past it, or at
+    a signal to ftrun (``wake_fd`` readable, ``interrupted()``), raises ConfigError naming --rdzv-endpoint."""
+    names = ", ".join(dict.fromkeys(host for host, _ in url.endpoints))
+    deadline = clock.monotonic() + timeout_s
+    said = False
+    while True:
+        why = ""
+        for host, port in url.endpoints:
+            try:
+                socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                return
+            except socket.gaierror as e:
+                why = e.strerror or str(e)
+        if clock.monotonic() >= deadline or interrupted():
+            raise ConfigError(
+                "--rdzv-endpoint",
+                f"the store's host {names} does not resolve ({why}; waited {timeout_s:g} s)",
+                "check the name, or give the host's address",
+            )
+        if not said:
+            say(
+                f"the store's host {names} does not resolve ({why}): waiting up to {timeout_s:g} s (join_timeout) "
+                "for it to, as for a store's pod that has not started yet"
+            )
+            said = True
+        select.select([wake_fd], [], [], min(NAME_RETRY_S, max(0.0, deadline - clock.monotonic())))
 
 
 def open_job_store(

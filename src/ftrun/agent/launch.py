@@ -24,7 +24,7 @@ from ftrun.agent.env import Placement, startup_env
 from ftrun.agent.executor import Executor
 from ftrun.agent.group import AttemptListener, LocalGroup
 from ftrun.agent.health import HealthWatch
-from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others
+from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others, wait_for_names
 from ftrun.agent.narrator import Narrator
 from ftrun.agent.pool_pacing import NoPacing, PoolPacing
 from ftrun.agent.snapshots import SnapshotKeeper, snapshot_root
@@ -270,6 +270,8 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
     ttl_s = conf.keep_alive_interval_s * conf.keep_alive_max_attempt
     # Past the lease's TTL an unreachable store means this node is out of the job anyway.
     deadline = conf.read_timeout_s if conf.read_timeout_s is not None else max(ttl_s, 1.0)
+    if server is None:
+        wait_for_names(url, conf.join_timeout_s, clock, narrator.warn, node.wakeup.fd, node.wakeup.arrived)
     store = MovingStore(open_job_store(config, url, deadline, narrator.warn))
     port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
     me = node_id(narrator.host)
