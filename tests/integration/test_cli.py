@@ -25,15 +25,24 @@ from tests.integration.harness import WriteScript, run_ftrun
         (["--log-dir", "/proc/ftrun-logs", "w.py"], "--log-dir"),  # a directory nobody can make
         (["--log-dir", "a-file/logs", "w.py"], "--log-dir"),  # under a file
         (["--nproc-per-node", "2", "w.py"], "PET_MAX_RESTARTS (for --max-restarts)"),  # torchrun's variables named
+        (["--master-port", "70000", "w.py"], "--master-port"),
+        (["--rdzv-backend", "c10d", "--nnodes", "1:2", "--rdzv-endpoint", "host:abc", "w.py"], "--rdzv-endpoint"),
+        (["--snapshot-memory", "10XB", "w.py"], "--snapshot-memory"),
+        (["--hang-timeout", "-5", "w.py"], "--hang-timeout"),
+        (["--config", "missing.toml", "w.py"], "--config"),
+        (["--config", "bad.toml", "w.py"], "hang_timeout in"),  # the key and the file named
+        (["--config", "a-file", "w.py"], "--config"),  # not TOML
+        (["-m", "no.such.module"], "--module"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, script: WriteScript, args: list[str], flag: str) -> None:
     script("w.py", "open('started', 'w').close()\n")
     (tmp_path / "not-exec.sh").write_text("#!/bin/sh\n")
-    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-file").write_text("this is not TOML\n")
+    (tmp_path / "bad.toml").write_text('hang_timeout = "abc"\n')
     r = run_ftrun(tmp_path, *args, env={"PET_MAX_RESTARTS": "-1"} if flag.startswith("PET_") else None)
     assert r.returncode == 2
-    assert r.stderr.startswith(f"ftrun: error: {flag}: ")
+    assert r.stderr.startswith(f"ftrun: error: {flag}")
     assert len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "logs").exists()
