@@ -109,3 +109,6 @@ def test_report_draws_every_node_of_a_multi_node_job(
     assert page.count("attempt 0: start-up") == 2  # a row per node
     assert page.count("attempt 1: training") == 2
     assert page.count("attempt 0 failed: rank 1") == 2  # both nodes tell the same root cause
+    for a in agents:  # two nodes on one host: each row named by its agent too, its whole name on hover
+        assert f"(agent {a.proc.pid})" in page, page
+        assert f"(agent {a.proc.pid}): {a.run_dir}</title>" in page

@@ -24,6 +24,7 @@ WIDTH, ROW, LEFT, TOP, RIGHT = 1200, 72, 180, 56, 190
 COLORS = {"startup": "#b0b0b0", "training": "#3a9d4a", "failure": "#d62728", "node": "#1f5fbf"}
 TICKS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400)
 LABEL_CHARS = 48  # of a cause written on the chart (the whole of it on hover, and in the report)
+LEFT_CHARS = 25  # of a row's name in the column left of the chart, 12 px text in LEFT pixels
 
 
 def write_timeline(histories: Sequence[NodeHistory], out: Path) -> None:
@@ -42,8 +43,8 @@ def page(histories: Sequence[NodeHistory]) -> str:
     shapes: list[str] = []
     height = TOP + len(histories) * ROW + 40
     shapes += _axis(span_s, x(t0), scale, height)
-    for row, h in enumerate(histories):
-        shapes += _row(h, TOP + row * ROW, x)
+    for row, (h, label) in enumerate(zip(histories, row_labels(histories), strict=True)):
+        shapes += _row(h, label, TOP + row * ROW, x)
     legend = " ".join(f'<span style="color:{c}">&#9632;</span> {name}' for name, c in COLORS.items())
     run = html.escape(histories[0].run_id)
     return (
@@ -54,11 +55,29 @@ def page(histories: Sequence[NodeHistory]) -> str:
     )
 
 
-def _row(h: NodeHistory, y: int, x: object) -> list[str]:
+def row_labels(histories: Sequence[NodeHistory]) -> list[str]:
+    """Each row's name: its host, and where several rows share one (agents on one machine) its agent's pid."""
+    hosts = [h.host for h in histories]
+    labels = []
+    for h in histories:
+        pid = h.events[0].data.get("agent_pid") if h.events else None
+        labels.append(f"{h.host} (agent {pid})" if hosts.count(h.host) > 1 and pid else h.host)
+    return labels
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "\u2026"
+
+
+def _row(h: NodeHistory, label: str, y: int, x: object) -> list[str]:
     at = x  # wall -> pixels
     assert callable(at)
-    shapes = [f'<text x="4" y="{y + 17}">{_esc(h.host)}</text>']
-    shapes.append(f'<text x="4" y="{y + 31}" fill="#666" font-size="10">{_esc(h.run_dir.name)}</text>')
+    whole = f"{label}: {h.run_dir}"  # on hover: what the row's column cannot hold
+    shapes = [f'<text x="4" y="{y + 17}">{_esc(_cut(label, LEFT_CHARS))}<title>{_esc(whole)}</title></text>']
+    shapes.append(
+        f'<text x="4" y="{y + 31}" fill="#666" font-size="10">{_esc(_cut(h.run_dir.name, LEFT_CHARS + 6))}'
+        f"<title>{_esc(whole)}</title></text>"
+    )
     for s in h.spans:
         end = s.end if s.end is not None else _end(h)
         stepped = s.first_step if s.first_step is not None else end
