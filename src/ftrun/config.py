@@ -224,12 +224,13 @@ class LaunchConfig:
     cwd: Path
     worker_base_env: Mapping[str, str] = field(repr=False)
     signals_to_handle: frozenset[int] = frozenset({1, 2, 3, 15})  # SIGHUP, SIGINT, SIGQUIT, SIGTERM
-    # In a SLURM step, SIGUSR1/2 not in signals_to_handle: SLURM's warning (--signal=USR1@90), which it sends to
-    # every process of the step, the workers included: ftrun says so and goes on.
-    slurm_warnings: frozenset[int] = frozenset()
-    # In a SLURM step: this node's index in it, and how many times SLURM requeued the job. A requeued start
-    # carries on in the run directory of this node's start before (its attempts, restarts and goodput go on).
-    slurm_node: int | None = None
+    # The batch scheduler's part, where one runs the job (today SLURM, filled by cli/slurm.py):
+    # the signals that warn of an end to come (SLURM's --signal=USR1@90, sent to every process of the step, the
+    # workers included: ftrun says so and goes on); this node's index, stable across requeues; and how many times
+    # the scheduler requeued the job. A requeued start carries on in the run directory of this node's start
+    # before (its attempts, restarts and goodput go on).
+    warning_signals: frozenset[int] = frozenset()
+    node_index: int | None = None
     requeued: int = 0
     virtual_local_rank: bool = False  # LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES = the worker's one GPU
     quiet: bool = False  # LOGLEVEL=WARNING or above: ftrun says only what went wrong, and the summary

@@ -80,7 +80,7 @@ def test_a_step_node_list_that_cannot_be_read_is_named(tmp_path: Path, script: P
 
 def test_in_a_step_slurms_warning_signals_are_only_said_unless_handled(tmp_path: Path, script: Path) -> None:
     """SLURM sends --signal=USR1@90 to every process of the step, the workers too: ftrun does not end the run."""
-    assert cli.parse(["train.py"], STEP, tmp_path).slurm_warnings == {signal.SIGUSR1, signal.SIGUSR2}
+    assert cli.parse(["train.py"], STEP, tmp_path).warning_signals == {signal.SIGUSR1, signal.SIGUSR2}
     handled = cli.parse(["--signals-to-handle", "SIGTERM,SIGUSR1", "train.py"], STEP, tmp_path)
-    assert handled.slurm_warnings == {signal.SIGUSR2}
-    assert cli.parse(["train.py"], {}, tmp_path).slurm_warnings == frozenset()
+    assert handled.warning_signals == {signal.SIGUSR2}
+    assert cli.parse(["train.py"], {}, tmp_path).warning_signals == frozenset()

@@ -311,7 +311,7 @@ class LocalGroup:
     def _signals(self) -> list[Interrupted]:
         """Signals to ftrun since the last call (and torch's timer requests, which share the wake-up)."""
         self._watch.drain()
-        handled, warnings, found = self.config.signals_to_handle, self.config.slurm_warnings, self.wakeup.drain()
+        handled, warnings, found = self.config.signals_to_handle, self.config.warning_signals, self.wakeup.drain()
         for said in filter(None, (signal_notice(s, handled, warnings) for s in found)):
             self.narrator.warn(said)
         self._signals_seen += len(found := [s for s in found if s not in warnings])

@@ -82,7 +82,7 @@ class Narrator:
         for notice in (*c.rdzv.conf.notices, *c.notices):
             self.warn(notice)
         run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}
-        run |= {"slurm_node": c.slurm_node, "requeued": c.requeued} if c.slurm_node is not None else {}
+        run |= {"slurm_node": c.node_index, "requeued": c.requeued} if c.node_index is not None else {}
         self.emit(EventKind.RUN_STARTED, **run, log_dir=str(self.run_dir), agent_pid=os.getpid())
         self.status.update(  # `ftrun status` answers from the first second
             [], lambda local_rank: None, self.events.events, phase="waiting", round_=None,

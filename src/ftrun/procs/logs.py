@@ -319,7 +319,7 @@ def open_run_dir(config: LaunchConfig, carry_on: CarryOn | None = None) -> tuple
     logs, name = config.logs, config.run_id
     if name == "none":
         name = f"{Path(config.entrypoint.target).name.removesuffix('.py') or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if config.requeued and carry_on and (before := carry_on(logs.base_dir, name, config.slurm_node)) is not None:
+    if config.requeued and carry_on and (before := carry_on(logs.base_dir, name, config.node_index)) is not None:
         return before, f"SLURM requeued the job ({config.requeued} time(s)): carrying on in {before}"
     try:
         run_dir = fresh_dir(logs.base_dir / name, shared_base=logs.shared_base)
