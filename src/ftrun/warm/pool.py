@@ -115,11 +115,12 @@ class WarmPool:
     def _launch(self, preload: list[str], *, idle: bool = False) -> None:
         """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
         if not self._off:
-            self._zygotes.append(
-                Zygote.spawn(
-                    self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
-                )
+            zygote = Zygote.spawn(
+                self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
             )
+            if idle and self.holding:  # started during a hold: it stands still with the others (see hold)
+                zygote.pause(True)
+            self._zygotes.append(zygote)
 
     @property
     def preloading(self) -> list[str]:
@@ -163,8 +164,12 @@ class WarmPool:
         self._retired = [proc for proc in self._retired if proc.poll() is None]
         if self._refill.due(self._clock.monotonic()):
             preloading = sum(1 for z in self._zygotes if z.preload and z.ready is None)
-            cold = self._cold and self._restarted  # the first start is when a zygote must get ready for a restart
-            if not policy.held_for_cold_workers(cold, self._cores, self._workers, preloading):
+            # The first start: held only when a zygote is ready to serve a failure meanwhile (the first attempt's).
+            ready = policy.biggest_ready(self._zygotes) is not None
+            cold = self._cold and (self._restarted or ready)
+            # One preloading counts even when none is yet: the workers report their imports as they meet their
+            # peers, and the zygote started for them then would take the same core.
+            if not policy.held_for_cold_workers(cold, self._cores, self._workers, max(preloading, 1)):
                 self.go_on()  # else at the attempt's first step (the agent's call)
             for z in self._zygotes:
                 z.refill()
