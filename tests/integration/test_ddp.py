@@ -11,7 +11,7 @@ from ftrun.testing.etcd import EtcdHarness
 from tests.integration.harness import CONF as ELASTIC_CONF
 from tests.integration.harness import WAIT_S, LiveFtrun, run_ftrun
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("ddp")]  # under xdist: one clean run for the module
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")
 STEPS = ["--steps", "120", "--checkpoint-every", "10"]
 

@@ -184,6 +184,7 @@ def finished(slurm: SlurmCluster, job: str, workdir: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the job's ranks finish their step between SIGTERM and KillWait (5 s): others' load breaks it
 def test_preempted_and_requeued_the_job_checkpoints_on_sigterm_and_resumes_with_nothing_lost(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -80,7 +80,8 @@ def tmux(tmp_path: Path) -> Iterator[Callable[..., Callable[[], str]]]:
             ["tmux", "-L", socket, "new-session", "-d", "-s", "view", "-x", "150", "-y", "40", *command],
             check=True,
             timeout=WAIT_S,
-            env={**os.environ, "TERM": "xterm-256color"},
+            # The terminal's own size, not one a parent set (pytest-xdist's workers have COLUMNS=80, LINES=24).
+            env={**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, "TERM": "xterm-256color"},
         )
 
         def screen() -> str:
