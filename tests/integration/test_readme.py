@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import run_ftrun
+from tests.integration.harness import ftrun_argv, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -69,3 +69,34 @@ def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(t
     assert clean.returncode == 0, clean.stderr[-2000:]
     restored = re.findall(r"checksum (\w+)", r.log(1, 0))
     assert restored == re.findall(r"checksum (\w+)", clean.stdout)[:1] != [], (restored, clean.stdout)
+
+
+DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo"
+
+
+def shape(line: str) -> str:
+    """A console line with what changes between runs left out: paths, numbers (times, pids, steps' losses), and
+    whether the restart was warm (on a busy machine the pool may not be ready by the crash: .ci/run checks it)."""
+    line = re.sub(r"/\S+", "PATH", line).replace(" (warm)", "")
+    return re.sub(r"\d+(\.\d+)?", "N", line).strip()
+
+
+def test_the_readmes_demo_output_is_what_the_demo_prints(tmp_path: Path) -> None:
+    """The lines the README shows for `scripts/demo` are the lines its job prints, no more, no fewer: the demo's
+    ftrun command, run as scripts/demo runs it (without its install)."""
+    text = README.read_text()
+    start = text.index("`scripts/demo` shows the root cause")
+    block = text.index("```\n", start) + 4
+    shown = text[block : text.index("\n```", block)].splitlines()
+    demo = " ".join(ln.strip().rstrip("\\") for ln in DEMO.read_text().splitlines()[-2:])
+    assert demo.startswith('exec "$PYTHON" -m ftrun '), demo
+    args = [a for a in demo.split()[4:] if a != '"$@"']
+    paths = {'"$checkpoints"': str(tmp_path), "examples/train_ddp.py": str(README.parent / "examples/train_ddp.py")}
+    args = [paths.get(a, a) for a in args]
+    proc = subprocess.run(
+        ftrun_argv(tmp_path, *args, run_id=None), cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr
+    printed = [shape(ln) for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    readme = [shape(ln) for ln in shown if not ln.startswith("scripts/demo:")]  # the script's own line
+    assert sorted(readme) == sorted(printed), "\n".join(sorted(set(readme) ^ set(printed)))
