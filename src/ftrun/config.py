@@ -106,12 +106,12 @@ class RdzvConf:
 @dataclass(frozen=True, slots=True)
 class RdzvSpec:
     backend: str
-    endpoint_host: str
-    endpoint_port: int | None
     run_id: str
     conf: RdzvConf
     token: str | None = field(default=None, repr=False)  # shared secret of the embedded store
-    store: StoreUrl | None = None  # where the nodes meet (tcp://HOST:PORT, etcd://...), parsed once; None: static
+    # Where the nodes meet (tcp://HOST:PORT, etcd://...), the endpoint's one form, parsed once from the flags with
+    # the defaults filled in (no endpoint: this machine, port 29400; --standalone: a free port); None: static.
+    store: StoreUrl | None = None
 
     @property
     def embedded_store(self) -> bool:

@@ -93,7 +93,8 @@ def test_torchrun_flags_are_accepted(tmp_path: Path, script: Path) -> None:
     assert c.logs.local_ranks_filter == {0}
     assert c.run_id.startswith("ftrun-")  # --standalone draws its own id, whatever --rdzv-id says (as torchrun)
     assert c.rdzv.backend == "c10d"
-    assert (c.rdzv.endpoint_host, c.rdzv.endpoint_port) == ("localhost", 0)
+    assert c.rdzv.store is not None
+    assert c.rdzv.store.endpoints == (("127.0.0.1", 0),)  # --standalone: this machine, a free port (as torchrun)
     assert c.rdzv.conf.join_timeout_s == 900
     assert c.rdzv.conf.last_call_timeout_s == 5
     assert c.rdzv.conf.keep_alive_max_attempt == 4

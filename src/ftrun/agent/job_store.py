@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, FtrunError, StoreError
-from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback
+from ftrun.node.addresses import is_loopback
 from ftrun.node.ports import is_local_address, listener_of
 from ftrun.observe.events import EventKind
 from ftrun.rendezvous.liveness import refuses
@@ -50,13 +50,14 @@ def host_store(config: LaunchConfig, narrator: Narrator) -> TcpStoreServer | Non
     store; the others find the port taken, and join once the store there has greeted them.
     """
     r = config.rdzv
-    wanted = r.conf.is_host
-    if wanted is None:  # no endpoint host: this machine (one node; the CLI insists on one for more)
-        wanted = config.standalone or not r.endpoint_host or is_local_address(r.endpoint_host)
-    if not r.embedded_store or not wanted:
+    if not r.embedded_store or r.store is None:
         return None
-    host = r.endpoint_host or "127.0.0.1"
-    port = r.endpoint_port if r.endpoint_port is not None else (0 if config.standalone else DEFAULT_STORE_PORT)
+    host, port = r.store.endpoints[0]  # no endpoint given: 127.0.0.1 (one node; the CLI insists on one for more)
+    wanted = r.conf.is_host
+    if wanted is None:
+        wanted = config.standalone or is_local_address(host)
+    if not wanted:
+        return None
     try:
         server = serve_store(config, host, port)
     except OSError as e:

@@ -40,7 +40,6 @@ from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.link import JobLink
 from ftrun.job.peer_relay import job_key
 from ftrun.monitor.watch import WorkerWatch
-from ftrun.node.addresses import DEFAULT_STORE_PORT
 from ftrun.node.health import Verdict
 from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
@@ -273,7 +272,7 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
     if server is None:
         wait_for_names(url, conf.join_timeout_s, clock, narrator.warn, node.wakeup.fd, node.wakeup.arrived)
     store = MovingStore(open_job_store(config, url, deadline, narrator.warn))
-    port = server.port if server is not None else config.rdzv.endpoint_port or DEFAULT_STORE_PORT
+    port = server.port if server is not None else url.endpoints[0][1]  # where a successor serves the store too
     me = node_id(narrator.host)
     succession = StoreSuccession(config, store, port, deadline, narrator.warn, me)
     liveness = start_liveness(config, narrator)  # its port tells a dead agent from a slow one (a lost successor too)

@@ -78,9 +78,8 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
     if a.standalone and a.rdzv_id not in (None, "none"):
         notices.append(f"--rdzv-id {a.rdzv_id} has no effect with --standalone (as in torchrun): the run is {run_id}")
     level = flags.parse_loglevel(environ)
-    host, port = ("", None) if a.rdzv_backend.startswith("etcd") else addresses.parse_endpoint(a.rdzv_endpoint)
     token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)
-    rdzv = cfg.RdzvSpec(a.rdzv_backend, host, port, run_id, conf, token, store)
+    rdzv = cfg.RdzvSpec(a.rdzv_backend, run_id, conf, token, store)
     logs = cfg.LogSpec(
         base_dir=Path(a.log_dir).absolute() if a.log_dir else flags.default_log_dir(),
         shared_base=not a.log_dir,
@@ -184,7 +183,10 @@ def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple
     if a.standalone:
         if nnodes.max != 1:
             raise ConfigError("--standalone", f"is for one node, got --nnodes {a.nnodes}", "drop --standalone")
-        return None
+        if a.rdzv_backend not in ("c10d", "tcp"):
+            return None
+        # As torchrun's: this machine, a free port, whatever the endpoint said.
+        return rdzv_flags.rdzv_store_url(a.rdzv_backend, "127.0.0.1:0", addresses.DEFAULT_STORE_PORT, etcd)
     if not a.rdzv_endpoint and nnodes.max > 1:
         raise ConfigError(
             "--rdzv-endpoint",
