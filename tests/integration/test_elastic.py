@@ -256,10 +256,10 @@ for _ in range(3):
     with ftrun.section("step"):
         time.sleep(0.05 if rank == "0" else 0.2)  # rank 1 (the other node) is slower
     ftrun.heartbeat()
-ftrun.calculate_timeouts(safety_factor=40)
+ftrun.calculate_timeouts(safety_factor=200)
 deadline = time.monotonic() + 120
 while not os.path.exists("release") and time.monotonic() < deadline:  # until the test saw the nodes agree
-    ftrun.heartbeat()  # alive: rank 0's own timeout (40 x 0.05 s) is in force until it hears rank 1's
+    ftrun.heartbeat()  # alive: rank 0's own timeout (200 x 0.05 s: a busy machine's pauses) until it hears rank 1's
     time.sleep(0.01)
 """
 
@@ -275,7 +275,7 @@ def test_nodes_agree_on_calculated_timeouts_through_the_store(nodes: Nodes, scri
         assert a.wait() == 0, a.stderr()
     in_force = [[e for e in a.events() if e["kind"] == "timeouts"][-1]["sections"] for a in agents]
     assert in_force[0] == in_force[1]
-    assert in_force[0]["step"] >= 0.2 * 40
+    assert in_force[0]["step"] >= 0.2 * 200
 
 
 def test_agents_without_a_run_id_meet_as_under_torchrun(
