@@ -117,3 +117,22 @@ def test_a_warm_worker_has_inductors_answers_about_the_machine_as_a_fresh_one_wo
     assert answers["warm"][0] == 1, answers  # asked in the zygote...
     assert answers["fresh"][0] == 0, answers  # ...where a fresh worker asks itself
     assert answers["warm"][1] == answers["fresh"][1], answers
+
+
+ASKED = """
+from torch._inductor import cpu_vec_isa
+print(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_job_that_only_imports_dynamo_is_not_kept_waiting_for_inductors_probes(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """`import torch._dynamo` loads inductor's cpu_vec_isa, but a job that never compiled with inductor (its cache
+    module never loaded) must not wait 1.1 s for a zygote asking: the probes are left to the job."""
+    script("w.py", restarted_warm(ASKED))
+    r = run_ftrun(tmp_path, "--preload", "torch._dynamo", "--max-restarts", "1", "w.py", env=POOL)
+    assert r.returncode == 0, r.stderr
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True]
+    assert r.log(1, 0) == "0\n"  # not asked in the zygote
