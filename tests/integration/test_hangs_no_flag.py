@@ -133,13 +133,17 @@ LONG_S = "10"  # with --hang-timeout 6, the watch found every stuck rank above i
 @pytest.mark.alone  # a child's CPU share is its progress: others' load would starve it
 def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, script: WriteScript) -> None:
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
-    child processes, a slow read, a long sleep on every rank, a job without torch.distributed: each longer than
-    a hang takes to be found, none is one."""
+    child processes, a slow read, a long sleep on every rank: each longer than a hang takes to be found, none is
+    one."""
     r = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "3", str(LOOKS_HUNG), LONG_S, timeout=280)
     assert r.returncode == 0, r.stderr
     assert [e for e in r.events() if e["kind"] == "hang"] == []
     for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "sleep"):
         assert all(f"rank {n} after {phase}" in r.log(0, n) for n in range(3)), phase
+
+
+def test_a_job_without_torch_distributed_that_sleeps_long_is_no_hang(tmp_path: Path, script: WriteScript) -> None:
+    """No collective at all: nothing to wait in, whatever the machine's load (so it runs beside other tests)."""
     script("plain.py", NO_DIST)
     plain = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "2", "plain.py", LONG_S, timeout=120)
     assert plain.returncode == 0, plain.stderr
