@@ -20,6 +20,11 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
     transformers  the job imports transformers and accelerate (SIGKILL)
     helper    the job imports a module that initialises CUDA at import (SIGKILL); ftrun is told to preload it
     nccl      one rank on NCCL (SIGKILL)
+    nccl-crash, nccl-sigkill, nccl-raise  2 ranks on NCCL, one per (stand-in) node: they share GPU 0, each with
+               its own NCCL_HOSTID, so NCCL takes them for two hosts and talks over its socket transport
+    nccl-kernel, nccl-never, nccl-spin  the same 2 ranks, no flag, NCCL's timeout 600 s: rank 1's kernel spins
+               (its host in synchronize()), rank 1 sleeps before the all-reduce, rank 1 loops in Python
+    nccl-slow-ckpt  rank 1 writes a checkpoint slowly for 40 s while rank 0 waits in NCCL: no hang, no restart
 
 Launchers alternate case by case: ftrun as it comes (with --heartbeat-timeout 10: hangs found), and torchrun
 with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here; the cases with
@@ -57,6 +62,8 @@ PHASES = ("start", "imported", "cuda", "pg", "ddp", "step")
 # one rank on NCCL, its kernel spinning with an all-reduce queued behind it, no hang flag
 NCCL_STUCK = {"fault": "gpu-hang-collective", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0}
 NCCL_STUCK |= {"noflag": True, "alone": True}
+NCCL2 = {"gpu": True, "backend": "nccl"}  # 2 ranks sharing GPU 0, a NCCL host each
+NCCL2_NOFLAG = {**NCCL2, "noflag": True, "pg_timeout": 600, "alone": True}
 CASES: dict[str, dict[str, object]] = {
     "crash": {"fault": "exit"},
     "crash-late": {"fault": "exit", "fault_at": 400, "steps": 410},
@@ -71,6 +78,13 @@ CASES: dict[str, dict[str, object]] = {
     "transformers": {"fault": "sigkill", "imports": "transformers,accelerate"},
     "helper": {"fault": "sigkill", "helper": True},
     "nccl": {"fault": "sigkill", "gpu": True, "nproc": 1, "backend": "nccl", "fault_rank": 0},
+    "nccl-crash": {**NCCL2, "fault": "exit"},
+    "nccl-sigkill": {**NCCL2, "fault": "sigkill"},
+    "nccl-raise": {**NCCL2, "fault": "raise"},
+    "nccl-kernel": {**NCCL2_NOFLAG, "fault": "gpu-hang"},
+    "nccl-never": {**NCCL2_NOFLAG, "fault": "hang"},
+    "nccl-spin": {**NCCL2_NOFLAG, "fault": "spin"},
+    "nccl-slow-ckpt": {**NCCL2_NOFLAG, "fault": "slow-ckpt"},
 }
 
 
@@ -82,6 +96,8 @@ class Run:
     recovery_s: float | None = None
     phases_s: dict[str, float] = field(default_factory=dict)  # the restarted workers: phase -> seconds it took
     warm: bool | None = None
+    restarts: int = 0  # ftrun's: the attempts after the first
+    found_s: float | None = None  # ftrun's first hang event, after the fault
     checksum: str | None = None
     wall_s: float = 0.0
     said: list[str] = field(default_factory=list)  # ftrun's console on the hang, the dump
@@ -149,7 +165,12 @@ def run(name: str, launcher: str, workdir: Path, env: dict[str, str], timeout_s:
     if launcher == "ftrun" and events.exists():
         spawned = [json.loads(line) for line in events.read_text().splitlines() if '"worker_spawned"' in line]
         again = [e for e in spawned if e["attempt"] == 1]
-        result.warm = bool(again) and all(e["warm"] for e in again)
+        result.warm = all(e["warm"] for e in again) if again else None
+        result.restarts = max((int(e["attempt"]) for e in spawned), default=0)
+        hangs = [json.loads(line) for line in events.read_text().splitlines() if '"kind":"hang"' in line]
+        faulted = [float(r["wall"]) for r in records if r["event"] == "fault"]  # type: ignore[arg-type]
+        if hangs and faulted:
+            result.found_s = float(hangs[0]["wall"]) - faulted[0]
     if launcher == "ftrun":
         console = (workdir / "launcher.log").read_text(errors="replace").splitlines()
         result.said = [line for line in console if any(w in line for w in SAID)][:6]
@@ -238,6 +259,8 @@ def describe(runs: list[Run], reference: str | None) -> str:
     cold = f"{r.cold_start_s:6.2f} s" if r.cold_start_s is not None else "    n/a"
     phases = " ".join(f"{p} {s:.2f}" for p, s in r.phases_s.items())
     warm = "" if r.warm is None else (" warm" if r.warm else " COLD")
+    warm += f" hang found {r.found_s:.1f} s after the fault" if r.found_s is not None else ""
+    warm += f" restarts {r.restarts}" if r.launcher == "ftrun" else ""
     same = (
         ""
         if reference is None or r.checksum is None
@@ -303,7 +326,8 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
             # each run's console, events and timeline, to read what the figures do not say
-            subprocess.run(["tar", "czf", str(out / "runs.tgz"), "-C", tmp, "--exclude=*.pt", "."], check=False)
+            big = ["--exclude=*.pt", "--exclude=*.slow"]  # checkpoints
+            subprocess.run(["tar", "czf", str(out / "runs.tgz"), "-C", tmp, *big, "."], check=False)
 
 
 def summary(results: list[Run]) -> None:

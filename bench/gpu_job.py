@@ -10,6 +10,12 @@ group, DDP), each step, and the fault. On the first attempt rank --fault-rank, a
     hang       sleeps in Python          gpu-hang  a GPU kernel that spins while the host waits in synchronize()
     gpu-hang-collective  the spinning kernel, then an all-reduce queued behind it (the process group's
                watchdog times that collective out)
+    spin       loops in Python for ever  slow-ckpt  writes a "checkpoint" slowly for 40 s, then goes on
+    assert     a device-side assert      illegal   an illegal memory access (a kernel writes to address 8)
+    oom        asks for more memory than the GPU has                remote    enqueues an all-reduce, then SIGKILL
+
+On NCCL, ranks that share one GPU each get their own NCCL_HOSTID: NCCL refuses two ranks on one device of one
+host, and with a host each they talk over its socket transport, as two nodes would.
 
 --imports adds modules the job imports (transformers, accelerate); --helper imports ``gpuhelper``, a module
 next to this one that initialises CUDA at import (``cuInit``), as some libraries do.
@@ -39,7 +45,8 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
-    faults = ["none", "exit", "sigkill", "raise", "hang", "gpu-hang", "gpu-hang-collective"]
+    faults = ["none", "exit", "sigkill", "raise", "hang", "gpu-hang", "gpu-hang-collective", "spin", "slow-ckpt"]
+    faults += ["assert", "illegal", "oom", "remote"]
     p.add_argument("--fault", choices=faults, default="none")
     p.add_argument("--fault-at", type=int, default=20)
     p.add_argument("--fault-rank", type=int, default=1)
@@ -74,6 +81,9 @@ def main() -> None:
     record("cuda")
     timeout = timedelta(seconds=a.pg_timeout)
     if a.backend == "nccl":
+        if cuda and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+            os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-{os.environ.get('LOCAL_RANK', '0')}"
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the "hosts" meet on this one
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group(a.backend, timeout=timeout)
@@ -90,7 +100,7 @@ def main() -> None:
         start = state["step"]
     for step in range(start, a.steps):
         if attempt == 0 and rank == a.fault_rank and step == a.fault_at and a.fault != "none":
-            inject(a.fault, step, record, cuda)
+            inject(a.fault, step, record, cuda, a.checkpoint)
         gen = torch.Generator().manual_seed(step * 100 + rank)
         x, y = torch.randn(64, 256, generator=gen).to(device), torch.randn(64, 16, generator=gen).to(device)
         opt.zero_grad()
@@ -112,8 +122,24 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def inject(fault: str, step: int, record: object, cuda: bool) -> None:
+def inject(fault: str, step: int, record: object, cuda: bool, checkpoint: str) -> None:
     record("fault", fault=fault)  # type: ignore[operator]
+    if fault == "slow-ckpt":  # looks hung to the other ranks, waiting in the next all-reduce: it is not
+        with open(checkpoint + ".slow", "wb") as f:
+            end = time.time() + 40
+            while time.time() < end:
+                f.write(os.urandom(64 << 10))
+                f.flush()
+                time.sleep(0.2)
+        return
+    if fault == "spin":
+        while True:
+            sum(i * i for i in range(10_000))
+    if cuda and fault in ("assert", "illegal", "oom"):
+        cuda_error(fault)
+    if fault == "remote":
+        dist.all_reduce(torch.ones(1, device="cuda:0" if cuda else "cpu"))
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault == "exit":
         os._exit(1)
     if fault == "sigkill":
@@ -128,6 +154,23 @@ def inject(fault: str, step: int, record: object, cuda: bool) -> None:
         dist.all_reduce(torch.ones(1, device="cuda:0"))  # queued behind the kernel: never completes
         torch.cuda.synchronize()
     time.sleep(3600)
+
+
+def cuda_error(fault: str) -> None:
+    """A CUDA error as jobs meet them: the process raises it at its next synchronisation."""
+    if fault == "assert":
+        x = torch.zeros(4, device="cuda:0")
+        x[torch.tensor([10], device="cuda:0")] = 1.0
+        torch.cuda.synchronize()
+    if fault == "illegal":
+        import cupy  # type: ignore[import-not-found]
+
+        poke = cupy.RawKernel(r'extern "C" __global__ void poke(int* p) { *p = 1; }', "poke")
+        poke((1,), (1,), (cupy.uint64(8),))  # address 8: never mapped
+        torch.cuda.synchronize()
+    if fault == "oom":
+        _free, total = torch.cuda.mem_get_info()
+        torch.empty(total + (8 << 30), dtype=torch.uint8, device="cuda:0")
 
 
 if __name__ == "__main__":
