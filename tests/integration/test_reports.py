@@ -183,3 +183,53 @@ def test_a_plain_ddp_scripts_exception_is_in_the_root_cause_every_time_on_a_busy
         for p in busy:
             p.kill()
             p.wait()
+
+
+H200 = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h200"
+REPLAY = """
+import os, signal, sys, time
+
+rank, case = int(os.environ["RANK"]), sys.argv[1]
+with open(os.path.join(case, f"rank{rank}.stderr")) as f:
+    text = f.read()
+if rank == int(sys.argv[2]):  # the rank that failed on the GPU, as it failed there
+    time.sleep(0.5)
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    os.kill(os.getpid(), int(sys.argv[3])) if sys.argv[3] != "0" else os._exit(1)
+sys.stderr.write(text)
+sys.stderr.flush()
+time.sleep(120)
+"""
+# case: (the rank that failed, how it ended: a signal or 0 for exit 1, the words its root cause names)
+GPU_CASES = {
+    "device-assert": (1, 0, "cuda      : a device-side assert in a CUDA kernel at IndexKernel.cu:111"),
+    "illegal-address": (1, 0, "cuda      : an illegal memory access in a CUDA kernel"),
+    "out-of-memory": (1, 0, "cuda      : CUDA out of memory on GPU 0: asked for 147.80 GiB with 128.93 GiB free"),
+    "nccl-timeout": (0, 6, "nccl      : NCCL's watchdog timed out ALLREDUCE #11 (139792 elements): it ran 10.1 s"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_cuda_and_nccl_errors_are_named_in_the_root_cause(tmp_path: Path, script: WriteScript, case: str) -> None:
+    """What two NCCL ranks printed on an H200, replayed by two real processes: the rank that failed first is
+    the root cause, its error named, and the NCCL error the other met after it is listed after it."""
+    failed, how, named = GPU_CASES[case]
+    script("replay.py", REPLAY)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "replay.py", str(H200 / case), str(failed), str(how))
+    assert r.returncode == 1
+    root = r.stderr[r.stderr.index("ROOT CAUSE") :]
+    assert root.startswith(f"ROOT CAUSE  rank {failed} ")
+    assert named in root
+    report = r.report(0)
+    assert report["root_cause"]["gpu_error"]["kind"] == case  # type: ignore[index]
+    if case in ("device-assert", "illegal-address"):
+        assert "hint: CUDA reports a kernel's error at the next synchronisation" in root
+        assert "rerun with CUDA_LAUNCH_BLOCKING=1" in root
+    if case != "nccl-timeout":
+        stopped = root[root.index("STOPPED BY FTRUN rank 0") :]
+        assert "after the root cause: NCCL remote error in ALLREDUCE #11" in stopped
+    again = subprocess.run(
+        [sys.executable, "-m", "ftrun", "report", str(r.run_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert named in again.stdout  # the report read back from its file names it too

@@ -35,6 +35,7 @@ PURE = [
     "ftrun.monitor.collectives",
     "ftrun.worker.snapshot_budget",
     "ftrun.agent.snapshot_plan",
+    "ftrun.observe.gpu_errors",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import ErrorFileError
+from ftrun.observe.gpu_errors import GpuError, diagnose
 from ftrun.private import write_atomically
 from ftrun.procs.logs import tail_lines
 from ftrun.procs.workers import Worker, WorkerState
@@ -27,6 +28,7 @@ from ftrun.worker.errorfile import ErrorRecord, read_error_file
 
 STDERR_TAIL_LINES = 20
 STDOUT_TAIL_LINES = 10  # shown when a worker wrote nothing to stderr: its last words may be on stdout
+READ_LINES, READ_BYTES = 400, 256 << 10  # of stderr, read for the error that ended it (teardown warnings follow)
 MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 # The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
@@ -61,6 +63,7 @@ class WorkerOutcome:
     last_error: str | None = None  # the last exception line in its stderr (a stopped rank's secondary error)
     oom_killed: bool = False  # the kernel counted an out-of-memory kill while this attempt ran
     flight_recorder: str | None = None  # torch's dump of its flight recorder at a process group's timeout
+    gpu_error: GpuError | None = None  # the CUDA or NCCL error its stderr shows
 
     @property
     def how(self) -> str:
@@ -81,7 +84,7 @@ class WorkerOutcome:
     def cause(self) -> str:
         """How it ended, and the error it ended with: from its error file, else the last exception line in its
         stderr (a script that never called @record: `ModuleNotFoundError: No module named 'x'`)."""
-        headline = self.error.headline if self.error else self.last_error
+        headline = self.gpu_error.what if self.gpu_error else self.error.headline if self.error else self.last_error
         return f"{self.how}: {headline}" if headline else self.how
 
     def summary(self) -> str:
@@ -108,7 +111,9 @@ class FailureReport:
 def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcome:
     error: ErrorRecord | None = None
     problem: str | None = None
-    stderr_tail = tuple(tail_lines(worker.paths.stderr, STDERR_TAIL_LINES))
+    read = tail_lines(worker.paths.stderr, READ_LINES, READ_BYTES)
+    gpu = diagnose(read)
+    stderr_tail = shown_tail(read, gpu)
     try:
         error = read_error_file(worker.paths.error_file)
     except ErrorFileError as e:
@@ -140,7 +145,23 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         last_error=_last_error(stderr_tail),
         oom_killed=oom_killed,
         flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
+        gpu_error=gpu,
     )
+
+
+def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
+    """The last lines of a worker's stderr to show, or, when the error that ended it came earlier (torch's
+    teardown warnings follow a CUDA error by the dozen), the traceback that holds it."""
+    tail = tuple(lines[-STDERR_TAIL_LINES:])
+    end = gpu.line if gpu is not None and gpu.line >= 0 else None
+    if end is None or end >= len(lines) - STDERR_TAIL_LINES:
+        return tail
+    starts = [i for i in range(max(0, end - 60), end + 1) if "Traceback (most recent call last)" in lines[i]]
+    start = starts[-1] if starts else max(0, end - 4)
+    stop = end + 1
+    while stop < min(len(lines), end + 7) and lines[stop].strip():  # the message's own lines that follow
+        stop += 1
+    return (*lines[start:stop], f"... and {len(lines) - stop} more lines (in stderr.log)")
 
 
 def _last_error(tail: Sequence[str]) -> str | None:
@@ -168,6 +189,7 @@ def outcome_from_json(record: Mapping[str, Any]) -> WorkerOutcome:
         values = {k: v for k, v in record.items() if k in fields}
         values.update(
             error=ErrorRecord(**error) if isinstance(error, dict) else None,
+            gpu_error=GpuError(**gpu) if isinstance(gpu := record.get("gpu_error"), dict) else None,
             stderr_tail=tuple(record.get("stderr_tail") or ()),
             stdout_tail=tuple(record.get("stdout_tail") or ()),
             exit_mono=None,
@@ -248,6 +270,8 @@ def oom_kills() -> int | None:
 
 
 def _hint(root: WorkerOutcome, port: int) -> str | None:
+    if root.gpu_error is not None and root.gpu_error.hint:
+        return root.gpu_error.hint
     text = "\n".join([*root.stderr_tail, root.error.message if root.error else ""])
     if _PORT_IN_USE.search(text):
         return (
@@ -295,7 +319,8 @@ def render(report: FailureReport) -> str:
         lines.append(f"  error: {r.error.headline}")
     if not (r.error and r.error.traceback) and not r.stacks:
         if r.stderr_tail:
-            lines.append(f"  last {len(r.stderr_tail)} lines of stderr:")
+            cut = r.stderr_tail[-1].startswith("... and ")  # shown_tail's traceback, teardown noise after it
+            lines.append("  stderr, from the traceback:" if cut else f"  last {len(r.stderr_tail)} lines of stderr:")
             lines += ["    " + line for line in r.stderr_tail]
         elif r.stdout_tail:
             lines.append(f"  nothing on stderr; last {len(r.stdout_tail)} lines of stdout:")
@@ -310,17 +335,32 @@ def render(report: FailureReport) -> str:
     lines += _recorder_lines(r)
     for o in report.other_failures:
         lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
+        if o.gpu_error:
+            lines.append(f"  {o.gpu_error.what}")
         lines.append(f"  logs: {o.stderr_log}")
         lines += _recorder_lines(o)
     for o in report.stopped_by_ftrun:
-        lines.append(f"STOPPED BY FTRUN {_who(o)}: {o.how}")
-        where = o.waiting_in
-        if where:
-            lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
-        elif o.last_error:
-            lines.append(f"  a secondary error, after the root cause: {o.last_error[:160]} (in {o.stderr_log})")
+        lines += _stopped_lines(o)
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _stopped_lines(o: WorkerOutcome) -> list[str]:
+    """A rank ftrun stopped for the root cause: what it waited in, or the error it met after it."""
+    lines = [f"STOPPED BY FTRUN {_who(o)}: {o.how}"]
+    where = o.waiting_in
+    if where:
+        lines.append(f"  it was waiting for its peers: {where} (stacks in {o.stderr_log})")
+    if o.gpu_error:
+        lines.append(f"  after the root cause: {o.gpu_error.what} (in {o.stderr_log})")
+    elif o.last_error and not where:
+        lines.append(f"  a secondary error, after the root cause: {o.last_error[:160]} (in {o.stderr_log})")
+    return lines
+
+
+def _gpu_field(gpu: GpuError) -> str:
+    """A field beside torchrun's ("  exitcode  : 1"): nccl or cuda."""
+    return f"{'nccl' if gpu.kind.startswith('nccl') else 'cuda':<10}"
 
 
 def _torchrun_fields(r: WorkerOutcome) -> list[str]:
@@ -350,6 +390,8 @@ def _root_lines(report: FailureReport) -> list[str]:
     else:
         lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
         lines += [*_torchrun_fields(r), *([f"  why this rank: {r.why}"] if r.why else [])]
+        if r.gpu_error:
+            lines.append(f"  {_gpu_field(r.gpu_error)}: {r.gpu_error.what}")
         found = "hung"
     if r.stacks:
         lines.append(f"  stacks of all threads when it was found {found}:")
