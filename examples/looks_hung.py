@@ -6,7 +6,8 @@
 2. an evaluation on every rank: no collective until it ends;
 3. rank 1 compiles: the work happens in child processes while its main thread waits;
 4. rank 2 reads slowly from a slow source (a pipe that trickles);
-5. a long sleep between epochs, on every rank.
+5. rank 0 loads a batch slowly through torch's DataLoader, its dataset computing in Python (no workers);
+6. a long sleep between epochs, on every rank.
 Every rank meets the others in an all-reduce after each phase and prints "rank N after PHASE".
 """
 
@@ -63,6 +64,22 @@ if rank == 2:  # reading slowly from a slow disk (a pipe that trickles)
         pass
     feeder.wait()
 meet("slow read")
+
+
+class Slow(torch.utils.data.Dataset):  # each item computed in Python, the whole batch taking LONG_S
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        end = time.time() + LONG_S / 4
+        while time.time() < end:
+            sum(j * j for j in range(1000))
+        return torch.ones(2)
+
+
+if rank == 0:
+    next(iter(torch.utils.data.DataLoader(Slow(), batch_size=4, num_workers=0)))
+meet("slow batch")
 
 time.sleep(LONG_S)  # a long sleep between epochs, on every rank
 meet("sleep")

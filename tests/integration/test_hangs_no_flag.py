@@ -42,7 +42,12 @@ def blocked_on_a_fifo():
 def in_a_collective_of_another_group():
     dist.all_reduce(torch.ones(4), group=pair)  # rank 2 is in the default group's all-reduce: never comes
 
+def in_a_python_loop():
+    while True:  # a whole core busy, its stack never leaving these lines
+        sum(i * i for i in range(10_000))
+
 WAYS = [(1, asleep), (2, in_c_holding_the_gil), (3, blocked_on_a_fifo), (3, in_a_collective_of_another_group)]
+WAYS += [(1, in_a_python_loop)]
 t = torch.ones(1024)
 for step in range(12):
     if attempt < len(WAYS) and step == 5 and rank == WAYS[attempt][0]:
@@ -59,6 +64,7 @@ CULPRITS = [
     (2, "in_c_holding_the_gil"),
     (3, "blocked_on_a_fifo"),
     (3, "in_a_collective_of_another_group"),
+    (1, "in_a_python_loop"),
 ]
 
 
@@ -66,12 +72,12 @@ CULPRITS = [
 def test_a_rank_stuck_any_way_before_an_all_reduce_is_named_by_the_collective(
     tmp_path: Path, script: WriteScript
 ) -> None:
-    """Four attempts, each with a culprit stuck another way (the last one with every rank's stack inside a
-    collective); with no hang flag, each is found, named as the rank that never entered all_reduce #6 that the
-    other ranks entered, and the job restarts; the fifth attempt finishes."""
+    """Five attempts, each with a culprit stuck another way (the fourth with every rank's stack inside a
+    collective, the fifth spinning in Python); with no hang flag, each is found, named as the rank that never
+    entered all_reduce #6 that the other ranks entered, and the job restarts; the sixth attempt finishes."""
     script("w.py", STUCK)
     os.mkfifo(tmp_path / "never-written")
-    r = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "4", "--max-restarts", "4", "w.py", "never-written", timeout=280)
+    r = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "4", "--max-restarts", "5", "w.py", "never-written", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "--no-hang-detection turns this off" in r.stderr
     assert "is deprecated" not in r.stderr  # the recorder set under torch's current names: no warning per worker
@@ -87,7 +93,7 @@ def test_a_rank_stuck_any_way_before_an_all_reduce_is_named_by_the_collective(
         assert re.search(said, root["hang"]), root["hang"]
         assert way in root["stacks"], root["stacks"]
         assert f"rank {rank} stuck: {way}" in r.log(attempt, rank)
-    assert sorted(line for n in range(4) for line in r.log(4, n).splitlines() if "done" in line) == [
+    assert sorted(line for n in range(4) for line in r.log(5, n).splitlines() if "done" in line) == [
         f"rank {n} done" for n in range(4)
     ]
 
@@ -133,12 +139,12 @@ LONG_S = "10"  # with --hang-timeout 6, the watch found every stuck rank above i
 @pytest.mark.alone  # a child's CPU share is its progress: others' load would starve it
 def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, script: WriteScript) -> None:
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
-    child processes, a slow read, a long sleep on every rank: each longer than a hang takes to be found, none is
-    one."""
+    child processes, a slow read, a slow batch of torch's DataLoader computed in Python, a long sleep on every
+    rank: each longer than a hang takes to be found, none is one."""
     r = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "3", str(LOOKS_HUNG), LONG_S, timeout=280)
     assert r.returncode == 0, r.stderr
     assert [e for e in r.events() if e["kind"] == "hang"] == []
-    for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "sleep"):
+    for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "slow batch", "sleep"):
         assert all(f"rank {n} after {phase}" in r.log(0, n) for n in range(3)), phase
 
 

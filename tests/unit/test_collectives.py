@@ -216,3 +216,46 @@ def test_the_members_missing_from_a_collective_are_suspects_before_a_collective_
     assert culprits(watched, {1: (8.0, False)}, summaries, 100.0, Patience(10.0)) == []  # not quiet long enough
     assert culprits(watched, {1: (12.0, False)}, summaries, 84.0, Patience(10.0)) == []  # others waited 4 s only
     assert suspects([], Patience(10.0)) is None
+
+
+def test_a_stack_that_only_comes_back_to_the_same_places_is_a_loop() -> None:
+    from ftrun.worker.collectives import Places
+
+    places = Places(0.0)
+    spin = ((("job.py", 10),), (("<genexpr>", 10), ("job.py", 10)))
+    for t in range(1, 30):
+        places.add(spin[t % 2], float(t))
+    assert places.since == 0.0  # round the same two places for 30 s
+    for t, line in enumerate(range(20, 24), start=30):  # new places: working its way through something
+        places.add((("job.py", line),), float(t))
+    assert places.since == 31.0  # the fourth place
+
+
+def test_a_slow_data_loader_is_never_a_loop() -> None:
+    from ftrun.worker.collectives import Places
+
+    places = Places(0.0)
+    batch = (("dataset.py", 7), ("/site-packages/torch/utils/data/_utils/fetch.py", 52), ("train.py", 30))
+    for t in range(1, 30):
+        places.add(batch, float(t))
+    assert places.since == 29.0
+
+
+def test_cpu_time_going_round_a_loop_is_no_progress() -> None:
+    progress = Progress()
+    looping = rank(1, [], read_at=130.0, stack_since=129.0)
+    looping = RankCollectives(1, 130.0, 129.0, looping.where, (), loop_from=100.0)
+    assert looping.looping
+    for t in (100.0, 110.0, 130.0):
+        progress.add(1, Sample(t, main_cpu_s=t, other_cpu_s=0.0, io_bytes=0, stopped=False), "w.py:3", looping=True)
+    assert progress.quiet_since(looping, 130.0) == 100.0  # a whole core busy, yet quiet for 30 s
+    busy = Progress()
+    for t in (100.0, 110.0, 130.0):
+        busy.add(1, Sample(t, main_cpu_s=t, other_cpu_s=0.0, io_bytes=0, stopped=False), "w.py:3")
+    assert busy.quiet_since(looping, 130.0) == 130.0  # the same CPU time outside a loop: progress
+
+
+def test_a_summary_without_loops_reads_as_before() -> None:
+    r = rank(2, [], read_at=130.0, stack_since=100.0)
+    assert r.new_place_since == 100.0
+    assert not r.looping

@@ -84,6 +84,18 @@ class RankCollectives:
     stack_since: float  # wall time its main thread's stack last changed
     where: str  # its main thread's innermost frame, file:line
     groups: tuple[Group, ...]
+    loop_from: float | None = None  # wall time since which its stack only came back to the same few places
+
+    @property
+    def new_place_since(self) -> float:
+        """When its stack last reached a place it had not been to lately (as its stack changing, where the
+        worker's watcher says nothing of loops)."""
+        return self.stack_since if self.loop_from is None else self.loop_from
+
+    @property
+    def looping(self) -> bool:
+        """Its stack moved, but only round the same few places, since it last reached a new one."""
+        return self.new_place_since < self.stack_since
 
     @classmethod
     def unseen(cls, rank: int) -> RankCollectives:
@@ -105,7 +117,8 @@ class RankCollectives:
                 )
                 for n, d, e, f, x in doc["g"]
             )
-            return cls(rank, float(doc["t"]), float(doc["s"]), str(doc["w"]), groups)
+            since = float(doc["s"])
+            return cls(rank, float(doc["t"]), since, str(doc["w"]), groups, float(doc.get("l", since)))
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise ValueError(f"an unreadable summary of collectives: {e!r}") from None
 
@@ -243,7 +256,8 @@ class Progress:
         self._last: dict[int, Sample] = {}
         self._moved: dict[int, float] = {}  # rank -> wall time of its last sign of CPU or I/O progress
 
-    def add(self, rank: int, sample: Sample, where: str) -> None:
+    def add(self, rank: int, sample: Sample, where: str, looping: bool = False) -> None:
+        """``looping``: its main thread goes round a loop it never leaves; its CPU time then is no progress."""
         last = self._last.get(rank)
         self._last[rank] = sample
         if last is None:
@@ -251,7 +265,7 @@ class Progress:
             return
         dt = sample.at - last.at
         spins = any(w in where for w in SPIN_WAITS)
-        main_busy = sample.main_cpu_s - last.main_cpu_s > BUSY_SHARE * dt and not spins
+        main_busy = sample.main_cpu_s - last.main_cpu_s > BUSY_SHARE * dt and not (spins or looping)
         busy = main_busy or sample.other_cpu_s - last.other_cpu_s > OTHERS_BUSY_SHARE * dt
         moving_io = sample.io_bytes - last.io_bytes > IO_BUSY_BYTES_PER_S * dt
         if not sample.stopped and (busy or moving_io):
@@ -262,10 +276,11 @@ class Progress:
             del self._last[rank], self._moved[rank]
 
     def quiet_since(self, r: RankCollectives, now: float) -> float:
-        """When ``r`` last moved: its stack changed (when its watcher still reads it), or its CPU or I/O did."""
+        """When ``r`` last moved: its stack reached a new place (when its watcher still reads it), or its CPU or
+        I/O did."""
         moved = self._moved.get(r.rank, now)
         if now - r.read_at <= STALE_S:
-            moved = max(moved, r.stack_since)
+            moved = max(moved, r.new_place_since)
         return moved
 
 

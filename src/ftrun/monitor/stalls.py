@@ -102,7 +102,7 @@ class StallWatch:
             if sample is None:
                 quiet[w.rank] = None
                 continue
-            self._progress.add(w.rank, sample, r.where)
+            self._progress.add(w.rank, sample, r.where, looping=r.looping and now - r.read_at <= STALE_S)
             quiet_s = now - self._progress.quiet_since(r, now)
             quiet[w.rank] = (quiet_s, sample.stopped)
             where = r.where if now - r.read_at <= STALE_S else ""

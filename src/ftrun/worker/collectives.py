@@ -30,7 +30,31 @@ MAX_GROUPS = 8  # the groups with the latest collectives are kept (a job with hu
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
                 "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16}  # fmt: skip
 
+LOOP_PLACES = 3  # a main thread whose stack only comes back to this many places goes round one loop
+# Long work that goes round a loop in Python and does end: a batch of a slow dataset, a compile's tracing, a
+# checkpoint's serialisation. A stack through these is never taken for a loop that never leaves.
+LONG_WORK: tuple[str, ...] = ("torch/utils/data/", "torch/_dynamo/", "torch/_inductor/", "torch/serialization.py")
+LONG_WORK += ("torch/distributed/checkpoint/",)
+
 _started = False
+
+
+class Places:
+    """PURE: since when the main thread's stack has only come back to the same few places. A rank spinning in
+    Python (``while not ready: ...``) changes its stack every second yet never leaves its loop; one working its
+    way through a step, a compile or a data loader keeps reaching new places."""
+
+    def __init__(self, now: float) -> None:
+        self._seen: set[tuple[tuple[str, int], ...]] = set()
+        self.since = now
+
+    def add(self, stack: tuple[tuple[str, int], ...], now: float) -> None:
+        if any(w in f for f, _ in stack for w in LONG_WORK):
+            self._seen, self.since = {stack}, now
+        elif stack not in self._seen:
+            self._seen.add(stack)
+            if len(self._seen) > LOOP_PLACES:
+                self._seen, self.since = {stack}, now
 
 
 def watch(publish: Callable[[bytes], None]) -> None:
@@ -46,6 +70,7 @@ def _run(publish: Callable[[bytes], None]) -> None:
     main = threading.main_thread().ident
     stack: tuple[tuple[str, int], ...] = ()
     stack_since = time.time()
+    places = Places(stack_since)
     published = False
     while True:
         time.sleep(POLL_S if published else POLL_S / 10)  # the first summary as soon as the group is made
@@ -57,8 +82,10 @@ def _run(publish: Callable[[bytes], None]) -> None:
         seen = tuple(_frames(frame))
         if seen != stack:
             stack, stack_since = seen, now
+        places.add(seen, now)
         where = f"{seen[0][0]}:{seen[0][1]}" if seen else ""
-        publish(json.dumps(summary(record, now, stack_since, where), separators=(",", ":")).encode())
+        doc = summary(record, now, stack_since, where) | {"l": round(places.since, 3)}
+        publish(json.dumps(doc, separators=(",", ":")).encode())
         published = True
 
 
@@ -105,7 +132,8 @@ def summary(record: dict[str, Any], now: float, stack_since: float, where: str) 
 
     ``g``: per group ``[name, description, entered, finished, in flight]``, the latest entered first; in flight:
     ``[seq, op, bytes, since]`` of the oldest collective entered and not finished, or None. ``t``: when read;
-    ``s``: when the main thread's stack last changed; ``w``: its innermost frame.
+    ``s``: when the main thread's stack last changed; ``w``: its innermost frame. (The watcher adds ``l``: since
+    when the stack has only come back to the same few places, :class:`Places`.)
     """
     flying: dict[str, list[Any]] = {}
     descriptions: dict[str, str] = {}
