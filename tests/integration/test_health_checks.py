@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from ftrun.testing import nvml_driver
 from tests.integration.harness import CONF, WAIT_S, LiveFtrun, run_ftrun
 
 JOB = """
@@ -101,3 +104,47 @@ def test_a_wake_up_that_comes_after_the_agents_loop_does_not_end_it() -> None:
     )
     r = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=WAIT_S)
     assert (r.returncode, r.stdout) == (0, "still here\n"), r.stderr
+
+
+BREAKS = """
+import os, sys, time
+env = os.environ
+print(f"up rank={env['RANK']} world={env['WORLD_SIZE']} restart={env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+if env.get("NVML_STANDIN_STATE") and env["TORCHELASTIC_RESTART_COUNT"] == "0":  # the node whose GPU breaks
+    time.sleep(1)
+    with open(env["NVML_STANDIN_STATE"], "w") as f:
+        f.write("ecc 1")
+    sys.stderr.write(
+        "[rank1]: torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered\\n"
+        "[rank1]: Search for `cudaErrorECCUncorrectable' in https://docs.nvidia.com/cuda/cuda-runtime-api/"
+        "group__CUDART__TYPES.html for more information.\\n"
+    )
+    sys.exit(1)
+time.sleep(600)
+"""
+
+
+def test_a_gpu_that_breaks_keeps_its_node_out_of_the_next_round(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    """A worker's CUDA error says its GPU is in doubt (an uncorrectable ECC error): with no --health-check,
+    its node checks the GPU through NVML (a stand-in driver here, which now counts the error) before the next
+    attempt, fails, and leaves; the other node goes on alone."""
+    reason = nvml_driver.available()
+    if reason:
+        pytest.skip(reason)
+    nvml = nvml_driver.build(tmp_path / "nvml")
+    flags = [*agents(tmp_path, own_tcp_server), "--rdzv-conf", f"{CONF},is_host=false"]
+    (tmp_path / "w.py").write_text(BREAKS)
+    a = LiveFtrun(tmp_path, *flags, "w.py", name="a", run_id="gpu")
+    breaks = {"LD_LIBRARY_PATH": str(nvml), nvml_driver.STATE: str(tmp_path / "gpu-state")}
+    b = LiveFtrun(tmp_path, *flags, "w.py", name="b", run_id="gpu", env=breaks)
+    live.extend([a, b])
+    assert b.wait(WAIT_S) == 3, b.stderr()
+    said = b.stderr()
+    assert "cuda      : CUDA error: uncorrectable ECC error encountered" in said
+    assert "hint: the GPU may be unusable" in said
+    assert "failed its health check 'builtin:gpu'" in said
+    assert "GPU 0 has 1 uncorrectable ECC error(s) since the driver loaded" in said
+    assert "leaves the job" in said
+    a.wait_for_lines(r"up rank=0 world=1", 1)  # the other goes on alone, in a new round

@@ -5,7 +5,9 @@ and why, and checks again every interval until it passes or the join timeout end
 job, the checks run at the start of every attempt (a new round, a restart) and every interval, in a thread (a
 check may take seconds; the agent's loop keeps its clock). A failure then makes the node leave the job, as
 ``ftrun.exclude_this_node()`` would: its workers are stopped, the others go on without it (an elastic job) and
-the node is not readmitted; the check and its output are in the failure report.
+the node is not readmitted; the check and its output are in the failure report. A worker that failed with a
+CUDA error that leaves its GPU in doubt (an uncorrectable ECC error, a GPU fallen off the bus) has the GPU
+checked (``builtin:gpu``) at the next attempt's start, whether or not ``--health-check`` names it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ftrun.observe.events import EventKind
 from ftrun.procs.workers import Worker
 from ftrun.worker.signals import REQUEST_SIGNAL
 
+GPU_CHECK = "builtin:gpu"
 Emit = Callable[..., None]
 Say = Callable[[str], None]
 
@@ -57,6 +60,7 @@ class HealthWatch:
         self._closed = False
         self._failed: Verdict | None = None  # found by the thread, not yet taken by the loop
         self._attempt: int | None = None  # the attempt whose start was checked
+        self._gpu_doubt = ""  # why the GPU is checked at the next attempt's start ("": it is not)
         self._thread = threading.Thread(target=self._run, name="ftrun-health", daemon=True)
 
     def gate(self, clock: Clock, timeout_s: float, wake_fd: int, interrupted: Callable[[], bool]) -> Verdict | None:
@@ -73,6 +77,14 @@ class HealthWatch:
             select.select([wake_fd], [], [], wait)
             if interrupted():
                 return failed
+
+    def suspect_gpu(self, why: str) -> None:
+        """A worker's CUDA error (``why``) leaves its GPU in doubt: check it at the next attempt's start."""
+        with self._lock:
+            self._gpu_doubt = why
+            start = not self._thread.is_alive() and not self._closed
+        if start:
+            self._thread.start()
 
     def reason_to_leave(self, running: Sequence[Worker]) -> str | None:
         """A check that failed while the workers run (once), as the reason this node leaves the job."""
@@ -98,7 +110,13 @@ class HealthWatch:
             with self._lock:
                 if self._closed:
                     return
-            failed = next((v for v in run_all(self._spec.checks) if not v.healthy), None)
+                doubt, self._gpu_doubt = self._gpu_doubt, ""
+            checks = list(self._spec.checks)
+            if doubt and GPU_CHECK not in checks:
+                checks.append(GPU_CHECK)
+            failed = next((v for v in run_all(checks) if not v.healthy), None)
+            if doubt and failed is None:
+                self._say(f"{self._host}'s GPUs passed their check after {doubt}: it stays in the job")
             if failed is not None:
                 with self._lock:
                     self._failed = failed

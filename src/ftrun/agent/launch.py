@@ -94,6 +94,7 @@ def _launch(config: LaunchConfig, spared: frozenset[int]) -> int:
             metrics.watch(narrator.events, narrator.status, config.run_id)
             narrator.say(f"Prometheus metrics at {metrics.url}")
         health = HealthWatch.start(config.health, narrator.host, narrator.emit, narrator.warn)
+        narrator.reports.gpu_in_doubt = health.suspect_gpu
         try:
             server = host_store(config, narrator)  # hosted even by a node that fails its checks: the others meet there
             try:

@@ -66,6 +66,9 @@ class Reports:
         self.board: JobBoard | None = None  # an elastic job's: root causes and hang verdicts of every node
         self.last: FailureReport | None = None
         self._published: tuple[int, int] | None = None  # (round, attempt) whose root cause the board has
+        # Told when a worker here failed with a CUDA error that leaves its GPU in doubt (the health watch then
+        # checks the GPU before the next attempt: :meth:`ftrun.agent.health.HealthWatch.suspect_gpu`).
+        self.gpu_in_doubt: Callable[[str], None] | None = None
 
     def report(self, a: Attempt, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
         """Write and print the attempt's failure report: this node's root cause, the one another node published
@@ -174,6 +177,10 @@ class Reports:
         self.last = report
         self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
         root = report.root_cause
+        broken = [o for o in (root, *report.other_failures) if o.host == self._host and o.gpu_error]
+        broken = [o for o in broken if o.gpu_error is not None and o.gpu_error.device_broken]
+        if broken and self.gpu_in_doubt is not None:
+            self.gpu_in_doubt(f"rank {broken[0].rank}: {broken[0].gpu_error.what}")  # type: ignore[union-attr]
         self._emit(
             EventKind.FAILURE,
             attempt=a.number,
