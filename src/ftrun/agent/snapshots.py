@@ -29,7 +29,7 @@ from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAg
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
-from ftrun.worker.snapshot_file import BAD_MARK, STEP_DIR, is_whole, path_of, pinned_steps, whole_steps
+from ftrun.worker.snapshot_file import STEP_DIR, bad_steps, is_whole, path_of, pinned_steps, whole_steps
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 
@@ -84,11 +84,9 @@ class SnapshotKeeper:
             self._mirror.stop_sending()
         self._held = held(self.dir)
         found = {r: whole_steps(self.dir, [r]) | self._held.get(r, set()) for r in ranks}
-        marks = [m.parent.name.removeprefix("step-") for m in self.dir.glob(f"step-*/{BAD_MARK}")]
-        bad = {int(step) for step in marks if step.isdigit()}  # a worker found a part corrupt
         plan = plan_attempt(
             found,
-            bad=bad,
+            bad=bad_steps(self.dir),  # a worker found a part corrupt
             pinned=pinned_steps(self.dir),  # a lost node's copy meets them
             restored=self._restore,
             failed_after=self._failed_after,

@@ -44,6 +44,7 @@ from ftrun.worker.snapshot_file import (
     path_of,
     pinned_steps,
     spare_of,
+    step_dirs,
     whole_steps,
 )
 
@@ -62,10 +63,11 @@ def peer_path(directory: Path, step: int, rank: int) -> Path:
 def held(directory: Path) -> dict[int, set[int]]:
     """The whole peer copies this node holds: rank -> steps."""
     found: dict[int, set[int]] = {}
-    for part in (directory / PEER_DIR).glob("step-*/rank-*.snap"):
-        step, rank = part.parent.name.removeprefix("step-"), part.stem.removeprefix("rank-")
-        if step.isdigit() and rank.isdigit() and is_whole(part):
-            found.setdefault(int(rank), set()).add(int(step))
+    for step, step_dir in step_dirs(directory / PEER_DIR).items():
+        for part in step_dir.glob("rank-*.snap"):
+            rank = part.stem.removeprefix("rank-")
+            if rank.isdigit() and is_whole(part):
+                found.setdefault(int(rank), set()).add(step)
     return found
 
 

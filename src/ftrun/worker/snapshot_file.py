@@ -74,22 +74,33 @@ def is_pinned(step_dir: Path) -> bool:
     return (step_dir / PIN_MARK).exists()
 
 
+def step_dirs(directory: Path) -> dict[int, Path]:
+    """Each step's directory (:data:`STEP_DIR`) under ``directory``, by step; anything else there is ignored."""
+    found = {}
+    for step_dir in directory.glob("step-*"):
+        step = step_dir.name.removeprefix("step-")
+        if step.isdigit():
+            found[int(step)] = step_dir
+    return found
+
+
 def pinned_steps(directory: Path) -> set[int]:
     """The steps a node keeps for the copies between nodes (:func:`ftrun.job.snapshot_mirror.pin`)."""
-    return {int(d.name.removeprefix("step-")) for d in directory.glob("step-*")
-            if d.name.removeprefix("step-").isdigit() and is_pinned(d)}  # fmt: skip
+    return {step for step, d in step_dirs(directory).items() if is_pinned(d)}
+
+
+def bad_steps(directory: Path) -> set[int]:
+    """The steps a restore found a part of corrupt (:data:`BAD_MARK`)."""
+    return {step for step, d in step_dirs(directory).items() if (d / BAD_MARK).exists()}
 
 
 def whole_steps(directory: Path, ranks: Sequence[int]) -> set[int]:
     """The steps every one of ``ranks`` wrote whole, none of them found corrupt by a restore."""
-    found = set()
-    for step_dir in directory.glob("step-*"):
-        step = step_dir.name.removeprefix("step-")
-        if not step.isdigit() or (step_dir / BAD_MARK).exists():
-            continue
-        if ranks and all(is_whole(path_of(directory, int(step), r)) for r in ranks):
-            found.add(int(step))
-    return found
+    return {
+        step
+        for step, d in step_dirs(directory).items()
+        if ranks and not (d / BAD_MARK).exists() and all(is_whole(path_of(directory, step, r)) for r in ranks)
+    }
 
 
 def layout(start: int, sizes: list[int]) -> tuple[list[int], int]:
