@@ -79,6 +79,12 @@ class Event:
         return Event(kind, mono, wall, record)
 
 
+def agent_pid(started: Event) -> int | None:
+    """The pid of the agent that wrote a run's ``run_started`` event (None: another event, or none written)."""
+    pid = started.data.get("agent_pid") if started.kind is EventKind.RUN_STARTED else None
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
 class EventLog:
     """Appends events to a JSONL file, one flushed line each, and keeps them in memory."""
 

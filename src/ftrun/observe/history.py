@@ -11,7 +11,7 @@ import psutil
 
 from ftrun.errors import ConfigError
 from ftrun.jsonobject import object_or_none
-from ftrun.observe.events import Event, EventKind, failed_mono, read_events
+from ftrun.observe.events import Event, EventKind, agent_pid, failed_mono, read_events
 from ftrun.procs.logs import last_written
 
 
@@ -89,8 +89,8 @@ def _end_last(spans: list[Span], at: float) -> None:
 def agent_gone(run_dir: Path, started: Event) -> float | None:
     """When a run that never finished was last heard of, if its agent is gone (its pid no longer alive on this
     machine); None while it lives, or when that cannot be told here (read on another machine)."""
-    pid = started.data.get("agent_pid")
-    if started.data.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+    pid = agent_pid(started)
+    if started.data.get("host") != socket.gethostname() or pid is None:
         return None
     if psutil.pid_exists(pid):  # alive (another user's included)
         return None

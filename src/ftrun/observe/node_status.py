@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ftrun.clock import Clock
 from ftrun.job.board import MAX_RECORD_BYTES, JobBoard
 from ftrun.jsonobject import object_or_none
-from ftrun.observe.events import Event, EventKind, RunSummary, read_events, summarize
+from ftrun.observe.events import Event, EventKind, RunSummary, agent_pid, read_events, summarize
 from ftrun.observe.goodput import measure
 from ftrun.private import write_atomically
 from ftrun.procs.workers import Worker, WorkerState
@@ -239,7 +239,7 @@ def status_from_events(run_dir: Path) -> dict[str, Any] | None:
         "run_id": started.data.get("run_id"),
         "node": started.data.get("host"),
         "host": started.data.get("host"),
-        "agent_pid": started.data.get("agent_pid"),
+        "agent_pid": agent_pid(started),
         "updated": events[-1].wall,
         "phase": _phase_of(events, attempt),
         "round": None,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ftrun.observe.events import EventKind, summarize
+from ftrun.observe.events import EventKind, agent_pid, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import NodeHistory
 from ftrun.private import write_atomically
@@ -60,7 +60,7 @@ def row_labels(histories: Sequence[NodeHistory]) -> list[str]:
     hosts = [h.host for h in histories]
     labels = []
     for h in histories:
-        pid = h.events[0].data.get("agent_pid") if h.events else None
+        pid = agent_pid(h.events[0]) if h.events else None
         labels.append(f"{h.host} (agent {pid})" if hosts.count(h.host) > 1 and pid else h.host)
     return labels
 
