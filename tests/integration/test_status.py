@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,9 @@ def test_a_run_whose_agent_died_is_told_as_such_by_status_and_report(tmp_path: P
     assert told.returncode == 0, told.stderr
     assert "agent gone (last heard of at " in told.stdout
     assert "to now" not in told.stdout
+    assert re.search(r"attempt 0: .*, first step after [\d.]+ s: cut off: its agent died", told.stdout), told.stdout
+    assert "no step seen" not in told.stdout  # it trained until its agent died: measured until then
+    assert re.search(r"goodput \d+\.\d%: [\d.]+ s training", told.stdout), told.stdout
 
 
 def test_status_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:

@@ -71,12 +71,14 @@ def text(h: NodeHistory) -> str:
         f"{summary.restarts} restart(s)"
     ]
     rounds = node_counts(h)
-    goodput = measure(h.events)
+    goodput = measure(h.events, h.measured_until())
     lost = {f.attempt: f for f in goodput.failures}
     for i, s in enumerate(h.spans):
         end = s.end if s.end is not None else h.finished
         took = f" ({end - s.start:.1f} s)" if end is not None else ""
         how = "failed" if s.cause else ("ended" if end is not None else "running")
+        if h.agent_died and s is h.spans[-1] and not s.cause:
+            how = "cut off: its agent died"
         first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
         span = f"{when(s.start, date=False)} to {when(end, date=False, unknown='now')}"
         lines.append(f"attempt {s.number}: {span}{took}{first}: {how}{rounds.get(s.number, '')}")

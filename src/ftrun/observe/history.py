@@ -38,6 +38,15 @@ class NodeHistory:
     outcome: str
     spans: tuple[Span, ...]
     events: tuple[Event, ...]
+    agent_died: bool = False  # it never finished: its agent died without a word; ``finished``: last heard of
+
+    def measured_until(self) -> float | None:
+        """The agent's monotonic time the run is measured to: its end, when its dead agent was last heard of,
+        or now while it runs (read on another machine than its own: its last event)."""
+        if not self.events:
+            return None
+        last = self.events[-1]
+        return last.mono + ((self.finished if self.finished is not None else time.time()) - last.wall)
 
 
 def history(run_dir: Path) -> NodeHistory:
@@ -73,11 +82,13 @@ def history(run_dir: Path) -> NodeHistory:
             span.cause = str(cause.get("summary", ""))
             found = run_dir / f"attempt_{span.number}" / "failure_report.json"
             span.report = found if found.exists() else None
-    if finished is None and events and (gone := agent_gone(run_dir, events[0])) is not None:
+    gone = agent_gone(run_dir, events[0]) if finished is None and events else None
+    died = gone is not None
+    if gone is not None:
         # Its agent died without a word (SIGKILL, a lost machine): the run ended when it was last heard of.
         finished, outcome = gone, f"agent gone (last heard of at {time.strftime('%H:%M:%S', time.localtime(gone))})"
         _end_last(spans, gone)
-    return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events))
+    return NodeHistory(run_dir, host, run_id, started, finished, outcome, tuple(spans), tuple(events), died)
 
 
 def _end_last(spans: list[Span], at: float) -> None:
