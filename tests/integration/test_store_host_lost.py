@@ -162,6 +162,7 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
     said = other.stderr()
     assert re.search(rf"ROOT CAUSE  node {lost} lost: the store's host {lost} was lost in round 1; \S+ hosts", said)
     assert re.search(r"STOPPED FOR IT rank \d", said), said
+    assert "STOPPED BY FTRUN" not in said.split("ROOT CAUSE  node")[1].split("=" * 78)[0]  # that rank, told once
     report = json.loads((other.run_dir / "attempt_0" / "failure_report.json").read_text())
     assert report["elsewhere"]["lost"] == [lost]
     failure = next(e for e in other.events() if e["kind"] == "failure")

@@ -251,7 +251,10 @@ def build_report(
         if not failed:
             raise ValueError(f"attempt {attempt} has no failed worker to report")
         root, failed = failed[0], failed[1:]
-    stopped = tuple(o for o in outcomes if o.state == WorkerState.STOPPED.value)
+    # a rank stopped here that stands for the root cause (a node lost) is told once, as such
+    stopped = tuple(
+        o for o in outcomes if o.state == WorkerState.STOPPED.value and (o.host, o.pid) != (root.host, root.pid)
+    )
     hint = _hint(root, master_port)
     remote = dict(elsewhere) if elsewhere is not None else None
     return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
