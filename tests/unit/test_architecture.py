@@ -175,22 +175,24 @@ def test_no_agent_class_inherits_another_of_ftrun() -> None:
 
 # --- the house: packages by process boundary and concept (docs/ARCHITECTURE.md) ---------------------------
 
-BASICS = {"errors", "clock", "jsonobject", "reminder", "private"}  # modules directly under ftrun, below every package
+# modules directly under ftrun, below every package
+BASICS = {"errors", "clock", "jsonobject", "reminder", "private", "strangers"}
 # Which package (or module directly under ftrun) may import which. Each names only what lies below it.
 MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),
     "clock": set(),
     "jsonobject": set(),
     "reminder": set(),
+    "strangers": set(),  # every listener's door
     "private": {"errors"},
     "worker": {"errors", "jsonobject"},  # runs inside the workers: nothing of the agent's
     "config": {"store", "worker", "errors"},  # the parsed store URL it carries
     "node": {"errors"},
-    "store": {"node", "clock", "errors", "jsonobject"},
-    "rendezvous": {"store", "clock", "errors", "jsonobject"},
-    "procs": {"private", "worker", "node", "config", "clock", "errors"},
-    "job": {"private", "store", "rendezvous", "worker", "clock", "errors", "jsonobject"},
-    "observe": {"private", "procs", "job", "store", "worker", "config", "clock", "errors", "jsonobject"},
+    "store": {"node", "clock", "errors", "jsonobject", "strangers"},
+    "rendezvous": {"store", "clock", "errors", "jsonobject", "strangers"},
+    "procs": {"private", "worker", "node", "config", "clock", "errors", "strangers"},
+    "job": {"private", "store", "rendezvous", "worker", "clock", "errors", "jsonobject", "strangers"},
+    "observe": {"private", "procs", "job", "store", "worker", "config", "clock", "errors", "jsonobject", "strangers"},
     "monitor": {"private", "procs", "observe", "worker", "config", "clock", "errors", "reminder", "jsonobject"},
     "warm": {"private", "procs", "worker", "node", "config", "clock", "errors", "jsonobject"},
     "agent": {"warm", "monitor", "observe", "job", "procs", "rendezvous", "store", "worker", "node", "config", *BASICS},

@@ -54,6 +54,7 @@ from ftrun.rendezvous.records import Head, Keys
 from ftrun.rendezvous.state import Me, Rules, Timing
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore
+from ftrun.strangers import raise_file_limit
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     check_master_port(config)
+    raise_file_limit()  # room for strangers at its ports and its own work; the workers get the limit it had
     warden = Warden.start(snapshot_root())  # first: what the agent starts from here on dies with it, even by SIGKILL
     try:
         return _launch(config, frozenset({warden.group}))

@@ -13,6 +13,7 @@ from ftrun.errors import ConfigError
 from ftrun.node.addresses import DEFAULT_STORE_PORT, is_loopback, parse_port
 from ftrun.store.tcp_server import TcpStoreServer
 from ftrun.store.tls import server_context
+from ftrun.strangers import raise_file_limit
 
 
 def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
@@ -35,6 +36,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
         return 2
     if token is None and tls is None and not is_loopback(a.host):
         print("ftrun store: warning: serving beyond loopback without a token; set FTRUN_TOKEN", file=sys.stderr)
+    raise_file_limit()  # as an agent does: room for its clients and for strangers at its port
     server = TcpStoreServer(a.host, port, token=token, tls=tls)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ftrun.jsonobject import object_or_none
+from ftrun.strangers import Door
 from ftrun.worker import snapshot_budget as budget
 from ftrun.worker.snapshot_file import (
     HEAD,
@@ -51,6 +52,7 @@ from ftrun.worker.snapshot_file import (
 PEER_DIR = "peer"
 HEAD_LIMIT = 4096
 IO_TIMEOUT_S = 60.0
+HEAD_TIMEOUT_S = 10.0  # for a connection's first line, its request
 BLOCK = 4 << 20
 SEND_PIECE = 64 << 20
 PIPE_SIZE = 1 << 20
@@ -77,12 +79,13 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         _yield_cpu()
         sock = self.request
-        sock.settimeout(IO_TIMEOUT_S)
+        sock.settimeout(HEAD_TIMEOUT_S)  # a stranger that never speaks holds its thread this long
         nonce = os.urandom(16).hex()
         sock.sendall(nonce.encode() + b"\n")
         head = object_or_none(_line(sock), limit=HEAD_LIMIT)
         if head is None:
             return
+        sock.settimeout(IO_TIMEOUT_S)
         op, step, rank, size, theirs = (head.get(k) for k in ("op", "step", "rank", "size", "nonce"))
         if not (isinstance(step, int) and isinstance(rank, int) and isinstance(size, int) and isinstance(theirs, str)):
             return
@@ -123,8 +126,27 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
         self.directory = directory
         self.key = key
+        self.door = Door(f"the snapshot copies' server on port {self.server_address[1]}")
+        self._admitted: dict[int, str] = {}  # id of a connection served now -> its address
         self.announced: tuple[int, ...] = ()  # the newest steps the previous node began to copy here (PINNED)
         self._lock = threading.Lock()
+
+    def verify_request(self, request: object, client_address: object) -> bool:
+        """Each connection is served on a thread of its own until it ends: strangers are bounded at the door
+        (a copy from the previous node counts as one while it lasts)."""
+        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
+        if not self.door.admit(host):
+            return False
+        with self._lock:
+            self._admitted[id(request)] = host
+        return True
+
+    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
+        with self._lock:
+            host = self._admitted.pop(id(request), None)
+        if host is not None:
+            self.door.settled(host)
+        super().shutdown_request(request)
 
     def announce(self, step: int) -> None:
         """The previous node began to copy its ``step`` here: this node keeps its own (it copies the same one

@@ -12,6 +12,7 @@ record, which is rewritten at least every second while workers run.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 from ftrun.errors import ConfigError
 from ftrun.observe.events import summarize
 from ftrun.observe.goodput import measure
+from ftrun.strangers import Door
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 LABELS = ["run_id", "node"]
 READINESS = "/readyz"
 PROBES = (READINESS, "/livez", "/healthz")  # /healthz: Kubernetes' legacy health check, answered as liveness
+REQUEST_TIMEOUT_S = 10.0  # for a client's request, read whole
 ALL_ADDRESSES = "0.0.0.0"  # noqa: S104 - an exporter is scraped from elsewhere; pass HOST: to narrow it
 
 
@@ -150,7 +153,31 @@ def _gauge(name: str, text: str, labels: list[str], value: float) -> GaugeMetric
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight never holds the agent's exit
 
+    def server_bind(self) -> None:
+        super().server_bind()
+        self.door = Door(f"the metrics and probes on port {self.server_port}")
+        self._lock = threading.Lock()
+        self._admitted: dict[int, str] = {}  # id of a connection served now -> its address
+
+    def verify_request(self, request: object, client_address: object) -> bool:
+        """A thread per connection: at most the door's strangers at once (a scrape is one while it lasts)."""
+        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
+        if not self.door.admit(host):
+            return False
+        with self._lock:
+            self._admitted[id(request)] = host
+        return True
+
+    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
+        with self._lock:
+            host = self._admitted.pop(id(request), None)
+        if host is not None:
+            self.door.settled(host)
+        super().shutdown_request(request)
+
 
 class _Quiet(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # a client that sends its request a byte at a time (slowloris) is let go
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes and probes are not news: nothing on the agent's stderr."""

@@ -253,7 +253,9 @@ def build_report(
         root, failed = failed[0], failed[1:]
     # a rank stopped here that stands for the root cause (a node lost) is told once, as such
     stopped = tuple(
-        o for o in outcomes if o.state == WorkerState.STOPPED.value and (o.host, o.pid) != (root.host, root.pid)
+        o
+        for o in outcomes
+        if o.state == WorkerState.STOPPED.value and (o.host, o.pid, o.rank) != (root.host, root.pid, root.rank)
     )
     hint = _hint(root, master_port)
     remote = dict(elsewhere) if elsewhere is not None else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import socket
 import struct
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from ftrun.node.numa import ENV as CPU_AFFINITY_ENV
 from ftrun.node.numa import parse_cpus
+from ftrun.strangers import job_file_limit
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -256,6 +258,7 @@ def die_with_parent_hook(env: Mapping[str, str] | None = None) -> Callable[[], N
     parent = os.getpid()
 
     cpus = parse_cpus(env[CPU_AFFINITY_ENV]) if env and env.get(CPU_AFFINITY_ENV) else None
+    files = job_file_limit()
 
     def hook() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -263,5 +266,7 @@ def die_with_parent_hook(env: Mapping[str, str] | None = None) -> Callable[[], N
             os._exit(1)
         if cpus:  # --numa-binding, inherited across exec and by every thread
             os.sched_setaffinity(0, cpus)
+        if files is not None:  # the agent raised its own: the job gets what it was given
+            resource.setrlimit(resource.RLIMIT_NOFILE, files)
 
     return hook

@@ -5,7 +5,8 @@ once. Each agent listens on a port of its own (announced in its node record); th
 every member, every other node one to the leader. A connection that ends is proof that the agent at the other
 end is gone (a partition ends no connection: the lease's TTL still covers a node that vanishes without a word).
 With etcd this is how a lost node is noticed in well under its TTL; the embedded store ties leases to its own
-connections and needs none of it.
+connections and needs none of it. A connection is held only once it said :data:`GREETING`, within
+:data:`GREETING_S`: a stranger's is closed, and strangers are bounded (:class:`ftrun.strangers.Door`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import os
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from ftrun.rendezvous.records import NodeInfo
+from ftrun.strangers import Door
 
 CONNECT_TIMEOUT_S = 2.0
+GREETING = b"ftrun liveness 1\n"  # what a watching agent says first
+GREETING_S = 5.0  # a connection that has not said it by then is closed
 
 
 class Liveness:
@@ -33,6 +38,8 @@ class Liveness:
         self._watched: dict[str, socket.socket] = {}  # node id -> our connection to it
         self._gone: set[str] = set()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._strangers: dict[socket.socket, tuple[str, float, bytes]] = {}  # -> (address, deadline, heard)
+        self._door = Door("the liveness listener")
         self._thread: threading.Thread | None = None
         self._stop = False
         self.port = 0
@@ -46,6 +53,7 @@ class Liveness:
         listener.listen(1024)
         listener.setblocking(False)
         self._listener, self.port = listener, listener.getsockname()[1]
+        self._door = Door(f"the liveness listener on port {self.port}")
         self._selector.register(listener, selectors.EVENT_READ, "accept")
         self._thread = threading.Thread(target=self._run, name="ftrun-liveness", daemon=True)
         self._thread.start()
@@ -64,6 +72,7 @@ class Liveness:
         for node, address in new.items():
             try:
                 conn = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+                conn.sendall(GREETING)
             except OSError:
                 continue
             conn.setblocking(False)
@@ -92,10 +101,10 @@ class Liveness:
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if key.data == "accept":
-                    with contextlib.suppress(OSError):
-                        conn, _ = sock.accept()
-                        conn.setblocking(False)
-                        self._selector.register(conn, selectors.EVENT_READ, "held")
+                    self._accept(sock)
+                    continue
+                if key.data == "stranger":
+                    self._hear(sock)
                     continue
                 try:
                     ended = sock.recv(64) == b""
@@ -113,6 +122,50 @@ class Liveness:
                         self._gone.add(key.data)
                         with contextlib.suppress(BlockingIOError):
                             os.write(self._wake_w, b"!")
+
+            self._turn_away(time.monotonic())
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            conn, address = listener.accept()
+        except OSError:
+            return  # out of descriptors, or a reset before it was taken: the next one may do
+        host = str(address[0]) if isinstance(address, tuple) else str(address)
+        if not self._door.admit(host):
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._strangers[conn] = (host, time.monotonic() + GREETING_S, b"")
+        self._selector.register(conn, selectors.EVENT_READ, "stranger")
+
+    def _hear(self, conn: socket.socket) -> None:
+        """A stranger spoke: held once it said the greeting, closed if it said anything else or ended."""
+        host, deadline, heard = self._strangers[conn]
+        try:
+            heard += conn.recv(len(GREETING) - len(heard))
+        except BlockingIOError:
+            return
+        except OSError:
+            heard = b"!"  # reset
+        if heard == GREETING:
+            del self._strangers[conn]
+            self._door.settled(host)
+            self._selector.modify(conn, selectors.EVENT_READ, "held")
+        elif GREETING.startswith(heard) and heard:
+            self._strangers[conn] = (host, deadline, heard)
+        else:
+            self._drop_stranger(conn)
+
+    def _turn_away(self, now: float) -> None:
+        for conn in [c for c, (_, deadline, _) in self._strangers.items() if deadline <= now]:
+            self._drop_stranger(conn)
+
+    def _drop_stranger(self, conn: socket.socket) -> None:
+        host, _, _ = self._strangers.pop(conn)
+        self._door.settled(host)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
 
     def close(self) -> None:
         self._stop = True

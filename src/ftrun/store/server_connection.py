@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from ftrun.errors import StoreError
 from ftrun.store import wire
 from ftrun.store.greeting import OPENING
+from ftrun.strangers import Door
 
 log = logging.getLogger("ftrun.store")
 
@@ -34,6 +35,9 @@ class Server(Protocol):
 
     def dispatch(self, conn: ClientConnection, message: dict[str, Any]) -> None: ...
 
+    @property
+    def door(self) -> Door: ...
+
 
 class ClientConnection(asyncio.Protocol):
     """One client connection: frames are parsed from the byte stream and answered at once.
@@ -55,18 +59,24 @@ class ClientConnection(asyncio.Protocol):
         self.job = ""  # the job the client works for ("": unnamed)
         self.opened = False  # the client's opening line came (greeting.OPENING)
         self._deadline: asyncio.TimerHandle | None = None
+        self._stranger = ""  # its address while it counts as a stranger at the door (before its handshake)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         address = transport.get_extra_info("peername")
         self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        host = str(address[0]) if isinstance(address, tuple) else str(address)
+        if not self._server.door.admit(host):
+            transport.abort()  # too many strangers: closed at once, without a word per connection
+            return
+        self._stranger = host
         self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
         self.send(self._server.hello(self))
 
     def _too_slow(self) -> None:
-        if not self.authenticated:
-            self.close(f"no handshake within {HANDSHAKE_TIMEOUT_S} s")
+        if not self.authenticated:  # said once per flood by the door, not per connection
+            self.close(f"no handshake within {HANDSHAKE_TIMEOUT_S} s", quiet=True)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -91,6 +101,7 @@ class ClientConnection(asyncio.Protocol):
                 else:
                     self._server.handshake(self, message)
                     self.authenticated = True
+                    self._settle()
                     if self._deadline is not None:
                         self._deadline.cancel()
                     self._server.connected(self)
@@ -102,8 +113,17 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        if not self._stranger and not self.authenticated:
+            self.transport = None
+            return  # refused at the door: nothing of it was kept
+        self._settle()
         self._server.disconnected(self, abrupt=exc is not None)
         self.transport = None
+
+    def _settle(self) -> None:
+        if self._stranger:
+            self._server.door.settled(self._stranger)
+            self._stranger = ""
 
     def send(self, message: dict[str, Any]) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -112,9 +132,10 @@ class ClientConnection(asyncio.Protocol):
         if self.transport.get_write_buffer_size() > MAX_BUFFERED:
             self.close(f"it stopped reading ({MAX_BUFFERED} bytes pending)", flush=False)
 
-    def close(self, reason: str, *, flush: bool = True) -> None:
-        """Close and log; ``flush`` sends what is queued first (the refusal of a bad token)."""
-        log.warning("store: closing connection from %s: %s", self.peer, reason)
+    def close(self, reason: str, *, flush: bool = True, quiet: bool = False) -> None:
+        """Close and log (``quiet``: not); ``flush`` sends what is queued first (the refusal of a bad token)."""
+        if not quiet:
+            log.warning("store: closing connection from %s: %s", self.peer, reason)
         if self.transport is not None:
             if flush:
                 self.transport.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import ssl
 import sys
 import threading
@@ -28,11 +29,13 @@ from ftrun.store.base import KeyValue, WatchEvent
 from ftrun.store.greeting import WrongToken
 from ftrun.store.kv import KeyValueState
 from ftrun.store.server_connection import HANDSHAKE_TIMEOUT_S, ClientConnection
+from ftrun.strangers import Door
 
 log = logging.getLogger("ftrun.store")
 
 MAX_WATCHES = 256  # per connection
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
+ACCEPT_BURST = 64  # connections accepted in one go
 # A connection is not a node: when a client that named itself loses its connection abruptly (a reset, a flapping
 # link), its leases wait this long for it to connect again (its watches bring it back within milliseconds)
 # before they end. A connection closed in order (the kernel closes a dead process's socket so) ends them at once.
@@ -97,22 +100,33 @@ class TcpStoreServer:
         self._awaited: dict[str, tuple[set[int], asyncio.TimerHandle]] = {}
         self._stopped = threading.Event()
         self.crashed: BaseException | None = None  # what ended the server thread, if not stop()
+        self.door = Door("the store")  # named with its port once bound
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def _open(self) -> None:
         self._loop = loop = asyncio.get_running_loop()
-        # A whole job connects at once when it starts; asyncio's default backlog (100) would drop
-        # the rest of the SYNs, and their retries cost 1 s, then 3 s.
+        family, kind, proto, _, address = socket.getaddrinfo(
+            self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.setblocking(False)
+        # asyncio takes its backlog as the number of connections it accepts in one go, before any is looked at:
+        # a flood of strangers would hold that many descriptors at once. It accepts ACCEPT_BURST at a time ...
         self._server = await loop.create_server(
             lambda: ClientConnection(self),
-            self.host,
-            self.port,
-            backlog=LISTEN_BACKLOG,
+            sock=listener,
+            backlog=ACCEPT_BURST,
             ssl=self._tls,
             ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._tls else None,
         )
+        # ... while the kernel's queue stays long: a whole job connects at once when it starts, and with
+        # asyncio's default (100) the rest of the SYNs would be dropped, their retries costing 1 s, then 3 s.
+        listener.listen(LISTEN_BACKLOG)
         self.port = self._server.sockets[0].getsockname()[1]
+        self.door = Door(f"the store on port {self.port}")
 
     def start(self) -> TcpStoreServer:
         """Start serving on a daemon thread; returns once the port is bound (``self.port``)."""

@@ -1,0 +1,89 @@
+"""Strangers on the network cannot take a job down: every port an agent listens on (the embedded store, the
+liveness listener, the metrics and probes) is opened many times over by connections that never speak, more than
+the agent may open files, and then a worker is SIGKILLed: the agent lives, restarts it, and says each flood once."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import resource
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.harness import CONF, WAIT_S, LiveFtrun
+
+JOB = """
+import os, sys, time, pathlib
+here = pathlib.Path(sys.argv[1])
+rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"up rank={rank} restart={restart}", flush=True)
+while not (here / "done").exists():
+    if rank == 1 and restart == 0 and (here / "crash").exists():
+        os.kill(os.getpid(), 9)
+    time.sleep(0.05)
+"""
+AGENT_FILES = 1024  # the agent's limit on open files, soft and hard: a flood of more must not reach it
+FLOOD = 1200  # idle connections to each port
+
+
+@pytest.fixture
+def held() -> Iterator[list[socket.socket]]:
+    """The strangers' connections, closed at the end; this test process may open enough of them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    conns: list[socket.socket] = []
+    try:
+        yield conns
+    finally:
+        for c in conns:
+            c.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def listening(pid: int) -> list[int]:
+    return sorted({c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN})
+
+
+def flood(port: int, count: int, into: list[socket.socket]) -> None:
+    """Open ``count`` connections to ``port`` that never speak, all at once (none waits for the others)."""
+    for _ in range(count):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(OSError):
+            s.connect_ex(("127.0.0.1", port))
+        into.append(s)
+
+
+def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
+    tmp_path: Path, live: list[LiveFtrun], held: list[socket.socket]
+) -> None:
+    (tmp_path / "job.py").write_text(JOB)
+    agent = LiveFtrun(
+        tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", CONF,
+        "--metrics-port", "127.0.0.1:0", "--nproc-per-node", "2", "--max-restarts", "2", "job.py", str(tmp_path),
+    )  # fmt: skip
+    live.append(agent)
+    agent.wait_for_lines(r"up rank=\d restart=0", 2)
+    psutil.Process(agent.proc.pid).rlimit(psutil.RLIMIT_NOFILE, (AGENT_FILES, AGENT_FILES))
+    ports = listening(agent.proc.pid)
+    assert len(ports) >= 3, ports  # the store, the liveness listener, the metrics and probes
+    for port in ports:
+        flood(port, FLOOD, held)
+    time.sleep(2)  # the kernel completes their handshakes; the agent accepts what it will
+    assert len(held) > AGENT_FILES  # more than the agent could ever hold
+    (tmp_path / "crash").touch()
+    agent.wait_for_lines(r"up rank=\d restart=1", 2)  # restarted: spawned, pipes and logs opened, reported
+    (tmp_path / "done").touch()
+    assert agent.wait(WAIT_S) == 0, agent.stderr()
+    said = agent.stderr()
+    assert "Too many open files" not in said
+    refusals = re.findall(r"ftrun: (.+) on port (\d+): refusing connections", said)
+    assert {what for what, _ in refusals} >= {"the store", "the liveness listener", "the metrics and probes"}, said
+    told = [int(port) for _, port in refusals]
+    assert len(told) == len(set(told)), said  # each flood said once, not per connection
+    assert set(told) <= set(ports)
