@@ -8,6 +8,7 @@ import contextlib
 import re
 import resource
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.harness import CONF, WAIT_S, LiveFtrun
+from tests.integration.harness import CONF, WAIT_S, LiveFtrun, ftrun_argv
 
 JOB = """
 import os, sys, time, pathlib
@@ -87,3 +88,17 @@ def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
     told = [int(port) for _, port in refusals]
     assert len(told) == len(set(told)), said  # each flood said once, not per connection
     assert set(told) <= set(ports)
+
+
+def test_the_agent_raises_its_file_limit_and_the_job_keeps_the_one_it_was_given(tmp_path: Path) -> None:
+    """Room for strangers and its own work in the agent; the job runs under the limits it was given, as under
+    torchrun (warm workers too: their zygote gets the given limits)."""
+    (tmp_path / "w.py").write_text(
+        "import resource\nprint('files', *resource.getrlimit(resource.RLIMIT_NOFILE), flush=True)\n"
+    )
+    argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    r = subprocess.run(
+        ["prlimit", "--nofile=1024:4096", "--", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("files 1024 4096") == 2, r.stdout
