@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -67,6 +68,31 @@ class Door:
                 _waiting[address] -= 1
             if _waiting[address] == 0:
                 del _waiting[address]
+
+
+class AtTheDoor:
+    """Mixed into a ``socketserver`` server that serves each connection on a thread of its own until it ends
+    (the snapshot copies' server, the metrics and probes): a connection counts as a stranger while it is served,
+    and the server refuses the ones over the bounds. Call :meth:`open_door` before serving."""
+
+    def open_door(self, what: str) -> None:
+        self.door = Door(what)
+        self._served: dict[int, str] = {}  # id of a connection served now -> its address
+
+    def verify_request(self, request: object, client_address: object) -> bool:
+        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
+        if not self.door.admit(host):
+            return False
+        with _lock:
+            self._served[id(request)] = host
+        return True
+
+    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
+        with _lock:
+            host = self._served.pop(id(request), None)
+        if host is not None:
+            self.door.settled(host)
+        super().shutdown_request(request)  # type: ignore[misc]  # the server's own, after this mixin
 
 
 def raise_file_limit() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ftrun.jsonobject import object_or_none
-from ftrun.strangers import Door
+from ftrun.strangers import AtTheDoor
 from ftrun.worker import snapshot_budget as budget
 from ftrun.worker.snapshot_file import (
     HEAD,
@@ -118,7 +118,7 @@ class _Handler(socketserver.BaseRequestHandler):
             _send_file(sock, f, self.server.key, nonce)
 
 
-class _Server(socketserver.ThreadingTCPServer):
+class _Server(AtTheDoor, socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
@@ -126,27 +126,9 @@ class _Server(socketserver.ThreadingTCPServer):
         super().__init__(address, _Handler)
         self.directory = directory
         self.key = key
-        self.door = Door(f"the snapshot copies' server on port {self.server_address[1]}")
-        self._admitted: dict[int, str] = {}  # id of a connection served now -> its address
+        self.open_door(f"the snapshot copies' server on port {self.server_address[1]}")
         self.announced: tuple[int, ...] = ()  # the newest steps the previous node began to copy here (PINNED)
         self._lock = threading.Lock()
-
-    def verify_request(self, request: object, client_address: object) -> bool:
-        """Each connection is served on a thread of its own until it ends: strangers are bounded at the door
-        (a copy from the previous node counts as one while it lasts)."""
-        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
-        if not self.door.admit(host):
-            return False
-        with self._lock:
-            self._admitted[id(request)] = host
-        return True
-
-    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
-        with self._lock:
-            host = self._admitted.pop(id(request), None)
-        if host is not None:
-            self.door.settled(host)
-        super().shutdown_request(request)
 
     def announce(self, step: int) -> None:
         """The previous node began to copy its ``step`` here: this node keeps its own (it copies the same one

@@ -12,7 +12,6 @@ record, which is rewritten at least every second while workers run.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +26,7 @@ from prometheus_client.registry import Collector
 from ftrun.errors import ConfigError
 from ftrun.observe.events import summarize
 from ftrun.observe.goodput import measure
-from ftrun.strangers import Door
+from ftrun.strangers import AtTheDoor
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -150,30 +149,12 @@ def _gauge(name: str, text: str, labels: list[str], value: float) -> GaugeMetric
     return family
 
 
-class _Server(ThreadingMixIn, WSGIServer):
+class _Server(AtTheDoor, ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight never holds the agent's exit
 
     def server_bind(self) -> None:
         super().server_bind()
-        self.door = Door(f"the metrics and probes on port {self.server_port}")
-        self._lock = threading.Lock()
-        self._admitted: dict[int, str] = {}  # id of a connection served now -> its address
-
-    def verify_request(self, request: object, client_address: object) -> bool:
-        """A thread per connection: at most the door's strangers at once (a scrape is one while it lasts)."""
-        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
-        if not self.door.admit(host):
-            return False
-        with self._lock:
-            self._admitted[id(request)] = host
-        return True
-
-    def shutdown_request(self, request: socket.socket | tuple[bytes, socket.socket]) -> None:
-        with self._lock:
-            host = self._admitted.pop(id(request), None)
-        if host is not None:
-            self.door.settled(host)
-        super().shutdown_request(request)
+        self.open_door(f"the metrics and probes on port {self.server_port}")
 
 
 class _Quiet(WSGIRequestHandler):
