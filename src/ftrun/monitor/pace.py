@@ -19,6 +19,7 @@ from ftrun.clock import Clock
 from ftrun.monitor.stragglers import THRESHOLD, Straggler, StragglerWatch, medians
 from ftrun.observe.events import EventKind, describe_straggler
 from ftrun.private import write_atomically
+from ftrun.procs import disk
 from ftrun.procs.workers import Worker
 from ftrun.worker.pace import ENV, SCORES_ENV
 
@@ -130,8 +131,9 @@ class PaceWatch:
             if self._exclude and s.rank in mine:
                 self._plan_leaving(s)
         self.named = {s.rank: s for s in found}
-        if self._scores_file is not None:
-            write_atomically(self._scores_file, json.dumps({str(r): v for r, v in self.scores.items()}))
+        if (scores := self._scores_file) is not None:
+            raw = json.dumps({str(r): v for r, v in self.scores.items()})
+            disk.guarded(str(scores), len(raw), lambda: write_atomically(scores, raw))
 
     def _plan_leaving(self, s: Straggler) -> None:
         """--straggler-action exclude: a straggler here leaves the job when a spare can take its node's place."""

@@ -15,10 +15,11 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ftrun.clock import Clock
 from ftrun.private import append_fd, make_dir
+from ftrun.procs import disk
 
 SCHEMA_VERSION = 1
 
@@ -96,17 +97,17 @@ class EventLog:
         (--event-log-handler console). ``carry_on``: the run goes on from what ``path`` holds (a start before a
         requeue), whose events come first in :attr:`events`."""
         make_dir(path.parent)
-        log = cls(path, os.fdopen(append_fd(path), "a", encoding="utf-8"), clock, echo)
+        log = cls(path, append_fd(path), clock, echo)
         if carry_on:
             log.events.extend(read_events(path))
         return log
 
-    def __init__(self, path: Path, file: TextIO, clock: Clock, echo: Callable[[str], None] | None) -> None:
+    def __init__(self, path: Path, fd: int, clock: Clock, echo: Callable[[str], None] | None) -> None:
         """Use :meth:`open`."""
         self.path = path
         self._clock = clock
         self._echo = echo
-        self._file = file
+        self._fd = fd
         self._lock = threading.Lock()
         self.events: list[Event] = []
 
@@ -114,16 +115,15 @@ class EventLog:
         event = Event(kind, self._clock.monotonic(), self._clock.wall(), data)
         line = event.to_json()
         with self._lock:
-            self.events.append(event)
-            self._file.write(line + "\n")
-            self._file.flush()
+            self.events.append(event)  # kept in memory whatever the disk does: the summary and goodput read it
+            disk.write_all(self._fd, (line + "\n").encode(), str(self.path))
         if self._echo is not None:
             self._echo(line)
         return event
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            os.close(self._fd)
 
 
 def carried_over(events: Sequence[Event]) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import Event, EventKind, RunSummary, agent_pid, read_events, summarize
 from ftrun.observe.goodput import measure
 from ftrun.private import write_atomically
+from ftrun.procs import disk
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.layout import SlotView
 
@@ -141,7 +142,7 @@ class NodeStatus:
         self._written_mono = now
         self.record = self._record(ranks, events, phase=phase, round_=round_, world_size=world_size)
         raw = json.dumps(self.record, separators=(",", ":"))
-        write_atomically(self.path, raw)
+        disk.guarded(str(self.path), len(raw), lambda: write_atomically(self.path, raw))  # a full disk: next time
         since_published = now - self._published_mono
         moved = signature != self._published_signature and since_published >= STORE_MIN_GAP_S
         if self.board is not None and (force or moved or since_published >= STORE_REFRESH_S):

@@ -22,6 +22,7 @@ from typing import Any
 from ftrun.errors import ErrorFileError
 from ftrun.observe.gpu_errors import GpuError, diagnose
 from ftrun.private import write_atomically
+from ftrun.procs import disk
 from ftrun.procs.logs import tail_lines
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.errorfile import ErrorRecord, read_error_file
@@ -64,6 +65,7 @@ class WorkerOutcome:
     oom_killed: bool = False  # the kernel counted an out-of-memory kill while this attempt ran
     flight_recorder: str | None = None  # torch's dump of its flight recorder at a process group's timeout
     gpu_error: GpuError | None = None  # the CUDA or NCCL error its stderr shows
+    unwritten: int = 0  # bytes of its output its log files lack (the log disk was full or failing)
 
     @property
     def how(self) -> str:
@@ -146,6 +148,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         oom_killed=oom_killed,
         flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
         gpu_error=gpu,
+        unwritten=disk.lost_from(str(worker.paths.stdout)) + disk.lost_from(str(worker.paths.stderr)),
     )
 
 
@@ -337,6 +340,8 @@ def render(report: FailureReport) -> str:
     if report.hint:
         lines.append(f"  hint: {report.hint}")
     lines.append(f"  logs: {r.stdout_log}, {r.stderr_log}")
+    if r.unwritten:
+        lines.append(f"  its logs lack {r.unwritten} bytes of its output: the log disk was full or failing")
     lines += _recorder_lines(r)
     for o in report.other_failures:
         lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
@@ -440,8 +445,10 @@ def write_launcher_error_file(report: FailureReport, path: Path) -> None:
         },
         "errorCode": r.exit_code if r.exit_code is not None else 1,
     }
-    write_atomically(path, json.dumps(doc))
+    raw = json.dumps(doc)
+    disk.guarded(str(path), len(raw), lambda: write_atomically(path, raw))
 
 
 def write_json(report: FailureReport, path: Path) -> None:
-    write_atomically(path, json.dumps(report.to_json(), indent=2))
+    doc = json.dumps(report.to_json(), indent=2)
+    disk.guarded(str(path), len(doc), lambda: write_atomically(path, doc))  # the console has it all the same

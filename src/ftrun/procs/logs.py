@@ -26,6 +26,7 @@ from typing import BinaryIO
 from ftrun.config import LaunchConfig, LogSpec, Std
 from ftrun.errors import ConfigError
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
+from ftrun.procs import disk
 
 _CHUNK = 65536
 MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's file keeps it whole)
@@ -60,16 +61,17 @@ class LineSink:
     @classmethod
     def open(cls, path: Path) -> LineSink:
         make_dir(path.parent)
-        return cls(append_fd(path))
+        return cls(append_fd(path), str(path))
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, path: str = "") -> None:
         """Use :meth:`open`."""
         self._fd = fd
+        self._path = path
         self._lock = threading.Lock()
 
     def write(self, lines: bytes) -> None:
         with self._lock:
-            os.write(self._fd, lines)
+            disk.write_all(self._fd, lines, self._path)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -139,9 +141,10 @@ class _Pump(threading.Thread):
         prefix: bytes,
         duplicate: Duplicate | None,
         label: bytes,
+        path: str = "",
     ) -> None:
         super().__init__(name=f"ftrun-pump-{label.decode(errors='replace')}{stream.name}", daemon=True)
-        self._read_fd, self._file_fd = read_fd, file_fd
+        self._read_fd, self._file_fd, self._path = read_fd, file_fd, path
         self.console, self.stream, self._prefix = console, stream, prefix
         self._duplicate, self._label = duplicate, label
         self._progress = threading.Condition()  # notified each time it goes back to reading, and at the end
@@ -151,7 +154,7 @@ class _Pump(threading.Thread):
         pending = b""  # the start of a line not ended yet: at most MAX_LINE, looked through once
         try:
             while chunk := self._read():
-                os.write(self._file_fd, chunk)
+                disk.write_all(self._file_fd, chunk, self._path)  # a full disk: dropped and counted, still read
                 end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1  # \r ends a progress bar's line
                 if end:
                     self._show(pending + chunk[:end])
@@ -236,7 +239,8 @@ class RankOutput:
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
             prefix = label.encode() if spec.prefixed(local_rank, stream) else b""
             child_fds[stream] = write_fd
-            pumps.append(_Pump(read_fd, file_fd, console if shown else None, stream, prefix, duplicate, label.encode()))
+            shown_on = console if shown else None
+            pumps.append(_Pump(read_fd, file_fd, shown_on, stream, prefix, duplicate, label.encode(), str(path)))
         return cls(child_fds, pumps)
 
     def __init__(self, child_fds: dict[Std, int], pumps: list[_Pump]) -> None:

@@ -1,0 +1,89 @@
+"""ftrun's own writes to its log directory, on a disk that may fill up or fail (ENOSPC, EDQUOT, EIO, a read-only
+remount). A write that fails is dropped and counted, never raised into the thread that made it: a worker's
+output keeps being drained (and shown where the console shows it), the agent keeps its events in memory, and the
+job goes on. Said once when writing starts to fail, and again when it works again; what each file lost is kept
+for the report (:func:`lost_from`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+
+def _stderr(line: str) -> None:
+    try:
+        sys.stderr.write(f"ftrun: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+say: Callable[[str], None] = _stderr  # the agent's console, once it has one
+_lock = threading.Lock()
+_lost: Counter[str] = Counter()  # path -> bytes not written
+_failing = ""  # the error writing meets now ("": it works)
+_failed_at = 0.0  # when a write last failed (monotonic)
+WORKS_AGAIN_AFTER_S = 10.0  # a full disk still takes a few bytes now and then: "works again" once none failed so long
+
+
+def write_all(fd: int, data: bytes, path: str) -> bool:
+    """Write ``data`` to ``fd`` (the file at ``path``), all of it or what the disk takes; False when some was
+    dropped."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except OSError as e:
+            dropped(path, len(view), e)
+            return False
+    if _failing:
+        _works_again()
+    return True
+
+
+def guarded(path: str, size: int, write: Callable[[], None]) -> bool:
+    """Run ``write`` (of ``size`` bytes to ``path``, say a whole file replaced); False when it failed."""
+    try:
+        write()
+    except OSError as e:
+        dropped(path, size, e)
+        return False
+    if _failing:
+        _works_again()
+    return True
+
+
+def dropped(path: str, size: int, error: OSError) -> None:
+    global _failing, _failed_at  # noqa: PLW0603 - one disk state per process
+    with _lock:
+        _lost[path] += size
+        first = not _failing
+        _failing = error.strerror or str(error)
+        _failed_at = time.monotonic()
+    if first:
+        say(
+            f"cannot write {path}: {_failing}; ftrun goes on (the workers' output is still read, and shown where "
+            "the console shows it), counting what it could not write; said again when writing works again"
+        )
+
+
+def _works_again() -> None:
+    global _failing
+    with _lock:
+        if time.monotonic() - _failed_at < WORKS_AGAIN_AFTER_S:
+            return
+        was, _failing = _failing, ""
+        total = sum(_lost.values())
+    if was:
+        say(f"writing logs works again ({total} bytes could not be written meanwhile: {was})")
+
+
+def lost_from(path: str) -> int:
+    """Bytes that could not be written to ``path``."""
+    with _lock:
+        return _lost[path]
