@@ -316,3 +316,53 @@ def test_two_nodes_hold_no_more_snapshot_memory_than_they_are_given_at_any_momen
         assert most == 0
         assert len(refused) == 2
         assert all(a.stderr().count("no snapshots on rank") == 1 for a in agents)
+
+
+PER_RANK = """
+import os, pathlib, sys, time
+import torch, ftrun
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+here, replicated = pathlib.Path(sys.argv[1]), sys.argv[2] == "replicated"
+got = ftrun.restore()
+print(f"start rank={rank} world={world} restored={got[0] if got else None}", flush=True)
+for step in range(got[0] + 1 if got else 0, 100_000):
+    ftrun.snapshot(step, {"part": torch.full((4,), float(rank)), "step": step}, replicated=replicated)
+    time.sleep(0.05)
+    if (here / "done").exists():
+        break
+"""
+
+
+@pytest.mark.parametrize("how", ["per-rank", "replicated"])
+def test_a_world_that_shrank_restores_no_half_state(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, how: str
+) -> None:
+    """2 nodes x 1 rank, each snapshotting its own part; a node (agent and worker) is SIGKILLed and the survivor
+    goes on at world 1. By default restore() gives it nothing (rank 1's part is gone: half a state is no state),
+    and one console line says why; a job that says its state is replicated restores the step."""
+    (tmp_path / "w.py").write_text(PER_RANK)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["w.py", str(tmp_path), how]
+    a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id=f"world-{how}") for n in ("a", "b"))
+    live.extend([a, b])
+    for agent in (a, b):
+        agent.wait_for_lines(r"start rank=\d world=2 restored=None", 1)
+    survivor, lost = (a, b) if "rank=0" in a.lines[0] else (b, a)
+    deadline = time.monotonic() + 30
+    while not file.whole_steps(next(snapshot_root().glob(f"{survivor.proc.pid}-*")), [0]):
+        assert time.monotonic() < deadline, "no snapshot of rank 0 was taken"
+        time.sleep(0.1)
+    time.sleep(1)
+    lost.proc.kill()  # its worker dies with it
+    [again] = survivor.wait_for_lines(r"start rank=0 world=1 restored=(\w+)", 1)
+    (tmp_path / "done").touch()
+    assert survivor.wait() == 0, survivor.stderr()
+    said = survivor.stderr()
+    changed = re.findall(r"step \d+ was snapshotted in a world of 2 ranks, this one has 1: not restored", said)
+    if how == "replicated":
+        assert again.group(1).isdigit(), survivor.lines
+        assert not changed
+    else:
+        assert again.group(1) == "None", survivor.lines
+        assert len(changed) == 1, said

@@ -180,3 +180,27 @@ def test_gpu_tensors_are_copied_as_they_were_at_the_call_while_the_host_goes_on(
     assert all(torch.equal(got["model"][k], before[k]) for k in before)
     assert not torch.equal(model[0].weight.cpu(), before["0.weight"])
     assert not torch.equal(model[1].running_mean.cpu(), before["1.running_mean"])
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_a_snapshot_of_another_worlds_size_is_restored_only_when_replicated(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], replicated: bool
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    snap.snapshot(9, {"part": torch.full((4,), 7.0)}, replicated=replicated)
+    snap.wait()
+    assert snap.file.world_of(snap.path_of(in_ftrun, 9, 0)) == snap.file.World(2, 0, replicated)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a node lost: rank 1's part is gone with it
+    monkeypatch.setenv(snap.ENV_RESTORE, "9")
+    restored = snap.restore()
+    said = capsys.readouterr().err
+    if replicated:
+        assert restored is not None
+        assert restored[0] == 9
+        assert said == ""
+    else:
+        assert restored is None
+        assert "step 9 was snapshotted in a world of 2 ranks, this one has 1: not restored" in said
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the same world: restored either way
+    assert snap.restore() is not None

@@ -89,8 +89,10 @@ class _Writer:
 _writer = _Writer()
 
 
-def snapshot(step: int, state: Mapping[str, Any]) -> None:
-    """Snapshot ``state`` at ``step`` (see the module's doc); outside ftrun, nothing."""
+def snapshot(step: int, state: Mapping[str, Any], *, replicated: bool = False) -> None:
+    """Snapshot ``state`` at ``step`` (see the module's doc); outside ftrun, nothing. ``replicated``: the state
+    does not depend on the world (DDP's replicated model and optimizer, no per-rank data position or RNG): any
+    rank's part serves a world of another size. By default a snapshot is restored only in a world of its size."""
     directory = os.environ.get(ENV_DIR)
     if not directory:
         return
@@ -101,7 +103,7 @@ def snapshot(step: int, state: Mapping[str, Any]) -> None:
     tensors: list[Any] = []
     skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
     table = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors]
-    planned = file.begin(step, _rank(), table, skeleton)
+    planned = file.begin(step, _rank(), table, skeleton, _world(replicated))
     if not _fits(step, planned.size):
         _writer.blocked_s += time.perf_counter() - started
         return
@@ -132,7 +134,8 @@ def write_now(step: int, state: Mapping[str, Any]) -> None:
     directory = os.environ.get(ENV_DIR)
     if not directory:
         return
-    planned = file.begin(step, _rank(), [], pickle.dumps(dict(state), protocol=pickle.HIGHEST_PROTOCOL))
+    # DCP's step: where its files are, which DCP reshards itself for a world of any size
+    planned = file.begin(step, _rank(), [], pickle.dumps(dict(state), protocol=pickle.HIGHEST_PROTOCOL), _world(True))
     view = planned.make(Path(directory))
     try:
         file.seal(view, planned.data_end)
@@ -166,6 +169,11 @@ def restore() -> tuple[int, Any] | None:
     path = path_of(Path(directory), step, _rank())
     _writer.restored.add(path)  # its pages are the restored tensors': never written again
     try:
+        then = file.world_of(path)
+        if then is not None and not then.replicated and then.size != _world(False).size:
+            _world_changed(step, then)
+            name_start(None)
+            return None
         restored = read(path)
     except CorruptSnapshot as e:
         (path.parent / BAD_MARK).touch()  # the agent restores the step before at the next restart
@@ -254,6 +262,22 @@ def name_step(step: int) -> None:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _world(replicated: bool) -> file.World:
+    return file.World(int(os.environ.get("WORLD_SIZE", "1")), _rank(), replicated)
+
+
+def _world_changed(step: int, then: file.World) -> None:
+    """Said once, by rank 0: the snapshot's world and this one differ, so nothing is restored."""
+    if _rank() == 0:
+        print(
+            f"ftrun.restore: step {step} was snapshotted in a world of {then.size} ranks, this one has "
+            f"{_world(False).size}: not restored, since a rank's part may depend on the world (load your own "
+            "checkpoint; ftrun.snapshot(..., replicated=True) says any rank's part serves any world)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _copy(view: mmap.mmap, at: int, tensor: Any, nbytes: int, torch: Any) -> None:

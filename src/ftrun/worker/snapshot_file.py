@@ -123,7 +123,7 @@ class Planned:
 
     step: int
     rank: int
-    body: bytes  # the head after HEAD: (step, rank, tensor table, skeleton), pickled
+    body: bytes  # the head after HEAD: (step, rank, tensor table, skeleton, world), pickled
     offsets: list[int]  # each tensor's
     data_end: int
 
@@ -143,8 +143,23 @@ class Planned:
         return view
 
 
-def begin(step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes) -> Planned:
-    body = pickle.dumps((step, rank, table, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
+@dataclass(frozen=True, slots=True)
+class World:
+    """The world a snapshot was taken in: its size, the rank that took it, and whether the job said its state
+    does not depend on the world (any rank's part serves any world)."""
+
+    size: int
+    rank: int
+    replicated: bool = False
+
+
+def begin(
+    step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes, world: World | None = None
+) -> Planned:
+    world = world or World(0, rank)
+    body = pickle.dumps(
+        (step, rank, table, skeleton, (world.size, world.rank, world.replicated)), protocol=pickle.HIGHEST_PROTOCOL
+    )
     offsets, data_end = layout(HEAD.size + len(body), [n for _, _, n in table])
     return Planned(step, rank, body, offsets, data_end)
 
@@ -173,7 +188,7 @@ def read(path: Path, torch: Any) -> tuple[int, Any]:
         try:
             for i in range((HEAD.size + head_len) // CHUNK + 1):
                 _check(checks[i], crcs[i], path)  # the head, before it is unpickled
-            step, _, table, skeleton = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - own
+            step, _, table, skeleton, *_ = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - own
             offsets, _ = layout(HEAD.size + head_len, [n for _, _, n in table])
             tensors = [_mapped(torch, raw, entry, at) for entry, at in zip(table, offsets, strict=True)]
             for i, check in enumerate(checks):
@@ -181,6 +196,26 @@ def read(path: Path, torch: Any) -> tuple[int, Any]:
         finally:
             wait(checks)  # none still reads the map when it closes
     return step, fill(pickle.loads(skeleton), tensors)  # noqa: S301 - its own file
+
+
+def world_of(path: Path) -> World | None:
+    """The world a snapshot file was taken in, from its head alone (verified); None for a file that does not
+    say (written before snapshots recorded it). Raises CorruptSnapshot as :func:`read` does."""
+    with path.open("rb") as f:
+        try:
+            raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file
+            raw = b""
+    with memoryview(raw) as whole:
+        data_end, crcs = _table(whole, path)
+        _, head_len, _ = HEAD.unpack_from(whole)
+        for i in range(min(len(crcs), (HEAD.size + head_len) // CHUNK + 1)):
+            if _crc(whole, i, data_end) != crcs[i]:
+                raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
+        head = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - its own file
+    if isinstance(raw, mmap.mmap):
+        raw.close()
+    return World(*head[4]) if len(head) > 4 else None
 
 
 def strip(value: Any, tensors: list[Any], torch: Any) -> Any:
