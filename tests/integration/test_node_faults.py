@@ -1,4 +1,5 @@
-"""The node's own faults never end the job: a log disk that fills up while the job writes to it."""
+"""The node's own faults never end the job: a log disk that fills up while the job writes to it, shared memory
+with no room for a snapshot."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrun.worker import snapshot
 from tests.integration.harness import WAIT_S, ftrun_argv
 
 CHATTY = """
@@ -53,3 +55,36 @@ def test_a_full_log_disk_ends_nothing(tmp_path: Path, small_disk: Path) -> None:
     assert "rank 0 step 149 " in r.stdout  # the last step of both ranks reached the console
     assert "rank 1 step 149 " in r.stdout
     assert "its logs lack " in r.stderr  # the report says what the rank's log files lack
+
+
+def test_a_snapshot_that_shared_memory_has_no_room_for_is_skipped_and_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """/dev/shm full (here a 1 MiB tmpfs): no snapshot, no SIGBUS at a write through the map, said once."""
+    torch = pytest.importorskip("torch")
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=False).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        monkeypatch.setenv(snapshot.ENV_DIR, str(small))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(snapshot, "_writer", snapshot._Writer())
+        for step in (1, 2):
+            snapshot.snapshot(step, {"w": torch.ones(1 << 20)})  # 4 MiB
+            snapshot.wait()
+        said = capsys.readouterr().err
+        assert said.count("ftrun.snapshot: rank 0 skipped step 1's snapshot") == 1
+        assert "No space left on device" in said or "MiB free" in said
+        assert "skipped step 2" not in said
+        assert not list(small.glob("step-*/rank-*"))
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_snapshot_memory_larger_than_shared_memory_is_said_at_start(tmp_path: Path) -> None:
+    (tmp_path / "w.py").write_text("print('ran', flush=True)\n")
+    argv = ftrun_argv(tmp_path, "--snapshot-memory", "100T", "w.py")
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert "ftrun: --snapshot-memory is 102400.00 GiB but /dev/shm holds " in r.stderr

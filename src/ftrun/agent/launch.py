@@ -149,7 +149,6 @@ class NodeParts:
             watch.share_board(board.pace_share(), board.node, board.collective_share())
         asked = Asked(narrator.host, clock, narrator.emit, narrator.warn)
         asked.leave_reasons += [watch.pace.reason_to_leave, self.leave_for]  # --straggler-action exclude, health
-        share = config.snapshot_memory // config.nproc_per_node
         return LocalGroup(
             config,
             narrator,
@@ -157,7 +156,9 @@ class NodeParts:
             watch=watch,
             wakeup=self.wakeup,
             spawning=Spawning(config, narrator.console, clock),
-            snapshots=SnapshotKeeper.open(narrator.run_dir.name, narrator.warn, share),
+            snapshots=SnapshotKeeper.open(
+                narrator.run_dir.name, narrator.warn, config.snapshot_memory, config.nproc_per_node
+            ),
             pacing=self.pacing,
             asked=asked,
             link=link,

@@ -43,16 +43,25 @@ def snapshot_root() -> Path:
 
 class SnapshotKeeper:
     @classmethod
-    def open(cls, run_name: str, say: Callable[[str], None], rank_share: int = 1 << 30) -> SnapshotKeeper:
+    def open(cls, run_name: str, say: Callable[[str], None], memory: int = 1 << 30, ranks: int = 1) -> SnapshotKeeper:
         """A directory of this run's in shared memory (the temp dir where there is none), named after this
         agent's pid; those of agents that died without removing theirs (SIGKILL, and their warden killed too)
-        are removed first."""
+        are removed first. ``memory``: --snapshot-memory, for the node's ``ranks`` together."""
         parent = own_dir(snapshot_root())
         for stale in parent.iterdir():
             owner = stale.name.split("-", 1)[0]
             if owner.isdigit() and not psutil.pid_exists(int(owner)):
                 shutil.rmtree(stale, ignore_errors=True)
-        return cls(Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent)), say, rank_share)
+        room = os.statvfs(parent)
+        if (holds := room.f_blocks * room.f_frsize) < memory:
+            say(
+                f"--snapshot-memory is {memory / (1 << 30):.2f} GiB but {parent.parent} holds "
+                f"{holds / (1 << 30):.2f} GiB: the job's ftrun.snapshot calls that find no room there are skipped "
+                "(a container's /dev/shm is often small: give it more, e.g. docker run --shm-size, or lower "
+                "--snapshot-memory)"
+            )
+        directory = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-{run_name}-", dir=parent))
+        return cls(directory, say, memory // max(1, ranks))
 
     def __init__(self, directory: Path, say: Callable[[str], None], rank_share: int) -> None:
         """Use :meth:`open`. ``rank_share``: the bytes each local rank's snapshot files may take (--snapshot-memory

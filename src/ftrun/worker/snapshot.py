@@ -55,6 +55,7 @@ class _Writer:
         self.streams: dict[Any, Any] = {}  # device -> the copies' stream
         self.restored: set[Path] = set()  # files whose pages restored tensors are on
         self.refused = False  # a snapshot did not fit --snapshot-memory (said once)
+        self.no_room = False  # /dev/shm had no room for a snapshot (said once)
         self.error: BaseException | None = None
         self.blocked_s = 0.0
         self.hooked = False
@@ -107,7 +108,13 @@ def snapshot(step: int, state: Mapping[str, Any], *, replicated: bool = False) -
     if not _fits(step, planned.size):
         _writer.blocked_s += time.perf_counter() - started
         return
-    view, offsets, data_end = planned.make(Path(directory)), planned.offsets, planned.data_end
+    try:
+        view = planned.make(Path(directory))
+    except OSError as e:  # /dev/shm full (or smaller than --snapshot-memory): this step is not snapshotted
+        _no_room(step, planned.size, e)
+        _writer.blocked_s += time.perf_counter() - started
+        return
+    offsets, data_end = planned.offsets, planned.data_end
     late, on_gpu = [], []
     for t, at, (_, _, nbytes) in zip(tensors, offsets, table, strict=True):
         if t.is_cuda:
@@ -217,6 +224,18 @@ def _fits(step: int, size: int) -> bool:
         )
         sys.stderr.flush()
     return False
+
+
+def _no_room(step: int, size: int, error: OSError) -> None:
+    """Said once per run of a worker: a snapshot that /dev/shm had no room for; the job goes on without it."""
+    if not _writer.no_room:
+        _writer.no_room = True
+        sys.stderr.write(
+            f"ftrun.snapshot: rank {_rank()} skipped step {step}'s snapshot ({_gib(size)}): "
+            f"{error.strerror or error} in {os.environ.get(ENV_DIR)}; the job goes on, and a restore takes the newest "
+            "step whole on every rank, or the job's own checkpoint (said once)\n"
+        )
+        sys.stderr.flush()
 
 
 def copies_held() -> bool:
