@@ -204,7 +204,7 @@ def world_of(path: Path) -> World | None:
     say (written before snapshots recorded it). Raises CorruptSnapshot as :func:`read` does."""
     with path.open("rb") as f:
         try:
-            raw: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            raw: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file
             raw = b""
     with memoryview(raw) as whole:
