@@ -109,6 +109,15 @@ def raise_file_limit() -> None:
     _given = (soft, hard)
 
 
+FILES_PER_WORKER = 8  # its pipes and log files, its monitor slot, its standby's socket, with room
+FILES_OF_THE_AGENT = 48  # the store and its clients, listeners, the event log, the warm pool's zygotes
+
+
+def files_needed(workers: int) -> int:
+    """About how many files an agent with ``workers`` local workers holds open at once."""
+    return FILES_OF_THE_AGENT + FILES_PER_WORKER * workers
+
+
 def job_file_limit() -> tuple[int, int] | None:
     """The limits on open files the agent was started with, when it raised its own (None: it did not)."""
     return _given

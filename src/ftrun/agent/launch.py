@@ -9,6 +9,7 @@ store served from this process. Nothing here decides anything.
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import socket
 import sys
@@ -54,7 +55,7 @@ from ftrun.rendezvous.records import Head, Keys
 from ftrun.rendezvous.state import Me, Rules, Timing
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore
-from ftrun.strangers import raise_file_limit
+from ftrun.strangers import files_needed, raise_file_limit
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -67,11 +68,24 @@ def launch(config: LaunchConfig) -> int:
     """Run this node's part of the job to its end; returns ftrun's exit code."""
     check_master_port(config)
     raise_file_limit()  # room for strangers at its ports and its own work; the workers get the limit it had
+    check_file_limit(config.nproc_per_node)
     warden = Warden.start(snapshot_root())  # first: what the agent starts from here on dies with it, even by SIGKILL
     try:
         return _launch(config, frozenset({warden.group}))
     finally:
         warden.close()
+
+
+def check_file_limit(workers: int) -> None:
+    """Refuse at once, in one line, where the node's limit on open files cannot hold the agent and its workers
+    (a failure mid-run, spawning or restarting, would end the job)."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit != resource.RLIM_INFINITY and limit < (need := files_needed(workers)):
+        raise ConfigError(
+            "the open-files limit",
+            f"{limit} (ulimit -n), and an agent with {workers} workers needs about {need}",
+            f"raise it to {max(1024, need)} or more (ulimit -n; LimitNOFILE= under systemd; a container's --ulimit)",
+        )
 
 
 def _launch(config: LaunchConfig, spared: frozenset[int]) -> int:
