@@ -93,11 +93,16 @@ def test_a_snapshot_memory_larger_than_shared_memory_is_said_at_start(tmp_path: 
 def test_a_limit_on_open_files_too_low_for_the_workers_is_refused_at_once_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "w.py").write_text("print('ran', flush=True)\n")
     argv = ftrun_argv(tmp_path, "--nproc-per-node", "8", "--max-restarts", "1", "w.py")
-    r = subprocess.run(["prlimit", "--nofile=64:64", "--", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+
+    def run(files: int) -> subprocess.CompletedProcess[str]:
+        limited = ["prlimit", f"--nofile={files}:{files}", "--", *argv]
+        return subprocess.run(limited, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+
+    r = run(64)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("ftrun: error: the open-files limit: 64 (ulimit -n), and an agent with 8 workers")
     assert "Traceback" not in r.stderr
     assert "ran" not in r.stdout
-    fits = subprocess.run(["prlimit", "--nofile=256:256", "--", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+    fits = run(256)
     assert fits.returncode == 0, fits.stderr  # where it fits, the job runs, restarts and all
     assert fits.stdout.count("ran") == 8
