@@ -1,13 +1,16 @@
 """Strangers on the network cannot take a job down: every port an agent listens on (the embedded store, the
 liveness listener, the metrics and probes) is opened many times over by connections that never speak, more than
-the agent may open files, and then a worker is SIGKILLed: the agent lives, restarts it, and says each flood once."""
+the agent may open files, or sent malformed input; then a worker is SIGKILLed: the agent lives, restarts it, and
+says each flood once."""
 
 from __future__ import annotations
 
 import contextlib
+import random
 import re
 import resource
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -102,3 +105,48 @@ def test_the_agent_raises_its_file_limit_and_the_job_keeps_the_one_it_was_given(
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("files 1024 4096") == 2, r.stdout
+
+
+def malformed() -> list[bytes]:
+    """What strangers send: noise, a frame that claims 4 GiB, a cut header, a line with no end, HTTP garbage."""
+    noise = bytes(random.Random(7).getrandbits(8) for _ in range(4096))
+    return [
+        noise,
+        b"ftrun\n" + struct.pack(">I", 0xFFFFFFFF) + b"x" * 64,
+        b"\x00\x00",
+        b"{" * (1 << 20),
+        b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n",
+        b"POST /metrics HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n" + noise,
+        b"ftrun liveness 2\n",
+    ]
+
+
+def test_malformed_input_at_every_port_ends_and_steers_nothing(tmp_path: Path, live: list[LiveFtrun]) -> None:
+    """Each port gets every malformed input, on a connection of its own, some sent a byte at a time; then a
+    worker is SIGKILLed: the agent restarts it and the job finishes, its memory not grown by what it was sent."""
+    (tmp_path / "job.py").write_text(JOB)
+    agent = LiveFtrun(
+        tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", CONF,
+        "--metrics-port", "127.0.0.1:0", "--nproc-per-node", "2", "--max-restarts", "2", "job.py", str(tmp_path),
+    )  # fmt: skip
+    live.append(agent)
+    agent.wait_for_lines(r"up rank=\d restart=0", 2)
+    me = psutil.Process(agent.proc.pid)
+    before = me.memory_info().rss
+    for port in listening(agent.proc.pid):
+        for i, data in enumerate(malformed()):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                if i % 3 == 0:  # slowly: a byte at a time, for a while
+                    for b in data[:20]:
+                        s.sendall(bytes([b]))
+                        time.sleep(0.02)
+                s.sendall(data)
+                s.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    s.recv(65536)
+    assert me.memory_info().rss - before < 64 << 20  # nothing it was sent is kept
+    (tmp_path / "crash").touch()
+    agent.wait_for_lines(r"up rank=\d restart=1", 2)
+    (tmp_path / "done").touch()
+    assert agent.wait(WAIT_S) == 0, agent.stderr()
+    assert "Traceback" not in agent.stderr()
