@@ -63,9 +63,8 @@ def flood(port: int, count: int, into: list[socket.socket]) -> None:
         into.append(s)
 
 
-def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
-    tmp_path: Path, live: list[LiveFtrun], held: list[socket.socket]
-) -> None:
+def training(tmp_path: Path, live: list[LiveFtrun]) -> LiveFtrun:
+    """An agent hosting the job's store, with its liveness listener and its metrics, its 2 workers up."""
     (tmp_path / "job.py").write_text(JOB)
     agent = LiveFtrun(
         tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", CONF,
@@ -73,6 +72,13 @@ def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
     )  # fmt: skip
     live.append(agent)
     agent.wait_for_lines(r"up rank=\d restart=0", 2)
+    return agent
+
+
+def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
+    tmp_path: Path, live: list[LiveFtrun], held: list[socket.socket]
+) -> None:
+    agent = training(tmp_path, live)
     psutil.Process(agent.proc.pid).rlimit(psutil.RLIMIT_NOFILE, (AGENT_FILES, AGENT_FILES))
     ports = listening(agent.proc.pid)
     assert len(ports) >= 3, ports  # the store, the liveness listener, the metrics and probes
@@ -124,13 +130,7 @@ def malformed() -> list[bytes]:
 def test_malformed_input_at_every_port_ends_and_steers_nothing(tmp_path: Path, live: list[LiveFtrun]) -> None:
     """Each port gets every malformed input, on a connection of its own, some sent a byte at a time; then a
     worker is SIGKILLed: the agent restarts it and the job finishes, its memory not grown by what it was sent."""
-    (tmp_path / "job.py").write_text(JOB)
-    agent = LiveFtrun(
-        tmp_path, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", CONF,
-        "--metrics-port", "127.0.0.1:0", "--nproc-per-node", "2", "--max-restarts", "2", "job.py", str(tmp_path),
-    )  # fmt: skip
-    live.append(agent)
-    agent.wait_for_lines(r"up rank=\d restart=0", 2)
+    agent = training(tmp_path, live)
     me = psutil.Process(agent.proc.pid)
     before = me.memory_info().rss
     for port in listening(agent.proc.pid):
