@@ -25,10 +25,10 @@ print(f"rank {rank} done", file=sys.stderr, flush=True)
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs: the log directory fills up while the job runs."""
+    """A 1 MiB tmpfs: the log directory fills up while the job runs (rank 1 alone fills it before its failure)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
@@ -38,14 +38,15 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_log_disk_ends_nothing(tmp_path: Path, small_disk: Path) -> None:
-    """2 ranks print 20 KB a step onto a 2 MiB log disk; rank 1 raises at step 100. The workers are drained
+    """2 ranks print 20 KB a step onto a 1 MiB log disk; rank 1 raises at step 100. The workers are drained
     as before, the failure is reported and restarted, the job finishes, and ftrun says once what it could not
     write, with no traceback of its own."""
     (tmp_path / "w.py").write_text(CHATTY)
     argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", logs=str(small_disk))
     r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S * 2)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stderr.count("ftrun: cannot write ") == 1, r.stderr[-3000:]
+    said = r.stderr.count("ftrun: cannot write ")
+    assert 1 <= said <= 3, r.stderr[-3000:]  # once (again only after writing worked for a while), not per write
     assert "No space left on device" in r.stderr
     assert "Exception in thread" not in r.stderr
     assert "ROOT CAUSE  rank 1" in r.stderr
