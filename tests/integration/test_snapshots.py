@@ -360,9 +360,12 @@ def test_a_world_that_shrank_restores_no_half_state(
     assert survivor.wait() == 0, survivor.stderr()
     said = survivor.stderr()
     changed = re.findall(r"step \d+ was snapshotted in a world of 2 ranks, this one has 1: not restored", said)
+    told = re.findall(r"the snapshot of step \d+ was taken in a world of 2 ranks, this one has 1", said)
     if how == "replicated":
         assert again.group(1).isdigit(), survivor.lines
         assert not changed
+        assert not told  # the agent names the step it restores, as in any world
     else:
         assert again.group(1) == "None", survivor.lines
         assert len(changed) == 1, said
+        assert len(told) == 1, said  # the agent says it too, not "restore ... whole on every rank"

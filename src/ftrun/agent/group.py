@@ -143,7 +143,7 @@ class LocalGroup:
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._link.new_attempt(self._round, attempt_dir / "peers", *ranks)
         restore = restore_plan(self._nodes, self._link.board, self._round, placement.group_rank, c.failure_domain)
-        self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore)
+        self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore, self._world_size)
         try:
             for local_rank in range(c.nproc_per_node):
                 w = self._spawning.spawn(self._processes, command, attempt_dir, local_rank, master_port, self._env)

@@ -29,7 +29,16 @@ from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAg
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
 from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
-from ftrun.worker.snapshot_file import STEP_DIR, bad_steps, is_whole, path_of, pinned_steps, whole_steps
+from ftrun.worker.snapshot_file import (
+    STEP_DIR,
+    CorruptSnapshot,
+    bad_steps,
+    is_whole,
+    path_of,
+    pinned_steps,
+    whole_steps,
+    world_of,
+)
 
 SHARED_MEMORY = Path("/dev/shm")  # noqa: S108 - a directory of the user's own in it (own_dir: 0700, owner checked)
 
@@ -84,7 +93,7 @@ class SnapshotKeeper:
             except OSError as e:  # the job goes on; a node lost takes its snapshots with it
                 self._say(f"snapshots are not copied to another node: cannot listen on {host} ({e})")
 
-    def new_attempt(self, ranks: Sequence[int], restore: Restore | None) -> None:
+    def new_attempt(self, ranks: Sequence[int], restore: Restore | None, world_size: int = 0) -> None:
         """Before the attempt's workers start: the step they restore, ``restore.agree`` deciding it from what
         each node has (None: no restore at all, a static job of several nodes), the files of it this node
         lacks fetched or taken from its peer copies, given up steps removed, the older ones pruned; then this
@@ -115,7 +124,7 @@ class SnapshotKeeper:
         self._unagreed = decision.step == UNAGREED_STEP or not self._gather(decision, ranks)
         self._restore = None if self._unagreed else decision.step
         if self._restore is not None:
-            self._say(f"the workers restore the snapshot of step {self._restore}, whole on every rank")
+            self._say(self._restoring(self._restore, ranks, world_size))
         elif self._unagreed:
             self._say("the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails")
         elif any(have.values()) or holds:
@@ -125,6 +134,20 @@ class SnapshotKeeper:
             )
         if self._mirror is not None and restore is not None and restore.successor is not None:
             self._mirror.send_to(restore.successor, list(ranks), paces=restore.group_rank == 0)
+
+    def _restoring(self, step: int, ranks: Sequence[int], world_size: int) -> str:
+        """What the workers restore: the step, or, where it was taken in a world of another size, what they do."""
+        try:
+            then = world_of(path_of(self.dir, step, ranks[0])) if ranks else None
+        except (OSError, CorruptSnapshot):
+            then = None  # the worker finds it and says so
+        if then is None or then.replicated or not world_size or then.size == world_size:
+            return f"the workers restore the snapshot of step {step}, whole on every rank"
+        return (
+            f"the snapshot of step {step} was taken in a world of {then.size} ranks, this one has {world_size}: "
+            "ftrun.restore() returns it only where the job said its state does not depend on the world "
+            "(ftrun.snapshot(..., replicated=True)), else None"
+        )
 
     def _gather(self, decision: Decision, ranks: Sequence[int]) -> bool:
         """This node's files of the decided step in their place: its own, a peer copy it holds, or fetched from
