@@ -21,7 +21,7 @@ KEY = b"k" * 32
 
 
 def whole(directory: Path, step: int, rank: int) -> bytes:
-    planned = file.begin(step, rank, [], pickle.dumps({"step": step, "pad": b"x" * 100_000}))
+    planned = file.begin(step, [], pickle.dumps({"step": step, "pad": b"x" * 100_000}), file.World(2, rank))
     view = planned.make(directory)
     file.seal(view, planned.data_end)
     view.close()

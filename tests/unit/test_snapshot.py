@@ -83,7 +83,8 @@ def test_a_rank_keeps_two_steps_and_writes_the_oldest_file_again_never_whole_unt
     assert sorted(p.name for p in in_ftrun.iterdir()) == ["spare-rank-3.snap", f"step-{2:012d}", f"step-{3:012d}"]
     spare = snap.file.spare_of(in_ftrun, 3)
     table = [("float32", (1 << 18,), 1 << 20)]
-    view = snap.file.begin(4, 3, table, b"").make(in_ftrun)  # the writer dies before it seals the file
+    planned = snap.file.begin(4, table, b"", snap.file.World(1, 3))
+    view = planned.make(in_ftrun)  # the writer dies before it seals the file
     view.close()
     assert not spare.exists()
     assert not snap.is_whole(snap.path_of(in_ftrun, 4, 3))  # the old foot was wiped before the file moved

@@ -104,7 +104,7 @@ def snapshot(step: int, state: Mapping[str, Any], *, replicated: bool = False) -
     tensors: list[Any] = []
     skeleton = pickle.dumps(file.strip(state, tensors, torch), protocol=pickle.HIGHEST_PROTOCOL)
     table = [(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors]
-    planned = file.begin(step, _rank(), table, skeleton, _world(replicated))
+    planned = file.begin(step, table, skeleton, _world(replicated))
     if not _fits(step, planned.size):
         _writer.blocked_s += time.perf_counter() - started
         return
@@ -142,7 +142,7 @@ def write_now(step: int, state: Mapping[str, Any]) -> None:
     if not directory:
         return
     # DCP's step: where its files are, which DCP reshards itself for a world of any size
-    planned = file.begin(step, _rank(), [], pickle.dumps(dict(state), protocol=pickle.HIGHEST_PROTOCOL), _world(True))
+    planned = file.begin(step, [], pickle.dumps(dict(state), protocol=pickle.HIGHEST_PROTOCOL), _world(True))
     view = planned.make(Path(directory))
     try:
         file.seal(view, planned.data_end)

@@ -20,7 +20,7 @@ import os
 import pickle
 import struct
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -154,15 +154,12 @@ class World:
     replicated: bool = False
 
 
-def begin(
-    step: int, rank: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes, world: World | None = None
-) -> Planned:
-    world = world or World(0, rank)
-    body = pickle.dumps(
-        (step, rank, table, skeleton, (world.size, world.rank, world.replicated)), protocol=pickle.HIGHEST_PROTOCOL
-    )
+def begin(step: int, table: list[tuple[str, tuple[int, ...], int]], skeleton: bytes, world: World) -> Planned:
+    """The file of ``world.rank``'s ``step``, laid out: its head records the world it is taken in."""
+    head = (step, world.rank, table, skeleton, (world.size, world.rank, world.replicated))
+    body = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
     offsets, data_end = layout(HEAD.size + len(body), [n for _, _, n in table])
-    return Planned(step, rank, body, offsets, data_end)
+    return Planned(step, world.rank, body, offsets, data_end)
 
 
 def seal(view: mmap.mmap, data_end: int) -> None:
@@ -187,13 +184,13 @@ def read(path: Path, torch: Any) -> tuple[int, Any]:
         _, head_len, _ = HEAD.unpack_from(whole)
         checks = [_pool().submit(_crc, whole, i, data_end) for i in range(_chunks(data_end))]
         try:
-            for i in range((HEAD.size + head_len) // CHUNK + 1):
-                _check(checks[i], crcs[i], path)  # the head, before it is unpickled
+            for i in range(_head_chunks(head_len)):
+                _check(checks[i].result(), crcs[i], path)  # the head, before it is unpickled
             step, _, table, skeleton, *_ = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - own
             offsets, _ = layout(HEAD.size + head_len, [n for _, _, n in table])
             tensors = [_mapped(torch, raw, entry, at) for entry, at in zip(table, offsets, strict=True)]
             for i, check in enumerate(checks):
-                _check(check, crcs[i], path)
+                _check(check.result(), crcs[i], path)
         finally:
             wait(checks)  # none still reads the map when it closes
     return step, fill(pickle.loads(skeleton), tensors)  # noqa: S301 - its own file
@@ -207,15 +204,16 @@ def world_of(path: Path) -> World | None:
             raw: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file
             raw = b""
-    with memoryview(raw) as whole:
-        data_end, crcs = _table(whole, path)
-        _, head_len, _ = HEAD.unpack_from(whole)
-        for i in range(min(len(crcs), (HEAD.size + head_len) // CHUNK + 1)):
-            if _crc(whole, i, data_end) != crcs[i]:
-                raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
-        head = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - its own file
-    if isinstance(raw, mmap.mmap):
-        raw.close()
+    try:
+        with memoryview(raw) as whole:
+            data_end, crcs = _table(whole, path)
+            _, head_len, _ = HEAD.unpack_from(whole)
+            for i in range(_head_chunks(head_len)):
+                _check(_crc(whole, i, data_end), crcs[i], path)
+            head = pickle.loads(whole[HEAD.size : HEAD.size + head_len])  # noqa: S301 - its own file
+    finally:
+        if isinstance(raw, mmap.mmap):
+            raw.close()
     return World(*head[4]) if len(head) > 4 else None
 
 
@@ -317,8 +315,13 @@ def _table(whole: memoryview, path: Path) -> tuple[int, list[int]]:
     return data_end, [CRC.unpack_from(table, i * CRC.size)[0] for i in range(_chunks(data_end))]
 
 
-def _check(check: Future[int], expected: int, path: Path) -> None:
-    if check.result() != expected:
+def _head_chunks(head_len: int) -> int:
+    """The chunks the head lies in: checked before it is unpickled."""
+    return (HEAD.size + head_len) // CHUNK + 1
+
+
+def _check(crc: int, expected: int, path: Path) -> None:
+    if crc != expected:
         raise CorruptSnapshot(f"{path}: its checksum does not match: a byte changed since it was written")
 
 
