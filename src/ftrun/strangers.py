@@ -29,6 +29,11 @@ def bounds() -> tuple[int, int]:
     return max(64, soft // 2), max(16, soft // 8)
 
 
+def address_of(peer: object) -> str:
+    """The host part of a socket's peer address (an IPv4 or IPv6 tuple), or the whole of any other."""
+    return str(peer[0] if isinstance(peer, tuple) else peer)
+
+
 _lock = threading.Lock()
 _waiting: Counter[str] = Counter()  # address -> strangers from it, at every door of this process
 
@@ -80,7 +85,7 @@ class AtTheDoor:
         self._served: dict[int, str] = {}  # id of a connection served now -> its address
 
     def verify_request(self, request: object, client_address: object) -> bool:
-        host = str(client_address[0] if isinstance(client_address, tuple) else client_address)
+        host = address_of(client_address)
         if not self.door.admit(host):
             return False
         with _lock:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from ftrun.rendezvous.records import NodeInfo
-from ftrun.strangers import Door
+from ftrun.strangers import Door, address_of
 
 CONNECT_TIMEOUT_S = 2.0
 GREETING = b"ftrun liveness 1\n"  # what a watching agent says first
@@ -39,7 +39,7 @@ class Liveness:
         self._gone: set[str] = set()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._strangers: dict[socket.socket, tuple[str, float, bytes]] = {}  # -> (address, deadline, heard)
-        self._door = Door("the liveness listener")
+        self._door: Door  # once it listens, named with its port
         self._thread: threading.Thread | None = None
         self._stop = False
         self.port = 0
@@ -130,7 +130,7 @@ class Liveness:
             conn, address = listener.accept()
         except OSError:
             return  # out of descriptors, or a reset before it was taken: the next one may do
-        host = str(address[0]) if isinstance(address, tuple) else str(address)
+        host = address_of(address)
         if not self._door.admit(host):
             conn.close()
             return

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from ftrun.errors import StoreError
 from ftrun.store import wire
 from ftrun.store.greeting import OPENING
-from ftrun.strangers import Door
+from ftrun.strangers import Door, address_of
 
 log = logging.getLogger("ftrun.store")
 
@@ -66,7 +66,7 @@ class ClientConnection(asyncio.Protocol):
         self.transport = transport
         address = transport.get_extra_info("peername")
         self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-        host = str(address[0]) if isinstance(address, tuple) else str(address)
+        host = address_of(address)
         if not self._server.door.admit(host):
             transport.abort()  # too many strangers: closed at once, without a word per connection
             return

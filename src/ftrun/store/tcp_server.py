@@ -100,7 +100,7 @@ class TcpStoreServer:
         self._awaited: dict[str, tuple[set[int], asyncio.TimerHandle]] = {}
         self._stopped = threading.Event()
         self.crashed: BaseException | None = None  # what ended the server thread, if not stop()
-        self.door = Door("the store")  # named with its port once bound
+        self.door: Door  # once it listens, named with its port
 
     # --- lifecycle -----------------------------------------------------------------------------
 
