@@ -177,10 +177,11 @@ class Reports:
         self.last = report
         self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
         root = report.root_cause
-        broken = [o for o in (root, *report.other_failures) if o.host == self._host and o.gpu_error]
-        broken = [o for o in broken if o.gpu_error is not None and o.gpu_error.device_broken]
-        if broken and self.gpu_in_doubt is not None:
-            self.gpu_in_doubt(f"rank {broken[0].rank}: {broken[0].gpu_error.what}")  # type: ignore[union-attr]
+        for o in (root, *report.other_failures):  # a failure here whose CUDA error leaves its GPU in doubt
+            gpu = o.gpu_error
+            if o.host == self._host and gpu is not None and gpu.device_broken and self.gpu_in_doubt is not None:
+                self.gpu_in_doubt(f"rank {o.rank}: {gpu.what}")
+                break
         self._emit(
             EventKind.FAILURE,
             attempt=a.number,

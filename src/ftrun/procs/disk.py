@@ -15,7 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 
 
-def _stderr(line: str) -> None:
+def _say(line: str) -> None:
+    """On ftrun's stderr, the console (itself perhaps on the failing disk: then nothing)."""
     try:
         sys.stderr.write(f"ftrun: {line}\n")
         sys.stderr.flush()
@@ -23,7 +24,6 @@ def _stderr(line: str) -> None:
         pass
 
 
-say: Callable[[str], None] = _stderr  # the agent's console, once it has one
 _lock = threading.Lock()
 _lost: Counter[str] = Counter()  # path -> bytes not written
 _failing = ""  # the error writing meets now ("": it works)
@@ -41,8 +41,7 @@ def write_all(fd: int, data: bytes, path: str) -> bool:
         except OSError as e:
             dropped(path, len(view), e)
             return False
-    if _failing:
-        _works_again()
+    _wrote()
     return True
 
 
@@ -53,8 +52,7 @@ def guarded(path: str, size: int, write: Callable[[], None]) -> bool:
     except OSError as e:
         dropped(path, size, e)
         return False
-    if _failing:
-        _works_again()
+    _wrote()
     return True
 
 
@@ -66,21 +64,24 @@ def dropped(path: str, size: int, error: OSError) -> None:
         _failing = error.strerror or str(error)
         _failed_at = time.monotonic()
     if first:
-        say(
+        _say(
             f"cannot write {path}: {_failing}; ftrun goes on (the workers' output is still read, and shown where "
             "the console shows it), counting what it could not write; said again when writing works again"
         )
 
 
-def _works_again() -> None:
+def _wrote() -> None:
+    """A write went through: writing works again, once none failed for WORKS_AGAIN_AFTER_S."""
     global _failing
+    if not _failing:
+        return
     with _lock:
         if time.monotonic() - _failed_at < WORKS_AGAIN_AFTER_S:
             return
         was, _failing = _failing, ""
         total = sum(_lost.values())
     if was:
-        say(f"writing logs works again ({total} bytes could not be written meanwhile: {was})")
+        _say(f"writing logs works again ({total} bytes could not be written meanwhile: {was})")
 
 
 def lost_from(path: str) -> int:

@@ -33,8 +33,13 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
 LOOP_PLACES = 3  # a main thread whose stack only comes back to this many places goes round one loop
 # Long work that goes round a loop in Python and does end: a batch of a slow dataset, a compile's tracing, a
 # checkpoint's serialisation. A stack through these is never taken for a loop that never leaves.
-LONG_WORK: tuple[str, ...] = ("torch/utils/data/", "torch/_dynamo/", "torch/_inductor/", "torch/serialization.py")
-LONG_WORK += ("torch/distributed/checkpoint/",)
+LONG_WORK = (
+    "torch/utils/data/",
+    "torch/_dynamo/",
+    "torch/_inductor/",
+    "torch/serialization.py",
+    "torch/distributed/checkpoint/",
+)
 
 _started = False
 
