@@ -15,6 +15,8 @@ from dataclasses import dataclass
 _PREFIX = re.compile(r"^\[rank\d+\]:\s?")  # torch's prefix on a rank's stderr ("[rank1]: ...")
 _ASSERT = re.compile(r"([\w.]+\.cu(?:h)?:\d+): .*Assertion `(.*)` failed\.")
 _CUDA_ERROR = re.compile(r"CUDA error: (.+?)\s*$")
+_ASSERT_RAISED = re.compile(r"CUDA error: device-side assert triggered")
+_NCCL_ERROR = re.compile(r"NCCL error: (.+?)(?:, NCCL version [\d.]+)?\s*$")
 _SIZE = r"([\d.]+ \w?i?B)"
 _OOM = re.compile(
     rf"CUDA out of memory\. Tried to allocate {_SIZE}\. GPU (\d+) has a total capacity of {_SIZE} of which {_SIZE}"
@@ -27,6 +29,7 @@ _PEER = re.compile(r"(?:Connection closed by remote peer|connect to) ?([^\s,]*)"
 # CUDA errors after which the device itself is in doubt, not only this process's context
 _DEVICE_BROKEN = ("uncorrectable ECC error", "fallen off the bus", "unspecified launch failure", "busy or unavailable")
 BLOCKING = "rerun with CUDA_LAUNCH_BLOCKING=1 to stop at the kernel that failed"
+ASYNC_HINT = f"CUDA reports a kernel's error at the next synchronisation, so the stack may point past it: {BLOCKING}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +61,12 @@ def _first(text: Sequence[str], pattern: re.Pattern[str]) -> tuple[int, re.Match
 
 def _assert(text: Sequence[str]) -> GpuError | None:
     found = _first(text, _ASSERT)
-    raised = _first(text, re.compile(r"CUDA error: device-side assert triggered"))
-    if found is None and raised is None:
+    raised = _first(text, _ASSERT_RAISED)
+    at = raised or found
+    if at is None:
         return None
     where = f" at {found[1].group(1).rsplit('/', 1)[-1]}: {found[1].group(2)}" if found else ""
-    at = (raised or found)[0]  # type: ignore[index]
-    return GpuError("device-assert", f"a device-side assert in a CUDA kernel{where}", _async_hint(), line=at)
+    return GpuError("device-assert", f"a device-side assert in a CUDA kernel{where}", ASYNC_HINT, line=at[0])
 
 
 def _oom(text: Sequence[str]) -> GpuError | None:
@@ -90,8 +93,8 @@ def _cuda(text: Sequence[str]) -> GpuError | None:
     words = m.group(1)
     broken = any(b in words for b in _DEVICE_BROKEN)
     if "illegal memory access" in words:
-        return GpuError("illegal-address", "an illegal memory access in a CUDA kernel", _async_hint(), line=i)
-    hint = "the GPU may be unusable: check nvidia-smi and the kernel log (Xid)" if broken else _async_hint()
+        return GpuError("illegal-address", "an illegal memory access in a CUDA kernel", ASYNC_HINT, line=i)
+    hint = "the GPU may be unusable: check nvidia-smi and the kernel log (Xid)" if broken else ASYNC_HINT
     return GpuError("cuda", f"CUDA error: {words}", hint, device_broken=broken, line=i)
 
 
@@ -108,7 +111,7 @@ def _nccl_timeout(text: Sequence[str]) -> GpuError | None:
 
 
 def _nccl_error(text: Sequence[str]) -> GpuError | None:
-    found = _first(text, re.compile(r"NCCL error: (.+?)(?:, NCCL version [\d.]+)?\s*$"))
+    found = _first(text, _NCCL_ERROR)
     if found is None:
         return None
     i, m = found
@@ -125,10 +128,6 @@ def _nccl_error(text: Sequence[str]) -> GpuError | None:
 def _work(line: str) -> str:
     m = _WORK.search(line)
     return f"{m.group(2)} #{m.group(1)} ({m.group(3)} elements)" if m else ""
-
-
-def _async_hint() -> str:
-    return f"CUDA reports a kernel's error at the next synchronisation, so the stack may point past it: {BLOCKING}"
 
 
 def _gib(size: str) -> float:
