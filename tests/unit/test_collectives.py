@@ -88,6 +88,15 @@ def test_nobody_is_missing_when_every_rank_is_in_the_collective_or_none_waits_lo
     assert said.endswith("; it never finished (rank 1 stopped moving first)")
 
 
+def test_a_rank_that_entered_the_collective_a_moment_ago_waits_in_it_too() -> None:
+    """Rank 1 waits 20 s in #7; rank 0 entered it 1 s ago: nobody is missing, and both wait in it (a verdict
+    that named rank 1 alone as having entered it was seen in CI on a loaded machine)."""
+    [stall] = stalls([rank(0, [waits(7, 99.0)]), rank(1, [waits(7, 80.0)])], 100.0)
+    assert (stall.missing, [r for r, _ in stall.waiting]) == ((), [0, 1])
+    assert stall.since == 80.0
+    assert stall.describe(1, "12:01:03").startswith("ranks 0-1 entered all_reduce #7")
+
+
 def test_a_rank_stuck_in_a_collective_of_another_group_is_still_the_one_missing() -> None:
     """Every stack is in a collective: ranks 0-1 in the default group's #7, rank 2 in group 1's #3, which
     waits for rank 1 (a deadlock by order): the default group's missing member is rank 2."""

@@ -184,7 +184,9 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITE
         if not waiting:
             continue
         seq = min(g.finished + 1 for _, g in waiting)  # the collective the longest waiters are in
-        stuck = [(r.rank, g) for r, g in waiting if g.finished + 1 == seq <= g.entered]
+        # Every member in it waits in it, one that entered it a moment ago too: it is no missing member, and
+        # the stall is not every member's without it.
+        stuck = [(r.rank, g) for r, g in members if g.in_flight is not None and g.finished + 1 == seq <= g.entered]
         flying = next((g.in_flight for _, g in stuck if g.in_flight is not None), None)
         if flying is None:
             continue
