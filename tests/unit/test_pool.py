@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +17,14 @@ import pytest
 from ftrun.config import Entrypoint, EntrypointKind
 from ftrun.warm import policy
 from ftrun.warm.policy import worker_request
-from ftrun.warm.preload import Cache, installed_modules, read_modules_report
+from ftrun.warm.preload import (
+    INDUCTOR_IMPORTS,
+    Cache,
+    compiles_with_inductor,
+    entry_imports,
+    installed_modules,
+    read_modules_report,
+)
 
 PY = "/usr/bin/python3"
 
@@ -54,6 +64,29 @@ def test_only_installed_modules_are_preloaded(tmp_path: Path) -> None:
     report.write_text("{garbage")
     assert read_modules_report(report) is None
     assert read_modules_report(tmp_path / "missing.json") is None
+
+
+@pytest.mark.parametrize(
+    ("source", "compiles"),
+    [
+        ("import torch\nmodel = torch.compile(model)", True),
+        ("import torch as t\ndef build(block, backend):\n    block.compile(backend=backend)", True),  # nn.Module's
+        ("import torch\nmodel.compile(backend='aot_eager')", False),  # another backend named
+        ("import re, torch\nPATTERN = re.compile('step ([0-9]+)')", False),  # a module's other than torch's
+        ("import regex as rx, torch\nrx.compile('x')", False),
+        ("import torch\nmodel(x)", False),
+    ],
+)
+def test_a_script_that_compiles_with_inductor_names_inductor_among_its_imports(
+    tmp_path: Path, source: str, compiles: bool
+) -> None:
+    """A first run's zygote preloads inductor before the first step where the script's source compiles with it:
+    its workers import it only at their first call."""
+    assert compiles_with_inductor(ast.parse(source)) is compiles
+    (tmp_path / "train.py").write_text(source + "\n")
+    found = entry_imports(Entrypoint(EntrypointKind.SCRIPT, "train.py", ()), tmp_path, sys.executable)
+    if importlib.util.find_spec("torch") is not None:
+        assert set(INDUCTOR_IMPORTS) <= set(found) if compiles else not set(INDUCTOR_IMPORTS) & set(found), found
 
 
 def test_a_script_is_warm_from_any_directory_a_module_only_from_its_own(tmp_path: Path) -> None:

@@ -28,9 +28,13 @@ from typing import Any
 from ftrun.config import Entrypoint, EntrypointKind
 from ftrun.jsonobject import object_or_none
 from ftrun.private import make_dir, write_atomically
+from ftrun.worker.compile_probes import INDUCTOR_USED
 
 MAX_MODULES_REPORT_BYTES = 16 << 20  # {module: file} for every module a worker imported (torch: ~2,000)
 CACHE_VERSION = 1
+# What a compile with inductor imports at its first call, nearly all of it (the rest is the compile's own work);
+# the cache module also has the zygote ask inductor's probes of the machine (worker/compile_probes.py).
+INDUCTOR_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx", INDUCTOR_USED)
 
 
 def installed_modules(names: Sequence[str], files: Mapping[str, str | None]) -> list[str]:
@@ -76,7 +80,26 @@ def entry_imports(entry: Entrypoint, cwd: Path, python: str) -> list[str]:
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.append(node.module)
+    if "torch" in {n.split(".")[0] for n in names} and compiles_with_inductor(tree):
+        names += INDUCTOR_IMPORTS
     return installed_modules(names, {n: _origin(n.split(".")[0]) for n in names})
+
+
+def compiles_with_inductor(tree: ast.Module) -> bool:
+    """Whether the script calls ``torch.compile(...)`` or an object's ``.compile(...)`` (an ``nn.Module``'s)
+    with inductor, the default backend, anywhere in its source; never a module's other than torch's
+    (``re.compile``), never with another backend named (``backend="aot_eager"``)."""
+    modules = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules -= {"torch"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute) or node.func.attr != "compile":
+            continue
+        if isinstance(node.func.value, ast.Name) and node.func.value.id in modules:
+            continue
+        backend = next((k.value for k in node.keywords if k.arg == "backend"), None)
+        if not isinstance(backend, ast.Constant) or backend.value == "inductor":
+            return True
+    return False
 
 
 def _top_level(body: list[ast.stmt]) -> list[ast.stmt]:
