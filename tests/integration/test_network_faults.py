@@ -40,11 +40,13 @@ while not os.path.exists(stop):
 
 
 class Agent:
-    def __init__(self, node: netns.Node, store: netns.Node, tmp: Path, *extra: str) -> None:
+    def __init__(self, node: netns.Node, store: netns.Node | str, tmp: Path, *extra: str) -> None:
+        """``store``: the node whose address is the endpoint, or the endpoint's host name."""
         self.node = node
         self.stderr_path = tmp / f"agent-{node.name}.stderr"
+        endpoint = store if isinstance(store, str) else store.addr
         argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp / f"logs-{node.name}"), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{store.addr}:{PORT}", "--rdzv-id", "netfaults", "--local-addr", node.addr,
+                "--rdzv-endpoint", f"{endpoint}:{PORT}", "--rdzv-id", "netfaults", "--local-addr", node.addr,
                 "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "10", "--rdzv-conf", TTL_CONF, *extra,
                 str(tmp / "train.py"), str(tmp / "train.log"), str(tmp / "stop")]  # fmt: skip
         with self.stderr_path.open("w") as err:
@@ -279,3 +281,40 @@ def test_a_partition_during_a_takeover_never_makes_a_second_store(
     hosts = [x.node.name for x in agents[1:] if "this node hosts the store now" in x.stderr]
     assert len(hosts) == 1, [x.stderr for x in agents[1:]]  # one store, ever
     finish(tmp_path, agents[1:])
+
+
+@pytest.mark.slow
+def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tmp_path: Path) -> None:
+    """The endpoint is a name (a pod's DNS name). The store's host is lost, the survivor takes the store over;
+    then the host is recreated as Kubernetes does, with the same command and a new address, the name following
+    it. Its agent hosts a new store at the endpoint; the survivor finds it there and tells it where the job's
+    store is: it trains with the survivor (world 2), never alone, and no two rounds ever train at once."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            a, b = net.add("a"), net.add("b")
+            net.name("ftstore", a.addr)
+            agents += [Agent(a, "ftstore", tmp_path), Agent(b, "ftstore", tmp_path)]
+            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
+            agents[0].close()  # the pod is lost: its agent and its worker
+            lost_at = time.time()
+            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            assert "this node hosts the store now" in agents[1].stderr, agents[1].stderr
+            again = net.add("a2")  # recreated: a new address, the name moved to it
+            net.name("ftstore", again.addr)
+            started_at = time.time()
+            agents.append(Agent(again, "ftstore", tmp_path))
+            until(lambda: all_train(tmp_path, {"a2", "b"}, started_at), "a2 and b train together", 60.0)
+            print(f"recreated host training with the survivor {time.time() - started_at:.1f} s after its start")
+            assert_no_two_rounds_trained_at_once(tmp_path)
+            assert not [x for x in lines(tmp_path) if x["node"] == "a2" and x["world"] == 1]  # never alone
+            assert "is not the job's" in agents[2].stderr, agents[2].stderr
+            assert "a new store of this job is at the endpoint" in agents[1].stderr, agents[1].stderr
+            finish(tmp_path, agents[1:])
+        finally:
+            (tmp_path / "stop").touch()
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.proc.wait(WAIT_S)
+                agent.close()

@@ -22,10 +22,12 @@ from ftrun.rendezvous.records import (
     chunk_count,
     chunk_of,
     chunked,
+    decode_head,
     decode_node,
     decode_place,
     decode_roster,
     decode_round,
+    encode_head,
     encode_node,
     encode_places,
     encode_roster,
@@ -357,9 +359,17 @@ def test_corrupt_round_records_are_named_errors(raw: bytes) -> None:
 
 @given(st.binary(max_size=300))
 def test_no_bytes_crash_the_decoders(raw: bytes) -> None:
-    for decode in (decode_round, decode_node, decode_roster, lambda raw: decode_place(raw, "a")):
+    for decode in (decode_round, decode_node, decode_roster, decode_head, lambda raw: decode_place(raw, "a")):
         with contextlib.suppress(RecordError):
             decode(raw)
+
+
+def test_where_the_jobs_store_moved_is_a_head_or_a_named_error() -> None:
+    head = Head("b-12-ab", "10.0.0.3", 41234)
+    assert decode_head(encode_head(head)) == head
+    for raw in (b'{"v":2}', b'{"v":2,"head":["b"]}', b'{"v":2,"head":["b","10.0.0.3",70000]}', b'{"v":2,"head":7}'):
+        with pytest.raises(RecordError, match="where the job's store moved"):
+            decode_head(raw)
 
 
 def test_a_member_that_stopped_the_job_fails_the_round_for_every_node_with_its_reason() -> None:

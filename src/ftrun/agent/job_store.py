@@ -18,6 +18,7 @@ import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ftrun.agent.returned_host import ReturnedHost
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, FtrunError, StoreError
@@ -223,6 +224,7 @@ class StoreSuccession:
         self._say = say
         self._me = me
         self.server: TcpStoreServer | None = None  # the store this node took over, if it did
+        self._returned: ReturnedHost | None = None  # then: the lost host started again at the endpoint is told
 
     def __call__(self, successor: Head | None) -> None:
         """Host the store here, or go to ``successor``'s; None: no successor is known (no round closed yet, or
@@ -240,6 +242,7 @@ class StoreSuccession:
             except OSError as e:
                 raise FtrunError(f"the store's host was lost and this node cannot take over on {where}: {e}") from e
             self._say(f"the store's host was lost: this node hosts the store now, on {where}")
+            self._returned = self._watch_the_endpoint(successor, self.server.store_id)
         else:
             self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
         moved = self._config.rdzv.store
@@ -249,6 +252,23 @@ class StoreSuccession:
         dead = (lambda: refuses(successor.addr, port)) if port else None
         self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say, dead))
 
+    def _watch_the_endpoint(self, here: Head, store_id: str) -> ReturnedHost:
+        endpoint = self._config.rdzv.store
+        assert endpoint is not None  # a store that moves is an elastic job's
+        host, port = endpoint.endpoints[0]
+        tls = client_tls(self._config)
+        return ReturnedHost(
+            self._config.run_id,
+            here,
+            store_id,
+            greet=lambda: probe(host, port, PROBE_S, tls),
+            client=lambda: open_job_store(self._config, endpoint, PROBE_S, self._say),
+            say=self._say,
+            endpoint=endpoint.display,
+        ).start()
+
     def close(self) -> None:
+        if self._returned is not None:
+            self._returned.close()
         if self.server is not None:
             self.server.stop()

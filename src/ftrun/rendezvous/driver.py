@@ -42,6 +42,7 @@ from ftrun.rendezvous.records import (
     RecordError,
     RoundRecord,
     Status,
+    decode_head,
     decode_node,
     decode_round,
     encode_node,
@@ -108,6 +109,7 @@ class Rendezvous:
         self._bad_keys: set[str] = set()  # malformed records already reported
         self._places = Places(store, self._keys, me.node_id, self._decode)
         self._cut_off_since: float | None = None  # monotonic: since when store calls fail
+        self._moved_to: Head | None = None  # this store is not the job's: the job's is there (r/moved_to)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -212,6 +214,24 @@ class Rendezvous:
             return Advice(Decision(Action.STOP, stop, record=plan.seed), now)
         return Advice(Decision(Action.WAIT, plan.why, record=plan.seed, wake_at=now), now)
 
+    def _go_to_the_jobs_store(self, local: Local, head: Head) -> Advice:
+        """This store is not the job's: this node started again at the endpoint with the job's command (a lost
+        host's pod recreated, its node requeued) and hosts a new store there, while the survivors train on the
+        store one of them took over; its host found this one and wrote where it is. Go there and join as a
+        newcomer: one store, one job. Workers started here stop first (this store's rounds are no job's)."""
+        self._moved_to = None
+        self._forget_watches()
+        self._drop_lease()
+        self._record, self._record_rev, self._leader = None, 0, None
+        self._places.forget()
+        why = f"the job's store is on {head.node_id} ({head.addr}), which took it over from a lost host"
+        self._warn(f"rendezvous: this store at the endpoint is not the job's: {why}; joining there")
+        self._failover.go_to(head)
+        now = self._clock.monotonic()
+        if local.running_round is not None:
+            return Advice(Decision(Action.STOP, f"my workers run in round {local.running_round}, but {why}"), now)
+        return Advice(Decision(Action.WAIT, why, wake_at=now), now)
+
     def _fence(self, round_: int) -> Decision:
         return Decision(
             Action.STOP,
@@ -223,6 +243,8 @@ class Rendezvous:
         for _ in range(MAX_STEPS):
             self._absorb()
             now = self._clock.monotonic()
+            if self._moved_to is not None and self._failover.can_move:
+                return self._go_to_the_jobs_store(local, self._moved_to)
             if self._keeper is None:  # lost: the workers stop first; a new lease only for a node without any
                 if local.running_round is not None:
                     return Advice(self._fence(local.running_round), now)
@@ -371,6 +393,8 @@ class Rendezvous:
         if key == self._keys.round:
             if revision > self._record_rev:
                 self._apply_round(value, revision)
+        elif key == self._keys.moved_to and value is not None:
+            self._moved_to = self._decode(decode_head, key, value)
         elif key == self._keys.store_host:
             self._failover.host = "" if value is None else value.decode(errors="replace")
         elif key == self._keys.leader:

@@ -43,6 +43,17 @@ class StoreFailover:
         assert self._move is not None
         self._move(plan.host)
 
+    @property
+    def can_move(self) -> bool:
+        return self._move is not None
+
+    def go_to(self, host: Head) -> None:
+        """Go to the job's store, which ``host`` took over while this node's store at the endpoint was not the
+        job's (a lost host started again with the job's command)."""
+        assert self._move is not None
+        self.host = host.node_id
+        self._move(host)
+
     def restarted_empty(self, last: RoundRecord | None) -> None:
         """The store lost its history (a successor took over where it was): the next round to open there."""
         if last is not None and self._move is not None and self.host:

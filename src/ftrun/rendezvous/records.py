@@ -77,6 +77,12 @@ class Keys:
         return self.root + "r/store_host"
 
     @property
+    def moved_to(self) -> str:
+        """Written into a store that is not the job's, where the lost host started again at the endpoint: the
+        node that hosts the job's store since it took over (:mod:`ftrun.agent.returned_host`)."""
+        return self.root + "r/moved_to"
+
+    @property
     def nodes(self) -> str:
         return self.root + "n/"
 
@@ -207,6 +213,18 @@ def encode_roster(r: Roster) -> bytes:
 def encode_places(round_: int, roster_id: str, places: dict[str, Assignment]) -> bytes:
     rows = {node: [a.group_rank, a.rank_offset] for node, a in places.items()}
     return _encode({"round": round_, "roster_id": roster_id, "places": rows})
+
+
+def encode_head(h: Head) -> bytes:
+    return _encode({"head": list(h)})
+
+
+def decode_head(raw: bytes) -> Head:
+    what = "where the job's store moved"
+    head = _get(_load(raw, what), what, "head", list)
+    if not _is_head(head):
+        raise RecordError(f"{what}: field 'head' must be [node id, address, alive port]")
+    return Head(*head)
 
 
 def _load(raw: bytes, what: str) -> dict[str, Any]:

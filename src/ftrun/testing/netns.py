@@ -4,6 +4,8 @@ A bridge in this namespace joins one namespace per node, each with its own addre
 pairs). Faults are the kernel's: ``cut`` drops every packet to and from a node silently (a ``blackhole`` qdisc
 on both ends of its link: a partition, with no reset), ``heal`` ends that, ``reset`` kills a node's TCP
 connections as a middlebox would (``ss -K``), and ``shape`` adds loss and delay where the kernel has netem.
+``name`` makes a host name resolve to an address in every node (its ``/etc/hosts``, as ``ip netns exec``
+mounts ``/etc/netns/NS/hosts``): a DNS name that follows a recreated pod.
 Needs root and iproute2 (``available()`` says why not); ``close()`` removes everything it made.
 """
 
@@ -15,6 +17,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 
@@ -53,12 +56,17 @@ class Node:
         return [_tool("ip"), "netns", "exec", self.netns, *argv]
 
 
+def _hosts(node: Node) -> Path:
+    return Path("/etc/netns") / node.netns / "hosts"
+
+
 class Network:
     def __init__(self) -> None:
         self._id = secrets.token_hex(3)
         self._subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
         self.bridge = f"ftbr{self._id}"
         self.nodes: list[Node] = []
+        self._names: dict[str, str] = {}  # host name -> address, in every node's /etc/hosts
 
     @property
     def gateway(self) -> str:
@@ -82,7 +90,20 @@ class Network:
         _ip(*inside, "addr", "add", f"{node.addr}/24", "dev", "eth0")
         _ip(*inside, "link", "set", "eth0", "up")
         _ip(*inside, "link", "set", "lo", "up")
+        self._write_hosts(node)  # before anything runs there: ``ip netns exec`` mounts it over /etc/hosts
         return node
+
+    def name(self, host: str, addr: str) -> None:
+        """Make ``host`` resolve to ``addr`` in every node, from now on (processes running there included)."""
+        self._names[host] = addr
+        for node in self.nodes:
+            self._write_hosts(node)
+
+    def _write_hosts(self, node: Node) -> None:
+        lines = ["127.0.0.1 localhost", f"{node.addr} {node.name}"] + [f"{a} {h}" for h, a in self._names.items()]
+        path = _hosts(node)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")  # in place: a running node's mount shows the new names
 
     def cut(self, node: Node) -> None:
         """Partition ``node``: nothing reaches it or leaves it, and nobody is told (no reset, no ICMP)."""
@@ -111,6 +132,7 @@ class Network:
     def close(self) -> None:
         for node in self.nodes:
             _ip("netns", "del", node.netns, check=False)  # its veth pair goes with it
+            shutil.rmtree(_hosts(node).parent, ignore_errors=True)
         self.nodes.clear()
         _ip("link", "del", self.bridge, check=False)
 
