@@ -66,7 +66,7 @@ def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(t
          str(tmp_path / "job.py"), str(tmp_path / "clean" / "ckpt")],
         cwd=tmp_path / "clean", capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
-    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert clean.returncode == 0, clean.stderr[-8000:]  # rank 1 SIGABRT once, under a loaded machine: its words
     restored = re.findall(r"checksum (\w+)", r.log(1, 0))
     assert restored == re.findall(r"checksum (\w+)", clean.stdout)[:1] != [], (restored, clean.stdout)
 
