@@ -22,6 +22,7 @@ from ftrun.warm.preload import (
     Cache,
     compiles_with_inductor,
     entry_imports,
+    first_step_imports_known,
     installed_modules,
     read_modules_report,
 )
@@ -87,6 +88,7 @@ def test_a_script_that_compiles_with_inductor_names_inductor_among_its_imports(
     found = entry_imports(Entrypoint(EntrypointKind.SCRIPT, "train.py", ()), tmp_path, sys.executable)
     if importlib.util.find_spec("torch") is not None:
         assert set(INDUCTOR_IMPORTS) <= set(found) if compiles else not set(INDUCTOR_IMPORTS) & set(found), found
+        assert first_step_imports_known(found) is compiles  # then every first worker waits for the zygote
 
 
 def test_a_script_is_warm_from_any_directory_a_module_only_from_its_own(tmp_path: Path) -> None:

@@ -85,6 +85,12 @@ def entry_imports(entry: Entrypoint, cwd: Path, python: str) -> list[str]:
     return installed_modules(names, {n: _origin(n.split(".")[0]) for n in names})
 
 
+def first_step_imports_known(modules: Sequence[str]) -> bool:
+    """Whether ``modules`` hold what workers import lazily at their first step, as a whole run's cache does:
+    inductor's, named by a script whose source compiles with it."""
+    return set(INDUCTOR_IMPORTS) <= set(modules)
+
+
 def compiles_with_inductor(tree: ast.Module) -> bool:
     """Whether the script calls ``torch.compile(...)`` or an object's ``.compile(...)`` (an ``nn.Module``'s)
     with inductor, the default backend, anywhere in its source; never a module's other than torch's
