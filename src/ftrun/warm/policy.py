@@ -63,9 +63,10 @@ def first_fresh(cores: int, workers: int, *, whole: bool) -> int:
     """How many of the first attempt's workers start fresh beside the zygote preloading what is known.
 
     ``whole``: the job's cache says what its workers imported over a whole run, the modules they import lazily
-    as they build, compile and step included (or the script's source named inductor's, the bulk of those): every worker waits and forks, since a fresh one would import all
-    of that too, on its own critical path (the real-stack example on 2 cores: the first step 7.2-7.6 s after
-    the launch, against 10.5-11.8 s with one worker fresh and 8.4 s with both). Else (only the entry script's
+    as they build, compile and step included (or the script's source named inductor's, the bulk of those):
+    every worker waits and forks, since a fresh one would import all of that too, on its own critical path
+    (the real-stack example on 2 cores: the first step 7.2-7.6 s after the launch, against 10.5-11.8 s with
+    one worker fresh and 8.4 s with both). Else (only the entry script's
     imports and --preload are known, a part of what the workers import): one per core but the one it preloads
     on. They import on cores the zygote leaves; the others wait for it and fork (one import for all of them
     instead of one each on shared cores). Measured on 2 cores: 2 workers both waiting started 1.12x slower than
