@@ -37,12 +37,16 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_full_log_disk_ends_nothing(tmp_path: Path, small_disk: Path) -> None:
+@pytest.mark.parametrize("redirects", [(), ("--redirects", "3")], ids=["shown", "files-only"])
+def test_a_full_log_disk_ends_nothing(tmp_path: Path, small_disk: Path, redirects: tuple[str, ...]) -> None:
     """2 ranks print 20 KB a step onto a 1 MiB log disk; rank 1 raises at step 100. The workers are drained
     as before, the failure is reported and restarted, the job finishes, and ftrun says once what it could not
-    write, with no traceback of its own."""
+    write, with no traceback of its own. With the output kept off the console (``--redirects 3``), the workers
+    never write the full disk themselves (their print would raise), and the report still has the traceback
+    the disk could not take."""
     (tmp_path / "w.py").write_text(CHATTY)
-    argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", logs=str(small_disk))
+    flags = ("--nproc-per-node", "2", "--max-restarts", "1", *redirects, "w.py")
+    argv = ftrun_argv(tmp_path, *flags, logs=str(small_disk))
     r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S * 2)
     assert r.returncode == 0, r.stderr[-3000:]
     said = r.stderr.count("ftrun: cannot write ")
@@ -50,12 +54,17 @@ def test_a_full_log_disk_ends_nothing(tmp_path: Path, small_disk: Path) -> None:
     assert "No space left on device" in r.stderr
     assert "Exception in thread" not in r.stderr
     assert "ROOT CAUSE  rank 1" in r.stderr
-    assert "RuntimeError: bad batch at step 100" in r.stderr  # the console has it
+    assert "RuntimeError: bad batch at step 100" in r.stderr  # the console or the report has it
+    assert "its logs lack " in r.stderr  # the report says what the rank's log files lack
+    if redirects:
+        root = r.stderr[r.stderr.index("ROOT CAUSE  rank 1") :]
+        assert "RuntimeError: bad batch at step 100" in root, root[:3000]  # from memory: the disk was full
+        assert "step" not in r.stdout
+        return
     assert "rank 0 done" in r.stderr
     assert "rank 1 done" in r.stderr
     assert "rank 0 step 149 " in r.stdout  # the last step of both ranks reached the console
     assert "rank 1 step 149 " in r.stdout
-    assert "its logs lack " in r.stderr  # the report says what the rank's log files lack
 
 
 def test_a_snapshot_that_shared_memory_has_no_room_for_is_skipped_and_said_once(

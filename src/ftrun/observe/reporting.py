@@ -113,7 +113,7 @@ class FailureReport:
 def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcome:
     error: ErrorRecord | None = None
     problem: str | None = None
-    read = tail_lines(worker.paths.stderr, READ_LINES, READ_BYTES)
+    read = _tail(worker.paths.stderr, READ_LINES, READ_BYTES)
     gpu = diagnose(read)
     stderr_tail = shown_tail(read, gpu)
     try:
@@ -143,13 +143,22 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         waiting_stacks=worker.waiting_stacks or None,
         waiting_in=worker.waiting_in or None,
         request=worker.request or None,
-        stdout_tail=() if stderr_tail else tuple(tail_lines(worker.paths.stdout, STDOUT_TAIL_LINES)),
+        stdout_tail=() if stderr_tail else tuple(_tail(worker.paths.stdout, STDOUT_TAIL_LINES)),
         last_error=_last_error(stderr_tail),
         oom_killed=oom_killed,
         flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
         gpu_error=gpu,
         unwritten=disk.lost_from(str(worker.paths.stdout)) + disk.lost_from(str(worker.paths.stderr)),
     )
+
+
+def _tail(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
+    """The last lines of a worker's log: the file's, then what its full disk could not take (kept in memory)."""
+    lines = tail_lines(path, count, max_bytes)
+    unwritten = disk.unwritten_tail(str(path))
+    if unwritten:
+        lines += unwritten.decode(errors="replace").splitlines()[-count:]
+    return lines[-count:]
 
 
 def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:

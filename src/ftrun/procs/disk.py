@@ -2,7 +2,8 @@
 remount). A write that fails is dropped and counted, never raised into the thread that made it: a worker's
 output keeps being drained (and shown where the console shows it), the agent keeps its events in memory, and the
 job goes on. Said once when writing starts to fail, and again when it works again; what each file lost is kept
-for the report (:func:`lost_from`).
+for the report (:func:`lost_from`), and the end of what it could not take (:func:`unwritten_tail`): a traceback
+written while the disk was full is still in the failure report.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ _lost: Counter[str] = Counter()  # path -> bytes not written
 _failing = ""  # the error writing meets now ("": it works)
 _failed_at = 0.0  # when a write last failed (monotonic)
 WORKS_AGAIN_AFTER_S = 10.0  # a full disk still takes a few bytes now and then: "works again" once none failed so long
+TAIL_BYTES = 65536  # of each file, the last bytes it could not take (what a report reads of a log's end)
+TAILS = 64  # files whose unwritten end is kept, the latest (4 MiB at most, whatever the run's length)
+_tails: dict[str, bytes] = {}  # path -> the last bytes dropped since a write to it last went through
 
 
 def write_all(fd: int, data: bytes, path: str) -> bool:
@@ -40,7 +44,15 @@ def write_all(fd: int, data: bytes, path: str) -> bool:
             view = view[os.write(fd, view) :]
         except OSError as e:
             dropped(path, len(view), e)
+            with _lock:
+                tail = _tails.pop(path, b"") + bytes(view[-TAIL_BYTES:])
+                _tails[path] = tail[-TAIL_BYTES:]  # the newest file last: the oldest go first
+                while len(_tails) > TAILS:
+                    del _tails[next(iter(_tails))]
             return False
+    if _tails:
+        with _lock:
+            _tails.pop(path, None)  # the file has its newest bytes again
     _wrote()
     return True
 
@@ -88,3 +100,10 @@ def lost_from(path: str) -> int:
     """Bytes that could not be written to ``path``."""
     with _lock:
         return _lost[path]
+
+
+def unwritten_tail(path: str) -> bytes:
+    """The end of what ``path`` could not take since a write to it last went through (b"": none), at most
+    TAIL_BYTES: the newest lines of a log whose disk is full."""
+    with _lock:
+        return _tails.get(path, b"")

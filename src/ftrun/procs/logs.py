@@ -1,11 +1,12 @@
 """Worker output: one file per rank and stream, and the console as --redirects/--tee say.
 
-A stream that only goes to its file is the file itself (the worker writes to
-it directly; nothing of ftrun is in the path, nothing is lost when ftrun or
-the worker dies). A stream that also shows on the console goes through a pipe
-that a pump thread copies, unchanged, to the file and, line by line and
-optionally prefixed with ``[<rank>]:``, to the console. The pump reads until
-every writer is gone, so lines written just before a crash are kept.
+Every stream goes through a pipe that a pump thread copies, unchanged, to the
+file and, line by line and optionally prefixed with ``[<rank>]:``, to the
+console where it shows there. The pump reads until every writer is gone, so
+lines written just before a crash are kept. A stream that goes only to its
+file is pumped too: a full or failing log disk then costs lines, counted and
+said (:mod:`ftrun.procs.disk`), never the worker (writing to the file itself,
+its ``print`` would raise ENOSPC into the job).
 """
 
 from __future__ import annotations
@@ -233,9 +234,6 @@ class RankOutput:
             file_fd = append_fd(path)
             shown = spec.console(local_rank, stream)
             duplicate = (duplicates or {}).get(stream)
-            if not shown and duplicate is None:
-                child_fds[stream] = file_fd  # nothing of ftrun in the path
-                continue
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
             prefix = label.encode() if spec.prefixed(local_rank, stream) else b""
             child_fds[stream] = write_fd
