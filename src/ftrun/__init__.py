@@ -11,7 +11,7 @@ from ftrun.worker.nvidia import RankMonitorClient
 from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat
 from ftrun.worker.sections import end_all_sections, end_section, section, start_section
-from ftrun.worker.snapshot import CorruptSnapshot, restore, snapshot
+from ftrun.worker.snapshot import CorruptSnapshot, restore, restore_parts, snapshot
 from ftrun.worker.workload import exclude_this_node, request_restart, stop_job
 
 __version__ = "0.1.0"
@@ -43,6 +43,7 @@ __all__ = [
     "record",
     "request_restart",
     "restore",
+    "restore_parts",
     "section",
     "snapshot",
     "start_peer_heartbeat",

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
+from ftrun.job.snapshot_mirror import SnapshotMirror, held
 from ftrun.worker import snapshot_file as file
+from ftrun.worker.snapshot_file import peer_path
 
 KEY = b"k" * 32
 

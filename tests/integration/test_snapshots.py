@@ -5,6 +5,7 @@ never restored: the job falls back to the step before, and says so. The weights 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -369,3 +370,63 @@ def test_a_world_that_shrank_restores_no_half_state(
         assert again.group(1) == "None", survivor.lines
         assert len(changed) == 1, said
         assert len(told) == 1, said  # the agent says it too, not "restore ... whole on every rank"
+
+
+# A table of 2 slices, each rank owning the slices s with s % world == rank; each step adds (s + 1) * step to
+# every slice it owns, and snapshots them (steps 0-29), then waits at step 30 in a world of 2 for the test.
+RESHARDING = """
+import json, os, pathlib, sys, time
+import torch, ftrun
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+here, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+mine = [s for s in range(2) if s % world == rank]
+table, start = {s: torch.zeros(4) for s in mine}, 0
+got = ftrun.restore_parts()
+if got is not None:
+    print(f"restored step {got.step} of a world of {got.world_size}: parts {sorted(got.parts)}, "
+          f"missing {list(got.missing)}", flush=True)
+    if got.whole:  # every old rank's part: take the slices this rank owns now, whoever owned them then
+        table = {s: t for part in got.parts.values() for s, t in part["slices"].items() if s in mine}
+        start = got.step + 1
+print(f"start rank={rank} world={world} from={start}", flush=True)
+for step in range(start, steps):
+    for s in mine:
+        table[s] += (s + 1) * step
+    if step < 30:
+        ftrun.snapshot(step, {"slices": table})
+    while step == 30 and world == 2 and not (here / "done").exists():
+        time.sleep(0.05)
+    time.sleep(0.02)
+for s, t in table.items():
+    (here / f"slice-{s}").write_text(json.dumps(t.tolist()))
+"""
+
+
+def test_a_job_that_reshards_gets_every_old_ranks_part_one_from_the_lost_nodes_copy(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    """2 nodes x 1 rank, each owning half of a table; node b (rank 1) is SIGKILLed once node a holds the copy of
+    its last snapshot. At world 1, ftrun.restore_parts() gives rank 0 both old parts, rank 1's from that copy;
+    the job takes both halves and ends with the table of a run that never lost a node."""
+    steps = 60
+    (tmp_path / "w.py").write_text(RESHARDING)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["w.py", str(tmp_path), str(steps)]
+    a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id="reshard") for n in ("a", "b"))
+    live.extend([a, b])
+    for agent in (a, b):
+        agent.wait_for_lines(r"start rank=\d world=2 from=0", 1)
+    survivor, lost = (a, b) if "rank=0" in a.lines[0] else (b, a)
+    deadline = time.monotonic() + 60
+    while 29 not in held(next(snapshot_root().glob(f"{survivor.proc.pid}-*"))).get(1, set()):
+        assert time.monotonic() < deadline, "the copy of rank 1's step 29 never reached rank 0's node"
+        time.sleep(0.1)
+    lost.proc.kill()  # its worker dies with it
+    [restored] = survivor.wait_for_lines(r"restored step (\d+) of a world of (\d): parts (.*), missing (.*)", 1)
+    assert restored.groups() == ("29", "2", "[0, 1]", "[]"), survivor.lines
+    survivor.wait_for_lines(r"start rank=0 world=1 from=30", 1)
+    (tmp_path / "done").touch()
+    assert survivor.wait() == 0, survivor.stderr()
+    never_lost = {s: [float((s + 1) * steps * (steps - 1) // 2)] * 4 for s in range(2)}  # a run that never failed
+    assert {s: json.loads((tmp_path / f"slice-{s}").read_text()) for s in range(2)} == never_lost

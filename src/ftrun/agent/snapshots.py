@@ -26,7 +26,7 @@ import psutil
 from ftrun.agent.snapshot_plan import GIVE_UP_AFTER, plan_attempt
 from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, alone
-from ftrun.job.snapshot_mirror import SnapshotMirror, held, peer_path
+from ftrun.job.snapshot_mirror import SnapshotMirror, held
 from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import (
@@ -35,6 +35,7 @@ from ftrun.worker.snapshot_file import (
     bad_steps,
     is_whole,
     path_of,
+    peer_path,
     pinned_steps,
     whole_steps,
     world_of,

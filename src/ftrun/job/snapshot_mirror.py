@@ -38,28 +38,25 @@ from ftrun.strangers import AtTheDoor
 from ftrun.worker import snapshot_budget as budget
 from ftrun.worker.snapshot_file import (
     HEAD,
+    PEER_DIR,
     PIN_MARK,
     STEP_DIR,
     is_whole,
     open_sized,
     path_of,
+    peer_path,
     pinned_steps,
     spare_of,
     step_dirs,
     whole_steps,
 )
 
-PEER_DIR = "peer"
 HEAD_LIMIT = 4096
 IO_TIMEOUT_S = 60.0
 HEAD_TIMEOUT_S = 10.0  # for a connection's first line, its request
 BLOCK = 4 << 20
 SEND_PIECE = 64 << 20
 PIPE_SIZE = 1 << 20
-
-
-def peer_path(directory: Path, step: int, rank: int) -> Path:
-    return path_of(directory / PEER_DIR, step, rank)
 
 
 def held(directory: Path) -> dict[int, set[int]]:

@@ -35,7 +35,7 @@ from ftrun.worker import snapshot_budget as budget
 from ftrun.worker import snapshot_file as file
 from ftrun.worker.snapshot_file import BAD_MARK, CorruptSnapshot, is_whole, path_of
 
-__all__ = ["CorruptSnapshot", "blocked_s", "restore", "snapshot", "wait"]
+__all__ = ["CorruptSnapshot", "Parts", "blocked_s", "restore", "restore_parts", "snapshot", "wait"]
 
 ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
@@ -187,6 +187,60 @@ def restore() -> tuple[int, Any] | None:
         raise CorruptSnapshot(f"{e}; ftrun restores an older snapshot at the next restart") from None
     name_start(restored[0])
     return restored
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Every rank's part of one snapshot step, as the world it was taken in had them (``ftrun.restore_parts``)."""
+
+    step: int
+    world_size: int  # of the world the step was taken in
+    parts: dict[int, object]  # that world's rank -> its state, for each part found on this node
+    missing: tuple[int, ...]  # that world's ranks whose part is not on this node
+
+    @property
+    def whole(self) -> bool:
+        return not self.missing
+
+
+def restore_parts() -> Parts | None:
+    """For a job that reshards its state itself when the world changed size: every rank's part of the step the
+    agent names, from this node's own files and the copies it holds of the other nodes' (a lost node's parts
+    are on the node after it in the ring), each verified; the parts not found here are named in ``missing``.
+    None outside ftrun or when there is no step to restore (then load your own checkpoint). In the same world
+    it gives every rank's part this node holds, this rank's included."""
+    directory, step = os.environ.get(ENV_DIR), restore_step()
+    if not directory or step is None:
+        return None
+    here = Path(directory)
+    size = _world_of_step(here, step) or _world(False).size
+    parts: dict[int, object] = {}
+    for rank in range(size):
+        for path in (path_of(here, step, rank), file.peer_path(here, step, rank)):
+            if is_whole(path):
+                _writer.restored.add(path)  # its pages are the restored tensors': never written again
+                parts[rank] = read(path)[1]
+                break
+    missing = tuple(r for r in range(size) if r not in parts)
+    if missing and _rank() == 0:
+        print(
+            f"ftrun.restore_parts: step {step} of a world of {size} ranks: the parts of rank(s) "
+            f"{', '.join(map(str, missing))} are not on this node",
+            file=sys.stderr,
+            flush=True,
+        )
+    name_start(step if not missing else None)
+    return Parts(step, size, parts, missing)
+
+
+def _world_of_step(here: Path, step: int) -> int:
+    """The size of the world the step was taken in, as any of its files here says (0: none says)."""
+    for found in (path_of(here, step, 0).parent, file.peer_path(here, step, 0).parent):
+        for path in sorted(found.glob("rank-*.snap")):
+            with contextlib.suppress(OSError, CorruptSnapshot):
+                if (then := file.world_of(path)) is not None and then.size:
+                    return then.size
+    return 0
 
 
 def read(path: Path) -> tuple[int, Any]:

@@ -55,6 +55,14 @@ def path_of(directory: Path, step: int, rank: int) -> Path:
     return directory / STEP_DIR.format(step) / f"rank-{rank}.snap"
 
 
+PEER_DIR = "peer"  # the previous node's snapshots, copied here (ftrun.job.snapshot_mirror)
+
+
+def peer_path(directory: Path, step: int, rank: int) -> Path:
+    """Where this node keeps its copy of another node's rank's file of a step."""
+    return path_of(directory / PEER_DIR, step, rank)
+
+
 def spare_of(directory: Path, rank: int) -> Path:
     """A rank's pruned file, kept to be written again: its memory is already the file's (writing a new file
     of 1 GiB in /dev/shm took 1.1-1.6 s here, writing it again 0.35 s)."""
