@@ -147,7 +147,8 @@ class SnapshotKeeper:
         return (
             f"the snapshot of step {step} was taken in a world of {then.size} ranks, this one has {world_size}: "
             "ftrun.restore() returns it only where the job said its state does not depend on the world "
-            "(ftrun.snapshot(..., replicated=True)), else None"
+            "(ftrun.snapshot(..., replicated=True)), else None; ftrun.restore_parts() gives every old rank's part "
+            "this node holds, to reshard"
         )
 
     def _gather(self, decision: Decision, ranks: Sequence[int]) -> bool:
