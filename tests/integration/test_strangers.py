@@ -99,6 +99,45 @@ def test_idle_strangers_at_every_port_cannot_take_the_agent_down(
     assert set(told) <= set(ports)
 
 
+@pytest.mark.slow
+def test_two_agents_flooded_at_every_port_both_live_and_train_again_together(
+    tmp_path: Path, live: list[LiveFtrun], held: list[socket.socket], own_tcp_server: str
+) -> None:
+    """Two agents (one rank each) and their store, every port of each flooded past the agents' file limit
+    (liveness listener, snapshot copies' server, metrics and probes, the store); then rank 1 is SIGKILLed:
+    both agents live, and both ranks are up again in the round after, world 2."""
+    (tmp_path / "job.py").write_text(JOB)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["--metrics-port", "127.0.0.1:0", "job.py", str(tmp_path)]
+    agents = [LiveFtrun(tmp_path, *flags, name=n, run_id="flooded") for n in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        agent.wait_for_lines(r"up rank=\d restart=0", 1)
+    ports = {int(own_tcp_server.rsplit(":", 1)[1])}
+    for agent in agents:
+        psutil.Process(agent.proc.pid).rlimit(psutil.RLIMIT_NOFILE, (AGENT_FILES, AGENT_FILES))
+        mine = listening(agent.proc.pid)
+        assert len(mine) >= 3, mine  # the liveness listener, the snapshot copies' server, the metrics and probes
+        ports |= set(mine)
+    for port in sorted(ports):
+        flood(port, FLOOD, held)
+    time.sleep(2)  # the kernel completes their handshakes; the agents accept what they will
+    crashed = time.monotonic()
+    (tmp_path / "crash").touch()
+    for agent in agents:
+        agent.wait_for_lines(r"up rank=\d restart=1", 1)  # the round after: spawned, piped, logged, reported
+    print(f"both ranks up again {time.monotonic() - crashed:.2f} s after the crash, every port flooded")
+    (tmp_path / "done").touch()
+    for agent in agents:
+        assert agent.wait(WAIT_S) == 0, agent.stderr()
+        said = agent.stderr()
+        assert "Too many open files" not in said
+        assert "Traceback" not in said
+        told = [int(port) for _, port in re.findall(r"ftrun: (.+) on port (\d+): refusing connections", said)]
+        assert len(told) == len(set(told)), said  # each flood said once, not per connection
+
+
 def test_the_agent_raises_its_file_limit_and_the_job_keeps_the_one_it_was_given(tmp_path: Path) -> None:
     """Room for strangers and its own work in the agent; the job runs under the limits it was given, as under
     torchrun (warm workers too: their zygote gets the given limits)."""
