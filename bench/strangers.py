@@ -44,7 +44,9 @@ HOLD_S = 10.0  # the flooder's own limit: a connection the agent kept this long 
 def flood(ports: list[int], rate: int, seconds: float) -> None:
     """Open ``rate`` connections a second to each port, never speaking; close each once the agent did."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    room = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64 - 2 * len(ports)
     held: collections.deque[tuple[float, socket.socket]] = collections.deque()
     start = time.monotonic()
     opened = 0
@@ -52,13 +54,15 @@ def flood(ports: list[int], rate: int, seconds: float) -> None:
         due = int((now - start) * rate)
         for _ in range(max(0, due - opened)):
             for port in ports:
+                if len(held) >= room:  # behind the rate, or holding for long: our own files run out first
+                    held.popleft()[1].close()
                 s = socket.socket()
                 s.setblocking(False)
                 with contextlib.suppress(OSError):
                     s.connect_ex(("127.0.0.1", port))
                 held.append((now, s))
             opened += 1
-        while held and (now - held[0][0] > HOLD_S or len(held) > hard - 64):
+        while held and (now - held[0][0] > HOLD_S or len(held) > room):
             held.popleft()[1].close()
         time.sleep(0.005)
     for _, s in held:
@@ -87,6 +91,7 @@ def run(a: argparse.Namespace, tmp: Path) -> None:
     if a.tls:
         from ftrun.testing.etcd import make_certificates
 
+        (tmp / "certs").mkdir()
         c = make_certificates(tmp / "certs")
         conf += f",cacert={c['ca.crt']},cert={c['server.crt']},key={c['server.key']}"
     argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp / "logs"), "--nnodes", "1:2", "--rdzv-backend",

@@ -41,11 +41,14 @@ _waiting: Counter[str] = Counter()  # address -> strangers from it, at every doo
 class Door:
     """One listener's strangers, counted (thread-safe: a listener may serve each connection on a thread)."""
 
-    def __init__(self, what: str, say: Callable[[str], None] | None = None) -> None:
+    def __init__(self, what: str, say: Callable[[str], None] | None = None, at_most: int | None = None) -> None:
         """``what``: the listener as a person knows it ("the store on port 29400"); ``say``: the console (by
-        default a warning, which reaches stderr)."""
+        default a warning, which reaches stderr); ``at_most``: this door's own bound, where a stranger costs
+        more than a descriptor (a TLS handshake under way holds 256 KiB of buffers)."""
         self._what = what
         self._say = say or (lambda line: log.warning("ftrun: %s", line))
+        self._at_most = at_most
+        self._inside = 0  # strangers at this door now
         self.refused = 0
         self._said = False
 
@@ -53,9 +56,13 @@ class Door:
         """A new connection from ``address``: True to keep it (a stranger until :meth:`settled`), False to close
         it at once."""
         most, per_address = bounds()
+        if self._at_most is not None:
+            most, per_address = min(most, self._at_most), min(per_address, self._at_most)
         with _lock:
-            if _waiting.total() < most and _waiting[address] < per_address:
+            room = self._at_most is None or self._inside < self._at_most
+            if room and _waiting.total() < most and _waiting[address] < per_address:
                 _waiting[address] += 1
+                self._inside += 1
                 return True
             self.refused += 1
             said, self._said = self._said, True
@@ -71,6 +78,7 @@ class Door:
         with _lock:
             if _waiting[address] > 0:
                 _waiting[address] -= 1
+                self._inside -= 1
             if _waiting[address] == 0:
                 del _waiting[address]
 

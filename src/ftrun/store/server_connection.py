@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, Protocol
 
 from ftrun.errors import StoreError
@@ -38,6 +39,9 @@ class Server(Protocol):
     @property
     def door(self) -> Door: ...
 
+    @property
+    def tls(self) -> ssl.SSLContext | None: ...
+
 
 class ClientConnection(asyncio.Protocol):
     """One client connection: frames are parsed from the byte stream and answered at once.
@@ -60,6 +64,7 @@ class ClientConnection(asyncio.Protocol):
         self.opened = False  # the client's opening line came (greeting.OPENING)
         self._deadline: asyncio.TimerHandle | None = None
         self._stranger = ""  # its address while it counts as a stranger at the door (before its handshake)
+        self._tls_started: asyncio.Task[None] | None = None  # held: a task only weakly referenced may vanish
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -71,7 +76,27 @@ class ClientConnection(asyncio.Protocol):
             transport.abort()  # too many strangers: closed at once, without a word per connection
             return
         self._stranger = host
-        self._deadline = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(HANDSHAKE_TIMEOUT_S, self._too_slow)
+        if self._server.tls is None:
+            self.send(self._server.hello(self))
+        else:  # TLS only for a connection the door let in: a handshake under way holds 256 KiB of buffers
+            self.transport = None  # nothing is sent in the clear
+            self._tls_started = loop.create_task(self._start_tls(transport, self._server.tls))
+
+    async def _start_tls(self, plain: asyncio.Transport, context: ssl.SSLContext) -> None:
+        try:
+            secure = await asyncio.get_running_loop().start_tls(
+                plain, self, context, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
+            )
+        except OSError as e:  # refused, reset, timed out (ssl.SSLError and TimeoutError are OSErrors)
+            log.debug("store: TLS with %s failed: %s", self.peer, e)
+            plain.abort()
+            self.connection_lost(e)  # asyncio tells no protocol of a connection whose handshake failed
+            return
+        if secure is None:  # it ended meanwhile
+            return
+        self.transport = secure
         self.send(self._server.hello(self))
 
     def _too_slow(self) -> None:

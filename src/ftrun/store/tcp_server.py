@@ -28,7 +28,7 @@ from ftrun.store import greeting, wire
 from ftrun.store.base import KeyValue, WatchEvent
 from ftrun.store.greeting import WrongToken
 from ftrun.store.kv import KeyValueState
-from ftrun.store.server_connection import HANDSHAKE_TIMEOUT_S, ClientConnection
+from ftrun.store.server_connection import ClientConnection
 from ftrun.strangers import Door
 
 log = logging.getLogger("ftrun.store")
@@ -36,6 +36,7 @@ log = logging.getLogger("ftrun.store")
 MAX_WATCHES = 256  # per connection
 LISTEN_BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 ACCEPT_BURST = 64  # connections accepted in one go
+TLS_STRANGERS = 256  # TLS handshakes under way at once (64 MiB of buffers); a refused client connects again
 # A connection is not a node: when a client that named itself loses its connection abruptly (a reset, a flapping
 # link), its leases wait this long for it to connect again (its watches bring it back within milliseconds)
 # before they end. A connection closed in order (the kernel closes a dead process's socket so) ends them at once.
@@ -83,7 +84,7 @@ class TcpStoreServer:
         self._jobs_lock = threading.Lock()
         self.on_new_job: Callable[[str, str], None] = lambda job, peer: None
         self._token = token
-        self._tls = tls
+        self.tls = tls  # started on each connection the door lets in
         self._clock = clock or SystemClock()
         self._state = KeyValueState(first_lease=secrets.randbits(40) + 1)
         self._connections: set[ClientConnection] = set()
@@ -115,18 +116,15 @@ class TcpStoreServer:
         listener.setblocking(False)
         # asyncio takes its backlog as the number of connections it accepts in one go, before any is looked at:
         # a flood of strangers would hold that many descriptors at once. It accepts ACCEPT_BURST at a time ...
-        self._server = await loop.create_server(
-            lambda: ClientConnection(self),
-            sock=listener,
-            backlog=ACCEPT_BURST,
-            ssl=self._tls,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self._tls else None,
-        )
+        # TLS starts on each connection once the door let it in (ClientConnection): asyncio's own TLS listener
+        # handshakes before the protocol sees a connection, 256 KiB of buffers each, uncounted (a flood of
+        # silent strangers took 2.3 GiB in 30 s).
+        self._server = await loop.create_server(lambda: ClientConnection(self), sock=listener, backlog=ACCEPT_BURST)
         # ... while the kernel's queue stays long: a whole job connects at once when it starts, and with
         # asyncio's default (100) the rest of the SYNs would be dropped, their retries costing 1 s, then 3 s.
         listener.listen(LISTEN_BACKLOG)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.door = Door(f"the store on port {self.port}")
+        self.door = Door(f"the store on port {self.port}", at_most=TLS_STRANGERS if self.tls else None)
 
     def start(self) -> TcpStoreServer:
         """Start serving on a daemon thread; returns once the port is bound (``self.port``)."""
