@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ftrun.rendezvous.liveness import GREETING, Liveness
 from tests.integration.harness import CONF, WAIT_S, LiveFtrun, ftrun_argv
 
 JOB = """
@@ -162,7 +163,8 @@ def malformed() -> list[bytes]:
         b"{" * (1 << 20),
         b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n",
         b"POST /metrics HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n" + noise,
-        b"ftrun liveness 2\n",
+        b"ftrun liveness 1\n",  # the greeting alone, as it once sufficed
+        b"ftrun liveness 2\n" + bytes(32),  # a forged proof of the job's key
     ]
 
 
@@ -189,3 +191,28 @@ def test_malformed_input_at_every_port_ends_and_steers_nothing(tmp_path: Path, l
     (tmp_path / "done").touch()
     assert agent.wait(WAIT_S) == 0, agent.stderr()
     assert "Traceback" not in agent.stderr()
+
+
+def test_the_liveness_listener_holds_only_connections_that_prove_the_jobs_key() -> None:
+    """A stranger who knows the greeting but not the job's key is closed; an agent of the job is held, and
+    the end of the connection tells the watcher the listener's agent is gone."""
+    listener = Liveness(b"the job's key").start("127.0.0.1")
+    watcher = Liveness(b"the job's key").start("127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=WAIT_S) as stranger:
+            nonce = stranger.recv(16)
+            assert len(nonce) == 16
+            stranger.sendall(GREETING + bytes(32))
+            assert stranger.recv(1) == b""  # closed: a forged proof
+        watcher.watch({"node-a": ("127.0.0.1", listener.port)})
+        time.sleep(0.5)  # held, not gone (a proof the listener refused would end it at once)
+        assert watcher.gone() == set()
+        listener.close()  # its agent dies: the connection ends
+        deadline = time.monotonic() + WAIT_S
+        while not (gone := watcher.gone()):
+            assert time.monotonic() < deadline, "the watcher never saw its peer's end"
+            time.sleep(0.05)
+        assert gone == {"node-a"}
+    finally:
+        watcher.close()
+        listener.close()

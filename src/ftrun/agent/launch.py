@@ -375,7 +375,9 @@ def start_liveness(config: LaunchConfig, narrator: Narrator) -> Liveness | None:
     node cannot listen."""
     addr = config.local_addr or socket.getfqdn()
     try:
-        return Liveness().start(addr)
+        # The key from the token (else the run id), never from the store: a node that started again at the
+        # endpoint, hosting a store of its own until it is told where the job's is, holds the same one.
+        return Liveness(job_key(config.run_id, config.rdzv.token, None)).start(addr)
     except OSError as e:
         lost = (
             "a lost node is noticed by its lease's TTL"

@@ -5,14 +5,19 @@ once. Each agent listens on a port of its own (announced in its node record); th
 every member, every other node one to the leader. A connection that ends is proof that the agent at the other
 end is gone (a partition ends no connection: the lease's TTL still covers a node that vanishes without a word).
 With etcd this is how a lost node is noticed in well under its TTL; the embedded store ties leases to its own
-connections and needs none of it. A connection is held only once it said :data:`GREETING`, within
-:data:`GREETING_S`: a stranger's is closed, and strangers are bounded (:class:`ftrun.strangers.Door`).
+connections and needs none of it. A connection is held only once it proved it belongs to the job, within
+:data:`GREETING_S`: the listener sends a fresh nonce, the watcher answers :data:`GREETING` and an HMAC of the
+nonce under the job's key (from the store's token: without one, from the run id, which keeps out only the
+strays of other jobs); a stranger's is closed, and strangers are bounded (:class:`ftrun.strangers.Door`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
+import secrets
 import selectors
 import socket
 import threading
@@ -23,22 +28,26 @@ from ftrun.rendezvous.records import NodeInfo
 from ftrun.strangers import Door, address_of
 
 CONNECT_TIMEOUT_S = 2.0
-GREETING = b"ftrun liveness 1\n"  # what a watching agent says first
-GREETING_S = 5.0  # a connection that has not said it by then is closed
+GREETING = b"ftrun liveness 2\n"  # what a watching agent says, before its proof
+NONCE = 16  # bytes the listener sends first
+GREETING_S = 5.0  # a connection that has not proved itself by then is closed
 
 
 class Liveness:
     """This agent's listener, and its connections to the agents it watches; ``fileno()`` is readable when one
     of them is gone (read them with :meth:`gone`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes) -> None:
+        """``key``: the job's, that a watcher proves it holds."""
+        self._key = hmac.new(key, b"ftrun liveness", hashlib.sha256).digest()
         self._listener: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._watched: dict[str, socket.socket] = {}  # node id -> our connection to it
         self._gone: set[str] = set()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._strangers: dict[socket.socket, tuple[str, float, bytes]] = {}  # -> (address, deadline, heard)
+        # a stranger's connection -> (its address, its deadline, what it must say, what it said so far)
+        self._strangers: dict[socket.socket, tuple[str, float, bytes, bytes]] = {}
         self._door: Door  # once it listens, named with its port
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -72,7 +81,8 @@ class Liveness:
         for node, address in new.items():
             try:
                 conn = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
-                conn.sendall(GREETING)
+                nonce = _read_exactly(conn, NONCE)
+                conn.sendall(self._proof(nonce))
             except OSError:
                 continue
             conn.setblocking(False)
@@ -134,40 +144,53 @@ class Liveness:
         if not self._door.admit(host):
             conn.close()
             return
+        nonce = secrets.token_bytes(NONCE)
+        try:
+            conn.sendall(nonce)  # 16 bytes into an empty socket buffer: never blocks
+        except OSError:
+            self._door.settled(host)
+            conn.close()
+            return
         conn.setblocking(False)
-        self._strangers[conn] = (host, time.monotonic() + GREETING_S, b"")
+        self._strangers[conn] = (host, time.monotonic() + GREETING_S, self._proof(nonce), b"")
         self._selector.register(conn, selectors.EVENT_READ, "stranger")
 
+    def _proof(self, nonce: bytes) -> bytes:
+        return GREETING + hmac.new(self._key, nonce, hashlib.sha256).digest()
+
     def _hear(self, conn: socket.socket) -> None:
-        """A stranger spoke: held once it said the greeting, closed if it said anything else or ended."""
-        host, deadline, heard = self._strangers[conn]
+        """A stranger spoke: held once it proved it belongs to the job, closed if it said anything else or
+        ended."""
+        host, deadline, wanted, heard = self._strangers[conn]
         try:
-            heard += conn.recv(len(GREETING) - len(heard))
+            heard += conn.recv(len(wanted) - len(heard))
         except BlockingIOError:
             return
         except OSError:
             heard = b"!"  # reset
-        if heard == GREETING:
+        if len(heard) == len(wanted) and hmac.compare_digest(heard, wanted):
             del self._strangers[conn]
             self._door.settled(host)
             self._selector.modify(conn, selectors.EVENT_READ, "held")
-        elif GREETING.startswith(heard) and heard:
-            self._strangers[conn] = (host, deadline, heard)
+        elif heard and len(heard) < len(wanted) and wanted[: min(len(heard), len(GREETING))] == heard[: len(GREETING)]:
+            self._strangers[conn] = (host, deadline, wanted, heard)
         else:
             self._drop_stranger(conn)
 
     def _turn_away(self, now: float) -> None:
-        for conn in [c for c, (_, deadline, _) in self._strangers.items() if deadline <= now]:
+        for conn in [c for c, (_, deadline, _, _) in self._strangers.items() if deadline <= now]:
             self._drop_stranger(conn)
 
     def _drop_stranger(self, conn: socket.socket) -> None:
-        host, _, _ = self._strangers.pop(conn)
+        host, _, _, _ = self._strangers.pop(conn)
         self._door.settled(host)
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         conn.close()
 
     def close(self) -> None:
+        if self._stop:  # closed already
+            return
         self._stop = True
         if self._thread is not None:
             self._thread.join(2.0)
@@ -205,6 +228,16 @@ class Watched:
             found = self._leader
             peers = {leader: (found.addr, found.alive_port)} if found is not None and found.alive_port else {}
         self.liveness.watch(peers)
+
+
+def _read_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the listener closed the connection before its nonce")
+        data += chunk
+    return data
 
 
 def refuses(addr: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
