@@ -357,19 +357,31 @@ def test_a_world_that_shrank_restores_no_half_state(
     time.sleep(1)
     lost.proc.kill()  # its worker dies with it
     [again] = survivor.wait_for_lines(r"start rank=0 world=1 restored=(\w+)", 1)
+    status = [sys.executable, "-m", "ftrun", "status", str(survivor.run_dir), "--json"]
+    deadline = time.monotonic() + 30
+    while "this one has 1" not in (shown := subprocess.run(status, capture_output=True, text=True, timeout=30).stdout):
+        if how == "replicated" and "the workers restore the snapshot of step" in shown:
+            break
+        assert time.monotonic() < deadline, f"ftrun status never said what was restored: {shown}"
+        time.sleep(0.2)
     (tmp_path / "done").touch()
     assert survivor.wait() == 0, survivor.stderr()
     said = survivor.stderr()
     changed = re.findall(r"step \d+ was snapshotted in a world of 2 ranks, this one has 1: not restored", said)
     told = re.findall(r"the snapshot of step \d+ was taken in a world of 2 ranks, this one has 1", said)
+    report = subprocess.run([sys.executable, "-m", "ftrun", "report", str(survivor.run_dir)], capture_output=True,
+                            text=True, timeout=60, check=True).stdout  # fmt: skip
     if how == "replicated":
         assert again.group(1).isdigit(), survivor.lines
         assert not changed
         assert not told  # the agent names the step it restores, as in any world
+        assert f"  snapshots: the workers restore the snapshot of step {again.group(1)}, whole" in report, report
     else:
         assert again.group(1) == "None", survivor.lines
         assert len(changed) == 1, said
         assert len(told) == 1, said  # the agent says it too, not "restore ... whole on every rank"
+        assert "  snapshots: the snapshot of step " in report, report  # the report says what was restored, and why
+        assert "was taken in a world of 2 ranks, this one has 1" in report, report
 
 
 # A table of 2 slices, each rank owning the slices s with s % world == rank; each step adds (s + 1) * step to

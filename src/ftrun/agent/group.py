@@ -144,6 +144,8 @@ class LocalGroup:
         self._link.new_attempt(self._round, attempt_dir / "peers", *ranks)
         restore = restore_plan(self._nodes, self._link.board, self._round, placement.group_rank, c.failure_domain)
         self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore, self._world_size)
+        if self._snapshots.restoring:
+            tell.emit(EventKind.RESTORE, attempt=command.attempt, said=self._snapshots.restoring)
         try:
             for local_rank in range(c.nproc_per_node):
                 w = self._spawning.spawn(self._processes, command, attempt_dir, local_rank, master_port, self._env)

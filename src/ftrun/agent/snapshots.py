@@ -84,6 +84,7 @@ class SnapshotKeeper:
         self._failed_after: dict[int, int] = {}  # a restored step -> the attempts that failed before a newer one
         self._mirror: SnapshotMirror | None = None
         self._held: dict[int, set[int]] = {}
+        self.restoring = ""  # what this attempt's workers restore, as said ("": no snapshot to speak of)
 
     def mirror(self, host: str, job_key: bytes) -> None:
         """Copy this node's snapshots to the next node, and hold the previous node's (a job of several nodes):
@@ -124,15 +125,18 @@ class SnapshotKeeper:
         decision = restore.agree(offer) if restore is not None else Decision(None)
         self._unagreed = decision.step == UNAGREED_STEP or not self._gather(decision, ranks)
         self._restore = None if self._unagreed else decision.step
+        self.restoring = ""
         if self._restore is not None:
-            self._say(self._restoring(self._restore, ranks, world_size))
+            self.restoring = self._restoring(self._restore, ranks, world_size)
         elif self._unagreed:
-            self._say("the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails")
+            self.restoring = "the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails"
         elif any(have.values()) or holds:
-            self._say(
+            self.restoring = (
                 "no snapshot step is whole on every rank on the nodes here (a lost node's copy had not "
                 "reached its peer?): the workers start without one, ftrun.restore() returns None"
             )
+        if self.restoring:
+            self._say(self.restoring)
         if self._mirror is not None and restore is not None and restore.successor is not None:
             self._mirror.send_to(restore.successor, list(ranks), paces=restore.group_rank == 0)
 

@@ -82,6 +82,8 @@ def text(h: NodeHistory) -> str:
         first = f", first step after {s.first_step - s.start:.1f} s" if s.first_step is not None else ", no step seen"
         span = f"{when(s.start, date=False)} to {when(end, date=False, unknown='now')}"
         lines.append(f"attempt {s.number}: {span}{took}{first}: {how}{rounds.get(s.number, '')}")
+        if s.restore:
+            lines.append(f"  snapshots: {s.restore}")
         if s.report is not None:
             report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
             lines += ["  " + line for line in render(report).splitlines()]

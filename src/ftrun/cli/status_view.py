@@ -107,6 +107,8 @@ def _causes(job: dict[str, Any]) -> list[Text]:
     for i, cause in enumerate(job.get("root_causes") or [], 1):
         lines.append(Text(f"failure {i}: {cause}", style="red"))
     for node in job["nodes"]:
+        if node.get("snapshots"):
+            lines.append(Text(f"{node.get('host')}: snapshots: {node['snapshots']}", style="dim"))
         g = node.get("goodput") or {}
         if g.get("stepped"):
             lost = g.get("lost_s")

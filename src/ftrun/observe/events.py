@@ -40,6 +40,7 @@ class EventKind(enum.Enum):
     STRAGGLER = "straggler"  # a rank computes consistently longer per step than the others: it slows the job
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
+    RESTORE = "restore"  # what an attempt's workers restore of the snapshots (the step, the world it was taken in)
     GROUP_STOPPING = "group_stopping"
     GROUP_STOPPED = "group_stopped"
     FAILURE = "failure"

@@ -26,6 +26,22 @@ class Span:
     failed: float | None = None  # its root cause failed (on this node or another)
     cause: str = ""
     report: Path | None = None
+    restore: str = ""  # what its workers restored of the snapshots, as the agent said
+
+    def take(self, e: Event, run_dir: Path) -> None:
+        """One event of this attempt."""
+        if e.kind is EventKind.FIRST_STEP and self.first_step is None:
+            self.first_step = e.wall - (e.mono - float(e.data["first_mono"]))
+        elif e.kind is EventKind.RESTORE:
+            self.restore = str(e.data.get("said", ""))
+        elif e.kind is EventKind.GROUP_STOPPING and self.end is None:
+            self.end = e.wall
+        elif e.kind is EventKind.FAILURE:
+            cause = e.data.get("root_cause") or {}
+            self.failed = e.wall - (e.mono - failed_mono(cause, e))
+            self.cause = str(cause.get("summary", ""))
+            found = run_dir / f"attempt_{self.number}" / "failure_report.json"
+            self.report = found if found.exists() else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,18 +86,8 @@ def history(run_dir: Path) -> NodeHistory:
             finished, outcome = e.wall, f"{e.data.get('outcome')} (exit {e.data.get('exit_code')})"
             if span is not None and span.end is None:
                 span.end = e.wall
-        elif span is None:
-            continue
-        elif e.kind is EventKind.FIRST_STEP and span.first_step is None:
-            span.first_step = e.wall - (e.mono - float(e.data["first_mono"]))
-        elif e.kind is EventKind.GROUP_STOPPING and span.end is None:
-            span.end = e.wall
-        elif e.kind is EventKind.FAILURE:
-            cause = e.data.get("root_cause") or {}
-            span.failed = e.wall - (e.mono - failed_mono(cause, e))
-            span.cause = str(cause.get("summary", ""))
-            found = run_dir / f"attempt_{span.number}" / "failure_report.json"
-            span.report = found if found.exists() else None
+        elif span is not None:
+            span.take(e, run_dir)
     gone = agent_gone(run_dir, events[0]) if finished is None and events else None
     died = gone is not None
     if gone is not None:

@@ -184,6 +184,7 @@ class NodeStatus:
             "world_size": world_size,
             **_told(summary),
             "goodput": measure(events, now=self._clock.monotonic()).to_json(),
+            "snapshots": _restoring(events),
             "ranks": ranks,
             # The workers' monitor table (ranks by local rank): a reader on this machine takes heartbeats from
             # it at the moment it reads, not as of this record.
@@ -251,6 +252,12 @@ def status_from_events(run_dir: Path) -> dict[str, Any] | None:
         "monitor": None,
         "from_events": True,  # the status record is not written yet: what the events say
     }
+
+
+def _restoring(events: Sequence[Event]) -> str:
+    """What the workers of the latest attempt restored of the snapshots, as the agent said ("": nothing said)."""
+    said = next((e.data.get("said") for e in reversed(events) if e.kind is EventKind.RESTORE), None)
+    return str(said) if said else ""
 
 
 def _told(summary: RunSummary) -> dict[str, Any]:
