@@ -25,6 +25,7 @@ def test_public_surface() -> None:
         "record",
         "request_restart",
         "restore",
+        "restore_parts",
         "section",
         "snapshot",
         "start_peer_heartbeat",

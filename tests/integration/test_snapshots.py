@@ -384,6 +384,40 @@ def test_a_world_that_shrank_restores_no_half_state(
         assert "was taken in a world of 2 ranks, this one has 1" in report, report
 
 
+@pytest.mark.parametrize("how", ["per-rank", "replicated"])
+def test_a_world_that_grew_restores_a_replicated_state_on_the_new_rank_and_no_half_state(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, how: str
+) -> None:
+    """Node a trains alone (world 1) and snapshots; node b joins (world 2). A state the job said serves any
+    rank is restored on both ranks, rank 1 taking rank 0's file through the copies' servers; a per-rank state
+    is restored on neither (rank 1 never had a part), and the agent says why."""
+    (tmp_path / "w.py").write_text(PER_RANK)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["w.py", str(tmp_path), how]
+    a = LiveFtrun(tmp_path, *flags, name="a", run_id=f"grow-{how}")
+    live.append(a)
+    a.wait_for_lines(r"start rank=0 world=1 restored=None", 1)
+    deadline = time.monotonic() + 30
+    while len(file.whole_steps(next(snapshot_root().glob(f"{a.proc.pid}-*")), [0])) < 2:
+        assert time.monotonic() < deadline, "no snapshot of rank 0 was taken"
+        time.sleep(0.1)
+    b = LiveFtrun(tmp_path, *flags, name="b", run_id=f"grow-{how}")
+    live.append(b)
+    [on_a] = a.wait_for_lines(r"start rank=\d world=2 restored=(\w+)", 1)
+    [on_b] = b.wait_for_lines(r"start rank=\d world=2 restored=(\w+)", 1)
+    (tmp_path / "done").touch()
+    for agent in (a, b):
+        assert agent.wait() == 0, agent.stderr()
+    if how == "replicated":
+        assert on_a.group(1).isdigit(), a.lines
+        assert on_b.group(1) == on_a.group(1), (a.lines, b.lines)  # the same step on both ranks
+        assert "takes rank 0's snapshot of step" in b.stderr(), b.stderr()
+    else:
+        assert (on_a.group(1), on_b.group(1)) == ("None", "None"), (a.lines, b.lines)
+        assert "a node new to the job has none" in a.stderr() + b.stderr()
+
+
 # A table of 2 slices, each rank owning the slices s with s % world == rank; each step adds (s + 1) * step to
 # every slice it owns, and snapshots them (steps 0-29), then waits at step 30 in a world of 2 for the test.
 RESHARDING = """

@@ -25,8 +25,18 @@ def test_the_newest_step_every_rank_can_have_and_where_to_fetch_what_a_node_lack
     # rank 1's node is a spare with nothing: node a holds rank 1's copies of steps 6 and 7
     spare = offer({1: []}, mirror="c:1")
     holder = offer({0: [6, 7, 8]}, holds={1: [6, 7]}, mirror="a:1")
-    assert decide([holder, spare], nodes=2) == (7, {1: "a:1"})
+    assert decide([holder, spare], nodes=2) == (7, {1: ("a:1", 1)})
     assert decide([{"have": "junk"}, offer({1: [1]})], nodes=2) == (1, {})  # what does not parse is left out
+
+
+def test_a_world_that_grew_takes_a_replicated_state_from_any_rank_and_a_per_rank_one_from_none() -> None:
+    """Node a trained alone (rank 0, steps 4-5); node b joins with rank 1 and nothing. A state the job said
+    serves any rank: rank 1 takes rank 0's file of step 5. A per-rank state: no step will do."""
+    grown = Offer({0: {4, 5}}, {}, "a:1", 0, replicated={4: 0, 5: 0}).to_json()
+    newcomer = offer({1: []}, mirror="b:1")
+    assert decide([grown, newcomer], nodes=2) == (5, {1: ("a:1", 0)})
+    per_rank = offer({0: [4, 5]}, mirror="a:1")
+    assert decide([per_rank, newcomer], nodes=2) == (None, {})
 
 
 def test_every_node_restores_the_decided_step() -> None:

@@ -14,10 +14,11 @@ user).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,8 @@ class SnapshotKeeper:
             shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
         have = plan.have
         holds = {r: s for r, s in self._held.items() if r not in have}
-        offer = Offer(have, holds, self._mirror.address if self._mirror else None, restore.group_rank if restore else 0)
+        mirror, group_rank = self._mirror.address if self._mirror else None, restore.group_rank if restore else 0
+        offer = Offer(have, holds, mirror, group_rank, self._replicated(have))
         decision = restore.agree(offer) if restore is not None else Decision(None)
         self._unagreed = decision.step == UNAGREED_STEP or not self._gather(decision, ranks)
         self._restore = None if self._unagreed else decision.step
@@ -132,13 +134,26 @@ class SnapshotKeeper:
             self.restoring = "the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails"
         elif any(have.values()) or holds:
             self.restoring = (
-                "no snapshot step is whole on every rank on the nodes here (a lost node's copy had not "
-                "reached its peer?): the workers start without one, ftrun.restore() returns None"
+                "no snapshot step is whole on every rank on the nodes here (a node new to the job has none of a "
+                "state that depends on the rank, or a lost node's copy had not reached its peer): the workers "
+                "start without one, ftrun.restore() returns None"
             )
         if self.restoring:
             self._say(self.restoring)
         if self._mirror is not None and restore is not None and restore.successor is not None:
             self._mirror.send_to(restore.successor, list(ranks), paces=restore.group_rank == 0)
+
+    def _replicated(self, have: Mapping[int, set[int]]) -> dict[int, int]:
+        """The steps whose state the job said serves any rank (``replicated=True``), each with a rank here that
+        has it: a node new to the job (a world that grew) takes that file for its own ranks."""
+        found: dict[int, int] = {}
+        for rank, steps in have.items():
+            for step in steps - set(found):
+                with contextlib.suppress(OSError, CorruptSnapshot):
+                    world = world_of(path_of(self.dir, step, rank))
+                    if world is not None and world.replicated:
+                        found[step] = rank
+        return found
 
     def _restoring(self, step: int, ranks: Sequence[int], world_size: int) -> str:
         """What the workers restore: the step, or, where it was taken in a world of another size, what they do."""
@@ -169,11 +184,15 @@ class SnapshotKeeper:
                 own.parent.mkdir(parents=True, exist_ok=True)
                 copy.replace(own)
                 continue
-            source = decision.fetch.get(rank)
-            if source is None or self._mirror is None or not self._mirror.fetch(source, step, rank):
-                self._say(f"rank {rank}'s snapshot of step {step} could not be had from {source or 'any node'}")
+            address, whose = decision.fetch.get(rank, ("", rank))
+            if not address or self._mirror is None or not self._mirror.fetch(address, step, whose, into=rank):
+                self._say(f"rank {rank}'s snapshot of step {step} could not be had from {address or 'any node'}")
                 return False
-            self._say(f"rank {rank}'s snapshot of step {step} fetched from the node holding its copy ({source})")
+            if whose == rank:
+                self._say(f"rank {rank}'s snapshot of step {step} fetched from the node holding its copy ({address})")
+            else:
+                self._say(f"rank {rank} takes rank {whose}'s snapshot of step {step}, a state that serves any rank, "
+                          f"from {address}")  # fmt: skip
         return True
 
     def env(self) -> dict[str, str]:

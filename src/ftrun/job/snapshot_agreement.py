@@ -30,6 +30,7 @@ class Offer:
     holds: Mapping[int, set[int]] = field(default_factory=dict)  # other ranks -> the steps it holds of theirs
     mirror: str | None = None  # where its mirror listens
     group_rank: int = 0
+    replicated: Mapping[int, int] = field(default_factory=dict)  # a step whose state serves any rank -> a rank here
 
     def steps(self) -> set[int]:
         """The steps whole here for every one of this node's ranks."""
@@ -42,13 +43,16 @@ class Offer:
             "holds": {str(r): sorted(s) for r, s in self.holds.items()},
             "mirror": self.mirror,
             "group_rank": self.group_rank,
+            "replicated": {str(step): rank for step, rank in self.replicated.items()},
         }
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     step: int | None  # UNAGREED_STEP: the nodes did not agree
-    fetch: Mapping[int, str] = field(default_factory=dict)  # this node's ranks it lacks the step of -> a mirror
+    # this node's ranks it lacks the step of -> the mirror to fetch it from, and whose file: the rank's own, or
+    # (a state the job said serves any rank) another rank's
+    fetch: Mapping[int, tuple[str, int]] = field(default_factory=dict)
 
 
 def alone(offer: Offer) -> Decision:
@@ -72,7 +76,8 @@ class RoundAgreement:
             board.publish_snapshot_offer(round_, {**offer.to_json(), "domain": self._domain})
             if self._group_rank == 0:
                 step, sources = decide(board.snapshot_offers(round_, self._nodes, STEPS_S), self._nodes)
-                board.publish_snapshot_decision(round_, {"step": step, "from": {str(r): a for r, a in sources.items()}})
+                published = {str(r): list(a) for r, a in sources.items()}
+                board.publish_snapshot_decision(round_, {"step": step, "from": published})
                 return Decision(step, {r: a for r, a in sources.items() if r in offer.have})
         except StoreError:
             return Decision(UNAGREED_STEP)
@@ -84,7 +89,7 @@ class RoundAgreement:
             return Decision(None)
         wanted = wanted if isinstance(wanted, dict) else {}
         return Decision(
-            chosen, {int(r): str(a) for r, a in wanted.items() if str(r).isdigit() and int(r) in offer.have}
+            chosen, {int(r): a for r, raw in wanted.items() if (a := _source(raw)) and int(r) in offer.have}
         )
 
     def successor_mirror(self) -> str | None:
@@ -117,14 +122,16 @@ def ring(offers: Sequence[Mapping[str, Any]]) -> list[int]:
     return order
 
 
-def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None, dict[int, str]]:
-    """PURE: the newest step every rank of the job can have (from its own node, or fetched from a node holding
-    a copy), and for each rank whose node lacks it the mirror to fetch it from; (None, {}) when a node did not
+def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None, dict[int, tuple[str, int]]]:
+    """PURE: the newest step every rank of the job can have (from its own node, fetched from a node holding a
+    copy, or, for a state the job said serves any rank, another rank's file of it: a world that grew), and for
+    each rank whose node lacks it the mirror to fetch it from and whose file; (None, {}) when a node did not
     offer or no step will do."""
     if len(offers) < nodes:
         return None, {}
     have: dict[int, set[int]] = {}
     holders: dict[tuple[int, int], str] = {}  # (rank, step) -> a mirror holding it
+    shared: dict[int, tuple[str, int]] = {}  # step -> a mirror and a rank whose file of it serves any rank
     for offer in offers:
         have.update(_ranks(offer.get("have")))
         mirror = offer.get("mirror")
@@ -132,11 +139,33 @@ def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None,
             for rank, steps in [*_ranks(offer.get("holds")).items(), *_ranks(offer.get("have")).items()]:
                 for step in steps:
                     holders.setdefault((rank, step), mirror)
+            for step, rank in _ranks_of(offer.get("replicated")).items():
+                shared.setdefault(step, (mirror, rank))
     candidates = sorted({s for steps in have.values() for s in steps} | {s for _, s in holders}, reverse=True)
     for step in candidates:
-        if all(step in steps or (rank, step) in holders for rank, steps in have.items()):
-            return step, {rank: holders[rank, step] for rank, steps in have.items() if step not in steps}
+
+        def source(rank: int, step: int = step) -> tuple[str, int] | None:
+            if (rank, step) in holders:
+                return holders[rank, step], rank
+            return shared.get(step)
+
+        if all(step in steps or source(rank) for rank, steps in have.items()):
+            return step, {rank: found for rank, steps in have.items() if step not in steps and (found := source(rank))}
     return None, {}
+
+
+def _source(raw: object) -> tuple[str, int] | None:
+    """A decision's [mirror, rank] as read from the store."""
+    if isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], int):
+        return raw[0], raw[1]
+    return None
+
+
+def _ranks_of(raw: object) -> dict[int, int]:
+    """An offer's {"step": rank} as read from another node (what does not parse is left out)."""
+    if not isinstance(raw, dict):
+        return {}
+    return {int(s): r for s, r in raw.items() if str(s).isdigit() and isinstance(r, int) and not isinstance(r, bool)}
 
 
 def _ranks(raw: object) -> dict[int, set[int]]:

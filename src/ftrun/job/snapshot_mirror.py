@@ -183,9 +183,10 @@ class SnapshotMirror:
             self._sending.join()
             self._sending = None
 
-    def fetch(self, address: str, step: int, rank: int) -> bool:
-        """A rank's file of a step from the mirror at ``address`` into this node's own place for it; False when
-        that node has none whole, cannot be reached, or is not the job's."""
+    def fetch(self, address: str, step: int, rank: int, into: int | None = None) -> bool:
+        """A rank's file of a step from the mirror at ``address`` into this node's own place for it (``into``:
+        for that rank instead, a state that serves any rank); False when that node has none whole, cannot be
+        reached, or is not the job's."""
         mine = os.urandom(16).hex()
         try:
             with _connect(address) as sock:
@@ -196,7 +197,7 @@ class SnapshotMirror:
                     return False
                 if not hmac.compare_digest(_mac(self._key, "file", step, rank, size, mine), str(head.get("mac"))):
                     return False  # a server without the job's key
-                return _receive(sock, path_of(self._dir, step, rank), size, self._key, mine)
+                return _receive(sock, path_of(self._dir, step, rank if into is None else into), size, self._key, mine)
         except OSError:
             return False
 
