@@ -48,7 +48,7 @@ class Node:
         self.narrator = Narrator.open(self.config, Console(io.BytesIO(), self.stderr), self.clock, name)
         self.wakeup = SignalWakeup.install()
         parts = NodeParts(self.config, self.narrator, self.spawner, self.clock, self.wakeup, NoPacing(), lambda r: None)
-        self.group = parts.group(JobLink(None, b"key", self.clock))
+        self.group = parts.group(JobLink(None, lambda: b"key", self.clock))
         self.narrator.run_started()
 
     def close(self) -> None:

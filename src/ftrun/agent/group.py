@@ -88,6 +88,7 @@ class LocalGroup:
         self._pacing = pacing
         self.asked = asked
         self._link = link
+        self._mirror_host = ""  # where the snapshot copies' server listens, in a job of several nodes
         self._reports = narrator.reports
         self.status = narrator.status
         self._world_size = config.nproc_per_node
@@ -142,6 +143,8 @@ class LocalGroup:
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}", attempt_dir, self._round)
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._link.new_attempt(self._round, attempt_dir / "peers", *ranks)
+        if self._mirror_host:
+            self._snapshots.mirror(self._mirror_host, self._link.peer_key)
         restore = restore_plan(self._nodes, self._link.board, self._round, placement.group_rank, c.failure_domain)
         self._snapshots.new_attempt(range(ranks[0], ranks[1] + 1), restore, self._world_size)
         if self._snapshots.restoring:
@@ -229,8 +232,9 @@ class LocalGroup:
         return WorkersStopped(self._reports.crash_loop(self._this_attempt, self.status.stepped, self._watch.hangs.slot))
 
     def mirror_snapshots(self, host: str) -> None:
-        """Copy the workers' snapshots to the next node, and hold the previous node's (a job of several nodes)."""
-        self._snapshots.mirror(host, self._link.peer_key)
+        """Copy the workers' snapshots to the next node, and hold the previous node's (a job of several nodes),
+        from the first attempt on (the job's key is asked then)."""
+        self._mirror_host = host
 
     def report_failure(self, will_restart: bool, lost: tuple[str, ...] = (), lost_why: str = "") -> None:
         """Write and print the current attempt's failure report, root cause first (see Reports.report)."""

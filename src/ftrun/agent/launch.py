@@ -236,7 +236,7 @@ def fresh_port_on(clock: Clock) -> int:
 
 def keep_out(node: NodeParts, failed: Verdict) -> int:
     """The node never joined: a signal to ftrun ended its wait, or its health checks kept failing."""
-    group = node.group(JobLink(None, b"", node.clock))  # it ran nothing: only its end is told
+    group = node.group(JobLink(None, lambda: b"", node.clock))  # it ran nothing: only its end is told
     try:
         signals = node.wakeup.drain()
         if signals:
@@ -265,7 +265,7 @@ def run_static(node: NodeParts) -> int:
     state = static.initial(static_plan(config))
     # A job of several nodes shares no store: a key derived from what the nodes share; one node's is its own.
     key = job_key(config.run_id, config.rdzv.token, None) if config.nnodes.max > 1 else secrets.token_bytes(32)
-    group = node.group(JobLink(None, key, clock))
+    group = node.group(JobLink(None, lambda: key, clock))
     try:
         return Executor(static.step, state, group, clock=clock, fresh_port=lambda: fresh_port_on(clock)).run()
     finally:
@@ -310,7 +310,7 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
         nodes = f"{config.nnodes.min}:{config.nnodes.max}"
         narrator.say(f"node {rendezvous.node_id} joining {nodes} nodes at {url.display}")
         board = JobBoard(store, config.run_id, rendezvous.node_id, clock)
-        group = node.group(JobLink(board, job_key(config.run_id, config.rdzv.token, store), clock))
+        group = node.group(JobLink(board, lambda: job_key(config.run_id, config.rdzv.token, store), clock))
 
         def hosting() -> bool:  # the store lives in this process now: the endpoint's, or later a successor's
             return server is not None or succession.server is not None

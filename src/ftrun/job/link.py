@@ -8,6 +8,8 @@ beyond the node, and its peer key is its own.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -20,11 +22,19 @@ T = TypeVar("T")  # a hung worker (the agent's Worker)
 
 
 class JobLink(Generic[T]):
-    def __init__(self, board: JobBoard | None, peer_key: bytes, clock: Clock) -> None:
+    def __init__(self, board: JobBoard | None, peer_key: Callable[[], bytes], clock: Clock) -> None:
+        """``peer_key``: the job's key, asked once it is first needed (as the first attempt starts: a node that
+        started again at the endpoint reads it from the job's store, where its rendezvous took it, not from the
+        store of its own it began with)."""
         self.board = board
-        self.peer_key = peer_key  # signs the ranks' peer heartbeats (and the snapshot copies between nodes)
+        self._peer_key = peer_key
         self._held: HeldHangs[T] = HeldHangs(clock, board)
         self._peers: PeerRelay | None = None  # the attempt's (ftrun.start_peer_heartbeat)
+
+    @functools.cached_property
+    def peer_key(self) -> bytes:
+        """Signs the ranks' peer heartbeats (and the snapshot copies between nodes)."""
+        return self._peer_key()
 
     def new_attempt(self, round_: int | None, peer_dir: Path, first: int, last: int, world: int) -> None:
         """An attempt of this node's ranks ``first``..``last`` of ``world`` starts (in ``round_``, elastic jobs)."""
