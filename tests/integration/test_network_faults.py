@@ -112,14 +112,20 @@ def job(tmp_path: Path) -> Iterator[tuple[netns.Network, list[Agent]]]:
         until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
         yield net, agents
     finally:
-        (tmp_path / "stop").touch()
         try:
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.proc.wait(WAIT_S)  # a clean end first: its logs are whole
-                agent.close()
+            stop_all(tmp_path, agents)
         finally:
             net.close()
+
+
+def stop_all(tmp: Path, agents: list[Agent]) -> None:
+    """The end of a test, passed or not: every agent told to stop, then killed if it has not (a clean end first:
+    its logs are whole)."""
+    (tmp / "stop").touch()
+    for agent in agents:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.proc.wait(WAIT_S)
+        agent.close()
 
 
 def finish(tmp: Path, agents: list[Agent]) -> None:
@@ -232,11 +238,7 @@ def three(tmp_path: Path) -> Iterator[tuple[netns.Network, dict[str, netns.Node]
             until(lambda: all_train(tmp_path, set("abc"), 0.0), "three nodes train together", WAIT_S * 3)
             yield net, nodes, agents
         finally:
-            (tmp_path / "stop").touch()
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.proc.wait(WAIT_S)
-                agent.close()
+            stop_all(tmp_path, agents)
 
 
 @pytest.mark.parametrize("cut_off", [("a",), ("c",)], ids=["the-store-host-alone", "one-node-alone"])
@@ -313,8 +315,4 @@ def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tm
             assert "a new store of this job is at the endpoint" in agents[1].stderr, agents[1].stderr
             finish(tmp_path, agents[1:])
         finally:
-            (tmp_path / "stop").touch()
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.proc.wait(WAIT_S)
-                agent.close()
+            stop_all(tmp_path, agents)
