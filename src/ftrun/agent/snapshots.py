@@ -14,7 +14,6 @@ user).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -33,6 +32,7 @@ from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, 
 from ftrun.worker.snapshot_file import (
     STEP_DIR,
     CorruptSnapshot,
+    World,
     bad_steps,
     is_whole,
     path_of,
@@ -149,18 +149,22 @@ class SnapshotKeeper:
         found: dict[int, int] = {}
         for rank, steps in have.items():
             for step in steps - set(found):
-                with contextlib.suppress(OSError, CorruptSnapshot):
-                    world = world_of(path_of(self.dir, step, rank))
-                    if world is not None and world.replicated:
-                        found[step] = rank
+                world = self._world_of(step, rank)
+                if world is not None and world.replicated:
+                    found[step] = rank
         return found
+
+    def _world_of(self, step: int, rank: int) -> World | None:
+        """The world a rank's file of a step here says it was taken in (None: it does not say, or it cannot be
+        read: the worker that restores it finds that and says so)."""
+        try:
+            return world_of(path_of(self.dir, step, rank))
+        except (OSError, CorruptSnapshot):
+            return None
 
     def _restoring(self, step: int, ranks: Sequence[int], world_size: int) -> str:
         """What the workers restore: the step, or, where it was taken in a world of another size, what they do."""
-        try:
-            then = world_of(path_of(self.dir, step, ranks[0])) if ranks else None
-        except (OSError, CorruptSnapshot):
-            then = None  # the worker finds it and says so
+        then = self._world_of(step, ranks[0]) if ranks else None
         if then is None or then.replicated or not world_size or then.size == world_size:
             return f"the workers restore the snapshot of step {step}, whole on every rank"
         return (

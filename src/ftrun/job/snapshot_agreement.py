@@ -141,16 +141,16 @@ def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None,
                     holders.setdefault((rank, step), mirror)
             for step, rank in _ranks_of(offer.get("replicated")).items():
                 shared.setdefault(step, (mirror, rank))
+
+    def source(rank: int, step: int) -> tuple[str, int] | None:
+        """Where a rank's node fetches the step it lacks: its own file's copy, else a file that serves any rank."""
+        return (holders[rank, step], rank) if (rank, step) in holders else shared.get(step)
+
     candidates = sorted({s for steps in have.values() for s in steps} | {s for _, s in holders}, reverse=True)
     for step in candidates:
-
-        def source(rank: int, step: int = step) -> tuple[str, int] | None:
-            if (rank, step) in holders:
-                return holders[rank, step], rank
-            return shared.get(step)
-
-        if all(step in steps or source(rank) for rank, steps in have.items()):
-            return step, {rank: found for rank, steps in have.items() if step not in steps and (found := source(rank))}
+        lacking = {rank: source(rank, step) for rank, steps in have.items() if step not in steps}
+        if all(lacking.values()):
+            return step, {rank: found for rank, found in lacking.items() if found is not None}
     return None, {}
 
 

@@ -198,10 +198,7 @@ class Rendezvous:
         the next round, the lost node counted as lost (a failure of the round, as any lost node)."""
         lost = self._failover.host
         plan = self._failover.take_over(self._record, e)
-        self._forget_watches()
-        self._drop_lease()
-        self._record, self._record_rev, self._leader = None, 0, None
-        self._places.forget()
+        self._leave_this_store()
         if plan.host is None:
             self._warn(f"rendezvous: {plan.why} ({e}); waiting for a store at the endpoint, as early nodes do")
         else:
@@ -220,10 +217,7 @@ class Rendezvous:
         store one of them took over; its host found this one and wrote where it is. Go there and join as a
         newcomer: one store, one job. Workers started here stop first (this store's rounds are no job's)."""
         self._moved_to = None
-        self._forget_watches()
-        self._drop_lease()
-        self._record, self._record_rev, self._leader = None, 0, None
-        self._places.forget()
+        self._leave_this_store()
         why = f"the job's store is on {head.node_id} ({head.addr}), which took it over from a lost host"
         self._warn(f"rendezvous: this store at the endpoint is not the job's: {why}; joining there")
         self._failover.go_to(head)
@@ -231,6 +225,13 @@ class Rendezvous:
         if local.running_round is not None:
             return Advice(Decision(Action.STOP, f"my workers run in round {local.running_round}, but {why}"), now)
         return Advice(Decision(Action.WAIT, why, wake_at=now), now)
+
+    def _leave_this_store(self) -> None:
+        """Before moving to another store: nothing read from this one, no lease, no watch on it is kept."""
+        self._forget_watches()
+        self._drop_lease()
+        self._record, self._record_rev, self._leader = None, 0, None
+        self._places.forget()
 
     def _fence(self, round_: int) -> Decision:
         return Decision(
