@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +114,84 @@ def test_report_draws_every_node_of_a_multi_node_job(
     for a in agents:  # two nodes on one host: each row named by its agent too, its whole name on hover
         assert f"(agent {a.proc.pid})" in page, page
         assert f"(agent {a.proc.pid}): {a.run_dir}</title>" in page
+
+
+# Two nodes of one rank each, in step through gloo; rank 0 keeps a checkpoint every 5 steps.
+GLOO_JOB = """
+import os, sys, time, pathlib
+import torch, torch.distributed as dist
+import ftrun
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+saved = pathlib.Path(sys.argv[1]) / "resume-at"
+start = int(saved.read_text()) if saved.exists() else 0
+print(f"up rank={rank} pid={os.getpid()} at={start}", flush=True)
+t = torch.ones(1)
+for step in range(start, 30):
+    ftrun.heartbeat(step=step)
+    dist.all_reduce(t)
+    print(f"step {step}", flush=True)
+    if rank == 0 and step % 5 == 4:
+        saved.with_suffix(".tmp").write_text(str(step + 1))
+        saved.with_suffix(".tmp").replace(saved)
+    time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+def report_of(run_dir: Path) -> str:
+    told = subprocess.run(
+        [sys.executable, "-m", "ftrun", "report", str(run_dir)], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert told.returncode == 0, told.stderr
+    return told.stdout
+
+
+def test_a_lost_node_is_accounted_for_on_the_survivor_and_on_itself(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    """Node b's worker dies, then its agent a moment later (a lost machine): the survivor's worker fails in its
+    collective by itself, and the survivor waits for a second node until b is started again. The survivor's
+    failure is detected when ftrun acted on it, the wait is recovery, not detection, and the lost work is known;
+    b's own report says it trained until its agent died."""
+    (tmp_path / "job.py").write_text(GLOO_JOB)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", "is_host=false",
+             "--rdzv-id", "lost", "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2", "--no-warm",
+             "--local-addr", "127.0.0.1", "job.py", str(tmp_path)]  # fmt: skip
+    a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id="lost") for n in "ab")
+    live.extend([a, b])
+    b_worker = int(b.wait_for_lines(r"up rank=\d pid=(\d+) at=0", 1)[0].group(1))
+    b.wait_for_lines(r"step 12", 1)
+    os.kill(b.proc.pid, signal.SIGSTOP)  # the machine goes: its worker first, its agent a moment later
+    os.kill(b_worker, signal.SIGKILL)
+    a.wait_for_stderr(r"ROOT CAUSE")  # the survivor's worker failed in its all_reduce, by itself
+    b.proc.kill()
+    b.wait()
+    b2 = LiveFtrun(tmp_path, *flags, name="b2", run_id="lost")  # the node back, as a requeued one is
+    live.append(b2)
+    assert [a.wait(WAIT_S), b2.wait(WAIT_S)] == [0, 0], a.stderr() + b2.stderr()
+
+    events = a.events()
+    stops = [e for e in events if e["kind"] == "group_stopping" and e["attempt"] == 0]
+    assert len(stops) == 1, [e["kind"] for e in events]  # said once, though the worker had exited by itself
+    stop = stops[0]
+    assert stop["running"] == [], stop
+    assert stop["last_step"] >= 12, stop
+    exited = next(e for e in events if e["kind"] == "worker_exited" and e["state"] == "failed")
+    restarted = next(e for e in events if e["kind"] == "attempt_started" and e["attempt"] == 1)
+    g: dict[str, Any] = json.loads((a.run_dir / "status.json").read_text())["goodput"]
+    assert g["detection_s"] <= stop["mono"] - exited["mono"] + TOLERANCE_S, g  # detection ends when ftrun acted
+    assert g["recovery_s"] >= restarted["mono"] - stop["mono"], g  # the wait for a second node is recovery
+    resumed = int(a.wait_for_lines(r"up rank=\d pid=\d+ at=(\d+)", 2)[1].group(1))  # the checkpoint's step
+    assert [e["step"] for e in events if e["kind"] == "first_step"] == [0, resumed]
+    redone = stop["last_step"] - resumed
+    survivor = report_of(a.run_dir)
+    assert re.search(rf"lost work: [\d.]+ s, {redone} step\(s\) done again", survivor), survivor
+    assert "lost work unknown" not in survivor, survivor
+
+    lost = report_of(b.run_dir)  # b's first life: its agent was killed
+    assert re.search(r"attempt 0: .*, first step after [\d.]+ s: cut off: its agent died", lost), lost
+    assert "no step seen" not in lost, lost
+    trained = re.search(r"goodput \d+\.\d%: ([\d.]+) s training", lost)  # until it was last heard of (1 s)
+    assert trained, lost
+    assert float(trained.group(1)) > 0.0, lost

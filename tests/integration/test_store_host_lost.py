@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ftrun.observe.timeline import COLORS
@@ -157,6 +158,7 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
     _, (host, other) = first_agents(tmp_path, live, "1:2", 2)
     lost = re.search(r"node (\S+) joining", host.wait_for_stderr(r"node \S+ joining")).group(1)  # type: ignore[union-attr]
     worker_pid(other, 2)
+    killed_at = time.time()
     kill(host)
     other.wait_for_lines(UP.format(world=1), 1)
     said = other.stderr()
@@ -173,6 +175,11 @@ def test_the_report_names_the_lost_host_not_the_survivors_echo(
     assert f"ROOT CAUSE  node {lost} lost" in text
     assert "(round 1, 2 node(s))" in text  # each attempt's round and node count, the change named
     assert "1 node(s), node(s) lost or gone: was 2)" in text
+    # The takeover's downtime: from the host's loss (dated no earlier than the kill) to the next attempt.
+    restarted = next(e for e in other.events() if e["kind"] == "attempt_started" and e["attempt"] == 1)
+    down = re.search(r"down: ([\d.]+) s from the failure to attempt 1's start", text)
+    assert down, text
+    assert 0.0 < float(down.group(1)) <= restarted["wall"] - killed_at, text
     page = (other.run_dir / "timeline.html").read_text()
     assert f"lost {lost}" in page  # written on the chart, not only in a hover
     assert "-1 node(s): 1" in page

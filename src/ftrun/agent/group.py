@@ -197,13 +197,15 @@ class LocalGroup:
     def stop(self, first_signal: int | None = None) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
         sweep strays. Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
-        if not self._processes.running:  # all exited (or released): their output is still copied before a report
+        first = signal.SIGTERM if first_signal is None else first_signal
+        running, workers = [w.rank for w in self._processes.running], self._processes.workers
+        # Said when every worker had exited by itself too: the moment ftrun acted ends the failure's detection,
+        # and how far the workers got is the lost work (a survivor then waiting for a lost node is recovery).
+        self.status.stopping(workers, self._watch.hangs.slot, self._attempt, running, signal_name(first))
+        if not running:  # all exited (or released): their output is still copied before a report
             self._settle()
             return [self._stopped()]
-        first = signal.SIGTERM if first_signal is None else first_signal
         self._pacing.stopping()
-        running, workers = [w.rank for w in self._processes.running], self._processes.workers
-        self.status.stopping(workers, self._watch.hangs.slot, self._attempt, running, signal_name(first))
         exits: list[Happening] = []
         late: list[Happening] = []
 

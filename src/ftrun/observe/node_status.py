@@ -78,6 +78,7 @@ class NodeStatus:
         self._published_signature: object = None
         self._signature: object = None
         self._first_step_seen: set[int] = set()  # attempts whose first step is an event
+        self._stop_said: set[int] = set()  # attempts whose stop is an event
         self.record: dict[str, Any] = {}  # the last one built (the metrics read it)
         self.pace: Pace = NO_PACE  # the ranks' straggler scores (ftrun.monitor.pace)
         self._sampled: tuple[list[Worker], SlotOf] = ([], lambda index: None)  # the workers and their slots
@@ -108,8 +109,12 @@ class NodeStatus:
     def stopping(
         self, workers: Sequence[Worker], slot_of: SlotOf, attempt: int, running: list[int], signal: str
     ) -> None:
-        """The group stops its workers: how far they got (goodput's lost work), said as the stop's event."""
+        """The group stops its workers (or found them all exited): how far they got (goodput's lost work), said
+        as the stop's event, once an attempt."""
         self.notice_first_step(workers, slot_of)
+        if not workers or attempt in self._stop_said:
+            return
+        self._stop_said.add(attempt)
         self._emit(
             EventKind.GROUP_STOPPING, attempt=attempt, running=running, signal=signal, **progress(workers, slot_of)
         )
