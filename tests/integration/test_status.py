@@ -170,8 +170,12 @@ def test_a_run_whose_agent_died_is_told_as_such_by_status_and_report(tmp_path: P
     """An agent SIGKILLed (a lost machine, an OOM kill): status says the agent is gone and no longer lists its
     ranks as running; report ends the run when the agent was last heard of, not "running to now"."""
     until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job runs")
+    for kind in ("ready", "live"):  # Kubernetes' exec probes, with no port
+        assert status(str(job.run_dir), "--probe", kind).returncode == 0
     job.proc.kill()
     job.wait()
+    assert [status(str(job.run_dir), "--probe", kind).returncode for kind in ("ready", "live")] == [1, 1]
+    assert status(str(job.run_dir), "--probe", "live").stdout == "agent gone\n"
     gone = snapshot(str(job.run_dir))
     assert gone["phase"] == "agent gone"
     assert [r["state"] for r in gone["nodes"][0]["ranks"]] == ["unknown (agent gone)"] * 2
@@ -193,6 +197,9 @@ def test_status_says_what_is_wrong_with_its_input(tmp_path: Path) -> None:
     out = status("--rdzv-endpoint", "127.0.0.1:1")
     assert out.returncode == 2
     assert "--rdzv-id" in out.stderr
+    out = status("--probe", "ready")
+    assert out.returncode == 2
+    assert "--probe: needs the run's directory" in out.stderr
 
 
 MULTI = """

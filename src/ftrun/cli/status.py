@@ -31,6 +31,7 @@ from ftrun.store.url import StoreUrl
 from ftrun.worker.layout import SlotView
 
 REFRESH_S = 1.0
+PROBES = ("ready", "live")
 STALE_S = 15.0  # a record of a running job older than this: its agent may be gone
 
 
@@ -44,8 +45,16 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="the job's --rdzv-endpoint")
     p.add_argument("--rdzv-id", "--rdzv_id", default="", help="the job's --rdzv-id")
     p.add_argument("--rdzv-token-file", default=None, help="the embedded store's token file (or FTRUN_TOKEN)")
+    p.add_argument(
+        "--probe",
+        choices=PROBES,
+        help="a Kubernetes exec probe of RUN_DIR's agent, with no port: exit 0 when it is live (ready: its "
+        "workers run in a round), 1 otherwise; prints the phase",
+    )
     a = p.parse_args(list(argv))
     try:
+        if a.probe:
+            return probe(a.probe, a.run_dir)
         source = _source(a, environ)
         if a.json:
             print(json.dumps(source.snapshot(), indent=2))
@@ -59,6 +68,17 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
     except (ConfigError, FtrunError) as e:
         print(f"ftrun status: error: {e}", file=sys.stderr)
         return 2
+
+
+def probe(kind: str, run_dir: str | None) -> int:
+    """As ``--metrics-port``'s ``/readyz`` and ``/livez`` answer, from the run directory (a liveness probe
+    never fails while ftrun recovers or stops workers: only an agent whose process is gone is not live)."""
+    if not run_dir:
+        raise ConfigError("--probe", "needs the run's directory", "pass RUN_DIR, the 'logs in ...' at start")
+    phase = str(RunDir(Path(run_dir)).snapshot()["phase"])
+    ok = phase == "running" if kind == "ready" else phase != "agent gone"
+    print(phase)
+    return 0 if ok else 1
 
 
 class RunDir:
