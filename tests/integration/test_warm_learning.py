@@ -125,3 +125,42 @@ def test_what_the_job_imports_after_its_first_step_is_learned_before_a_crash(
     r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py")
     assert r.returncode == 0, r.stderr
     assert "fractions" in cached(tmp_path)
+
+
+GROWS = """
+import json, os, pathlib, signal, sys, time
+import torch
+import ftrun
+events = pathlib.Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parents[2] / "events.jsonl"
+for step in range(1, 4):
+    ftrun.heartbeat(step=step)
+    if step == 2:
+        import torch.distributed.checkpoint  # a lazy import of many modules, after the first step
+print("restart", os.environ["TORCHELASTIC_RESTART_COUNT"], "has", "torch.distributed.checkpoint" in sys.modules)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    deadline = time.monotonic() + 60
+    while not any(json.loads(line).get("grown_from") for line in events.read_text().splitlines()):
+        assert time.monotonic() < deadline, "no zygote grown in 60 s"
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.torch
+def test_the_zygote_for_what_the_workers_imported_grows_from_the_one_with_the_scripts_imports(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """The zygote preloading what the workers reported is forked from the ready one that preloaded the script's
+    imports, and imports only the rest: torch is imported once on the node, not once per zygote. The restart
+    forks from it, with everything preloaded."""
+    script("w.py", GROWS)
+    r = run_ftrun(tmp_path, "--max-restarts", "1", "w.py", timeout=180)
+    assert r.returncode == 0, r.stderr
+    ready = {e["pid"]: e for e in kinds(r, "pool_ready")}
+    [grown] = [e for e in ready.values() if e.get("grown_from")]
+    parent = ready[grown["grown_from"]]
+    assert "torch" in cached(tmp_path)
+    assert grown["preload"] > parent["preload"] > 0, ready
+    assert grown["loaded"] > parent["loaded"], ready  # its parent's modules are counted as its own
+    assert [e["warm"] for e in kinds(r, "worker_spawned") if e["attempt"] == 1] == [True]
+    assert "restart 1 has True" in r.log(1, 0)  # preloaded: imported before the script ran

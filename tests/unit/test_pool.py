@@ -194,3 +194,11 @@ def test_the_first_attempt_waits_for_a_zygote_preloading_what_a_whole_run_import
     import it all on its own critical path."""
     assert policy.first_fresh(cores=2, workers=2, whole=True) == 0
     assert policy.first_fresh(cores=16, workers=8, whole=True) == 0
+
+
+def test_a_bigger_zygote_grows_from_the_biggest_ready_one_whose_modules_it_has() -> None:
+    base, small, big = Z([], {}), Z(["torch"], {}), Z(["torch", "numpy"], {})
+    assert policy.grown_from([base, small, big], ["torch", "numpy", "json"]) is big
+    assert policy.grown_from([base, small, big], ["torch", "json"]) is small  # big has numpy, not wanted
+    assert policy.grown_from([base, Z(["torch"])], ["torch", "json"]) is None  # still preloading; the base never
+    assert policy.grown_from([small], ["numpy"]) is None  # nothing in common: a new process preloads them

@@ -48,6 +48,26 @@ def fork_from(zygotes: Sequence[Z]) -> Z | None:
     return next((z for z in zygotes if not z.preload and z.ready is not None), None)
 
 
+def grown_from(zygotes: Sequence[Z], preload: Sequence[str]) -> Z | None:
+    """The ready zygote a new one preloading ``preload`` is forked from, importing only the rest: the biggest
+    whose modules are all among them (its imports came first). None: a new process preloads all, unless
+    :func:`parent_coming`."""
+    parents = _parents(zygotes, preload)
+    ready = [z for z in parents if z.ready is not None]
+    return max(ready, key=lambda z: len(z.preload)) if ready else None
+
+
+def parent_coming(zygotes: Sequence[Z], preload: Sequence[str]) -> bool:
+    """Whether a zygote still preloading some of ``preload`` (the script's imports, as the workers report theirs
+    at their first step) is the one to grow it from once ready: a new process would import all of it again."""
+    return any(z.ready is None for z in _parents(zygotes, preload))
+
+
+def _parents(zygotes: Sequence[Z], preload: Sequence[str]) -> list[Z]:
+    wanted = set(preload)
+    return [z for z in zygotes if z.preload and wanted.issuperset(z.preload)]
+
+
 def waited_for_first(zygotes: Sequence[Z], started: bool) -> Z | None:
     """The zygote the first attempt's workers wait for: before any worker started, the one preloading what was
     known before the job ran (the entry script's imports, --preload, the job's cache), still preloading. It

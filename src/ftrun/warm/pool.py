@@ -41,7 +41,7 @@ from ftrun.procs.spawner import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.warm import policy
 from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, first_step_imports_known, read_modules_report
-from ftrun.warm.zygotes import PoolError, Zygote
+from ftrun.warm.zygotes import GrownProcess, PoolError, Zygote
 
 Say = Callable[[str], None]
 FIRST_WAIT_S = 60.0  # see WarmPool._wait_for_first: about what a fresh worker's imports take on a busy node
@@ -86,7 +86,8 @@ class WarmPool:
         self._spared = spared  # process groups of the agent's other helpers (the warden): never strays
         self._fresh = ProcessSpawner(spared)
         self._zygotes: list[Zygote] = []
-        self._retired: list[subprocess.Popen[bytes]] = []  # zygotes a bigger one replaced, killed, not yet reaped
+        # Zygotes a bigger one replaced, killed, not yet reaped.
+        self._retired: list[subprocess.Popen[bytes] | GrownProcess] = []
         self._refill = policy.Refill()
         self._workers = standbys if workers is None else workers
         self._cores = len(os.sched_getaffinity(0))
@@ -99,6 +100,7 @@ class WarmPool:
         self._never: set[str] = set()  # modules a zygote refused: never preloaded again
         self._troubled = False  # a trouble of the pool's was said on the console (the others go to --verbose)
         self._reports: dict[Path, int] = {}  # each worker's report of its imports, by its mtime
+        self._to_grow: list[str] = []  # a bigger zygote's modules, waiting for the zygote to grow it from
 
     def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
         """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
@@ -116,20 +118,34 @@ class WarmPool:
         self._known = list(dict.fromkeys([*self._known, *modules]))
         self._known_whole = self._known_whole or first_step_imports_known(modules)
 
-    def _launch(self, preload: list[str], *, idle: bool = False) -> None:
-        """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down)."""
+    def _launch(self, preload: list[str], *, idle: bool = False, grow: bool = False) -> None:
+        """``idle``: preload at idle CPU priority (while the job trains, it must not slow it down); ``grow``:
+        forked from a ready zygote that has some of ``preload`` where there is one (see policy.grown_from)."""
         if not self._off:
-            zygote = Zygote.spawn(
-                self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
-            )
+            parent = policy.grown_from(self._zygotes, preload) if grow else None
+            if grow and parent is None and policy.parent_coming(self._zygotes, preload):
+                self._to_grow = preload  # once its parent is ready (see tend)
+                return
+            if grow:
+                self._to_grow = []
+            zygote = None
+            if parent is not None:
+                try:
+                    zygote = parent.grow(preload, idle=idle, standbys=self._standbys)
+                except PoolError as e:
+                    self._detail(f"warm pool: {e}; a new zygote preloads them all")
+            if zygote is None:
+                zygote = Zygote.spawn(
+                    self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
+                )
             if idle and self.holding:  # started during a hold: it stands still with the others (see hold)
                 zygote.pause(True)
             self._zygotes.append(zygote)
 
     @property
     def preloading(self) -> list[str]:
-        """The modules of the largest zygote, ready or not."""
-        return max((z.preload for z in self._zygotes), key=len, default=[])
+        """The modules of the largest zygote, ready or not (or to grow once its parent is ready)."""
+        return max([self._to_grow, *(z.preload for z in self._zygotes)], key=len)
 
     def signal_strays(self, sig: int, workers: set[int]) -> None:
         """The zygotes and their standby workers (in the zygotes' process groups) are the pool's own."""
@@ -185,6 +201,8 @@ class WarmPool:
                 self._drop(z, z.failed)
                 if self._off:
                     return
+        if self._to_grow and not policy.parent_coming(self._zygotes, self._to_grow):
+            self._launch(self._to_grow, idle=True, grow=True)
         for z in policy.retired(self._zygotes, self.holding):  # a bigger one serves from now on
             z.close(wait=False)
             self._retired.append(z.proc)
@@ -226,6 +244,8 @@ class WarmPool:
     def _ready(self, z: Zygote) -> None:
         assert z.ready is not None
         info = {**z.ready, "preload": len(z.preload), "pid": z.proc.pid}
+        if z.grown_from is not None:
+            info["grown_from"] = z.grown_from
         self._on_ready(info)
         rss, took = int(info.get("rss_kb", 0)) / 1024, float(info.get("import_s", 0.0))
         loaded = f"{info.get('loaded')} of {info.get('preload')} modules preloaded in {took:.2f} s"
@@ -290,7 +310,7 @@ class WarmPool:
             self._cache.save(bigger, self._import_s)
         if not run_ends:
             self._detail(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
-            self._launch(bigger, idle=True)
+            self._launch(bigger, idle=True, grow=True)
 
     def hold(self) -> None:
         """A failure, or workers about to start: the zygotes still preloading stand still (SIGSTOP) until the

@@ -42,6 +42,8 @@ from typing import Any
 from ftrun.worker import compile_probes, jemalloc, procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 
+Filters = list[Any]  # warnings.filters as the preloaded modules left them, which each worker starts with
+Message = dict[str, Any]  # a JSON message between the agent and the zygote, or a standby
 MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
@@ -62,11 +64,11 @@ def rss_kb() -> int:
     return 0
 
 
-def send(sock: socket.socket, message: dict[str, Any]) -> None:
+def send(sock: socket.socket, message: Message) -> None:
     sock.sendmsg([json.dumps(message).encode()])
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def receive(sock: socket.socket) -> tuple[Message | None, list[int]]:
     fds = array.array("i")
     data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * fds.itemsize))
     for level, kind, payload in ancdata:
@@ -74,7 +76,7 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
             fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
     if not data:
         return None, list(fds)
-    message: dict[str, Any] = json.loads(data)
+    message: Message = json.loads(data)
     return message, list(fds)
 
 
@@ -151,6 +153,12 @@ def main() -> int:
     # torch.cuda.is_available() (which libraries call at import) asks NVML, not the CUDA driver: a driver
     # initialised here would not survive the fork. The workers get the variable as the job set it, or not.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return serve(sock, names, started, idle=idle)
+
+
+def serve(sock: socket.socket, names: list[str], started: float, *, idle: bool, inherited: int = 0) -> int:
+    """Preload ``names`` (at idle CPU priority where ``idle``; ``inherited``: how many its parent had), say ready
+    or refused, then serve the agent's requests: standby workers, and bigger zygotes grown from this one."""
     started_with = dict(os.environ)
     loaded, failed, refusal, culprit = preload(names)
     # What the preloaded modules set in the environment at import, a fresh worker's imports set too.
@@ -179,14 +187,25 @@ def main() -> int:
     if idle:
         gc.collect()
     gc.freeze()
-    send(sock, {"ready": True, "loaded": len(loaded), "failed": failed, "import_s": time.monotonic() - started,
-                "rss_kb": rss_kb()})  # fmt: skip
+    send(sock, {"ready": True, "loaded": inherited + len(loaded), "failed": failed,
+                "import_s": time.monotonic() - started, "rss_kb": rss_kb()})  # fmt: skip
+    return serve_requests(sock, filters)
+
+
+def serve_requests(sock: socket.socket, filters: Filters) -> int:
+    """Fork what the agent asks for, until it hangs up."""
     while True:
         message, fds = receive(sock)
         if message is None:
             return 0  # the agent is gone or closed the pool
         if message.get("script"):
             precompile(message["script"])
+        if "grow" in message:  # answered by the new zygote on its own socket, never here
+            with contextlib.suppress(OSError):
+                fork_standby(sock, message, fds, filters, grow=True)  # in the new zygote it never returns
+            for fd in fds:
+                os.close(fd)
+            continue
         try:
             reply = fork_standby(sock, message, fds, filters)  # in the standby it never returns
         except OSError as e:
@@ -196,8 +215,11 @@ def main() -> int:
         send(sock, reply)
 
 
-def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], filters: list[Any]) -> dict[str, Any]:
-    """Fork a standby worker that waits on ``fds[0]`` for what to run; returns its pid for the agent."""
+def fork_standby(
+    sock: socket.socket, request: Message, fds: list[int], filters: Filters, *, grow: bool = False
+) -> Message:
+    """Fork a standby worker that waits on ``fds[0]`` for what to run; returns its pid for the agent. ``grow``:
+    fork a zygote instead, which imports what the request adds to this one's preload (see :func:`grown`)."""
     if len(fds) != 1:
         return {"error": f"expected the standby's socket, got {len(fds)} descriptors"}
     # Two forks, the first one gone at once: the standby is re-parented to the agent (a child subreaper), which
@@ -212,6 +234,8 @@ def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], f
         second = os.fork()
         if second == 0:
             os.close(write_end)
+            if grow:
+                grown(sock, request, fds[0], intermediate)  # never returns
             stand_by(sock, request["agent_pid"], fds[0], filters, intermediate)  # never returns
         os.write(write_end, str(second).encode())
         os._exit(0)
@@ -222,7 +246,30 @@ def fork_standby(sock: socket.socket, request: dict[str, Any], fds: list[int], f
     return {"pid": int(told)} if told else {"error": "fork failed"}
 
 
-def stand_by(zygote: socket.socket, agent_pid: int, fd: int, filters: list[Any], intermediate: int | None) -> None:
+def grown(parent: socket.socket, request: Message, fd: int, intermediate: int) -> None:
+    """In a zygote forked from a ready one: the agent's child, in a process group of its own (for its standbys),
+    it tells the agent its pid, imports only the modules it adds to its parent's (torch, imported once per
+    node, not once per zygote), then serves as any zygote."""
+    code = 1
+    try:
+        parent.close()
+        os.setsid()
+        adopt(request["agent_pid"], intermediate)
+        sock = socket.socket(fileno=fd)
+        send(sock, {"pid": os.getpid()})
+        idle = bool(request.get("idle"))
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        code = serve(sock, list(request["grow"]), time.monotonic(), idle=idle, inherited=int(request["inherited"]))
+    except SystemExit:
+        raise  # a worker forked from this zygote ends as Python ends (its atexit handlers run)
+    except BaseException as e:  # nothing of the parent's loop may run here
+        with contextlib.suppress(OSError):
+            os.write(2, f"ftrun: a zygote grown from another failed: {e!r}\n".encode())
+    os._exit(code)
+
+
+def stand_by(zygote: socket.socket, agent_pid: int, fd: int, filters: Filters, intermediate: int | None) -> None:
     """In the standby: become the agent's watched child, wait for the work, then run it as a worker."""
     try:
         zygote.close()
@@ -279,7 +326,7 @@ def ended(code: int) -> None:
         os.write(2, f"ftrun: could not mark the script's end: {e!r}\n".encode())
 
 
-def set_up(request: dict[str, Any], fds: list[int], filters: list[Any]) -> None:
+def set_up(request: Message, fds: list[int], filters: Filters) -> None:
     """Become the worker ``request`` describes, as a fresh ``python -u`` would start."""
     if len(fds) != 2:
         raise ValueError(f"expected stdout and stderr descriptors, got {len(fds)}")
@@ -333,7 +380,7 @@ def claim_the_title() -> None:
         setproctitle.getproctitle()
 
 
-def fresh_argv(request: dict[str, Any]) -> list[str]:
+def fresh_argv(request: Message) -> list[str]:
     """The command line a fresh worker has (`python3 -u train.py ARGS`): what ps, pgrep -f, htop and
     nvidia-smi show."""
     module = ["-m"] if request["kind"] == "module" else []

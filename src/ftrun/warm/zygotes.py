@@ -94,6 +94,41 @@ class Standby:
         self.handle.close()
 
 
+class GrownProcess:
+    """A zygote forked from another, re-parented to the agent: what the pool asks of a zygote's process (as of a
+    subprocess.Popen), through a pidfd. Its exit status may be taken by the agent's reaping of orphans: then
+    it is -1."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]):
+            self.returncode = -1
+            with contextlib.suppress(ChildProcessError):
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+        return self.returncode
+
+    def wait(self) -> int:
+        if self._pidfd >= 0:
+            select.select([self._pidfd], [], [])
+        return self.poll() or 0
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class Zygote:
     @classmethod
     def spawn(
@@ -134,8 +169,39 @@ class Zygote:
             zygote.ask_standby()
         return zygote
 
+    def grow(self, preload: list[str], *, idle: bool, standbys: int) -> Zygote:
+        """A zygote forked from this ready one, which imports only what ``preload`` adds to this one's: the
+        job's big imports (torch: ~1.5 s of a core) are not paid again for each bigger zygote, and its pages
+        stay shared with this one's. Raises PoolError when this one cannot fork it now."""
+        if self.ready is None or self.paused or self.failed:
+            raise PoolError("the zygote is not ready to grow another")
+        have = set(self.preload)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        added = [m for m in preload if m not in have]
+        request = {"agent_pid": os.getpid(), "grow": added, "idle": idle, "inherited": self.ready.get("loaded", 0)}
+        try:
+            self._sock.sendmsg(
+                [json.dumps(request).encode()],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
+            )
+            with selectors.DefaultSelector() as sel:
+                sel.register(ours, selectors.EVENT_READ)
+                if not sel.select(FORK_TIMEOUT_S):
+                    raise NotYet(f"it took more than {FORK_TIMEOUT_S:g} s to fork")
+            pid = int(json.loads(ours.recv(MAX_MESSAGE) or b"{}")["pid"])
+            grown = Zygote(GrownProcess(pid), ours, preload, self._script)
+            grown.grown_from = self.proc.pid
+        except (OSError, PoolError, KeyError, ValueError) as e:
+            ours.close()
+            raise PoolError(f"no zygote grown from {self.proc.pid}: {e}") from None
+        finally:
+            theirs.close()
+        for _ in range(standbys):
+            grown.ask_standby()
+        return grown
+
     def __init__(
-        self, proc: subprocess.Popen[bytes], sock: socket.socket, preload: list[str], script: str | None
+        self, proc: subprocess.Popen[bytes] | GrownProcess, sock: socket.socket, preload: list[str], script: str | None
     ) -> None:
         """A zygote process already started (:meth:`spawn`), talked to over ``sock``."""
         self.proc = proc
@@ -150,6 +216,7 @@ class Zygote:
         self._standbys: deque[Standby] = deque()
         self.owed = 0  # standbys taken and not yet asked for again
         self.paused = False
+        self.grown_from: int | None = None  # the zygote it was forked from (None: a process of its own)
 
     def poll(self, timeout_s: float = 0.0) -> bool:
         """Whether it is ready, waiting at most ``timeout_s`` (only the first attempt's workers wait, and only for
