@@ -15,6 +15,13 @@ from ftrun.testing.etcd import EtcdHarness
 from tests.integration.harness import CONF, LiveFtrun, WriteScript
 
 
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A directory this session's xdist workers share (each one's own directories are below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if worker_id != "master" else base
+
+
 @pytest.fixture
 def live(tmp_path: Path) -> Iterator[list[LiveFtrun]]:
     """Start with ``live.append(LiveFtrun(tmp_path, ...))``; all are killed at teardown."""

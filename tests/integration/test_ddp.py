@@ -9,9 +9,9 @@ import pytest
 
 from ftrun.testing.etcd import EtcdHarness
 from tests.integration.harness import CONF as ELASTIC_CONF
-from tests.integration.harness import WAIT_S, LiveFtrun, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, clean_run, run_ftrun
 
-pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("ddp")]  # under xdist: one clean run for the module
+pytestmark = pytest.mark.torch
 DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py")
 STEPS = ["--steps", "120", "--checkpoint-every", "10"]
 
@@ -22,10 +22,9 @@ def final_checksum(stdout: str, world: int = 2) -> str:
     return str(found[0])
 
 
-@pytest.fixture(scope="module")
-def clean_checksum(tmp_path_factory: pytest.TempPathFactory) -> str:
-    tmp = tmp_path_factory.mktemp("clean")
-    r = run_ftrun(tmp, "--nproc-per-node", "2", DEMO, *STEPS, "--checkpoint-dir", str(tmp / "ckpt"))
+@pytest.fixture
+def clean_checksum(shared_dir: Path) -> str:
+    r = clean_run(shared_dir, "--nproc-per-node", "2", DEMO, *STEPS, "--checkpoint-dir", "ckpt")
     assert r.returncode == 0, r.stderr
     return final_checksum(r.stdout)
 

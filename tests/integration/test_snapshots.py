@@ -20,7 +20,7 @@ from ftrun.agent.snapshots import snapshot_root
 from ftrun.job.snapshot_mirror import held
 from ftrun.testing.etcd import EtcdHarness
 from ftrun.worker import snapshot_file as file
-from tests.integration.harness import CONF, LiveFtrun, run_ftrun
+from tests.integration.harness import CONF, LiveFtrun, clean_run, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -68,7 +68,7 @@ def alive(pid: str) -> bool:
     return True
 
 
-def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tmp_path: Path) -> None:
+def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tmp_path: Path, shared_dir: Path) -> None:
     before = snapshot_dirs()
     crashed = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", str(EXAMPLE), "--crash-at", "30")
     assert crashed.returncode == 0, crashed.stderr
@@ -84,14 +84,13 @@ def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tm
                             text=True, timeout=60, check=True).stdout  # fmt: skip
     redone = 29 - int(named)  # the crash came at the top of step 30: steps after the one restored, done again
     assert re.search(rf"lost work: [\d.]+ s, {redone} step\(s\) done again", report), report
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
+    never = clean_run(shared_dir, "--nproc-per-node", "2", str(EXAMPLE))
     assert never.returncode == 0, never.stderr
     assert checksum(crashed.log(1, 0)) == checksum(never.log(0, 0))
     assert not snapshot_dirs() - before  # the run's snapshots freed with it (a dead agent's, left before, too)
 
 
-def test_a_corrupt_snapshot_is_never_restored_the_job_falls_back_and_says_so(tmp_path: Path) -> None:
+def test_a_corrupt_snapshot_is_never_restored_the_job_falls_back_and_says_so(tmp_path: Path, shared_dir: Path) -> None:
     (tmp_path / "corrupting.py").write_text(CORRUPTING)
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "corrupting.py", "--crash-at", "30")
     assert r.returncode == 0, r.stderr
@@ -103,14 +102,13 @@ def test_a_corrupt_snapshot_is_never_restored_the_job_falls_back_and_says_so(tmp
     assert "ftrun restores an older snapshot at the next restart" in said
     assert "the workers restore the snapshot of step 28, whole on every rank" in r.stderr
     assert "rank 1 restored step 28 (attempt 2)" in r.log(2, 1)
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
+    never = clean_run(shared_dir, "--nproc-per-node", "2", str(EXAMPLE))
     assert checksum(r.log(2, 0)) == checksum(never.log(0, 0))
 
 
 @pytest.mark.parametrize("store", ["embedded", "etcd"])
 def test_two_nodes_restore_one_step_agreed_through_the_store(
-    tmp_path: Path, store: str, request: pytest.FixtureRequest, live: list[LiveFtrun]
+    tmp_path: Path, store: str, request: pytest.FixtureRequest, live: list[LiveFtrun], shared_dir: Path
 ) -> None:
     """2 agents (separate processes) x 1 rank; rank 1 crashes at step 30: a new round, in which the nodes agree
     on the newest step both have whole, restore it, and end with the weights of a run that never failed."""
@@ -133,8 +131,7 @@ def test_two_nodes_restore_one_step_agreed_through_the_store(
     after = {int(p.parent.name): p.read_text() for a in agents for p in a.run_dir.glob("attempt_1/*/stdout.log")}
     for rank in (0, 1):  # the ranks' log directories are named by global rank
         assert f"rank {rank} restored step {named[0][0]} (attempt 1)" in after[rank]
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(EXAMPLE))
+    never = clean_run(shared_dir, "--nproc-per-node", "2", str(EXAMPLE))
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
 
@@ -169,7 +166,7 @@ def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tm
 @pytest.mark.slow
 @pytest.mark.parametrize("job", [[EXAMPLE], [DCP_EXAMPLE, "--checkpoint", "ckpt"]], ids=["snapshot", "dcp"])
 def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds(
-    tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun], job: list[str | Path]
+    tmp_path: Path, etcd_server: EtcdHarness, live: list[LiveFtrun], job: list[str | Path], shared_dir: Path
 ) -> None:
     """2 nodes x 1 rank and a hot spare: each node's snapshots are copied to the other; a node is SIGKILLed;
     the spare takes its rank, fetches that rank's snapshot from the survivor, and both restore one step. The
@@ -228,15 +225,14 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
                   for f in (head, spare) for p in f.run_dir.glob("attempt_*/*/stdout.log"))  # fmt: skip
     after = {rank: path.read_text() for _, rank, path in logs}  # each rank's latest attempt
     assert f"rank 1 restored step {named[1][-1]}" in after[1]
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", *map(str, job), "--steps", "80")
+    never = clean_run(shared_dir, "--nproc-per-node", "2", *map(str, job), "--steps", "80")
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
     assert not (tmp_path / "ckpt").exists()  # a DCP job's steps: in memory, on every node
 
 
 def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
-    tmp_path: Path, tcp_server: str, live: list[LiveFtrun]
+    tmp_path: Path, tcp_server: str, live: list[LiveFtrun], shared_dir: Path
 ) -> None:
     """DCP spreads a step's files over the nodes (the coordinator's metadata on its node; each replicated tensor
     written by one rank): on several nodes each rank's part is its whole state, in memory, and each node's
@@ -256,8 +252,7 @@ def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
     for rank in (0, 1):
         assert f"rank {rank} restored step {step} (attempt 1)" in after[rank], after[rank]
     assert not (tmp_path / "ckpt").exists()  # every step in memory
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint", "ckpt")
+    never = clean_run(shared_dir, "--nproc-per-node", "2", str(DCP_EXAMPLE), "--checkpoint", "ckpt")
     assert never.returncode == 0, never.stderr
     assert checksum(after[0]) == checksum(never.log(0, 0))
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import POOL, WAIT_S, LiveFtrun, Result, WriteScript, restarted_warm, run_ftrun
+from tests.integration.harness import POOL, WAIT_S, LiveFtrun, Result, WriteScript, clean_run, restarted_warm, run_ftrun
 
-pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("unmodified_hangs")]  # under xdist: one failure-free run
+pytestmark = pytest.mark.torch
 
 DDP = """
 import ctypes, hashlib, os, sys, threading, time
@@ -69,11 +69,9 @@ def checksums(r: Result, attempt: int) -> set[str]:
     return {r.log(attempt, rank).splitlines()[-1] for rank in (0, 1)}
 
 
-@pytest.fixture(scope="module")
-def failure_free(tmp_path_factory: pytest.TempPathFactory) -> str:
-    d = tmp_path_factory.mktemp("failure_free")
-    (d / "w.py").write_text(DDP)
-    r = run_ftrun(d, *FLAGS, "w.py", "none", str(d / "ckpt.pt"))
+@pytest.fixture
+def failure_free(shared_dir: Path) -> str:
+    r = clean_run(shared_dir, *FLAGS, "w.py", "none", "ckpt.pt", files={"w.py": DDP})
     assert r.returncode == 0, r.stderr
     [line] = checksums(r, 0)
     return line
