@@ -133,6 +133,7 @@ print("slept", flush=True)
 """
 
 LONG_S = "10"  # with --hang-timeout 6, the watch found every stuck rank above in under 9 s
+SHORT_HANG, SHORT_LONG_S = ["--hang-timeout", "4"], "7"  # the same proportions, for a test of seven such phases
 
 
 @pytest.mark.slow
@@ -141,7 +142,7 @@ def test_nothing_that_only_looks_like_a_hang_is_called_one(tmp_path: Path, scrip
     """A checkpoint on rank 0 while the others wait in a barrier, an evaluation on every rank, a compile in
     child processes, a slow read, a slow batch of torch's DataLoader computed in Python, a long sleep on every
     rank: each longer than a hang takes to be found, none is one."""
-    r = run_ftrun(tmp_path, *HANG, "--nproc-per-node", "3", str(LOOKS_HUNG), LONG_S, timeout=280)
+    r = run_ftrun(tmp_path, *SHORT_HANG, "--nproc-per-node", "3", str(LOOKS_HUNG), SHORT_LONG_S, timeout=280)
     assert r.returncode == 0, r.stderr
     assert [e for e in r.events() if e["kind"] == "hang"] == []
     for phase in ("start", "checkpoint", "evaluation", "compile", "slow read", "slow batch", "sleep"):
