@@ -22,7 +22,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -345,3 +345,28 @@ def _zombie(pid: int) -> bool:
 # --- stores for several agents (tcp: a separate `ftrun store` process, so that any agent can be killed) ---
 
 CONF = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=2,join_timeout=60,close_timeout=20"
+
+
+NOBODY = 65534
+
+
+def as_nobody(argv: Sequence[str], nproc: int, scratch: Path) -> list[str] | str:
+    """``argv`` run as the user nobody under ``prlimit --nproc`` (the kernel never applies the limit to root),
+    or why it cannot be here. A private mount namespace makes the way to this Python and ftrun searchable by
+    nobody where a directory of root's blocks it (pyenv under a 0700 /root): a 0711 tmpfs over that directory,
+    with what lies on the way bound back into it from ``scratch``."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("unshare", "setpriv", "prlimit")):
+        return "needs root, unshare, setpriv and prlimit"
+    ways: dict[Path, set[str]] = {}  # a directory nobody cannot search -> what under it must be reached
+    for needed in {Path(os.path.realpath(sys.executable)), Path(sys.prefix).resolve(), Path(__file__).resolve()}:
+        blocked = next((d for d in reversed(needed.parents) if not os.stat(d).st_mode & 0o001), None)
+        if blocked is not None:
+            ways.setdefault(blocked, set()).add(needed.relative_to(blocked).parts[0])
+    script = ["set -e"]
+    for i, (blocked, inner) in enumerate(sorted(ways.items())):
+        hold = scratch / f"view-{i}"
+        hold.mkdir()
+        script += [f"mount --bind {blocked} {hold}", f"mount -t tmpfs -o mode=0711,size=1m tmpfs {blocked}"]
+        script += [f"mkdir {blocked}/{name} && mount --bind {hold}/{name} {blocked}/{name}" for name in inner]
+    script.append(f'exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups -- prlimit --nproc={nproc} "$@"')
+    return ["unshare", "-m", "sh", "-c", "\n".join(script), "sh", *argv]

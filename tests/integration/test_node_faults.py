@@ -1,16 +1,21 @@
 """The node's own faults never end the job: a log disk that fills up while the job writes to it, shared memory
-with no room for a snapshot."""
+with no room for a snapshot, limits on open files and processes."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ftrun.worker import snapshot
-from tests.integration.harness import WAIT_S, ftrun_argv
+from tests.integration.harness import WAIT_S, as_nobody, ftrun_argv, until
 
 CHATTY = """
 import os, sys
@@ -116,3 +121,85 @@ def test_a_limit_on_open_files_too_low_for_the_workers_is_refused_at_once_in_one
     fits = run(256)
     assert fits.returncode == 0, fits.stderr  # where it fits, the job runs, restarts and all
     assert fits.stdout.count("ran") == 8
+
+
+# Both ranks up; once the user's process limit is full (another program of the user's took the rest), rank 1
+# fails: the restart meets the full limit.
+NEEDS_TASKS = """
+import os, pathlib, sys, time
+rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+print("rank", rank, "restart", restart, flush=True)
+if restart == "0":
+    pathlib.Path(f"up-{rank}").touch()
+    while not os.path.exists("full"):
+        time.sleep(0.05)
+    if rank == "1":
+        sys.exit(3)
+    time.sleep(60)
+"""
+# Takes every task of the user's it can, again as they free, for argv[1] seconds.
+TAKES_EVERY_TASK = """
+import pathlib, sys, threading, time
+hold, end = threading.Event(), time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    try:
+        threading.Thread(target=hold.wait, daemon=True).start()
+    except RuntimeError:
+        pathlib.Path("full").touch()
+        time.sleep(0.01)
+"""
+
+
+@pytest.fixture
+def nobodys_dir() -> Iterator[Path]:
+    """A working directory the user nobody can use (pytest's are root's own, 0700)."""
+    found = Path(tempfile.mkdtemp(prefix="ftrun-nobody-"))
+    found.chmod(0o777)
+    try:
+        yield found
+    finally:
+        shutil.rmtree(found, ignore_errors=True)
+
+
+def test_a_process_limit_too_low_is_refused_at_once_and_a_full_one_at_a_restart_is_waited_out(
+    nobodys_dir: Path,
+) -> None:
+    """As a user the kernel holds to RLIMIT_NPROC (root never is): a limit with no room for the agent and its
+    workers is one line and exit 2 before anything starts; a limit filled by another program of the user's
+    while the job restarts is waited out (the spawn and its output's threads tried again), not a traceback."""
+    here = nobodys_dir
+    for name, text in (("w.py", NEEDS_TASKS), ("hog.py", TAKES_EVERY_TASK)):
+        (here / name).write_text(text)
+        (here / name).chmod(0o644)
+    env = {**os.environ, "FTRUN_CACHE_DIR": str(here / "cache")}
+    argv = [sys.executable, "-m", "ftrun", "--log-dir", str(here / "logs"), "--rdzv-id", "t", "--no-warm",
+            "--nproc-per-node", "2", "--max-restarts", "1", "w.py"]  # fmt: skip
+    (here / "low").mkdir()
+    low = as_nobody(argv, 10, here / "low")
+    if isinstance(low, str):
+        pytest.skip(low)
+    r = subprocess.run(low, cwd=here, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("ftrun: error: the process limit: 10 (ulimit -u): this user runs "), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "rank" not in r.stdout
+
+    (here / "job").mkdir()
+    (here / "hog").mkdir()
+    job = subprocess.Popen(as_nobody(argv, 40, here / "job"), cwd=here, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    hog: subprocess.Popen[bytes] | None = None
+    try:
+        until(lambda: (here / "up-0").exists() and (here / "up-1").exists(), "both ranks up", WAIT_S)
+        hog = subprocess.Popen(as_nobody([sys.executable, "hog.py", "3"], 40, here / "hog"), cwd=here,
+                               start_new_session=True)  # fmt: skip
+        out, err = job.communicate(timeout=WAIT_S)
+    finally:
+        for proc in (job, hog):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert job.returncode == 0, err
+    assert "ftrun: restart 1 of 1" in err
+    assert sorted(line for line in out.splitlines() if "restart 1" in line) == ["rank 0 restart 1", "rank 1 restart 1"]
+    assert "Traceback" not in err

@@ -41,6 +41,7 @@ from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.link import JobLink
 from ftrun.job.peer_relay import job_key
 from ftrun.monitor.watch import WorkerWatch
+from ftrun.node import process_limit
 from ftrun.node.health import Verdict
 from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
@@ -69,6 +70,7 @@ def launch(config: LaunchConfig) -> int:
     check_master_port(config)
     raise_file_limit()  # room for strangers at its ports and its own work; the workers get the limit it had
     check_file_limit(config.nproc_per_node)
+    process_limit.check(config.nproc_per_node)
     warden = Warden.start(snapshot_root())  # first: what the agent starts from here on dies with it, even by SIGKILL
     try:
         return _launch(config, frozenset({warden.group}))

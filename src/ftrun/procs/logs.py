@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 from ftrun.config import LaunchConfig, LogSpec, Std
 from ftrun.errors import ConfigError
+from ftrun.node import process_limit
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
 from ftrun.procs import disk
 
@@ -265,7 +266,7 @@ class RankOutput:
         thread waits for it to run, and a restart waits for no one). The pipe holds what comes meanwhile."""
         for pump in self._pumps:
             if pump.ident is None:  # not started yet
-                pump.start()
+                process_limit.start(pump)
 
     def mute_errors(self) -> None:
         """Stop copying stderr to the console (the log keeps it all): after another rank failed, what this one
@@ -281,7 +282,8 @@ class RankOutput:
     def wait_drained(self, timeout_s: float) -> bool:
         """Wait until every writer (the worker and its children) has closed the pipes."""
         for pump in self._pumps:
-            pump.join(timeout_s)
+            if pump.ident is not None:  # started (a worker that could not be spawned has pumps never started)
+                pump.join(timeout_s)
         return not any(p.is_alive() for p in self._pumps)
 
 
