@@ -3,12 +3,14 @@ with no room for a snapshot, limits on open files and processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -203,3 +205,73 @@ def test_a_process_limit_too_low_is_refused_at_once_and_a_full_one_at_a_restart_
     assert "ftrun: restart 1 of 1" in err
     assert sorted(line for line in out.splitlines() if "restart 1" in line) == ["rank 0 restart 1", "rank 1 restart 1"]
     assert "Traceback" not in err
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A memory cgroup of ``limit`` bytes (v1's memory controller, else v2's); yields its cgroup.procs. Skips the
+    test where neither can be made here."""
+    made: Path | None = None
+    for base, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                             (Path("/sys/fs/cgroup"), "memory.max")):  # fmt: skip
+        if not (base / limit_file).exists() and not (base / "cgroup.subtree_control").exists():
+            continue
+        try:
+            made = Path(tempfile.mkdtemp(prefix="ftrun-test-", dir=base))
+            (made / limit_file).write_text(str(limit))
+            break
+        except OSError:
+            if made is not None:
+                made.rmdir()
+            made = None
+    if made is None:
+        pytest.skip("no memory cgroup can be made here")
+    try:
+        yield made / "cgroup.procs"
+    finally:
+        deadline = time.monotonic() + WAIT_S
+        while True:  # the killed processes leave it a moment later
+            try:
+                made.rmdir()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{made} is still in use"
+                time.sleep(0.1)
+
+
+# Rank 1 allocates past the cgroup's limit on the first attempt.
+EATS = """
+import os, time
+rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+print("rank", rank, "restart", restart, flush=True)
+if restart == "0" and rank == "1":
+    eaten = []
+    while True:  # past the cgroup's limit: the OOM killer ends this process
+        eaten.append(bytearray(16 << 20))
+        time.sleep(0.01)
+time.sleep(2 if restart == "0" else 0.2)
+"""
+
+
+@pytest.mark.parametrize("limit_mib", [100, 600])
+def test_a_memory_cgroup_with_no_room_is_refused_at_once_and_near_its_limit_a_worker_is_what_ends(
+    tmp_path: Path, limit_mib: int
+) -> None:
+    """The agent started in a memory cgroup (a container's limit): with no room for the agent and 2 workers it
+    refuses in one line, exit 2; with some, it says at start that the cgroup is tight, and a worker allocating
+    past the limit is what the OOM killer ends: reported as such, restarted, the job finishes."""
+    (tmp_path / "w.py").write_text(EATS)
+    argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    with memory_cgroup(limit_mib << 20) as procs:
+        joined = ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+        r = subprocess.run(joined, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+    if limit_mib == 100:
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("ftrun: error: the memory cgroup: its limit is 100 MiB and "), r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    assert "ftrun: the memory cgroup leaves " in r.stderr
+    assert "ROOT CAUSE  rank 1" in r.stderr
+    assert "out-of-memory killer killed a process" in r.stderr, r.stderr
+    assert "ftrun: run succeeded (exit 0)" in r.stderr

@@ -41,7 +41,7 @@ from ftrun.job.exit_barrier import ExitBarrier
 from ftrun.job.link import JobLink
 from ftrun.job.peer_relay import job_key
 from ftrun.monitor.watch import WorkerWatch
-from ftrun.node import process_limit
+from ftrun.node import memory_limit, process_limit
 from ftrun.node.health import Verdict
 from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
@@ -71,9 +71,10 @@ def launch(config: LaunchConfig) -> int:
     raise_file_limit()  # room for strangers at its ports and its own work; the workers get the limit it had
     check_file_limit(config.nproc_per_node)
     process_limit.check(config.nproc_per_node)
+    tight = memory_limit.check(config.nproc_per_node)  # in the cgroup it started in, before the warden's own
     warden = Warden.start(snapshot_root())  # first: what the agent starts from here on dies with it, even by SIGKILL
     try:
-        return _launch(config, frozenset({warden.group}))
+        return _launch(config, frozenset({warden.group}), tight)
     finally:
         warden.close()
 
@@ -90,8 +91,9 @@ def check_file_limit(workers: int) -> None:
         )
 
 
-def _launch(config: LaunchConfig, spared: frozenset[int]) -> int:
-    """``spared``: the process groups of the agent's own helpers below it (the warden's), never strays."""
+def _launch(config: LaunchConfig, spared: frozenset[int], tight: str) -> int:
+    """``spared``: the process groups of the agent's own helpers below it (the warden's), never strays;
+    ``tight``: what to say of a memory cgroup near its limit."""
     proctree.become_subreaper()
     spawner: Spawner = ProcessSpawner(spared)
     # A static job with no restarts to come has nothing to gain from a pool (an elastic one may be re-formed);
@@ -107,6 +109,8 @@ def _launch(config: LaunchConfig, spared: frozenset[int]) -> int:
     pacing = PoolPacing(spawner) if isinstance(spawner, WarmPool) else NoPacing()
     try:
         narrator.run_started()
+        if tight:
+            narrator.warn(tight)
         pacing.start(narrator)
         if metrics is not None:
             metrics.watch(narrator.events, narrator.status, config.run_id)
