@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -275,3 +276,70 @@ def test_a_memory_cgroup_with_no_room_is_refused_at_once_and_near_its_limit_a_wo
     assert "ROOT CAUSE  rank 1" in r.stderr
     assert "out-of-memory killer killed a process" in r.stderr, r.stderr
     assert "ftrun: run succeeded (exit 0)" in r.stderr
+
+
+SLOWER_CHATTY = """
+import os, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(150):
+    print(f"rank {rank} step {step} " + "x" * 20_000, flush=True)
+    time.sleep(0.05)
+    if attempt == 0 and rank == 1 and step == 100:
+        raise RuntimeError("bad batch at step 100")
+"""
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[Path]:
+    """A log disk that fails as a real one does: ext4 (errors=remount-ro) on a loop device whose backing file
+    lives on a 4 MiB tmpfs. Once ~3.5 MiB of logs are written back, the device fails writes with EIO and ext4
+    turns itself read-only (EROFS from then on). The kernel writes dirty pages back within 30 s: the test
+    syncs the disk every 0.3 s so that this comes while the job runs."""
+    if not all(shutil.which(tool) for tool in ("losetup", "mkfs.ext4")):
+        pytest.skip("needs losetup and mkfs.ext4")
+    back, disk = tmp_path / "back", tmp_path / "disk"
+    back.mkdir()
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(back)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    device = ""
+    stop = threading.Event()
+    try:
+        image = back / "disk.img"
+        subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
+        lazy = "lazy_itable_init=1,lazy_journal_init=1"  # mkfs writes little: the 4 MiB are left for the logs
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", lazy, str(image)], check=True)
+        attached = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+        if attached.returncode:
+            pytest.skip(f"no loop device: {attached.stderr.strip()}")
+        device = attached.stdout.strip()
+        subprocess.run(["mount", "-o", "errors=remount-ro", device, str(disk)], check=True)
+
+        def write_back() -> None:
+            while not stop.wait(0.3):
+                os.sync()
+
+        threading.Thread(target=write_back, daemon=True).start()
+        yield disk
+    finally:
+        stop.set()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+        if device:
+            subprocess.run(["losetup", "-d", device], check=False)
+        subprocess.run(["umount", "-l", str(back)], check=False)
+
+
+def test_a_log_disk_that_fails_and_turns_read_only_ends_nothing(tmp_path: Path, failing_disk: Path) -> None:
+    """The chatty job, slower, on a log disk that fails with EIO mid-run and turns read-only: the failure is
+    reported and restarted though the next attempt's directory cannot be made there (it is made elsewhere, and
+    said), and the job finishes with no error of ftrun's own."""
+    (tmp_path / "w.py").write_text(SLOWER_CHATTY)
+    argv = ftrun_argv(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", logs=str(failing_disk))
+    r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S * 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Read-only file system" in r.stderr or "Input/output error" in r.stderr, r.stderr[-3000:]
+    assert "ROOT CAUSE  rank 1" in r.stderr
+    assert "this attempt's files are in " in r.stderr, r.stderr[-3000:]
+    assert "ftrun: run succeeded (exit 0) after 2 attempt(s)" in r.stderr
+    assert "OSError" not in r.stderr
+    assert "Exception in thread" not in r.stderr

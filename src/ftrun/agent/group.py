@@ -137,9 +137,8 @@ class LocalGroup:
             master_port=master_port,
             group_rank=placement.group_rank,
         )
-        attempt_dir = self.run_dir / f"attempt_{command.attempt}"
         self._pacing.attempt_starting()
-        self._spawning.new_attempt(attempt_dir)
+        attempt_dir = self._spawning.new_attempt(self.run_dir, command.attempt, self.narrator.warn)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}", attempt_dir, self._round)
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
         self._link.new_attempt(self._round, attempt_dir / "peers", *ranks)

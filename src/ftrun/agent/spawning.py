@@ -11,6 +11,7 @@ from ftrun.agent.driver import StartWorkers
 from ftrun.agent.worker_launch import worker_launch
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig, Std
+from ftrun.procs import logs
 from ftrun.procs.logs import Console, Duplicate, RankOutput, RankPaths, close_duplicates, open_duplicates
 from ftrun.procs.workers import AttemptProcesses, Worker
 
@@ -30,9 +31,12 @@ class Spawning:
         """Whether the attempt's output is also filtered into files of its own (its pipes then matter to the end)."""
         return bool(self._duplicates)
 
-    def new_attempt(self, attempt_dir: Path) -> None:
+    def new_attempt(self, run_dir: Path, attempt: int, warn: Callable[[str], None]) -> Path:
+        """The attempt's directory (elsewhere where the log disk refuses it: see logs.attempt_dir)."""
+        attempt_dir = logs.attempt_dir(run_dir, attempt, warn)
         close_duplicates(self._duplicates)
         self._duplicates = open_duplicates(self._config.logs, attempt_dir)
+        return attempt_dir
 
     def spawn(
         self, processes: AttemptProcesses, command: StartWorkers, attempt_dir: Path, local_rank: int,

@@ -458,6 +458,7 @@ def write_launcher_error_file(report: FailureReport, path: Path) -> None:
     disk.guarded(str(path), len(raw), lambda: write_atomically(path, raw))
 
 
-def write_json(report: FailureReport, path: Path) -> None:
+def write_json(report: FailureReport, path: Path) -> bool:
+    """False where the log disk refused it (the console has it all the same)."""
     doc = json.dumps(report.to_json(), indent=2)
-    disk.guarded(str(path), len(doc), lambda: write_atomically(path, doc))  # the console has it all the same
+    return disk.guarded(str(path), len(doc), lambda: write_atomically(path, doc))

@@ -173,9 +173,14 @@ class Reports:
 
     def _tell(self, a: Attempt, report: FailureReport, will_restart: bool) -> None:
         path = self._run_dir / f"attempt_{a.number}" / "failure_report.json"
-        write_json(report, path)
+        written = write_json(report, path)
+        if not written and a.workers:  # the log disk refuses it: the attempt's directory, where that is elsewhere
+            elsewhere = a.workers[0].paths.dir.parent / path.name
+            written = elsewhere != path and write_json(report, elsewhere)
+            path = elsewhere
+        where = str(path) if written else "not written (the log disk refuses it; the report is above)"
         self.last = report
-        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {path}\n").encode())
+        self._console.write_lines(Std.ERR, (render(report) + f"\nreport: {where}\n").encode())
         root = report.root_cause
         for o in (root, *report.other_failures):  # a failure here whose CUDA error leaves its GPU in doubt
             gpu = o.gpu_error

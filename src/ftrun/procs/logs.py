@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import tempfile
 import termios
 import threading
 import time
@@ -367,3 +368,20 @@ def fresh_dir(path: Path, *, shared_base: bool = False) -> Path:
             continue
         return candidate
     raise FileExistsError(f"{path}: too many runs with this id; pass another --rdzv-id")
+
+
+def attempt_dir(run_dir: Path, attempt: int, warn: Callable[[str], None]) -> Path:
+    """The attempt's directory in the run's; where the log disk refuses it (read-only after an I/O error, full),
+    a new one elsewhere, said: the workers' error files, their peers' addresses and the report need a place."""
+    wanted = run_dir / f"attempt_{attempt}"
+    try:
+        make_dir(wanted)
+        return wanted
+    except OSError as e:
+        problem = e.strerror or str(e)
+    for base in (None, "/dev/shm"):  # noqa: S108 - TMPDIR (else /tmp), then memory: mkdtemp, a new 0700 dir
+        with contextlib.suppress(OSError):
+            elsewhere = Path(tempfile.mkdtemp(prefix=f"ftrun-{run_dir.name}-attempt_{attempt}-", dir=base))
+            warn(f"cannot create {wanted}: {problem}; this attempt's files are in {elsewhere}")
+            return elsewhere
+    raise OSError(f"cannot create {wanted} ({problem}), nor a directory in the temporary directory or /dev/shm")
