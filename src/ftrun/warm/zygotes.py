@@ -23,6 +23,7 @@ from ftrun.private import append_fd
 from ftrun.procs import proctree
 
 FORK_TIMEOUT_S = 10.0
+GROW_TIMEOUT_S = 1.0  # for a zygote forked from a ready one to say its pid
 MAX_MESSAGE = 1 << 20
 # The zygote pins its own thread pools (never the workers'): a library that starts threads at import
 # (OpenMP, BLAS) would make the zygote unsafe to fork.
@@ -107,9 +108,10 @@ class GrownProcess:
     def poll(self) -> int | None:
         if self.returncode is None and (self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]):
             self.returncode = -1
-            with contextlib.suppress(ChildProcessError):
-                _, status = os.waitpid(self.pid, 0)
-                self.returncode = os.waitstatus_to_exitcode(status)
+            with contextlib.suppress(ChildProcessError):  # reaped already by the agent's reaping of orphans
+                done, status = os.waitpid(self.pid, os.WNOHANG)  # never blocks, should the pid be another's now
+                if done:
+                    self.returncode = os.waitstatus_to_exitcode(status)
             if self._pidfd >= 0:
                 os.close(self._pidfd)
                 self._pidfd = -1
@@ -184,10 +186,10 @@ class Zygote:
                 [json.dumps(request).encode()],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
             )
-            with selectors.DefaultSelector() as sel:
+            with selectors.DefaultSelector() as sel:  # the agent's loop waits: briefly (a fork takes ~10 ms)
                 sel.register(ours, selectors.EVENT_READ)
-                if not sel.select(FORK_TIMEOUT_S):
-                    raise NotYet(f"it took more than {FORK_TIMEOUT_S:g} s to fork")
+                if not sel.select(GROW_TIMEOUT_S):  # a late one finds its socket closed, and exits
+                    raise NotYet(f"it took more than {GROW_TIMEOUT_S:g} s to fork")
             pid = int(json.loads(ours.recv(MAX_MESSAGE) or b"{}")["pid"])
             grown = Zygote(GrownProcess(pid), ours, preload, self._script)
             grown.grown_from = self.proc.pid
