@@ -413,14 +413,15 @@ def test_a_world_that_grew_restores_a_replicated_state_on_the_new_rank_and_no_ha
         assert "a node new to the job has none" in a.stderr() + b.stderr()
 
 
-# A table of 2 slices, each rank owning the slices s with s % world == rank; each step adds (s + 1) * step to
-# every slice it owns, and snapshots them (steps 0-29), then waits at step 30 in a world of 2 for the test.
+# A table of as many slices as the first world has ranks, each rank owning the slices s with s % world == rank;
+# each step adds (s + 1) * step to every slice it owns, and snapshots them (steps 0-29), then waits at step 30,
+# in the first world, for the test.
 RESHARDING = """
 import json, os, pathlib, sys, time
 import torch, ftrun
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-here, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
-mine = [s for s in range(2) if s % world == rank]
+here, steps, slices = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+mine = [s for s in range(slices) if s % world == rank]
 table, start = {s: torch.zeros(4) for s in mine}, 0
 got = ftrun.restore_parts()
 if got is not None:
@@ -435,7 +436,7 @@ for step in range(start, steps):
         table[s] += (s + 1) * step
     if step < 30:
         ftrun.snapshot(step, {"slices": table})
-    while step == 30 and world == 2 and not (here / "done").exists():
+    while step == 30 and world == slices and not (here / "done").exists():
         time.sleep(0.05)
     time.sleep(0.02)
 for s, t in table.items():
@@ -443,31 +444,45 @@ for s, t in table.items():
 """
 
 
-def test_a_job_that_reshards_gets_every_old_ranks_part_one_from_the_lost_nodes_copy(
-    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+def copy_held(agent: LiveFtrun, rank: int, step: int) -> bool:
+    """Whether the agent's node holds the copy of ``rank``'s snapshot of ``step``."""
+    return step in held(next(snapshot_root().glob(f"{agent.proc.pid}-*"))).get(rank, set())
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_job_that_reshards_gets_every_old_ranks_part_from_the_survivors_and_the_copies(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, nodes: int
 ) -> None:
-    """2 nodes x 1 rank, each owning half of a table; node b (rank 1) is SIGKILLed once node a holds the copy of
-    its last snapshot. At world 1, ftrun.restore_parts() gives rank 0 both old parts, rank 1's from that copy;
-    the job takes both halves and ends with the table of a run that never lost a node."""
+    """N nodes x 1 rank, each owning its slices of a table; the node of rank 1 is SIGKILLed once its last
+    snapshot's copy reached the next node (and, with 3, rank 2's reached rank 0's). At world N-1,
+    ftrun.restore_parts() gives each survivor every old part: its own, the copy it holds, and, with 3 nodes,
+    the part only the other survivor holds (rank 1's copy is on rank 2's node, rank 2's own file there too):
+    fetched from it. The job takes the slices and ends with the table of a run that never lost a node."""
     steps = 60
     (tmp_path / "w.py").write_text(RESHARDING)
     flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
-    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
-    flags += ["w.py", str(tmp_path), str(steps)]
-    a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id="reshard") for n in ("a", "b"))
-    live.extend([a, b])
-    for agent in (a, b):
-        agent.wait_for_lines(r"start rank=\d world=2 from=0", 1)
-    survivor, lost = (a, b) if "rank=0" in a.lines[0] else (b, a)
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["w.py", str(tmp_path), str(steps), str(nodes)]
+    agents = [LiveFtrun(tmp_path, *flags, name=n, run_id="reshard") for n in "abc"[:nodes]]
+    live.extend(agents)
+    by_rank = {}
+    for agent in agents:
+        found = agent.wait_for_lines(rf"start rank=(\d) world={nodes} from=0", 1)[0]
+        by_rank[int(found.group(1))] = agent
     deadline = time.monotonic() + 60
-    while 29 not in held(next(snapshot_root().glob(f"{survivor.proc.pid}-*"))).get(1, set()):
-        assert time.monotonic() < deadline, "the copy of rank 1's step 29 never reached rank 0's node"
+    while not (copy_held(by_rank[(1 + 1) % nodes], 1, 29) and copy_held(by_rank[0], nodes - 1, 29)):
+        assert time.monotonic() < deadline, "the copies of step 29 never reached the next nodes"
         time.sleep(0.1)
-    lost.proc.kill()  # its worker dies with it
-    [restored] = survivor.wait_for_lines(r"restored step (\d+) of a world of (\d): parts (.*), missing (.*)", 1)
-    assert restored.groups() == ("29", "2", "[0, 1]", "[]"), survivor.lines
-    survivor.wait_for_lines(r"start rank=0 world=1 from=30", 1)
+    by_rank[1].proc.kill()  # its worker dies with it
+    survivors = [agent for rank, agent in sorted(by_rank.items()) if rank != 1]
+    for survivor in survivors:
+        [restored] = survivor.wait_for_lines(r"restored step (\d+) of a world of (\d): parts (.*), missing (.*)", 1)
+        assert restored.groups() == ("29", str(nodes), str(list(range(nodes))), "[]"), survivor.lines
+        survivor.wait_for_lines(rf"start rank=\d world={nodes - 1} from=30", 1)
+    if nodes == 3:  # each survivor lacked one part, held only by the other
+        assert all("part of step 29 fetched from" in s.stderr() for s in survivors), [s.stderr() for s in survivors]
     (tmp_path / "done").touch()
-    assert survivor.wait() == 0, survivor.stderr()
-    never_lost = {s: [float((s + 1) * steps * (steps - 1) // 2)] * 4 for s in range(2)}  # a run that never failed
-    assert {s: json.loads((tmp_path / f"slice-{s}").read_text()) for s in range(2)} == never_lost
+    for survivor in survivors:
+        assert survivor.wait() == 0, survivor.stderr()
+    never_lost = {s: [float((s + 1) * steps * (steps - 1) // 2)] * 4 for s in range(nodes)}  # a run never failed
+    assert {s: json.loads((tmp_path / f"slice-{s}").read_text()) for s in range(nodes)} == never_lost

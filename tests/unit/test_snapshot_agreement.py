@@ -29,6 +29,16 @@ def test_the_newest_step_every_rank_can_have_and_where_to_fetch_what_a_node_lack
     assert decide([{"have": "junk"}, offer({1: [1]})], nodes=2) == (1, {})  # what does not parse is left out
 
 
+def test_every_old_ranks_part_of_the_step_is_found_on_the_node_that_holds_it() -> None:
+    """3 nodes (ring a -> b -> c -> a); b is lost. a has rank 0's files and c's copy (rank 2), c has rank 2's
+    and b's copy (rank 1): every part of step 9 is on a survivor, each named with one that holds it."""
+    a = offer({0: [8, 9]}, holds={2: [8, 9]}, mirror="a:1")
+    c = offer({1: [8, 9]}, holds={1: [9]}, mirror="c:1")  # c is rank 1 now; its own old files are rank 2's
+    c = Offer({1: set()}, {1: {9}, 2: {8, 9}}, "c:1").to_json()
+    assert snapshot_agreement.parts_of([a, c], 9) == {0: "a:1", 1: "c:1", 2: "a:1"}
+    assert snapshot_agreement.parts_of([a, c], 7) == {}
+
+
 def test_a_world_that_grew_takes_a_replicated_state_from_any_rank_and_a_per_rank_one_from_none() -> None:
     """Node a trained alone (rank 0, steps 4-5); node b joins with rank 1 and nothing. A state the job said
     serves any rank: rank 1 takes rank 0's file of step 5. A per-rank state: no step will do."""

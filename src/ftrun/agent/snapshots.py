@@ -26,7 +26,7 @@ import psutil
 from ftrun.agent.snapshot_plan import GIVE_UP_AFTER, plan_attempt
 from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, alone
-from ftrun.job.snapshot_mirror import SnapshotMirror, held
+from ftrun.job.snapshot_mirror import SnapshotMirror, held, whole_files
 from ftrun.private import own_dir
 from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import (
@@ -121,7 +121,12 @@ class SnapshotKeeper:
         for step in (*plan.remove, *plan.prune):  # a step removed and written again whole counts again
             shutil.rmtree(self.dir / STEP_DIR.format(step), ignore_errors=True)
         have = plan.have
-        holds = {r: s for r, s in self._held.items() if r not in have}
+        # Every other rank's file whole here too, a copy or its own from a world of another size: a job that
+        # reshards takes the old ranks' parts from wherever they are (ftrun.restore_parts).
+        holds: dict[int, set[int]] = {}
+        for rank, steps in [*self._held.items(), *whole_files(self.dir).items()]:
+            if rank not in have:
+                holds[rank] = holds.get(rank, set()) | steps
         mirror, group_rank = self._mirror.address if self._mirror else None, restore.group_rank if restore else 0
         offer = Offer(have, holds, mirror, group_rank, self._replicated(have))
         decision = restore.agree(offer) if restore is not None else Decision(None)
@@ -130,6 +135,8 @@ class SnapshotKeeper:
         self.restoring = ""
         if self._restore is not None:
             self.restoring = self._restoring(self._restore, ranks, world_size)
+            if self._resharded(self._restore, ranks, world_size):
+                self._gather_parts(self._restore, decision.parts)
         elif self._unagreed:
             self.restoring = "the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails"
         elif any(have.values()) or holds:
@@ -171,8 +178,26 @@ class SnapshotKeeper:
             f"the snapshot of step {step} was taken in a world of {then.size} ranks, this one has {world_size}: "
             "ftrun.restore() returns it only where the job said its state does not depend on the world "
             "(ftrun.snapshot(..., replicated=True)), else None; ftrun.restore_parts() gives every old rank's part "
-            "this node holds, to reshard"
+            "gathered from the nodes that hold them, to reshard"
         )
+
+    def _resharded(self, step: int, ranks: Sequence[int], world_size: int) -> bool:
+        """Whether the step was taken in a world of another size, of a state that depends on the rank: then only
+        every old rank's part serves (ftrun.restore_parts)."""
+        then = self._world_of(step, ranks[0]) if ranks else None
+        return then is not None and not then.replicated and bool(world_size) and then.size != world_size
+
+    def _gather_parts(self, step: int, parts: Mapping[int, str]) -> None:
+        """Every old rank's part of the step here, fetched from the node that holds it where this one does not
+        (each where restore_parts looks: a copy's place); the ones that cannot be had it names missing."""
+        for rank, address in sorted(parts.items()):
+            here = (path_of(self.dir, step, rank), peer_path(self.dir, step, rank))
+            if any(is_whole(p) for p in here) or self._mirror is None:
+                continue
+            if self._mirror.fetch(address, step, rank):
+                self._say(f"rank {rank}'s part of step {step} fetched from {address}, for a job that reshards")
+            else:
+                self._say(f"rank {rank}'s part of step {step} could not be had from {address}")
 
     def _gather(self, decision: Decision, ranks: Sequence[int]) -> bool:
         """This node's files of the decided step in their place: its own, a peer copy it holds, or fetched from

@@ -53,6 +53,8 @@ class Decision:
     # this node's ranks it lacks the step of -> the mirror to fetch it from, and whose file: the rank's own, or
     # (a state the job said serves any rank) another rank's
     fetch: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    # every old rank's file of the step -> a mirror holding it (:func:`parts_of`), for a world that changed size
+    parts: Mapping[int, str] = field(default_factory=dict)
 
 
 def alone(offer: Offer) -> Decision:
@@ -75,10 +77,14 @@ class RoundAgreement:
         try:
             board.publish_snapshot_offer(round_, {**offer.to_json(), "domain": self._domain})
             if self._group_rank == 0:
-                step, sources = decide(board.snapshot_offers(round_, self._nodes, STEPS_S), self._nodes)
+                offers = board.snapshot_offers(round_, self._nodes, STEPS_S)
+                step, sources = decide(offers, self._nodes)
+                parts = parts_of(offers, step) if step is not None else {}
                 published = {str(r): list(a) for r, a in sources.items()}
-                board.publish_snapshot_decision(round_, {"step": step, "from": published})
-                return Decision(step, {r: a for r, a in sources.items() if r in offer.have})
+                board.publish_snapshot_decision(
+                    round_, {"step": step, "from": published, "parts": {str(r): m for r, m in parts.items()}}
+                )
+                return Decision(step, {r: a for r, a in sources.items() if r in offer.have}, parts)
         except StoreError:
             return Decision(UNAGREED_STEP)
         decision = board.snapshot_decision(round_, DECISION_S)
@@ -88,8 +94,12 @@ class RoundAgreement:
         if not isinstance(chosen, int) or isinstance(chosen, bool):
             return Decision(None)
         wanted = wanted if isinstance(wanted, dict) else {}
+        told = decision.get("parts")
+        held_by = told if isinstance(told, dict) else {}
         return Decision(
-            chosen, {int(r): a for r, raw in wanted.items() if (a := _source(raw)) and int(r) in offer.have}
+            chosen,
+            {int(r): a for r, raw in wanted.items() if (a := _source(raw)) and int(r) in offer.have},
+            {int(r): m for r, m in held_by.items() if str(r).isdigit() and isinstance(m, str)},
         )
 
     def successor_mirror(self) -> str | None:
@@ -130,15 +140,12 @@ def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None,
     if len(offers) < nodes:
         return None, {}
     have: dict[int, set[int]] = {}
-    holders: dict[tuple[int, int], str] = {}  # (rank, step) -> a mirror holding it
+    holders = _holders(offers)
     shared: dict[int, tuple[str, int]] = {}  # step -> a mirror and a rank whose file of it serves any rank
     for offer in offers:
         have.update(_ranks(offer.get("have")))
         mirror = offer.get("mirror")
         if isinstance(mirror, str):
-            for rank, steps in [*_ranks(offer.get("holds")).items(), *_ranks(offer.get("have")).items()]:
-                for step in steps:
-                    holders.setdefault((rank, step), mirror)
             for step, rank in _ranks_of(offer.get("replicated")).items():
                 shared.setdefault(step, (mirror, rank))
 
@@ -152,6 +159,25 @@ def decide(offers: Sequence[Mapping[str, Any]], nodes: int) -> tuple[int | None,
         if all(lacking.values()):
             return step, {rank: found for rank, found in lacking.items() if found is not None}
     return None, {}
+
+
+def parts_of(offers: Sequence[Mapping[str, Any]], step: int) -> dict[int, str]:
+    """PURE: every rank whose file of ``step`` a node holds (its own, or a copy of a lost node's), with a mirror
+    holding it: what a node fetches where the world changed size, for a job that reshards the old ranks' parts
+    itself (``ftrun.restore_parts``)."""
+    return {rank: mirror for (rank, s), mirror in sorted(_holders(offers).items()) if s == step}
+
+
+def _holders(offers: Sequence[Mapping[str, Any]]) -> dict[tuple[int, int], str]:
+    """(rank, step) -> a mirror holding that rank's file of the step, its own or a copy."""
+    holders: dict[tuple[int, int], str] = {}
+    for offer in offers:
+        mirror = offer.get("mirror")
+        if isinstance(mirror, str):
+            for rank, steps in [*_ranks(offer.get("holds")).items(), *_ranks(offer.get("have")).items()]:
+                for step in steps:
+                    holders.setdefault((rank, step), mirror)
+    return holders
 
 
 def _source(raw: object) -> tuple[str, int] | None:

@@ -61,8 +61,13 @@ PIPE_SIZE = 1 << 20
 
 def held(directory: Path) -> dict[int, set[int]]:
     """The whole peer copies this node holds: rank -> steps."""
+    return whole_files(directory / PEER_DIR)
+
+
+def whole_files(directory: Path) -> dict[int, set[int]]:
+    """The whole files of every rank in a snapshot directory's steps: rank -> steps."""
     found: dict[int, set[int]] = {}
-    for step, step_dir in step_dirs(directory / PEER_DIR).items():
+    for step, step_dir in step_dirs(directory).items():
         for part in step_dir.glob("rank-*.snap"):
             rank = part.stem.removeprefix("rank-")
             if rank.isdigit() and is_whole(part):
