@@ -255,7 +255,9 @@ def test_elastic_budget_spent_fails_every_node(nodes: list[Node], tmp_path: Path
 
 
 def test_elastic_a_failure_on_one_node_restarts_both(nodes: list[Node], tmp_path: Path) -> None:
-    """Two agents in two threads on one store: b's rank fails in round 1, both run round 2 and finish."""
+    """Two agents in two threads on one store: b's rank fails in round 1, both run round 2 and finish. Node a
+    may see round 1 close only after b's failure reopened it (b's fake rank fails at once): then it goes to
+    round 2 directly, starting no worker for round 1."""
     store = MemoryStore()
     flags = [*ELASTIC, "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "1"]
     a = start(nodes, tmp_path, first_attempt_rank_fails(None), *flags, name="a")  # runs until stopped
@@ -268,10 +270,10 @@ def test_elastic_a_failure_on_one_node_restarts_both(nodes: list[Node], tmp_path
     finally:
         thread.join(60)
     assert codes == {"a": 0, "b": 0}
-    for n in (a, b):
-        assert [e["round"] for e in n.events() if e["kind"] == "rendezvous"] == [1, 2]
+    assert [e["round"] for e in b.events() if e["kind"] == "rendezvous"] == [1, 2]
+    assert [e["round"] for e in a.events() if e["kind"] == "rendezvous"] in ([1, 2], [2])
     assert b.report(0)["will_restart"] is True
-    assert [p.restart_count for p in a.spawner.spawned] == [0, 1]
+    assert [p.restart_count for p in a.spawner.spawned][-1:] == [1]  # a's workers of round 2: the job's restart
 
 
 def test_a_reaped_worker_is_never_signalled_again(nodes: list[Node], tmp_path: Path) -> None:
