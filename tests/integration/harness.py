@@ -352,21 +352,27 @@ NOBODY = 65534
 
 def as_nobody(argv: Sequence[str], nproc: int, scratch: Path) -> list[str] | str:
     """``argv`` run as the user nobody under ``prlimit --nproc`` (the kernel never applies the limit to root),
-    or why it cannot be here. A private mount namespace makes the way to this Python and ftrun searchable by
-    nobody where a directory of root's blocks it (pyenv under a 0700 /root): a 0711 tmpfs over that directory,
-    with what lies on the way bound back into it from ``scratch``."""
+    or why it cannot be here. A private mount namespace makes the way to this Python, its environment and ftrun
+    searchable by nobody where a directory of root's blocks it (pyenv under a 0700 /root, CI's 0700 virtual
+    environment): a 0711 tmpfs over that directory, with each of its entries bound back into it from
+    ``scratch``."""
     if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("unshare", "setpriv", "prlimit")):
         return "needs root, unshare, setpriv and prlimit"
-    ways: dict[Path, set[str]] = {}  # a directory nobody cannot search -> what under it must be reached
-    for needed in {Path(os.path.realpath(sys.executable)), Path(sys.prefix).resolve(), Path(__file__).resolve()}:
-        blocked = next((d for d in reversed(needed.parents) if not os.stat(d).st_mode & 0o001), None)
-        if blocked is not None:
-            ways.setdefault(blocked, set()).add(needed.relative_to(blocked).parts[0])
+    needed = [Path(sys.executable), Path(os.path.realpath(sys.executable)), Path(sys.prefix), Path(__file__)]
+    blocked: set[Path] = set()  # every directory on the way that others cannot search, the outer ones first
+    for path in needed:
+        way = [*reversed(path.resolve().parents), path.resolve()] if path.is_dir() else [*reversed(path.parents)]
+        blocked |= {d for d in way if d.is_dir() and not os.stat(d).st_mode & 0o001}
     script = ["set -e"]
-    for i, (blocked, inner) in enumerate(sorted(ways.items())):
+    for i, directory in enumerate(sorted(blocked, key=lambda d: len(d.parts))):
         hold = scratch / f"view-{i}"
         hold.mkdir()
-        script += [f"mount --bind {blocked} {hold}", f"mount -t tmpfs -o mode=0711,size=1m tmpfs {blocked}"]
-        script += [f"mkdir {blocked}/{name} && mount --bind {hold}/{name} {blocked}/{name}" for name in inner]
+        script += [f"mount --bind {directory} {hold}", f"mount -t tmpfs -o mode=0711,size=1m tmpfs {directory}"]
+        for entry in sorted(directory.iterdir()):
+            if entry.is_symlink():
+                script.append(f"ln -s {os.readlink(entry)} {entry}")
+                continue
+            script.append(f"mkdir {entry}" if entry.is_dir() else f"touch {entry}")
+            script.append(f"mount --bind {hold / entry.name} {entry}")
     script.append(f'exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups -- prlimit --nproc={nproc} "$@"')
     return ["unshare", "-m", "sh", "-c", "\n".join(script), "sh", *argv]
