@@ -60,13 +60,17 @@ def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(t
     assert isinstance(root, dict)
     assert root["rank"] == 1, root
     assert "exit code 3" in r.stderr
-    (tmp_path / "clean").mkdir()
-    clean = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "job.py"), str(tmp_path / "clean" / "ckpt")],
-        cwd=tmp_path / "clean", capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert clean.returncode == 0, clean.stderr[-8000:]  # rank 1 SIGABRT once, under a loaded machine: its words
+    for tries in ("clean", "again"):  # the reference, under torchrun; its gloo teardown aborted twice on a
+        # loaded machine ("terminate called without an active exception", SIGABRT), which is not what this checks
+        (tmp_path / tries).mkdir()
+        clean = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(tmp_path / "job.py"), str(tmp_path / tries / "ckpt")],
+            cwd=tmp_path / tries, capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+        if clean.returncode == 0:
+            break
+    assert clean.returncode == 0, clean.stderr[-8000:]
     restored = re.findall(r"checksum (\w+)", r.log(1, 0))
     assert restored == re.findall(r"checksum (\w+)", clean.stdout)[:1] != [], (restored, clean.stdout)
 
