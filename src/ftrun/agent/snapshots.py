@@ -134,8 +134,9 @@ class SnapshotKeeper:
         self._restore = None if self._unagreed else decision.step
         self.restoring = ""
         if self._restore is not None:
-            self.restoring = self._restoring(self._restore, ranks, world_size)
-            if self._resharded(self._restore, ranks, world_size):
+            then = self._world_changed(self._restore, ranks, world_size)
+            self.restoring = self._restoring(self._restore, then, world_size)
+            if then is not None:
                 self._gather_parts(self._restore, decision.parts)
         elif self._unagreed:
             self.restoring = "the nodes did not agree on a snapshot step in time: this attempt's ftrun.restore() fails"
@@ -169,27 +170,28 @@ class SnapshotKeeper:
         except (OSError, CorruptSnapshot):
             return None
 
-    def _restoring(self, step: int, ranks: Sequence[int], world_size: int) -> str:
-        """What the workers restore: the step, or, where it was taken in a world of another size, what they do."""
+    def _world_changed(self, step: int, ranks: Sequence[int], world_size: int) -> int | None:
+        """The size of the world the step was taken in, where it differs from this one's and the state depends
+        on the rank (then only every old rank's part serves: ftrun.restore_parts); None otherwise."""
         then = self._world_of(step, ranks[0]) if ranks else None
         if then is None or then.replicated or not world_size or then.size == world_size:
+            return None
+        return then.size
+
+    def _restoring(self, step: int, then: int | None, world_size: int) -> str:
+        """What the workers restore: the step, or, where it was taken in a world of another size, what they do."""
+        if then is None:
             return f"the workers restore the snapshot of step {step}, whole on every rank"
         return (
-            f"the snapshot of step {step} was taken in a world of {then.size} ranks, this one has {world_size}: "
+            f"the snapshot of step {step} was taken in a world of {then} ranks, this one has {world_size}: "
             "ftrun.restore() returns it only where the job said its state does not depend on the world "
             "(ftrun.snapshot(..., replicated=True)), else None; ftrun.restore_parts() gives every old rank's part "
             "gathered from the nodes that hold them, to reshard"
         )
 
-    def _resharded(self, step: int, ranks: Sequence[int], world_size: int) -> bool:
-        """Whether the step was taken in a world of another size, of a state that depends on the rank: then only
-        every old rank's part serves (ftrun.restore_parts)."""
-        then = self._world_of(step, ranks[0]) if ranks else None
-        return then is not None and not then.replicated and bool(world_size) and then.size != world_size
-
     def _gather_parts(self, step: int, parts: Mapping[int, str]) -> None:
-        """Every old rank's part of the step here, fetched from the node that holds it where this one does not
-        (each where restore_parts looks: a copy's place); the ones that cannot be had it names missing."""
+        """Every old rank's part of the step here, fetched into its own place from the node that holds it where
+        this one has neither that nor a copy; those that cannot be had restore_parts names missing."""
         for rank, address in sorted(parts.items()):
             here = (path_of(self.dir, step, rank), peer_path(self.dir, step, rank))
             if any(is_whole(p) for p in here) or self._mirror is None:
