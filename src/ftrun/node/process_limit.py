@@ -11,13 +11,16 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ftrun.errors import ConfigError, SpawnError
 
 TASKS_OF_THE_AGENT = 8  # its main thread and helpers, the warden, the base zygote
 TASKS_PER_WORKER = 3  # the worker, and the two threads copying its output
 CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 21, 24
+T = TypeVar("T")
 FULL_WAIT_S, FULL_RETRY_S = 5.0, 0.25  # a fork at the limit is tried again for 5 s: a failed attempt's tasks may
 # still be ending, another job of the user's may end
 
@@ -52,18 +55,22 @@ def check(workers: int) -> None:
 
 
 def start(thread: threading.Thread) -> None:
-    """Start ``thread``, trying again for FULL_WAIT_S while the limit is full; raises SpawnError after."""
+    """Start ``thread``, trying again while the limit is full (see :func:`when_room`)."""
+    when_room(thread.start, RuntimeError, f"the thread {thread.name}")  # "can't start new thread": clone's EAGAIN
+
+
+def when_room(fork: Callable[[], T], refused: type[Exception], what: str) -> T:
+    """``fork()`` (a process or a thread started), tried again for FULL_WAIT_S while it raises ``refused`` (the
+    limit is full); then SpawnError, naming the limit."""
     waited = 0.0
     while True:
         try:
-            thread.start()
-        except RuntimeError as e:  # "can't start new thread": EAGAIN from clone
+            return fork()
+        except refused as e:
             if waited >= FULL_WAIT_S:
-                raise SpawnError(f"cannot start the thread {thread.name}: {e}; {full()}") from e
+                raise SpawnError(f"cannot start {what}: {getattr(e, 'strerror', None) or e}; {full()}") from e
             time.sleep(FULL_RETRY_S)
             waited += FULL_RETRY_S
-        else:
-            return
 
 
 def full() -> str:

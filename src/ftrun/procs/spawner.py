@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -97,28 +96,24 @@ class ProcessSpawner:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], cwd: Path, stdout: int, stderr: int) -> ProcessHandle:
         """Raises SpawnError when the process cannot be started (at the user's process limit: once it stayed
         full for process_limit.FULL_WAIT_S)."""
-        waited = 0.0
-        while True:
-            try:
-                popen = subprocess.Popen(
-                    list(argv),
-                    env=booted(argv, env),
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=stdout,
-                    stderr=stderr,
-                    start_new_session=True,
-                    preexec_fn=proctree.die_with_parent_hook(env),  # noqa: PLW1509 - only prctl and affinity
-                )
-            except BlockingIOError as e:  # EAGAIN: no task left under RLIMIT_NPROC
-                if waited >= process_limit.FULL_WAIT_S:
-                    raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror}: {process_limit.full()}") from e
-                time.sleep(process_limit.FULL_RETRY_S)
-                waited += process_limit.FULL_RETRY_S
-            except OSError as e:
-                raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
-            else:
-                return _PopenHandle(popen)
+
+        def fork() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                list(argv),
+                env=booted(argv, env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                preexec_fn=proctree.die_with_parent_hook(env),  # noqa: PLW1509 - only prctl and affinity
+            )
+
+        try:  # BlockingIOError, EAGAIN: no task left under RLIMIT_NPROC
+            popen = process_limit.when_room(fork, BlockingIOError, repr(argv[0]))
+        except OSError as e:
+            raise SpawnError(f"cannot start {argv[0]!r}: {e.strerror or e}") from e
+        return _PopenHandle(popen)
 
 
 def booted(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
