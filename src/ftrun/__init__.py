@@ -7,6 +7,7 @@ launcher itself is the ``ftrun`` command (:mod:`ftrun.cli.main`).
 from ftrun.worker.calculated import calculate_timeouts, load_monitor_state, monitor_state
 from ftrun.worker.client import heartbeat
 from ftrun.worker.errorfile import record
+from ftrun.worker.in_place import RestartInPlace, restartable
 from ftrun.worker.nvidia import RankMonitorClient
 from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat
@@ -30,6 +31,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "CorruptSnapshot",
     "RankMonitorClient",
+    "RestartInPlace",
     "SnapshotReader",
     "SnapshotWriter",
     "__version__",
@@ -42,6 +44,7 @@ __all__ = [
     "monitor_state",
     "record",
     "request_restart",
+    "restartable",
     "restore",
     "restore_parts",
     "section",

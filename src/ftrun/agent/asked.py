@@ -55,6 +55,16 @@ class Asked:
                 happened.append(self._leave(reason, running[0]))
         return happened
 
+    def parked(self, w: Worker, why: str) -> Requested:
+        """``w``'s function (ftrun.restartable) ended with the job's collectives broken while no other rank here
+        failed: it asks for the restart it waits for, as ftrun.request_restart would."""
+        request = Request(Action.RESTART, f"its collectives broke ({why}); it waits to restart in place")
+        self._emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
+        w.request = request.describe()
+        w.blame()
+        self._say(f"{w.who} {w.request}")
+        return Requested(w.local_rank, request, f"rank {w.rank} on {self._host}")
+
     def _leave(self, reason: str, w: Worker) -> Requested:
         """This node leaves the job for ``reason``, as if ``w`` (its first running worker, which stands for the
         node in the failure report) had called ftrun.exclude_this_node()."""

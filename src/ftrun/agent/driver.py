@@ -129,9 +129,11 @@ class StartWorkers:
 @dataclass(frozen=True, slots=True)
 class StopWorkers:
     """Stop every running worker: ``signal`` (None: SIGTERM) to each, the grace period, SIGKILL; answered by
-    WorkersStopped. Signals to ftrun that come meanwhile are answered first, as Interrupted."""
+    WorkersStopped. Signals to ftrun that come meanwhile are answered first, as Interrupted. ``keep``: a restart
+    follows, so the ranks that restart in place (ftrun.restartable) and are not to blame are kept instead."""
 
     signal: int | None = None
+    keep: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,7 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
             # the rendezvous says whether the job goes on.
             elsewhere = d.record is not None and bool(d.record.failed_node or state.lost) and not state.failed
             stopping = replace(state, phase=Phase.STOPPING, local=Local(), report_owed=state.report_owed or elsewhere)
-            return Transition(stopping, (*report, StopWorkers()), d.reason)
+            return Transition(stopping, (*report, StopWorkers(keep=True)), d.reason)  # a round follows
         return Transition(replace(state, local=Local()), (*report, AskRendezvous(Local())), d.reason)
     if d.action is Action.FINISHED:
         return _finishing(replace(state, phase=Phase.FINISHING), report, d.reason)
@@ -185,7 +185,8 @@ def _failed(state: State, reason: str) -> Transition[State]:
         failed=True,
         report_owed=True,
     )
-    return Transition(failing, (StopWorkers(),), reason)
+    # Kept in place in case the rendezvous restarts the job (if it fails instead, the run's end lets them go).
+    return Transition(failing, (StopWorkers(keep=True),), reason)
 
 
 def _requested(state: State, happening: Requested) -> Transition[State]:

@@ -64,6 +64,26 @@ class AttemptListener(Protocol):
     def close(self) -> None: ...
 
 
+class InPlace(Protocol):
+    """The ranks that restart in place (``ftrun.restartable``) as an attempt stops: :mod:`ftrun.agent.keeping`."""
+
+    def env(self) -> dict[str, str]: ...
+
+    def new_attempt(self) -> None: ...
+
+    def in_place(self, w: Worker) -> bool: ...
+
+    def seconds_to_next(self) -> float | None: ...
+
+    def early(self, running: Sequence[Worker]) -> list[Happening]: ...
+
+    def set_aside(self, processes: AttemptProcesses, running: Sequence[Worker]) -> list[Worker]: ...
+
+    def park(self, processes: AttemptProcesses, kept: Sequence[Worker]) -> list[Worker]: ...
+
+    def close(self) -> None: ...
+
+
 class LocalGroup:
     """Effects on this node's workers. Built with signals to ftrun already caught (``wakeup``); :meth:`close`
     gives everything back and leaves no worker behind."""
@@ -71,10 +91,11 @@ class LocalGroup:
     def __init__(
         self, config: LaunchConfig, narrator: Narrator, *, processes: AttemptProcesses, watch: WorkerWatch,
         wakeup: SignalWakeup, spawning: Spawning, snapshots: SnapshotKeeper, pacing: AttemptListener, asked: Asked,
-        link: JobLink[Worker],
+        link: JobLink[Worker], in_place: InPlace,
     ) -> None:  # fmt: skip
         """``processes``: the first attempt's, empty; ``snapshots``: the workers' in-memory snapshots
-        (ftrun.snapshot); ``asked``: the workers' requests; ``link``: to the job's other nodes."""
+        (ftrun.snapshot); ``asked``: the workers' requests; ``link``: to the job's other nodes; ``in_place``: the
+        ranks kept for an in-place restart."""
         self.config = config
         self.narrator = narrator
         self.host = narrator.host
@@ -88,6 +109,7 @@ class LocalGroup:
         self._pacing = pacing
         self.asked = asked
         self._link = link
+        self._in_place = in_place
         self._mirror_host = ""  # where the snapshot copies' server listens, in a job of several nodes
         self._reports = narrator.reports
         self.status = narrator.status
@@ -138,6 +160,7 @@ class LocalGroup:
             group_rank=placement.group_rank,
         )
         self._pacing.attempt_starting()
+        self._in_place.new_attempt()
         attempt_dir = self._spawning.new_attempt(self.run_dir, command.attempt, self.narrator.warn)
         self._watch.new_attempt(previous, c.nproc_per_node, f"{c.run_id}-{command.attempt}", attempt_dir, self._round)
         ranks = (placement.rank_offset, placement.rank_offset + c.nproc_per_node - 1, self._world_size)
@@ -151,7 +174,8 @@ class LocalGroup:
         try:
             for local_rank in range(c.nproc_per_node):
                 w = self._spawning.spawn(self._processes, command, attempt_dir, local_rank, master_port, self._env)
-                tell.emit(EventKind.WORKER_SPAWNED, **w.identity(), warm=getattr(w.handle, "warm", False))
+                warm = getattr(w.handle, "warm", False)
+                tell.emit(EventKind.WORKER_SPAWNED, **w.identity(), warm=warm, in_place=self._in_place.in_place(w))
         finally:
             self._processes.start_copying()
             self._pacing.workers_started(previous)
@@ -161,7 +185,7 @@ class LocalGroup:
     def _env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
         """What ftrun adds to a rank's environment: its watch (slot, stacks), its snapshots, its peer heartbeat."""
         extra = {**self._watch.env(local_rank, rank_dir, spawned), **self._snapshots.env()}
-        return extra | self._link.env()
+        return extra | self._link.env() | self._in_place.env()
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
         """Sleep until something happens here, at most ``timeout_s`` (None: no limit but the hang checks).
@@ -174,6 +198,7 @@ class LocalGroup:
             self.status.seconds_to_next(running),
             self._pacing.seconds_to_next(),
             self._link.seconds_to_next(),
+            self._in_place.seconds_to_next(),
         )
         for check in checks:
             if check is not None:
@@ -186,6 +211,7 @@ class LocalGroup:
             self._link.poke()
         self._processes.end_stuck(self.config.hang.teardown_s, self.narrator.warn)
         happened += self._requests()
+        happened += self._in_place.early(self._processes.running)
         happened += self._hangs()
         if not happened:  # a failure is answered first (learning may start a zygote)
             settled = not running or self.status.stepped(self._attempt)  # awaiting a round, or the workers stepped
@@ -193,9 +219,11 @@ class LocalGroup:
             self._processes.reap_exited_helpers()
         return happened, also_ready
 
-    def stop(self, first_signal: int | None = None) -> list[Happening]:
+    def stop(self, first_signal: int | None = None, keep: bool = False) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
-        sweep strays. Returns their exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
+        sweep strays. ``keep``: the job restarts, and the restartable ranks not to blame are interrupted and kept
+        for the next attempt instead (see :mod:`ftrun.agent.keeping`). Returns their exits, the signals to ftrun
+        that came meanwhile, then WorkersStopped."""
         first = signal.SIGTERM if first_signal is None else first_signal
         running, workers = [w.rank for w in self._processes.running], self._processes.workers
         # Said when every worker had exited by itself too: the moment ftrun acted ends the failure's detection,
@@ -205,6 +233,7 @@ class LocalGroup:
             self._settle()
             return [self._stopped()]
         self._pacing.stopping()
+        kept = self._in_place.set_aside(self._processes, self._processes.running) if keep else []
         exits: list[Happening] = []
         late: list[Happening] = []
 
@@ -216,13 +245,18 @@ class LocalGroup:
 
         # Stopped workers ending of the signal count as gone at once where the node allows (the kernel then
         # frees their memory beside the next attempt's start).
-        self._processes.stop(
-            self.config.term_timeout_s,
-            on_exit=lambda w: exits.append(self._exited(w)),
-            on_wake=on_wake,
-            first_signal=first,
-            release=self._may_release(),
-        )
+        def stop_running() -> None:
+            self._processes.stop(
+                self.config.term_timeout_s,
+                on_exit=lambda w: exits.append(self._exited(w)),
+                on_wake=on_wake,
+                first_signal=first,
+                release=self._may_release(),
+            )
+
+        stop_running()
+        if kept and self._in_place.park(self._processes, kept):
+            stop_running()  # those not parked in time
         self._settle()
         self.narrator.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         self._reports.publish_root_cause(self._this_attempt)
@@ -270,6 +304,7 @@ class LocalGroup:
                 if w.output is not None:
                     w.output.wait_drained(DRAIN_TIMEOUT_S)
         self._reap_released()
+        self._in_place.close()
         self._spawning.close()
         self._processes.close()
         self._snapshots.close()
@@ -347,7 +382,7 @@ class LocalGroup:
         for w in self._processes.workers:
             if w.output is None:
                 continue
-            flushed = w.output.wait_caught_up if w.released else w.output.wait_drained
+            flushed = w.output.wait_caught_up if w.released or w.kept else w.output.wait_drained
             if not flushed(DRAIN_TIMEOUT_S):
                 self.narrator.warn(f"rank {w.rank}: output still open after {DRAIN_TIMEOUT_S} s; the log may be cut")
 

@@ -26,6 +26,7 @@ from ftrun.agent.executor import Executor
 from ftrun.agent.group import AttemptListener, LocalGroup
 from ftrun.agent.health import HealthWatch
 from ftrun.agent.job_store import StoreSuccession, host_store, open_job_store, serve_on_for_others, wait_for_names
+from ftrun.agent.keeping import Keeping
 from ftrun.agent.narrator import Narrator
 from ftrun.agent.pool_pacing import NoPacing, PoolPacing
 from ftrun.agent.snapshots import SnapshotKeeper, snapshot_root
@@ -57,6 +58,7 @@ from ftrun.rendezvous.state import Me, Rules, Timing
 from ftrun.store.base import Store
 from ftrun.store.moving import MovingStore
 from ftrun.strangers import files_needed, raise_file_limit
+from ftrun.warm.in_place import InPlaceSpawner, Survivors
 from ftrun.warm.pool import WarmPool
 from ftrun.warm.preload import Cache, entry_imports
 
@@ -169,10 +171,12 @@ class NodeParts:
             watch.share_board(board.pace_share(), board.node, board.collective_share())
         asked = Asked(narrator.host, clock, narrator.emit, narrator.warn)
         asked.leave_reasons += [watch.pace.reason_to_leave, self.leave_for]  # --straggler-action exclude, health
+        survivors = Survivors()  # ranks restarted in place (ftrun.restartable) park here
+        spawner = InPlaceSpawner(self.spawner, survivors)
         return LocalGroup(
             config,
             narrator,
-            processes=AttemptProcesses(self.spawner, clock, (self.wakeup.fd, *watch.fds)),
+            processes=AttemptProcesses(spawner, clock, (self.wakeup.fd, survivors.fileno(), *watch.fds)),
             watch=watch,
             wakeup=self.wakeup,
             spawning=Spawning(config, narrator.console, clock),
@@ -182,6 +186,7 @@ class NodeParts:
             pacing=self.pacing,
             asked=asked,
             link=link,
+            in_place=Keeping(survivors, watch.hangs.slot, asked, clock, narrator.warn),
         )
 
 

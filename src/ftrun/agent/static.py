@@ -122,12 +122,17 @@ def _begin(state: State) -> Transition[State]:
     return Transition(replace(state, phase=Phase.RUNNING), (_start(state, 0),), "starting the first attempt")
 
 
+def _restarting(state: State) -> StopWorkers:
+    """The stop after a failure: the ranks that restart in place are kept where a restart follows."""
+    return StopWorkers(keep=state.restart_count < state.plan.max_restarts)
+
+
 def _worker_hung(state: State, happening: WorkerHung) -> Transition[State]:
     if state.phase is not Phase.RUNNING:
         return Transition(state, (), f"local rank {happening.local_rank} hung while stopping")
     return Transition(
         replace(state, phase=Phase.STOPPING, failed=True),
-        (StopWorkers(),),
+        (_restarting(state),),
         f"local rank {happening.local_rank} hung; stopping the workers",
     )
 
@@ -141,7 +146,7 @@ def _worker_exited(state: State, happening: WorkerExited) -> Transition[State]:
     if not happening.success:
         return Transition(
             replace(state, phase=Phase.STOPPING, running=running, failed=True),
-            (StopWorkers(),),
+            (_restarting(state),),
             f"local rank {rank} failed; stopping the other workers",
         )
     if running:
@@ -161,7 +166,9 @@ def _requested(state: State, happening: Requested) -> Transition[State]:
         return Transition(state, (), f"local rank {rank}'s request ignored while {state.phase.value}")
     if request.action in (Action.RESTART, Action.PEER_FAILED):
         stopping = replace(state, phase=Phase.STOPPING, failed=True)
-        return Transition(stopping, (StopWorkers(),), f"local rank {rank} {request.describe()}; stopping the workers")
+        return Transition(
+            stopping, (_restarting(state),), f"local rank {rank} {request.describe()}; stopping the workers"
+        )
     ending = Outcome.EXCLUDED if request.action is Action.EXCLUDE_NODE else Outcome.STOPPED
     what = "excluded this node" if ending is Outcome.EXCLUDED else "stopped the job"
     return Transition(

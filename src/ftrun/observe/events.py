@@ -174,13 +174,15 @@ class RunSummary:
     hangs: int = 0  # hangs found in this node's workers
     stragglers: tuple[Mapping[str, Any], ...] = ()  # the ranks named straggler (their events' data), in order
     requeues: int = 0  # times SLURM requeued the job, each a start of ftrun carrying on in the same run
+    in_place_restarts: int = 0  # restarts where ranks kept their process (ftrun.restartable); not counted warm
 
     def render(self) -> str:
         restarts = f"{self.restarts} restart{'s' if self.restarts != 1 else ''}"
         if self.restarts:
-            cold = self.restarts - self.warm_restarts
-            kinds = [f"{n} {kind}" for n, kind in ((self.warm_restarts, "warm"), (cold, "cold")) if n]
-            restarts += f" ({', '.join(kinds)})" if len(kinds) > 1 else f" ({kinds[0].split()[1]})"
+            cold = self.restarts - self.warm_restarts - self.in_place_restarts
+            counts = ((self.in_place_restarts, "in place"), (self.warm_restarts, "warm"), (cold, "cold"))
+            kinds = [(n, kind) for n, kind in counts if n]
+            restarts += f" ({', '.join(f'{n} {kind}' for n, kind in kinds)})" if len(kinds) > 1 else f" ({kinds[0][1]})"
         line = f"run {self.outcome} (exit {self.exit_code}) after {self.attempts} attempt(s), {restarts}"
         line += f" (one each time SLURM requeued the job: {self.requeues})" if self.requeues else ""
         if self.root_causes:
@@ -208,6 +210,7 @@ def summarize(events: Sequence[Event]) -> RunSummary:
         sum(p.downtime_s for p in parts) + gaps, sum(p.failed_work_s for p in parts),
         tuple(c for p in parts for c in p.root_causes), sum(p.warm_restarts for p in parts),
         sum(p.hangs for p in parts), tuple(s for p in parts for s in p.stragglers), len(lives) - 1,
+        sum(p.in_place_restarts for p in parts),
     )  # fmt: skip
 
 
@@ -225,7 +228,8 @@ def _summarize(events: Iterable[Event]) -> RunSummary:
     failed_at: float | None = None  # mono of the pending failure's root-cause exit
     spawned_pending = 0
     root_causes: list[Mapping[str, Any]] = []
-    warm: dict[int, bool] = {}  # attempt -> all its workers came from the pool
+    warm: dict[int, bool] = {}  # attempt -> all its workers came from the pool (or were kept in place)
+    in_place: set[int] = set()  # attempts with ranks restarted in place
     stragglers: list[Mapping[str, Any]] = []
     for e in events:
         if e.kind is EventKind.ATTEMPT_STARTED:
@@ -234,7 +238,9 @@ def _summarize(events: Iterable[Event]) -> RunSummary:
             spawned_pending = int(e.data.get("workers", 0))
         elif e.kind is EventKind.WORKER_SPAWNED:
             attempt = int(e.data.get("attempt", 0))
-            warm[attempt] = warm.get(attempt, True) and bool(e.data.get("warm"))
+            warm[attempt] = warm.get(attempt, True) and bool(e.data.get("warm") or e.data.get("in_place"))
+            if e.data.get("in_place"):
+                in_place.add(attempt)
             spawned_pending -= 1
             if failed_at is not None and spawned_pending <= 0:
                 downtime += e.mono - failed_at
@@ -257,9 +263,10 @@ def _summarize(events: Iterable[Event]) -> RunSummary:
                 downtime += e.mono - failed_at
                 failed_at = None
     warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
+    in_place_restarts = sum(1 for attempt in in_place if attempt > 0 and warm.get(attempt))
     return RunSummary(
-        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts, hangs,
-        tuple(stragglers),
+        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes),
+        warm_restarts - in_place_restarts, hangs, tuple(stragglers), in_place_restarts=in_place_restarts,
     )  # fmt: skip
 
 

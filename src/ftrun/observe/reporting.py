@@ -66,6 +66,7 @@ class WorkerOutcome:
     flight_recorder: str | None = None  # torch's dump of its flight recorder at a process group's timeout
     gpu_error: GpuError | None = None  # the CUDA or NCCL error its stderr shows
     unwritten: int = 0  # bytes of its output its log files lack (the log disk was full or failing)
+    in_place: bool = False  # interrupted and kept: its process restarts in place (ftrun.restartable)
 
     @property
     def how(self) -> str:
@@ -76,6 +77,8 @@ class WorkerOutcome:
         return self._end()
 
     def _end(self) -> str:
+        if self.in_place:
+            return "interrupted; its process restarts in place"
         if self.signal:
             return f"killed by {self.signal}"
         if self.exit_code is None:
@@ -126,6 +129,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         host=host,
         pid=worker.pid,
         state=worker.state.value,
+        in_place=worker.kept,
         exit_code=worker.exit_code,
         signal=worker.signal_name,
         exit_wall=worker.exit_wall,

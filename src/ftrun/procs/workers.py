@@ -48,7 +48,8 @@ class ProcessPhase(enum.Enum):
     ALIVE --its exit, reaped------------------------------------> REAPED
       |   '--its exit, reaped, its status not to be had----------> STATUS_LOST
       |--counted as exited as ftrun's signal ends it-------------> RELEASED --its exit--> RELEASED_REAPED
-      '--its script failed, its teardown left to finish----------> FINISHING --its exit--> RELEASED_REAPED
+      |--its script failed, its teardown left to finish----------> FINISHING --its exit--> RELEASED_REAPED
+      '--parked for an in-place restart (ftrun.restartable)-----> KEPT --not parked in time--> ALIVE
                                   FINISHING --its teardown too long: SIGKILL--> RELEASED
 
     Moved only by :class:`AttemptProcesses` (``Worker._move`` asserts the arrows).
@@ -60,10 +61,18 @@ class ProcessPhase(enum.Enum):
     REAPED = "reaped"  # its exit status collected: its pid (and group id) may be another process's now
     STATUS_LOST = "status lost"  # reaped, but not this agent's child after all: its exit status is unknown
     RELEASED_REAPED = "released, reaped"
+    KEPT = "kept"  # out of its attempt, alive: the next attempt's same local rank, in place (warm.in_place)
 
 
 _ARROWS = {
-    ProcessPhase.ALIVE: {ProcessPhase.REAPED, ProcessPhase.STATUS_LOST, ProcessPhase.RELEASED, ProcessPhase.FINISHING},
+    ProcessPhase.ALIVE: {
+        ProcessPhase.REAPED,
+        ProcessPhase.STATUS_LOST,
+        ProcessPhase.RELEASED,
+        ProcessPhase.FINISHING,
+        ProcessPhase.KEPT,
+    },
+    ProcessPhase.KEPT: {ProcessPhase.ALIVE},
     ProcessPhase.RELEASED: {ProcessPhase.RELEASED_REAPED},
     ProcessPhase.FINISHING: {ProcessPhase.RELEASED_REAPED, ProcessPhase.RELEASED},
 }
@@ -131,6 +140,10 @@ class Worker:
     def released(self) -> bool:
         """Stopped and certain to end: counted as exited then, reaped when its exit comes."""
         return self.phase in (ProcessPhase.RELEASED, ProcessPhase.FINISHING, ProcessPhase.RELEASED_REAPED)
+
+    @property
+    def kept(self) -> bool:
+        return self.phase is ProcessPhase.KEPT
 
     @property
     def finishing(self) -> bool:
@@ -253,7 +266,20 @@ class AttemptProcesses:
 
     @property
     def running(self) -> list[Worker]:
-        return [w for w in self.workers if w.returncode is None]
+        return [w for w in self.workers if w.returncode is None and not w.kept]
+
+    def keep(self, w: Worker) -> None:
+        """``w`` stays alive out of this attempt, for the next one (an in-place restart): stopped, not waited for."""
+        assert w.handle is not None
+        self._selector.unregister(w.handle.fileno())
+        w.state = WorkerState.STOPPED
+        w._move(ProcessPhase.KEPT)
+
+    def unkeep(self, w: Worker) -> None:
+        """``w`` did not park in time: one of this attempt's workers again, to be stopped as they are."""
+        assert w.handle is not None
+        w._move(ProcessPhase.ALIVE)
+        self._selector.register(w.handle.fileno(), selectors.EVENT_READ, w)
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Worker], bool, bool]:
         """Sleep until a worker exits or the wake fd (or ``also``) is readable, at most ``timeout_s``.
@@ -431,5 +457,5 @@ class AttemptProcesses:
         for w in self.workers:
             # A finishing worker ends on its own; a reaped one's group id may be another process's now (its
             # children left behind are found below the agent, as strays).
-            if w.handle is not None and not w.finishing and not w.reaped:
+            if w.handle is not None and not w.finishing and not w.reaped and not w.kept:
                 w.handle.signal_group(sig)

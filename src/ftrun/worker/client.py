@@ -161,6 +161,11 @@ class _Attached:
         else:  # met: its process groups are made next, and their collectives are watched from then on
             collectives.watch(self._collectives)
 
+    def restartable(self) -> None:
+        """Its function restarts in place (ftrun.restartable): the agent interrupts it rather than stop it."""
+        self._flags |= layout.FLAG_RESTARTABLE
+        self._write_flags()
+
     def _collectives(self, raw: bytes) -> None:
         """From the watcher's thread, outside the seqlock: the other buffer, then the head (layout)."""
         if len(raw) <= layout.COLLECTIVES_MAX:
@@ -390,6 +395,19 @@ def meeting_peers(on: bool) -> None:
     _client.meeting(on)
 
 
+def restartable() -> None:
+    """This rank's function restarts in place (see :mod:`ftrun.worker.in_place`)."""
+    if os.environ.get("FTRUN_MONITOR"):
+        _client.restartable()
+
+
+def reattach() -> None:
+    """Attach to the slot the environment names now: a rank restarted in place, in its next attempt's table."""
+    if isinstance(_client, _Attached):
+        _client.close()
+    _attach()
+
+
 def script_ended(code: int) -> None:
     """Tell the agent the script is over (with ``code``), so that a hang in the interpreter's teardown after it
     is known for what it is. Called by ftrun's own worker start-up, not by jobs."""
@@ -428,6 +446,8 @@ class _Client(Protocol):
     def set_timeouts(self, timeouts: Timeouts) -> None: ...
 
     def script_ended(self, code: int) -> None: ...
+
+    def restartable(self) -> None: ...
 
     def meeting(self, on: bool) -> None: ...
 

@@ -44,6 +44,13 @@ LONG_WORK = (
 _started = False
 
 
+def _nowhere(raw: bytes) -> None:
+    """Where summaries go before :func:`watch` names the slot."""
+
+
+_publish: Callable[[bytes], None] = _nowhere
+
+
 class Places:
     """PURE: since when the main thread's stack has only come back to the same few places. A rank spinning in
     Python (``while not ready: ...``) changes its stack every second yet never leaves its loop; one working its
@@ -63,15 +70,17 @@ class Places:
 
 
 def watch(publish: Callable[[bytes], None]) -> None:
-    """Start the thread (once per process); ``publish`` writes a summary into the slot."""
-    global _started  # noqa: PLW0603 - one watcher per process
+    """Start the thread (once per process); ``publish`` writes a summary into the slot (the latest one given:
+    a rank restarted in place publishes into its new attempt's slot)."""
+    global _started, _publish  # noqa: PLW0603 - one watcher per process
+    _publish = publish
     if _started:
         return
     _started = True
-    threading.Thread(target=_run, args=(publish,), name="ftrun-collectives", daemon=True).start()
+    threading.Thread(target=_run, name="ftrun-collectives", daemon=True).start()
 
 
-def _run(publish: Callable[[bytes], None]) -> None:
+def _run() -> None:
     main = threading.main_thread().ident
     stack: tuple[tuple[str, int], ...] = ()
     stack_since = time.time()
@@ -90,7 +99,7 @@ def _run(publish: Callable[[bytes], None]) -> None:
         places.add(seen, now)
         where = f"{seen[0][0]}:{seen[0][1]}" if seen else ""
         doc = summary(record, now, stack_since, where) | {"l": round(places.since, 3)}
-        publish(json.dumps(doc, separators=(",", ":")).encode())
+        _publish(json.dumps(doc, separators=(",", ":")).encode())
         published = True
 
 

@@ -15,7 +15,8 @@ Layout (little endian)::
              open       u32  open sections
              flags      u32  FLAG_STACKS: the client dumps its stacks on STACK_SIGNAL;
                              FLAG_EXITING: the script ended, the interpreter is tearing down;
-                             FLAG_MEETING: in init_process_group, meeting its peers (torch's store)
+                             FLAG_MEETING: in init_process_group, meeting its peers (torch's store);
+                             FLAG_RESTARTABLE: its function restarts in place (ftrun.restartable)
              t_seq      u64  bumped after the worker published timeouts (below)
              t_len      u32  length of that JSON
              ended      f64  when the script itself ended (its interpreter tears down next); 0 before
@@ -64,6 +65,7 @@ NAME_MAX = 55  # bytes of a section name (UTF-8)
 FLAG_STACKS = 1
 FLAG_EXITING = 2  # the script has ended (atexit): its teardown is not a hang
 FLAG_MEETING = 4  # in init_process_group until torch's store is made: waiting for the other ranks
+FLAG_RESTARTABLE = 8  # its function restarts in place (ftrun.restartable): interrupted, not stopped
 
 SEQ = struct.Struct("<Q")  # offset 0
 IDENTITY = struct.Struct("<qd")  # pid, attached: offset 8

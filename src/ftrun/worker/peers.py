@@ -179,6 +179,16 @@ def start_peer_heartbeat(period_s: float = 1.0, timeout_s: float = 10.0) -> None
         atexit.register(_started.stop)
 
 
+def stop_peer_heartbeat() -> None:
+    """End this process's heartbeat (a rank restarting in place: the next attempt's ring is another)."""
+    global _started
+    with _lock:
+        heartbeat, _started = _started, None
+    if heartbeat is not None:
+        atexit.unregister(heartbeat.stop)
+        heartbeat.stop()
+
+
 def _route_to(master: tuple[str, int]) -> str:
     """This host's address on the way to the master: what the other ranks can reach."""
     family = socket.AF_INET6 if ":" in master[0] else socket.AF_INET

@@ -10,6 +10,7 @@ from ftrun.worker.layout import HEADER, MAGIC, SLOT_SIZE, VERSION
 
 STACK_SIGNAL = signal.SIGRTMIN + 7  # rarely used by anything else; harmless unless the client registered it
 REQUEST_SIGNAL = signal.SIGRTMIN + 6  # a worker wakes its agent with it after writing a workload request
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # the agent interrupts a restartable rank's function (worker.in_place)
 
 
 def check_header(mapping: mmap.mmap, slot: int) -> None:

@@ -35,4 +35,4 @@ class Unattached:
     def set_timeouts(self, timeouts: Timeouts) -> None:
         self.calculated = timeouts
 
-    script_ended = meeting = _nothing
+    script_ended = meeting = restartable = _nothing

@@ -1,0 +1,72 @@
+"""In-process restart: when a rank fails, the ranks that did not fail keep their process (``@ftrun.restartable``).
+
+    ftrun --nproc-per-node 2 --max-restarts 3 examples/restartable_ddp.py --crash-at 30
+
+What is built outside the wrapped function (the model, its compiled code with ``--compile``, the optimizer)
+lives as long as the process; the function makes the process group, restores the newest snapshot agreed on
+every rank (or the initial state: a survivor's memory may hold an optimizer step half-done), and trains.
+Deterministic (the batch of each step is a function of the step and the rank): a run that crashed ends with
+the same weights as one that never failed; rank 0 prints the checksum. Under plain torchrun (or python)
+the decorator does nothing: the function runs once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ftrun
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--crash-at", type=int, default=None, help="the crashing rank exits at this step")
+    p.add_argument("--crashes", type=int, default=1, help="attempts that crash (each a step later)")
+    p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (once per process)")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    initial = {"model": copy.deepcopy(net.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    forward = torch.compile(net) if a.compile else net
+
+    @ftrun.restartable
+    def train() -> None:
+        rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(forward)
+        step, state = ftrun.restore() or (-1, initial)
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step {step + 1}", flush=True)
+        for step in range(step + 1, a.steps):
+            if rank == a.crash_rank and a.crash_at is not None and attempt < a.crashes and step == a.crash_at + attempt:
+                os._exit(3)
+            gen = torch.Generator().manual_seed(step * 100 + rank)
+            x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            ftrun.snapshot(step, {"model": net.state_dict(), "opt": opt.state_dict()})
+            time.sleep(a.step_time)
+        digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
+        if rank == 0:
+            print(f"checksum {digest.hexdigest()[:16]}", flush=True)
+        dist.destroy_process_group()
+
+    train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Which workers of a stopping attempt are kept for an in-place restart (``ftrun.restartable``), and what a
+rank that parked by itself while the attempt ran means.
+
+The door and the hand-over to the next attempt are :mod:`ftrun.warm.in_place`; the worker's side is
+:mod:`ftrun.worker.in_place`. Here: a stop that may keep (a failure the job restarts from) interrupts every
+restartable rank that is not to blame, stops the others as always, then waits for the interrupted ones to
+park; one that does not park within PARK_TIMEOUT_S (stuck in C, its handler never run) is stopped as the others
+were, and the console says so. A rank that parks while the attempt still runs (its collective broke, yet no
+rank here failed) stands for a failure of the job after EARLY_PARK_GRACE_S: another rank's exit, seen within
+that time, is the root cause instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ftrun.agent.asked import Asked
+from ftrun.agent.driver import Happening
+from ftrun.clock import Clock
+from ftrun.procs.workers import AttemptProcesses, Worker, WorkerState
+from ftrun.warm.in_place import Survivors
+from ftrun.worker.layout import FLAG_RESTARTABLE, SlotView
+
+PARK_TIMEOUT_S = 5.0  # from the interrupt: a rank not parked by then is stopped and replaced
+EARLY_PARK_GRACE_S = 1.0  # a rank parked by itself: the failure it stands for, unless another is seen first
+
+
+class Keeping:
+    def __init__(
+        self, survivors: Survivors, slot: Callable[[int], SlotView | None], asked: Asked, clock: Clock,
+        say: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        """``slot``: a local rank's slot in the monitor table (whether its function is restartable)."""
+        self._survivors = survivors
+        self._slot = slot
+        self._asked = asked
+        self._clock = clock
+        self._say = say
+        self._early: dict[int, tuple[Worker, str, float]] = {}  # pid -> (worker, why, when it parked)
+
+    def env(self) -> dict[str, str]:
+        return self._survivors.env()
+
+    def new_attempt(self) -> None:
+        self._survivors.new_attempt()
+        self._early.clear()
+
+    def in_place(self, w: Worker) -> bool:
+        """Whether ``w``'s process is a survivor of the attempt before, restarted in place."""
+        return w.pid in self._survivors.resumed
+
+    def seconds_to_next(self) -> float | None:
+        if not self._early:
+            return None
+        first = min(at for _, _, at in self._early.values())
+        return max(0.0, first + EARLY_PARK_GRACE_S - self._clock.monotonic())
+
+    def early(self, running: Sequence[Worker]) -> list[Happening]:
+        """Ranks that parked while the attempt runs: after the grace, each is a failure (a restart asked)."""
+        by_pid = {w.pid: w for w in running}
+        for parked in self._survivors.take_arrivals():
+            w = by_pid.get(parked.pid)
+            if w is not None and parked.pid not in self._early:
+                self._early[parked.pid] = (w, parked.why, self._clock.monotonic())
+        now = self._clock.monotonic()
+        happened: list[Happening] = []
+        for pid, (w, why, at) in list(self._early.items()):
+            if pid not in by_pid:
+                del self._early[pid]
+            elif now - at >= EARLY_PARK_GRACE_S:
+                del self._early[pid]
+                happened.append(self._asked.parked(w, why))
+        return happened
+
+    def set_aside(self, processes: AttemptProcesses, running: Sequence[Worker]) -> list[Worker]:
+        """Interrupt the restartable ranks not to blame, and take them out of the attempt being stopped."""
+        kept = [w for w in running if w.state is WorkerState.RUNNING and self._restartable(w)]
+        for w in running:
+            if w not in kept:  # to blame: its process goes, even where it parked
+                self._survivors.let_go(w.pid)
+        self._survivors.interrupt(w.pid for w in kept)
+        for w in kept:
+            processes.keep(w)
+        return kept
+
+    def park(self, processes: AttemptProcesses, kept: Sequence[Worker]) -> list[Worker]:
+        """Wait for the ranks set aside to park; keeps those for the next attempt, returns the others (back in
+        their attempt, to be stopped)."""
+        parked = self._survivors.wait_parked({w.pid for w in kept}, PARK_TIMEOUT_S)
+        late = []
+        for w in kept:
+            if w.pid in parked:
+                assert w.handle is not None
+                self._survivors.keep(w.pid, w.handle, w.env.keys())
+            else:
+                processes.unkeep(w)
+                late.append(w)
+                self._say(f"{w.who}: not interrupted within {PARK_TIMEOUT_S:g} s (stuck outside Python?); "
+                          "its process is restarted instead")  # fmt: skip
+        return late
+
+    def close(self) -> None:
+        self._survivors.close()
+
+    def _restartable(self, w: Worker) -> bool:
+        slot = self._slot(w.local_rank)
+        return (
+            slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_RESTARTABLE)
+        ) or self._survivors.parked(w.pid) is not None

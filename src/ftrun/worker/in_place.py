@@ -1,0 +1,176 @@
+"""In-process restart, opt-in: ``@ftrun.restartable`` keeps a rank's process when another rank fails.
+
+The ranks that did not fail keep their interpreter, their imports, whatever the job built outside the wrapped
+function (the model, its compiled code, a CUDA context), and call the function again; only a failed rank is a new
+process (from the warm pool). How a survivor gets there:
+
+1. ftrun interrupts the function: a signal that raises :class:`RestartInPlace` in the main thread. A collective
+   that a lost peer broke raises by itself first (gloo's "Connection reset by peer", NCCL's errors); both are
+   taken as the job's restart, any other exception is the rank's own failure and ends its process as before.
+2. The function's process groups are destroyed, and the process parks: it tells its agent, through the socket
+   named in ``FTRUN_IN_PLACE``, and sleeps there until the next attempt gives it its environment (its rank, the
+   new master port, TORCHELASTIC_RESTART_COUNT), its directory and its output, as a warm standby gets them.
+3. The function is called again. It restores its state as after any restart (``ftrun.restore()``, a
+   checkpoint): it never goes on from memory an interrupted optimizer step left half-written.
+
+Outside ftrun, or from another thread than the main one, the function runs once, as if undecorated.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import functools
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from ftrun.worker.signals import INTERRUPT_SIGNAL
+
+ENV = "FTRUN_IN_PLACE"  # the abstract socket name of the agent's door for parked processes
+MAX_MESSAGE = 1 << 20
+# What a collective broken by a lost peer raises (gloo's transport, torch's NCCL watchdog): the job's restart.
+BROKEN_BY_A_PEER = (
+    "gloo/transport",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL",
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RestartInPlace(BaseException):
+    """Raised in the wrapped function when ftrun restarts the job in place. A BaseException, so that the job's
+    ``except Exception`` does not swallow it; let it pass."""
+
+
+_running = False  # the wrapped function is running: only then does the signal interrupt it
+
+
+def restartable(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run ``fn`` so that, when the job restarts, this process calls it again instead of being replaced."""
+
+    @functools.wraps(fn)
+    def restarting(*args: P.args, **kwargs: P.kwargs) -> R:
+        global _running  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
+        if not os.environ.get(ENV) or threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        _arm()
+        while True:
+            _running = True
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as e:
+                if not restarts_the_job(e):
+                    raise
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            finally:
+                _running = False
+            _park(why)
+
+    return restarting
+
+
+def restarts_the_job(e: BaseException) -> bool:
+    """Whether ``e`` is the job's restart reaching this rank (the interrupt, a collective a lost peer broke)
+    rather than this rank's own failure."""
+    if isinstance(e, RestartInPlace):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    if isinstance(dist_error, type) and isinstance(e, dist_error):
+        return True
+    return isinstance(e, RuntimeError) and any(marker in str(e) for marker in BROKEN_BY_A_PEER)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    if _running:
+        raise RestartInPlace("ftrun restarts the job in place")
+
+
+def _arm() -> None:
+    """Take the interrupt, and tell the agent this rank restarts in place (its slot's flag)."""
+    signal.signal(INTERRUPT_SIGNAL, _interrupt)
+    from ftrun.worker import client
+
+    client.restartable()
+
+
+def _park(why: str) -> None:
+    """Let go of the attempt that ended, tell the agent, and become the next attempt's rank when it says so
+    (exits when the agent closes the door instead: the run ended, or this process is not wanted)."""
+    _let_go()
+    door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        door.connect("\0" + os.environ[ENV])
+        door.sendmsg([json.dumps({"parked": why, "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}).encode()])
+        request, fds = _receive(door)
+    except OSError:
+        request, fds = None, []
+    finally:
+        door.close()
+    if request is None:
+        os._exit(1)  # the agent let this process go (its exit is nobody's failure: the attempt is over)
+    _become(request, fds)
+
+
+def _let_go() -> None:
+    """What the interrupted attempt held: its process groups (a new one is made by the function), the output
+    it had not written yet."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway
+            dist.destroy_process_group()
+    from ftrun.worker import peers
+
+    peers.stop_peer_heartbeat()
+    gc.collect()
+
+
+def _receive(door: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = door.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    request: dict[str, Any] = json.loads(data)
+    return request, list(fds)
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """The next attempt's rank: its output, directory and environment (the variables ftrun gave the last
+    attempt are replaced; those the process set itself stay), and its slot of the new monitor table."""
+    if len(fds) != 2:
+        os._exit(1)
+    os.dup2(fds[0], 1)
+    os.dup2(fds[1], 2)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    env: dict[str, str] = request["env"]
+    for name in set(request["given"]) - env.keys():
+        os.environ.pop(name, None)
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+    from ftrun.worker import client
+
+    client.reattach()
+    client.restartable()
