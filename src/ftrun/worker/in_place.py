@@ -67,6 +67,7 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         _arm()
         while True:
+            before = _sockets()
             _running = True
             try:
                 return fn(*args, **kwargs)
@@ -76,7 +77,7 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             finally:
                 _running = False
-            _park(why)
+            _park(why, before)
 
     return restarting
 
@@ -106,10 +107,11 @@ def _arm() -> None:
     client.restartable()
 
 
-def _park(why: str) -> None:
-    """Let go of the attempt that ended, tell the agent, and become the next attempt's rank when it says so
-    (exits when the agent closes the door instead: the run ended, or this process is not wanted)."""
-    _let_go()
+def _park(why: str, before: set[str]) -> None:
+    """Let go of the attempt that ended (``before``: the sockets open when it began), tell the agent, and become
+    the next attempt's rank when it says so (exits when the agent closes the door instead: the run ended, or this
+    process is not wanted)."""
+    _let_go(before)
     door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         door.connect("\0" + os.environ[ENV])
@@ -124,12 +126,16 @@ def _park(why: str) -> None:
     _become(request, fds)
 
 
-def _let_go() -> None:
-    """What the interrupted attempt held: its process groups (a new one is made by the function), the output
-    it had not written yet."""
+def _let_go(before: set[str]) -> None:
+    """What the interrupted attempt held: the output it had not written yet, the TCP connections it opened (its
+    process groups', its store's: shut, so that a peer still inside a collective with this rank gets an error
+    now rather than at its timeout; gloo cannot be aborted from another thread), its process groups."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    for fd, inode in _socket_fds().items():
+        if inode not in before:
+            _shut_if_tcp(fd)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway
@@ -138,6 +144,34 @@ def _let_go() -> None:
 
     peers.stop_peer_heartbeat()
     gc.collect()
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's open sockets: fd -> "socket:[inode]"."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:"):
+                found[int(name)] = target
+    return found
+
+
+def _sockets() -> set[str]:
+    return set(_socket_fds().values())
+
+
+def _shut_if_tcp(fd: int) -> None:
+    """Shut (not close: the fd stays its owner's) a connected TCP socket: both ends see the connection end.
+    Never a listening one: gloo's listener thread ends the process when its accept fails."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    with sock, contextlib.suppress(OSError):
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+        if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _receive(door: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
