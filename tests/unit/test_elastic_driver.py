@@ -71,7 +71,7 @@ def test_joins_then_runs_where_the_round_places_it() -> None:
 
 def test_a_local_failure_is_told_then_reported_once_the_rendezvous_answers() -> None:
     state, (stop, exit_, stopped) = walk(running(), WorkerExited(1, False), WorkerExited(0, False), WorkersStopped())
-    assert stop == (StopWorkers(),)
+    assert stop == (StopWorkers(keep=True),)
     assert exit_ == ()  # the exit ftrun caused
     assert stopped == (AskRendezvous(Local(1, local_failure=True)),)
     state, [restart] = walk(state, run(2, restarts=1))
@@ -83,7 +83,7 @@ def test_a_local_failure_is_told_then_reported_once_the_rendezvous_answers() -> 
 
 def test_a_hang_is_a_local_failure() -> None:
     state, [stop] = walk(running(), WorkerHung(0))
-    assert stop == (StopWorkers(),)
+    assert stop == (StopWorkers(keep=True),)
     assert state.local.local_failure
 
 
@@ -121,7 +121,7 @@ def test_a_signal_while_finishing_exits_128_plus_it() -> None:
 
 def test_the_round_is_over_stop_then_ask_again() -> None:
     state, [stop, stopped] = walk(running(), advice(Action.STOP), WorkersStopped())
-    assert stop == (StopWorkers(),)
+    assert stop == (StopWorkers(keep=True),)
     assert stopped == (AskRendezvous(Local()),)
     assert walk(replace(state, running=frozenset()), advice(Action.STOP))[1] == [(AskRendezvous(Local()),)]
 
@@ -146,7 +146,7 @@ def test_a_round_reopened_for_a_failure_elsewhere_is_reported_here_once_the_job_
         Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1, failed_node="b"))
     )
     state, [stop, _] = walk(running(), reopened, WorkersStopped())
-    assert stop == (StopWorkers(),)
+    assert stop == (StopWorkers(keep=True),)
     assert state.report_owed
     _, [answer] = walk(state, run(2, restarts=1))
     assert answer[0] == ReportFailure(will_restart=True)
@@ -215,7 +215,7 @@ def test_a_worker_excluding_its_node_leaves_with_its_own_exit_code() -> None:
 
 def test_a_requested_restart_is_a_local_failure() -> None:
     _, commands = walk(running(), Requested(0, Request(Ask.RESTART, "slow")), WorkersStopped())
-    assert commands[0] == (StopWorkers(),)
+    assert commands[0] == (StopWorkers(keep=True),)
     [(ask,)] = commands[1:]
     assert isinstance(ask, AskRendezvous)
     assert ask.local.local_failure

@@ -68,7 +68,7 @@ def test_success_needs_every_worker() -> None:
 
 def test_failure_stops_group_then_restarts_with_incremented_count() -> None:
     d = step(running(max_restarts=2), WorkerExited(1, success=False))
-    assert d.commands == (StopWorkers(),)
+    assert d.commands == (StopWorkers(keep=True),)
     assert d.state.phase is Phase.STOPPING
     assert "local rank 1 failed" in d.reason
     d = step(d.state, WorkerExited(0, success=False))  # the exit ftrun caused
@@ -82,7 +82,7 @@ def test_failure_stops_group_then_restarts_with_incremented_count() -> None:
 def test_success_of_other_ranks_does_not_hide_a_later_failure() -> None:
     d = step(running(), WorkerExited(0, success=True))
     d = step(d.state, WorkerExited(1, success=False))
-    assert d.commands == (StopWorkers(),)
+    assert d.commands == (StopWorkers(keep=True),)
 
 
 def test_budget_spent_fails_the_run() -> None:
@@ -137,7 +137,7 @@ def test_every_decision_has_a_reason() -> None:
 
 def test_a_hang_is_a_failure() -> None:
     d = step(running(max_restarts=1), WorkerHung(0))
-    assert d.commands == (StopWorkers(),)
+    assert d.commands == (StopWorkers(keep=True),)
     d = step(d.state, WorkersStopped())
     assert d.commands == (ReportFailure(will_restart=True), start(1))
 
@@ -178,7 +178,7 @@ def test_a_worker_that_stops_the_job_or_excludes_the_node_ends_the_run_without_r
 @pytest.mark.parametrize(("budget", "restarts"), [(2, True), (0, False)])
 def test_a_requested_restart_is_a_failure_the_budget_decides(budget: int, restarts: bool) -> None:
     t = step(running(max_restarts=budget), Requested(0, Request(Action.RESTART, "slow node")))
-    assert t.commands == (StopWorkers(),)
+    assert t.commands == (StopWorkers(keep=restarts),)  # kept in place only where a restart follows
     end = step(t.state, WorkersStopped())
     assert end.commands[0] == ReportFailure(will_restart=restarts)
     assert (end.commands[1] == start(1)) if restarts else (end.commands[1] == Finish(Outcome.FAILED))

@@ -27,9 +27,13 @@ EARLY_PARK_GRACE_S = 1.0  # a rank parked by itself: the failure it stands for, 
 
 class Keeping:
     def __init__(
-        self, survivors: Survivors, slot: Callable[[int], SlotView | None], asked: Asked, clock: Clock,
+        self,
+        survivors: Survivors,
+        slot: Callable[[int], SlotView | None],
+        asked: Asked,
+        clock: Clock,
         say: Callable[[str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``slot``: a local rank's slot in the monitor table (whether its function is restartable)."""
         self._survivors = survivors
         self._slot = slot
@@ -95,8 +99,8 @@ class Keeping:
             else:
                 processes.unkeep(w)
                 late.append(w)
-                self._say(f"{w.who}: not interrupted within {PARK_TIMEOUT_S:g} s (stuck outside Python?); "
-                          "its process is restarted instead")  # fmt: skip
+                stuck = f"not interrupted within {PARK_TIMEOUT_S:g} s (stuck outside Python?)"
+                self._say(f"{w.who}: {stuck}; its process is restarted instead")
         return late
 
     def close(self) -> None:

@@ -171,7 +171,7 @@ class NodeParts:
             watch.share_board(board.pace_share(), board.node, board.collective_share())
         asked = Asked(narrator.host, clock, narrator.emit, narrator.warn)
         asked.leave_reasons += [watch.pace.reason_to_leave, self.leave_for]  # --straggler-action exclude, health
-        survivors = Survivors()  # ranks restarted in place (ftrun.restartable) park here
+        survivors = Survivors.open()  # ranks restarted in place (ftrun.restartable) park here
         spawner = InPlaceSpawner(self.spawner, survivors)
         return LocalGroup(
             config,

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ftrun.jsonobject import object_or_none
 from ftrun.procs import proctree
 from ftrun.procs.spawner import ProcessHandle, Spawner
 from ftrun.worker.in_place import ENV, MAX_MESSAGE
@@ -47,12 +48,20 @@ class Parked:
 class Survivors:
     """The door, and the processes parked at it. Used from the agent's main thread."""
 
-    def __init__(self) -> None:
-        self.name = f"ftrun-in-place-{os.getpid()}-{secrets.token_hex(4)}"
-        self._door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._door.bind("\0" + self.name)
-        self._door.listen(256)
-        self._door.setblocking(False)
+    @classmethod
+    def open(cls) -> Survivors:
+        """This agent's door, listening (an abstract name: nothing on disk, gone with the agent)."""
+        name = f"ftrun-in-place-{os.getpid()}-{secrets.token_hex(4)}"
+        door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        door.bind("\0" + name)
+        door.listen(256)
+        door.setblocking(False)
+        return cls(name, door)
+
+    def __init__(self, name: str, door: socket.socket) -> None:
+        """Use :meth:`open`."""
+        self.name = name
+        self._door = door
         self._arrived: dict[int, Parked] = {}  # pid -> parked, not kept yet
         self._kept: dict[int, Parked] = {}  # local rank -> kept for the next attempt
         self._interrupted: set[int] = set()  # asked to park, not parked yet
@@ -160,8 +169,9 @@ def _read_arrival(conn: socket.socket) -> Parked | None:
         pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         if not select.select([conn], [], [], ARRIVAL_READ_S)[0]:
             raise OSError("no message")
-        data = conn.recv(MAX_MESSAGE)
-        message = json.loads(data)
+        message = object_or_none(conn.recv(MAX_MESSAGE), limit=MAX_MESSAGE)
+        if message is None:
+            raise ValueError("not a JSON object")
         parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn, parked_at=time.monotonic())
     except (OSError, ValueError, KeyError, TypeError):
         conn.close()

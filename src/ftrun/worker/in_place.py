@@ -45,6 +45,7 @@ BROKEN_BY_A_PEER = (
     "ProcessGroupNCCL",
 )
 
+Message = dict[str, Any]  # the agent's hand-over: the next attempt's environment, directory, what it replaces
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -174,7 +175,7 @@ def _shut_if_tcp(fd: int) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-def _receive(door: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def _receive(door: socket.socket) -> tuple[Message | None, list[int]]:
     fds = array.array("i")
     data, ancdata, _, _ = door.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
     for level, kind, payload in ancdata:
@@ -184,11 +185,11 @@ def _receive(door: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
         for fd in fds:
             os.close(fd)
         return None, []
-    request: dict[str, Any] = json.loads(data)
+    request: Message = json.loads(data)
     return request, list(fds)
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
+def _become(request: Message, fds: list[int]) -> None:
     """The next attempt's rank: its output, directory and environment (the variables ftrun gave the last
     attempt are replaced; those the process set itself stay), and its slot of the new monitor table."""
     if len(fds) != 2:
