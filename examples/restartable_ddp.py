@@ -5,9 +5,10 @@
 What is built outside the wrapped function (the model, its compiled code with ``--compile``, the optimizer)
 lives as long as the process; the function makes the process group, restores the newest snapshot agreed on
 every rank (or the initial state: a survivor's memory may hold an optimizer step half-done), and trains.
-Deterministic (the batch of each step is a function of the step and the rank): a run that crashed ends with
-the same weights as one that never failed; rank 0 prints the checksum. Under plain torchrun (or python)
-the decorator does nothing: the function runs once.
+Deterministic (the batch of each step is a function of the step and the rank): with 2 ranks, a run that crashed
+ends with the same weights as one that never failed; with more, as one restarted without the decorator (torch's
+DDP on gloo sums the first step after any restart in another order than an uninterrupted run does). Rank 0
+prints the checksum. Under plain torchrun (or python) the decorator does nothing: the function runs once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import copy
 import hashlib
 import os
+import threading
 import time
 
 import torch
@@ -26,14 +28,25 @@ from torch.nn.parallel import DistributedDataParallel
 import ftrun
 
 
+def held() -> str:
+    """What this process holds as an attempt starts: nothing may grow from one in-place restart to the next."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    groups = len(dist.distributed_c10d._world.pg_map)  # the process groups torch still knows
+    return f"rss {rss} threads {threading.active_count()} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--crash-at", type=int, default=None, help="the crashing rank exits at this step")
     p.add_argument("--crashes", type=int, default=1, help="attempts that crash (each a step later)")
     p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--hang-at", type=int, default=None, help="the crashing rank hangs at this step instead")
+    p.add_argument("--leaks", action="store_true", help="print what each attempt starts with (RSS, threads...)")
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (once per process)")
+    p.add_argument("--process-restart", action="store_true", help="no in-place restart: as without the decorator")
     a = p.parse_args()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
@@ -41,18 +54,22 @@ def main() -> None:
     initial = {"model": copy.deepcopy(net.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     forward = torch.compile(net) if a.compile else net
 
-    @ftrun.restartable
     def train() -> None:
         rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         dist.init_process_group("gloo")
         model = DistributedDataParallel(forward)
-        step, state = ftrun.restore() or (-1, initial)
+        last, state = ftrun.restore() or (-1, initial)
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
-        print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step {step + 1}", flush=True)
-        for step in range(step + 1, a.steps):
-            if rank == a.crash_rank and a.crash_at is not None and attempt < a.crashes and step == a.crash_at + attempt:
+        print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step {last + 1}", flush=True)
+        if a.leaks:
+            print(f"rank {rank} attempt {attempt} holds {held()}", flush=True)
+        for step in range(last + 1, a.steps):
+            failing = rank == a.crash_rank and attempt < a.crashes
+            if failing and a.crash_at is not None and step == a.crash_at + attempt:
                 os._exit(3)
+            if failing and step == a.hang_at:
+                time.sleep(3600)
             gen = torch.Generator().manual_seed(step * 100 + rank)
             x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
             opt.zero_grad()
@@ -65,7 +82,8 @@ def main() -> None:
             print(f"checksum {digest.hexdigest()[:16]}", flush=True)
         dist.destroy_process_group()
 
-    train()
+    run = train if a.process_restart else ftrun.restartable(train)  # as @ftrun.restartable on the def
+    run()
 
 
 if __name__ == "__main__":

@@ -69,15 +69,16 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
         _arm()
         while True:
             before = _sockets()
-            _running = True
             try:
-                return fn(*args, **kwargs)
+                try:
+                    _running = True
+                    return fn(*args, **kwargs)
+                finally:  # the interrupt may come until this is done: then it is what the outer block sees
+                    _running = False
             except BaseException as e:
                 if not restarts_the_job(e):
                     raise
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            finally:
-                _running = False
             _park(why, before)
 
     return restarting

@@ -1,0 +1,138 @@
+"""In-process restart (@ftrun.restartable, examples/restartable_ddp.py): the ranks that did not fail keep their
+process, the failed one is replaced, and the job ends as one that never failed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "restartable_ddp.py")
+STARTED = re.compile(r"rank (\d+) attempt (\d+) pid (\d+) from step (\d+)")
+HOLDS = re.compile(r"rank 0 attempt (\d+) holds rss (\d+) threads (\d+) fds (\d+) groups (\d+)")
+
+
+def pids(stdout: str) -> dict[tuple[int, int], int]:
+    """(rank, attempt) -> the pid that ran it."""
+    return {(int(r), int(a)): int(p) for r, a, p, _ in STARTED.findall(stdout)}
+
+
+def checksum(stdout: str) -> str:
+    found: list[str] = re.findall(r"checksum (\w+)", stdout)
+    assert len(found) == 1, stdout[-2000:]
+    return found[0]
+
+
+def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean_run(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, shared_dir: Path
+) -> None:
+    """2 nodes x 2 ranks; rank 3 exits at step 20: ranks 0, 1 and 2 go on in the processes they had, rank 3 is a
+    new one; every rank restores step 19, and the weights end as in the same job restarted as processes."""
+    job = [EXAMPLE, "--steps", "40", "--crash-at", "20", "--crash-rank", "3", "--step-time", "0.05"]
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", "is_host=false",
+             "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2", "--local-addr", "127.0.0.1"]  # fmt: skip
+    a, b = (LiveFtrun(tmp_path, *flags, *job, name=n, run_id="in-place") for n in "ab")
+    live.extend([a, b])
+    assert [a.wait(WAIT_S), b.wait(WAIT_S)] == [0, 0], a.stderr() + b.stderr()
+    out = "\n".join(a.lines + b.lines)  # every rank's output (each node's console)
+    ran = pids(out)
+    assert [ran[rank, 0] == ran[rank, 1] for rank in range(4)] == [True, True, True, False], ran
+    restored = {int(r): int(s) for r, at, _, s in STARTED.findall(out) if at == "1"}
+    assert sorted(restored) == [0, 1, 2, 3], restored
+    assert len(set(restored.values())) == 1, restored  # one step agreed on every rank
+    assert restored[0] == 20, restored  # step 19's copy was over when rank 3 exited: nothing lost
+    spawned = [e for f in (a, b) for e in f.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+    assert {e["rank"]: e["in_place"] for e in spawned} == {0: True, 1: True, 2: True, 3: False}, spawned
+    for f in (a, b):
+        assert "1 restart (in place)" in f.stderr(), f.stderr()
+    assert "interrupted; its process restarts in place" in a.stderr() + b.stderr()
+    # With 4 ranks DDP's first step after any restart sums in another order than an uninterrupted run's: the
+    # reference is the same fault restarted as processes (step 19's copy is over when rank 3 exits).
+    processes = clean_run(shared_dir, "--nproc-per-node", "4", "--max-restarts", "2", *job, "--process-restart")
+    assert "1 restart (warm)" in processes.stderr, processes.stderr
+    assert checksum(out) == checksum(processes.stdout)
+
+
+@pytest.mark.slow
+def test_fifty_restarts_in_place_in_a_row_leave_nothing_behind(tmp_path: Path, shared_dir: Path) -> None:
+    """Rank 1 exits in each of 50 attempts, a step later each time; rank 0 restarts in place every time. What
+    rank 0 holds as each attempt starts (threads, descriptors, process groups) is the same from the first
+    restart to the 50th, its RSS grows by no more than 5% meanwhile, and the weights end as in a run that never
+    failed (2 ranks: every sum in one order)."""
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "50", EXAMPLE, "--steps", "70",
+                  "--crash-at", "10", "--crashes", "50", "--leaks", timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "50 restarts (in place)" in r.stderr, r.stderr[-2000:]
+    logs = "".join(p.read_text() for p in sorted(r.run_dir.glob("attempt_*/*/stdout.log")))
+    ran = pids(logs)
+    assert len({ran[0, attempt] for attempt in range(51)}) == 1, ran  # one process for rank 0 throughout
+    assert len({ran[1, attempt] for attempt in range(51)}) == 51, ran  # rank 1 a new one each time
+    holds = {int(at): tuple(map(int, rest)) for at, *rest in HOLDS.findall(logs)}
+    assert sorted(holds) == list(range(51)), sorted(holds)
+    # The first restart adds what a restore keeps (its verification thread, the restored file's mapping) and
+    # what gloo frees one group late; from then on nothing grows.
+    first, last = holds[1], holds[50]
+    assert last[0] <= first[0] * 1.05, (first, last)  # RSS
+    assert {(h[1], h[3]) for at, h in holds.items() if at >= 1} == {(holds[1][1], 1)}, holds  # threads, groups
+    # Descriptors: the same over the last 25 restarts, and at most one more than after the first (a restored
+    # snapshot's file an earlier attempt's tensors may still hold).
+    assert len({holds[at][2] for at in range(25, 51)}) == 1, holds
+    assert holds[50][2] <= holds[1][2] + 1, holds
+    never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")
+    assert checksum(logs) == checksum(never.stdout)
+
+
+def test_a_hung_rank_is_replaced_and_the_ranks_waiting_for_it_restart_in_place(tmp_path: Path) -> None:
+    """Rank 1 hangs at step 8 (asleep): rank 0 waits in its all_reduce. ftrun finds the hang, ends rank 1, and
+    rank 0, its collective broken, parks and goes on in its own process."""
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--heartbeat-timeout", "3",
+                  EXAMPLE, "--steps", "20", "--hang-at", "8")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0) + r.log(0, 1) + r.log(1, 1))
+    assert (ran[0, 0] == ran[0, 1], ran[1, 0] == ran[1, 1]) == (True, False), ran
+    assert "1 restart (in place)" in r.stderr
+    assert "ROOT CAUSE  rank 1" in r.stderr
+
+
+DEAF = """
+import os, signal, time
+import torch.distributed as dist
+import ftrun
+
+@ftrun.restartable
+def train():
+    dist.init_process_group("gloo")
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {dist.get_rank()} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    if attempt == 0 and dist.get_rank() == 1:
+        os._exit(3)
+    if attempt == 0:  # rank 0 cannot be interrupted: the signal never reaches Python
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN + 5])
+        time.sleep(3600)
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+def test_a_rank_that_cannot_be_interrupted_is_restarted_as_a_process_and_said(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("deaf.py", DEAF)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "deaf.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0) + r.log(0, 1) + r.log(1, 1))
+    assert ran[0, 0] != ran[0, 1], ran
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\): not interrupted within 5 s", r.stderr), r.stderr
+    assert "1 restart (warm)" in r.stderr or "1 restart (cold)" in r.stderr, r.stderr
+
+
+def test_outside_ftrun_the_function_runs_once() -> None:
+    code = "import ftrun\n@ftrun.restartable\ndef f(x):\n    return x * 2\nprint(f(21))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "42"
