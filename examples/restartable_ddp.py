@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import os
 import threading
 import time
@@ -36,6 +37,12 @@ def held() -> str:
     return f"rss {rss} threads {threading.active_count()} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
 
 
+def note(timeline: str | None, **what: object) -> None:
+    if timeline:
+        with open(timeline, "a") as f:
+            f.write(json.dumps({**what, "t": time.time()}) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -44,6 +51,7 @@ def main() -> None:
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--hang-at", type=int, default=None, help="the crashing rank hangs at this step instead")
     p.add_argument("--leaks", action="store_true", help="print what each attempt starts with (RSS, threads...)")
+    p.add_argument("--timeline", default=None, help="append one JSON line per step and at the crash (benchmarks)")
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (once per process)")
     p.add_argument("--process-restart", action="store_true", help="no in-place restart: as without the decorator")
@@ -62,11 +70,13 @@ def main() -> None:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step {last + 1}", flush=True)
+        note(a.timeline, rank=rank, attempt=attempt, step=last, restored=True)
         if a.leaks:
             print(f"rank {rank} attempt {attempt} holds {held()}", flush=True)
         for step in range(last + 1, a.steps):
             failing = rank == a.crash_rank and attempt < a.crashes
             if failing and a.crash_at is not None and step == a.crash_at + attempt:
+                note(a.timeline, rank=rank, attempt=attempt, step=step, crash=True)
                 os._exit(3)
             if failing and step == a.hang_at:
                 time.sleep(3600)
@@ -76,6 +86,7 @@ def main() -> None:
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             ftrun.snapshot(step, {"model": net.state_dict(), "opt": opt.state_dict()})
+            note(a.timeline, rank=rank, attempt=attempt, step=step)
             time.sleep(a.step_time)
         digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
         if rank == 0:

@@ -75,6 +75,52 @@ def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(t
     assert restored == re.findall(r"checksum (\w+)", clean.stdout)[:1] != [], (restored, clean.stdout)
 
 
+# What the in-place block assumes around it: a model to build, the steps, a step.
+AROUND_IN_PLACE = """
+import copy, hashlib, os
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+import ftrun
+
+rank, steps, said = int(os.environ["RANK"]), 30, set()
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+def train_step(model, opt, step):
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt not in said:  # each attempt's first step
+        said.add(attempt)
+        print(f"rank {{rank}} attempt {{attempt}} pid {{os.getpid()}}", flush=True)
+    if attempt == 0 and rank == 1 and step == int(os.environ.get("CRASH_AT", -1)):
+        os._exit(3)
+    g = torch.Generator().manual_seed(step * 10 + rank)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+    opt.step()
+
+{block}
+digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
+print("checksum", digest.hexdigest()[:16], flush=True)
+"""
+
+
+def test_the_readmes_in_place_block_keeps_the_survivors_process_and_its_weights(tmp_path: Path) -> None:
+    [block] = [b for b in python_blocks() if "@ftrun.restartable" in b]
+    (tmp_path / "job.py").write_text(AROUND_IN_PLACE.format(block=block))
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "job.py", env={"CRASH_AT": "12"})
+    assert r.returncode == 0, r.stderr
+    assert "1 restart (in place)" in r.stderr, r.stderr
+    before, after = (re.findall(r"rank 0 attempt \d pid (\d+)", r.log(a, 0)) for a in (0, 1))
+    assert before == after != [], (before, after)  # rank 0 went on in its own process
+    (tmp_path / "clean").mkdir()
+    clean = run_ftrun(tmp_path / "clean", "--nproc-per-node", "2", str(tmp_path / "job.py"))
+    assert clean.returncode == 0, clean.stderr
+    assert re.findall(r"checksum (\w+)", r.log(1, 0)) == re.findall(r"checksum (\w+)", clean.stdout)[:1] != []
+
+
 DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo"
 
 

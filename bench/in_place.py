@@ -1,0 +1,128 @@
+"""In-process restart against today's warm process restart, of the same job in the same run, alternating.
+
+The job is examples/restartable_ddp.py: DDP on gloo over 2 nodes x 2 ranks (two ftrun agents on this machine,
+the first hosting the rendezvous store), a model built once per process (``--compile``: torch.compile with
+inductor), ftrun.snapshot every step. Rank 3 exits (os._exit) at a step; the job restarts either in place
+(@ftrun.restartable: ranks 0-2 keep their processes, rank 3 is a warm worker) or as processes
+(``--process-restart``: every rank a warm worker, as without the decorator). Figures from the job's own
+timeline (wall-clock lines written by every rank): the crash -> every rank having finished its first step
+after the restart; and the slowest survivor's part of it.
+
+    python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy]
+
+--busy: one busy loop per core for the whole run (a node whose cores are all taken). Prints figures; asserts
+nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "restartable_ddp.py"
+MODES = ("in-place", "process")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run_once(mode: str, workdir: Path, crash_at: int, compile_: bool, timeout: float) -> dict[str, float] | None:
+    timeline = workdir / "timeline.jsonl"
+    job = [str(EXAMPLE), "--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", "3",
+           "--step-time", "0.05", "--timeline", str(timeline)]  # fmt: skip
+    job += ["--compile"] if compile_ else []
+    job += ["--process-restart"] if mode == "process" else []
+    port = free_port()
+    agents = []
+    for name in "ab":
+        flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}", "--local-addr", "127.0.0.1",
+                 "--log-dir", str(workdir / f"logs-{name}")]  # fmt: skip
+        argv = [sys.executable, "-m", "ftrun", *flags, *job]
+        out = (workdir / f"{name}.out").open("w")
+        agents.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        codes = [a.wait(timeout) for a in agents]
+    except subprocess.TimeoutExpired:
+        codes = [1]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+                a.wait()
+    if any(codes):
+        print(f"  {mode}: a run failed ({codes}); see {workdir}", flush=True)
+        return None
+    lines = [json.loads(line) for line in timeline.read_text().splitlines()]
+    [crash] = [x for x in lines if x.get("crash")]
+    first, restored = {}, {}
+    for x in lines:
+        if x["attempt"] == 1 and x.get("restored"):
+            restored[x["rank"]] = x["t"]
+        elif x["attempt"] == 1 and not x.get("crash"):
+            first.setdefault(x["rank"], x["t"])
+    if sorted(first) != [0, 1, 2, 3]:
+        return None
+    return {
+        "every_rank_s": max(first.values()) - crash["t"],
+        "survivors_s": max(first[r] for r in (0, 1, 2)) - crash["t"],
+        "replaced_s": first[3] - crash["t"],
+        "restored_s": max(restored.values()) - crash["t"],  # every rank has its group and its state
+    }
+
+
+def busy_loops() -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--crash-at", type=int, default=30)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--busy", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    a = p.parse_args()
+    loads = busy_loops() if a.busy else []
+    found: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    try:
+        with tempfile.TemporaryDirectory(prefix="ftrun-bench-in-place-") as tmp:
+            for rep in range(a.reps):
+                for mode in MODES if rep % 2 == 0 else reversed(MODES):
+                    workdir = Path(tmp) / f"{mode}-{rep}"
+                    workdir.mkdir()
+                    trial = run_once(mode, workdir, a.crash_at, a.compile, a.timeout)
+                    if trial is not None:
+                        found[mode].append(trial)
+                        shown = ", ".join(f"{k} {v:.2f}" for k, v in trial.items())
+                        print(f"rep {rep} {mode:9s} {shown}", flush=True)
+    finally:
+        for loop in loads:
+            loop.kill()
+    machine = f"{os.cpu_count()} cores{', every core busy' if a.busy else ''}{', compiled' if a.compile else ''}"
+    print(f"\nin-process restart vs process restart, 2 nodes x 2 ranks, gloo ({machine}):")
+    medians = {m: statistics.median(t["every_rank_s"] for t in found[m]) for m in MODES if found[m]}
+    for mode in MODES:
+        if found[mode]:
+            runs = ", ".join(f"{t['every_rank_s']:.2f}" for t in found[mode])
+            survivors = statistics.median(t["survivors_s"] for t in found[mode])
+            print(f"  {mode:9s} crash -> every rank stepping again: median {medians[mode]:.2f} s ({runs}); "
+                  f"the survivors: {survivors:.2f} s")  # fmt: skip
+    if len(medians) == 2:
+        print(f"  ratio in-place / process: {medians['in-place'] / medians['process']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
