@@ -3,14 +3,18 @@ process, the failed one is replaced, and the job ends as one that never failed."
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun, until
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "restartable_ddp.py")
 STARTED = re.compile(r"rank (\d+) attempt (\d+) pid (\d+) from step (\d+)")
@@ -50,12 +54,56 @@ def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean
     assert {e["rank"]: e["in_place"] for e in spawned} == {0: True, 1: True, 2: True, 3: False}, spawned
     for f in (a, b):
         assert "1 restart (in place)" in f.stderr(), f.stderr()
+    # What a person sees: `ftrun status` marks the ranks that went on in place, `ftrun report` names them.
+    status = [json.loads((f.run_dir / "status.json").read_text()) for f in (a, b)]
+    assert {r["rank"]: r["in_place"] for s in status for r in s["ranks"]} == {0: True, 1: True, 2: True, 3: False}
+    told = [subprocess.run([sys.executable, "-m", "ftrun", "report", str(f.run_dir)], capture_output=True,
+                           text=True, timeout=60, check=True).stdout for f in (a, b)]  # fmt: skip
+    assert re.search(r"in place: rank\(s\) 0, 1 kept their process; interrupted in [\d.]+ s", "".join(told)), told
+    assert re.search(r"in place: rank\(s\) 2 kept their process; new process: rank\(s\) 3;", "".join(told)), told
     assert "interrupted; its process restarts in place" in a.stderr() + b.stderr()
     # With 4 ranks DDP's first step after any restart sums in another order than an uninterrupted run's: the
     # reference is the same fault restarted as processes (step 19's copy is over when rank 3 exits).
     processes = clean_run(shared_dir, "--nproc-per-node", "4", "--max-restarts", "2", *job, "--process-restart")
     assert "1 restart (warm)" in processes.stderr, processes.stderr
     assert checksum(out) == checksum(processes.stdout)
+
+
+def test_a_node_that_joins_and_is_lost_leaves_the_first_nodes_ranks_in_their_processes(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+) -> None:
+    """--nnodes 1:2: node a trains alone, node b joins (the job scales up to 4 ranks), then b is lost (its
+    workers SIGKILLed, its agent with them). Node a's ranks 0 and 1 go through both restarts in the processes
+    they started in: the new round, then their collectives broken by the lost node."""
+    timeline = tmp_path / "timeline.jsonl"
+    conf = "is_host=false,last_call_timeout=1"  # node a starts alone at once
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", conf,
+             "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "--local-addr", "127.0.0.1",
+             EXAMPLE, "--steps", "120", "--step-time", "0.05", "--timeline", str(timeline)]  # fmt: skip
+    a = LiveFtrun(tmp_path, *flags, name="a", run_id="lost")
+    live.append(a)
+    a.wait_for_lines(r"rank 0 attempt 0 pid", 1)
+    b = LiveFtrun(tmp_path, *flags, name="b", run_id="lost")
+    live.append(b)
+
+    def four_ranks_stepped() -> bool:
+        lines = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
+        return any(x["rank"] == 3 and not x.get("restored") for x in lines)
+
+    until(four_ranks_stepped, "the job trains on 4 ranks")
+    os.kill(b.proc.pid, signal.SIGSTOP)  # the machine goes: its workers, its agent with them
+    for e in b.events():
+        if e["kind"] == "worker_spawned":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(e["pid"]), signal.SIGKILL)
+    b.proc.kill()
+    assert a.wait(WAIT_S) == 0, a.stderr()
+    starts = [(int(r), int(p)) for r, _, p, _ in STARTED.findall("\n".join(a.lines))]  # each call's rank, pid
+    for rank in (0, 1):
+        ran = [p for r, p in starts if r == rank]
+        assert len(ran) == 3, starts  # alone, with b, alone again (a scale-up spends no restart: its count stays)
+        assert len(set(ran)) == 1, starts  # one process throughout
+    assert "2 restarts (in place)" in a.stderr(), a.stderr()
 
 
 @pytest.mark.slow

@@ -91,3 +91,25 @@ def test_summary_of_a_failed_run_counts_downtime_to_the_end() -> None:
     s = summarize(events)
     assert (s.outcome, s.exit_code, s.restarts) == ("failed", 1, 0)
     assert s.downtime_s == pytest.approx(2.0)
+
+
+def test_restarts_in_place_warm_and_cold_are_told_apart() -> None:
+    """A restart where any rank went on in its process is "in place" (the replaced rank warm or not); one whose
+    workers all came from the pool is warm; the rest cold."""
+
+    def attempt(n: int, *spawned: dict[str, bool]) -> list[Event]:
+        started = [Event(EventKind.ATTEMPT_STARTED, n, n, {"workers": len(spawned)})]
+        restart = [Event(EventKind.RESTART, n, n, {})] if n else []
+        return restart + started + [Event(EventKind.WORKER_SPAWNED, n, n, {"attempt": n, **w}) for w in spawned]
+
+    events = [
+        *attempt(0, {"warm": True}, {"warm": True}),
+        *attempt(1, {"warm": False, "in_place": True}, {"warm": True}),  # rank 0 in place, rank 1 from the pool
+        *attempt(2, {"warm": False, "in_place": True}, {"warm": False}),  # the replaced rank cold: still in place
+        *attempt(3, {"warm": True}, {"warm": True}),
+        *attempt(4, {"warm": False}, {"warm": True}),
+        Event(EventKind.RUN_FINISHED, 5.0, 5.0, {"exit_code": 0, "outcome": "succeeded"}),
+    ]
+    s = summarize(events)
+    assert (s.restarts, s.in_place_restarts, s.warm_restarts) == (4, 2, 1)
+    assert "4 restarts (2 in place, 1 warm, 1 cold)" in s.render()

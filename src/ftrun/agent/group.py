@@ -174,8 +174,9 @@ class LocalGroup:
         try:
             for local_rank in range(c.nproc_per_node):
                 w = self._spawning.spawn(self._processes, command, attempt_dir, local_rank, master_port, self._env)
+                w.in_place = self._in_place.in_place(w)
                 warm = getattr(w.handle, "warm", False)
-                tell.emit(EventKind.WORKER_SPAWNED, **w.identity(), warm=warm, in_place=self._in_place.in_place(w))
+                tell.emit(EventKind.WORKER_SPAWNED, **w.identity(), warm=warm, in_place=w.in_place)
         finally:
             self._processes.start_copying()
             self._pacing.workers_started(previous)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from ftrun.agent.asked import Asked
 from ftrun.agent.driver import Happening
 from ftrun.clock import Clock
+from ftrun.observe.events import EventKind
 from ftrun.procs.workers import AttemptProcesses, Worker, WorkerState
 from ftrun.warm.in_place import Survivors
 from ftrun.worker.layout import FLAG_RESTARTABLE, SlotView
@@ -33,8 +34,12 @@ class Keeping:
         asked: Asked,
         clock: Clock,
         say: Callable[[str], None],
+        emit: Callable[..., None],
     ) -> None:
-        """``slot``: a local rank's slot in the monitor table (whether its function is restartable)."""
+        """``slot``: a local rank's slot in the monitor table (whether its function is restartable); ``emit``:
+        an event (which ranks were kept, how long their interrupt took)."""
+        self._emit = emit
+        self._asked_at = 0.0  # monotonic: when the ranks set aside were interrupted
         self._survivors = survivors
         self._slot = slot
         self._asked = asked
@@ -82,6 +87,7 @@ class Keeping:
         for w in running:
             if w not in kept:  # to blame: its process goes, even where it parked
                 self._survivors.let_go(w.pid)
+        self._asked_at = self._clock.monotonic()
         self._survivors.interrupt(w.pid for w in kept)
         for w in kept:
             processes.keep(w)
@@ -91,6 +97,7 @@ class Keeping:
         """Wait for the ranks set aside to park; keeps those for the next attempt, returns the others (back in
         their attempt, to be stopped)."""
         parked = self._survivors.wait_parked({w.pid for w in kept}, PARK_TIMEOUT_S)
+        took = self._clock.monotonic() - self._asked_at
         late = []
         for w in kept:
             if w.pid in parked:
@@ -101,6 +108,12 @@ class Keeping:
                 late.append(w)
                 stuck = f"not interrupted within {PARK_TIMEOUT_S:g} s (stuck outside Python?)"
                 self._say(f"{w.who}: {stuck}; its process is restarted instead")
+        kept_ranks = sorted(w.rank for w in kept if w.pid in parked)
+        attempt = kept[0].attempt if kept else 0
+        late_ranks = sorted(w.rank for w in late)
+        self._emit(
+            EventKind.KEPT_IN_PLACE, attempt=attempt, ranks=kept_ranks, late=late_ranks, interrupt_s=round(took, 4)
+        )
         return late
 
     def close(self) -> None:

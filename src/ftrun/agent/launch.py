@@ -186,7 +186,7 @@ class NodeParts:
             pacing=self.pacing,
             asked=asked,
             link=link,
-            in_place=Keeping(survivors, watch.hangs.slot, asked, clock, narrator.warn),
+            in_place=Keeping(survivors, watch.hangs.slot, asked, clock, narrator.warn, narrator.emit),
         )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from ftrun.errors import ConfigError
 from ftrun.observe.events import EventKind, summarize
 from ftrun.observe.goodput import measure
-from ftrun.observe.history import NodeHistory, history
+from ftrun.observe.history import NodeHistory, Span, history
 from ftrun.observe.reporting import render, report_from_json, when
 
 
@@ -63,6 +63,22 @@ def node_counts(h: NodeHistory) -> dict[int, str]:
     return found
 
 
+def in_place_line(s: Span, kept: tuple[list[int], list[int], float, float]) -> str:
+    """How an attempt restarted in place: which ranks went on in their process, which are new, each phase."""
+    _, late, interrupt_s, parked = kept
+    new = f"; new process: rank(s) {_ranks(s.in_place[1])}" if s.in_place[1] else ""
+    stuck = f" ({_ranks(late)} not interrupted in time: restarted as processes)" if late else ""
+    step = f", first step {s.first_step - s.start:.2f} s after its start" if s.first_step is not None else ""
+    return (
+        f"in place: rank(s) {_ranks(s.in_place[0])} kept their process{new}{stuck}; interrupted in "
+        f"{interrupt_s:.3f} s, started {s.start - parked:.3f} s after{step}"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, sorted(ranks)))
+
+
 def text(h: NodeHistory) -> str:
     """The history as a person reads it, oldest first."""
     summary = summarize(h.events)
@@ -84,6 +100,9 @@ def text(h: NodeHistory) -> str:
         lines.append(f"attempt {s.number}: {span}{took}{first}: {how}{rounds.get(s.number, '')}")
         if s.restore:
             lines.append(f"  snapshots: {s.restore}")
+        before = h.spans[i - 1] if i else None
+        if s.in_place[0] and before is not None and before.kept is not None:
+            lines.append("  " + in_place_line(s, before.kept))
         if s.report is not None:
             report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
             lines += ["  " + line for line in render(report).splitlines()]

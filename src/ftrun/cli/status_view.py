@@ -78,7 +78,7 @@ def _ranks(job: dict[str, Any]) -> Table:
     now = float(job["now"])
     for node in job["nodes"]:
         for r in node.get("ranks", []):
-            state = str(r.get("state"))
+            state = str(r.get("state")) + (" (in place)" if r.get("in_place") else "")
             if r.get("exit_code") not in (None, 0) or r.get("signal"):
                 state += f" ({r['signal'] or 'exit ' + str(r['exit_code'])})"
             age = r.get("heartbeat_age_s")

@@ -41,6 +41,7 @@ class EventKind(enum.Enum):
     TIMEOUTS = "timeouts"  # the hang timeouts in force changed (calculated by the workers)
     POOL_READY = "pool_ready"  # a warm pool (zygote) finished preloading
     RESTORE = "restore"  # what an attempt's workers restore of the snapshots (the step, the world it was taken in)
+    KEPT_IN_PLACE = "kept_in_place"  # ranks interrupted and kept for an in-place restart (ftrun.restartable)
     GROUP_STOPPING = "group_stopping"
     GROUP_STOPPED = "group_stopped"
     FAILURE = "failure"
@@ -262,11 +263,11 @@ def _summarize(events: Iterable[Event]) -> RunSummary:
             if failed_at is not None:
                 downtime += e.mono - failed_at
                 failed_at = None
-    warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm)
-    in_place_restarts = sum(1 for attempt in in_place if attempt > 0 and warm.get(attempt))
+    warm_restarts = sum(1 for attempt, all_warm in warm.items() if attempt > 0 and all_warm and attempt not in in_place)
+    in_place_restarts = sum(1 for attempt in in_place if attempt > 0)
     return RunSummary(
-        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes),
-        warm_restarts - in_place_restarts, hangs, tuple(stragglers), in_place_restarts=in_place_restarts,
+        outcome, exit_code, attempts, restarts, downtime, failed_work, tuple(root_causes), warm_restarts, hangs,
+        tuple(stragglers), in_place_restarts=in_place_restarts,
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -27,6 +27,10 @@ class Span:
     cause: str = ""
     report: Path | None = None
     restore: str = ""  # what its workers restored of the snapshots, as the agent said
+    kept: tuple[list[int], list[int], float, float] | None = None  # its ranks kept in place at its end: (ranks,
+    # not parked in time, how long the interrupt took, when it was over)
+    in_place: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # its ranks restarted in
+    # place, and those started anew
 
     def take(self, e: Event, run_dir: Path) -> None:
         """One event of this attempt."""
@@ -34,6 +38,11 @@ class Span:
             self.first_step = e.wall - (e.mono - float(e.data["first_mono"]))
         elif e.kind is EventKind.RESTORE:
             self.restore = str(e.data.get("said", ""))
+        elif e.kind is EventKind.WORKER_SPAWNED:
+            self.in_place[0 if e.data.get("in_place") else 1].append(int(e.data.get("rank", -1)))
+        elif e.kind is EventKind.KEPT_IN_PLACE:
+            ranks, late = list(e.data.get("ranks", [])), list(e.data.get("late", []))
+            self.kept = (ranks, late, float(e.data.get("interrupt_s", 0.0)), e.wall)
         elif e.kind is EventKind.GROUP_STOPPING and self.end is None:
             self.end = e.wall
         elif e.kind is EventKind.FAILURE:

@@ -165,6 +165,7 @@ class NodeStatus:
             "local_rank": w.local_rank,
             "pid": w.pid,
             "state": state,
+            "in_place": w.in_place,  # its process went on from the last attempt (ftrun.restartable)
             "started": w.spawn_wall,
             **progress,
             "exit_code": w.exit_code,

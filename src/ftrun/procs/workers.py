@@ -131,6 +131,7 @@ class Worker:
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
     peer_lost: dict[str, object] | None = None  # it noticed its peer on another node go silent: that peer
     phase: ProcessPhase = ProcessPhase.ALIVE
+    in_place: bool = False  # its process is the last attempt's rank's, restarted in place (ftrun.restartable)
 
     def _move(self, to: ProcessPhase) -> None:
         assert to in _ARROWS.get(self.phase, ()), f"{self.who}: {self.phase.value} -> {to.value}"
