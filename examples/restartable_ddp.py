@@ -91,6 +91,9 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
         if rank == 0:
             print(f"checksum {digest.hexdigest()[:16]}", flush=True)
+        # DDP first, while its group is still registered: freed after the group's end, DDP's reducer would end
+        # the group itself, joining gloo's threads with the GIL held, which one may need (torch 2.13: a hang).
+        del model
         dist.destroy_process_group()
 
     run = train if a.process_restart else ftrun.restartable(train)  # as @ftrun.restartable on the def
