@@ -12,6 +12,7 @@ def test_public_surface() -> None:
     assert sorted(ftrun.__all__) == [
         "CorruptSnapshot",
         "RankMonitorClient",
+        "RestartInPlace",
         "SnapshotReader",
         "SnapshotWriter",
         "__version__",
@@ -24,6 +25,7 @@ def test_public_surface() -> None:
         "monitor_state",
         "record",
         "request_restart",
+        "restartable",
         "restore",
         "restore_parts",
         "section",

@@ -127,10 +127,11 @@ def test_fifty_restarts_in_place_in_a_row_leave_nothing_behind(tmp_path: Path, s
     first, last = holds[1], holds[50]
     assert last[0] <= first[0] * 1.05, (first, last)  # RSS
     assert {(h[1], h[3]) for at, h in holds.items() if at >= 1} == {(holds[1][1], 1)}, holds  # threads, groups
-    # Descriptors: the same over the last 25 restarts, and at most one more than after the first (a restored
-    # snapshot's file an earlier attempt's tensors may still hold).
-    assert len({holds[at][2] for at in range(25, 51)}) == 1, holds
-    assert holds[50][2] <= holds[1][2] + 1, holds
+    # Descriptors: some come once, at one restart or another (gloo's context of the group before, a restored
+    # snapshot's file an earlier attempt's tensors still hold), then none: the same over the last 25 restarts,
+    # and at most one more than the most of the first 25.
+    assert len({holds[at][2] for at in range(26, 51)}) == 1, holds
+    assert holds[50][2] <= max(holds[at][2] for at in range(1, 26)) + 1, holds
     never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")
     assert checksum(logs) == checksum(never.stdout)
 

@@ -344,7 +344,7 @@ def test_the_constructor_check_can_fail(tmp_path: Path) -> None:
 OWN_JSON = {
     "ftrun.jsonobject", "ftrun.observe.events", "ftrun.warm.preload", "ftrun.warm.zygote", "ftrun.warm.zygotes",
     "ftrun.worker.client", "ftrun.worker.collectives", "ftrun.cli.report", "ftrun.store.etcd", "ftrun.node.ports",
-    "ftrun.testing.etcd", "ftrun.worker.in_place",
+    "ftrun.testing.etcd", "ftrun.worker.messages",
 }  # fmt: skip
 
 

@@ -9,9 +9,7 @@ A survivor that does not park within the bound it was given is stopped as any wo
 
 from __future__ import annotations
 
-import array
 import contextlib
-import json
 import os
 import secrets
 import select
@@ -26,7 +24,8 @@ from pathlib import Path
 from ftrun.jsonobject import object_or_none
 from ftrun.procs import proctree
 from ftrun.procs.spawner import ProcessHandle, Spawner
-from ftrun.worker.in_place import ENV, MAX_MESSAGE
+from ftrun.worker import messages
+from ftrun.worker.in_place import ENV
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
 ARRIVAL_READ_S = 1.0  # a process that connected sends its one message at once
@@ -134,10 +133,7 @@ class Survivors:
             return None
         request = {"env": dict(env), "cwd": str(cwd), "given": list(parked.given)}
         try:
-            parked.conn.sendmsg(
-                [json.dumps(request).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
-            )
+            messages.send(parked.conn, request, (stdout, stderr))
         except OSError:
             return None  # it died parked: its exit is reaped as an orphan's
         finally:
@@ -169,7 +165,7 @@ def _read_arrival(conn: socket.socket) -> Parked | None:
         pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         if not select.select([conn], [], [], ARRIVAL_READ_S)[0]:
             raise OSError("no message")
-        message = object_or_none(conn.recv(MAX_MESSAGE), limit=MAX_MESSAGE)
+        message = object_or_none(conn.recv(messages.MAX_MESSAGE), limit=messages.MAX_MESSAGE)
         if message is None:
             raise ValueError("not a JSON object")
         parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn, parked_at=time.monotonic())

@@ -22,7 +22,6 @@ worker start-up (which every watched worker imports anyway).
 
 from __future__ import annotations
 
-import array
 import contextlib
 import ctypes
 import gc
@@ -41,10 +40,9 @@ from typing import Any
 
 from ftrun.worker import compile_probes, jemalloc, procfs
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
+from ftrun.worker.messages import Message, receive, send
 
 Filters = list[Any]  # warnings.filters as the preloaded modules left them, which each worker starts with
-Message = dict[str, Any]  # a JSON message between the agent and the zygote, or a standby
-MAX_MESSAGE = 1 << 20
 ADOPTION_WAIT_S = 5.0
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -62,22 +60,6 @@ def rss_kb() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
-
-
-def send(sock: socket.socket, message: Message) -> None:
-    sock.sendmsg([json.dumps(message).encode()])
-
-
-def receive(sock: socket.socket) -> tuple[Message | None, list[int]]:
-    fds = array.array("i")
-    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(8 * fds.itemsize))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
-    if not data:
-        return None, list(fds)
-    message: Message = json.loads(data)
-    return message, list(fds)
 
 
 def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, str]:

@@ -5,7 +5,6 @@ several and chooses among them, :mod:`ftrun.warm.pool`.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import json
 import os
@@ -21,10 +20,11 @@ from typing import Any
 
 from ftrun.private import append_fd
 from ftrun.procs import proctree
+from ftrun.worker import messages
 
 FORK_TIMEOUT_S = 10.0
 GROW_TIMEOUT_S = 1.0  # for a zygote forked from a ready one to say its pid
-MAX_MESSAGE = 1 << 20
+
 # The zygote pins its own thread pools (never the workers'): a library that starts threads at import
 # (OpenMP, BLAS) would make the zygote unsafe to fork.
 ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -79,10 +79,7 @@ class Standby:
 
     def run(self, request: dict[str, Any], stdout: int, stderr: int) -> AdoptedHandle:
         try:
-            self.sock.sendmsg(
-                [json.dumps(request).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (stdout, stderr)).tobytes())],
-            )
+            messages.send(self.sock, request, (stdout, stderr))
         except OSError as e:
             raise PoolError(f"the standby worker {self.handle.pid} is gone ({e})") from None
         finally:
@@ -182,15 +179,12 @@ class Zygote:
         added = [m for m in preload if m not in have]
         request = {"agent_pid": os.getpid(), "grow": added, "idle": idle, "inherited": self.ready.get("loaded", 0)}
         try:
-            self._sock.sendmsg(
-                [json.dumps(request).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
-            )
+            messages.send(self._sock, request, (theirs.fileno(),))
             with selectors.DefaultSelector() as sel:  # the agent's loop waits: briefly (a fork takes ~10 ms)
                 sel.register(ours, selectors.EVENT_READ)
                 if not sel.select(GROW_TIMEOUT_S):  # a late one finds its socket closed, and exits
                     raise NotYet(f"it took more than {GROW_TIMEOUT_S:g} s to fork")
-            pid = int(json.loads(ours.recv(MAX_MESSAGE) or b"{}")["pid"])
+            pid = int(json.loads(ours.recv(messages.MAX_MESSAGE) or b"{}")["pid"])
             grown = Zygote(GrownProcess(pid), ours, preload, self._script)
             grown.grown_from = self.proc.pid
         except (OSError, PoolError, KeyError, ValueError) as e:
@@ -251,10 +245,7 @@ class Zygote:
         """Ask for one more standby worker (answered later: nobody waits for the fork now)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._sock.sendmsg(
-                [json.dumps({"agent_pid": os.getpid(), "script": self._script}).encode()],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", (theirs.fileno(),)).tobytes())],
-            )
+            messages.send(self._sock, {"agent_pid": os.getpid(), "script": self._script}, (theirs.fileno(),))
         except OSError as e:
             ours.close()
             self.failed = f"the zygote is gone ({e})"
@@ -306,7 +297,7 @@ class Zygote:
             if not sel.select(timeout_s):
                 raise NotYet(f"the zygote took more than {timeout_s:g} s {what}")
         try:
-            data = self._sock.recv(MAX_MESSAGE)
+            data = self._sock.recv(messages.MAX_MESSAGE)
         except OSError as e:
             raise PoolError(f"the zygote is gone ({e})") from None
         if not data:

@@ -18,23 +18,21 @@ Outside ftrun, or from another thread than the main one, the function runs once,
 
 from __future__ import annotations
 
-import array
 import contextlib
 import functools
 import gc
-import json
 import os
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
+from ftrun.worker import messages
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
 ENV = "FTRUN_IN_PLACE"  # the abstract socket name of the agent's door for parked processes
-MAX_MESSAGE = 1 << 20
 # What a collective broken by a lost peer raises (gloo's transport, torch's NCCL watchdog): the job's restart.
 BROKEN_BY_A_PEER = (
     "gloo/transport",
@@ -45,7 +43,6 @@ BROKEN_BY_A_PEER = (
     "ProcessGroupNCCL",
 )
 
-Message = dict[str, Any]  # the agent's hand-over: the next attempt's environment, directory, what it replaces
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -117,13 +114,15 @@ def _park(why: str, before: set[str]) -> None:
     door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         door.connect("\0" + os.environ[ENV])
-        door.sendmsg([json.dumps({"parked": why, "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}).encode()])
-        request, fds = _receive(door)
+        messages.send(door, {"parked": why, "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
+        request, fds = messages.receive(door)
     except OSError:
         request, fds = None, []
     finally:
         door.close()
     if request is None:
+        for fd in fds:
+            os.close(fd)
         os._exit(1)  # the agent let this process go (its exit is nobody's failure: the attempt is over)
     _become(request, fds)
 
@@ -176,21 +175,7 @@ def _shut_if_tcp(fd: int) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-def _receive(door: socket.socket) -> tuple[Message | None, list[int]]:
-    fds = array.array("i")
-    data, ancdata, _, _ = door.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
-    for level, kind, payload in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None, []
-    request: Message = json.loads(data)
-    return request, list(fds)
-
-
-def _become(request: Message, fds: list[int]) -> None:
+def _become(request: messages.Message, fds: list[int]) -> None:
     """The next attempt's rank: its output, directory and environment (the variables ftrun gave the last
     attempt are replaced; those the process set itself stay), and its slot of the new monitor table."""
     if len(fds) != 2:
