@@ -61,6 +61,8 @@ def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean
                            text=True, timeout=60, check=True).stdout for f in (a, b)]  # fmt: skip
     assert re.search(r"in place: rank\(s\) 0, 1 kept their process; interrupted in [\d.]+ s", "".join(told)), told
     assert re.search(r"in place: rank\(s\) 2 kept their process; new process: rank\(s\) 3;", "".join(told)), told
+    phases = r"then handed its attempt [\d.]+ s, met its peers [\d.]+ s, restored [\d.]+ s, first step [\d.]+ s after"
+    assert all(re.search(phases, t) for t in told), told  # each phase's time, from the kept ranks' notes
     assert "interrupted; its process restarts in place" in a.stderr() + b.stderr()
     # With 4 ranks DDP's first step after any restart sums in another order than an uninterrupted run's: the
     # reference is the same fault restarted as processes (step 19's copy is over when rank 3 exits).
@@ -127,11 +129,10 @@ def test_fifty_restarts_in_place_in_a_row_leave_nothing_behind(tmp_path: Path, s
     first, last = holds[1], holds[50]
     assert last[0] <= first[0] * 1.05, (first, last)  # RSS
     assert {(h[1], h[3]) for at, h in holds.items() if at >= 1} == {(holds[1][1], 1)}, holds  # threads, groups
-    # Descriptors: some come once, at one restart or another (gloo's context of the group before, a restored
-    # snapshot's file an earlier attempt's tensors still hold), then none: the same over the last 25 restarts,
-    # and at most one more than the most of the first 25.
-    assert len({holds[at][2] for at in range(26, 51)}) == 1, holds
-    assert holds[50][2] <= max(holds[at][2] for at in range(1, 26)) + 1, holds
+    # Descriptors come and go by a dozen (gloo's context of the group before, freed a restart late; a restored
+    # snapshot's file an earlier attempt's tensors still hold), but never pile up: no more in the last 25
+    # restarts than in the first 25.
+    assert max(holds[at][2] for at in range(26, 51)) <= max(holds[at][2] for at in range(1, 26)), holds
     never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")
     assert checksum(logs) == checksum(never.stdout)
 

@@ -67,7 +67,7 @@ class AttemptListener(Protocol):
 class InPlace(Protocol):
     """The ranks that restart in place (``ftrun.restartable``) as an attempt stops: :mod:`ftrun.agent.keeping`."""
 
-    def env(self) -> dict[str, str]: ...
+    def env(self, rank_dir: Path) -> dict[str, str]: ...
 
     def new_attempt(self) -> None: ...
 
@@ -186,7 +186,7 @@ class LocalGroup:
     def _env(self, local_rank: int, rank_dir: Path, spawned: float) -> dict[str, str]:
         """What ftrun adds to a rank's environment: its watch (slot, stacks), its snapshots, its peer heartbeat."""
         extra = {**self._watch.env(local_rank, rank_dir, spawned), **self._snapshots.env()}
-        return extra | self._link.env() | self._in_place.env()
+        return extra | self._link.env() | self._in_place.env(rank_dir)
 
     def wait(self, timeout_s: float | None, also: int | None = None) -> tuple[list[Happening], bool]:
         """Sleep until something happens here, at most ``timeout_s`` (None: no limit but the hang checks).

@@ -13,6 +13,7 @@ that time, is the root cause instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ftrun.agent.asked import Asked
 from ftrun.agent.driver import Happening
@@ -20,6 +21,7 @@ from ftrun.clock import Clock
 from ftrun.observe.events import EventKind
 from ftrun.procs.workers import AttemptProcesses, Worker, WorkerState
 from ftrun.warm.in_place import Survivors
+from ftrun.worker.in_place import PHASES_ENV, PHASES_FILE
 from ftrun.worker.layout import FLAG_RESTARTABLE, SlotView
 
 PARK_TIMEOUT_S = 5.0  # from the interrupt: a rank not parked by then is stopped and replaced
@@ -47,8 +49,9 @@ class Keeping:
         self._say = say
         self._early: dict[int, tuple[Worker, str, float]] = {}  # pid -> (worker, why, when it parked)
 
-    def env(self) -> dict[str, str]:
-        return self._survivors.env()
+    def env(self, rank_dir: Path) -> dict[str, str]:
+        """The door's name, and where a rank restarted in place notes its phases (see ftrun report)."""
+        return {**self._survivors.env(), PHASES_ENV: str(rank_dir / PHASES_FILE)}
 
     def new_attempt(self) -> None:
         self._survivors.new_attempt()

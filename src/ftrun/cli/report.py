@@ -18,10 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ftrun.errors import ConfigError
+from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import EventKind, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import NodeHistory, Span, history
 from ftrun.observe.reporting import render, report_from_json, when
+from ftrun.worker.in_place import PHASES_FILE
 
 
 def main(argv: Sequence[str]) -> int:
@@ -63,15 +65,32 @@ def node_counts(h: NodeHistory) -> dict[int, str]:
     return found
 
 
-def in_place_line(s: Span, kept: tuple[list[int], list[int], float, float]) -> str:
-    """How an attempt restarted in place: which ranks went on in their process, which are new, each phase."""
+PHASES = (("handed", "handed its attempt"), ("met", "met its peers"), ("restored", "restored"))
+
+
+def in_place_line(s: Span, kept: tuple[list[int], list[int], float, float], run_dir: Path) -> str:
+    """How an attempt restarted in place: which ranks went on in their process, which are new, and each phase:
+    the interrupt, the attempt's start, then (the latest of the kept ranks, from their notes) each one's
+    hand-over, its peers met, its state restored, and the attempt's first step."""
     _, late, interrupt_s, parked = kept
     new = f"; new process: rank(s) {_ranks(s.in_place[1])}" if s.in_place[1] else ""
     stuck = f" ({_ranks(late)} not interrupted in time: restarted as processes)" if late else ""
-    step = f", first step {s.first_step - s.start:.2f} s after its start" if s.first_step is not None else ""
+    noted: dict[str, float] = {}
+    for rank in s.in_place[0]:
+        try:
+            raw = (run_dir / f"attempt_{s.number}" / str(rank) / PHASES_FILE).read_bytes()
+        except OSError:
+            continue
+        for name, at in (object_or_none(raw, limit=4096) or {}).items():
+            if isinstance(at, (int, float)):
+                noted[name] = max(noted.get(name, at), at)
+    phases = [f"{said} {noted[name] - s.start:.2f} s" for name, said in PHASES if name in noted]
+    if s.first_step is not None:
+        phases.append(f"first step {s.first_step - s.start:.2f} s")
+    after = f"; then {', '.join(phases)} after its start" if phases else ""
     return (
         f"in place: rank(s) {_ranks(s.in_place[0])} kept their process{new}{stuck}; interrupted in "
-        f"{interrupt_s:.3f} s, started {s.start - parked:.3f} s after{step}"
+        f"{interrupt_s:.3f} s, started {s.start - parked:.3f} s after{after}"
     )
 
 
@@ -102,7 +121,7 @@ def text(h: NodeHistory) -> str:
             lines.append(f"  snapshots: {s.restore}")
         before = h.spans[i - 1] if i else None
         if s.in_place[0] and before is not None and before.kept is not None:
-            lines.append("  " + in_place_line(s, before.kept))
+            lines.append("  " + in_place_line(s, before.kept, h.run_dir))
         if s.report is not None:
             report = report_from_json(json.loads(s.report.read_text(encoding="utf-8")))
             lines += ["  " + line for line in render(report).splitlines()]

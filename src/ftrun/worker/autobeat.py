@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from ftrun.worker import client, pace
+from ftrun.worker import client, in_place, pace
 from ftrun.worker.master_wait import hook_rendezvous
 
 
@@ -43,7 +43,13 @@ def _after_timed_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _hook_rendezvous(module: ModuleType) -> None:
     """A warm start's race for rank 0's TCPStore (master_wait); and the agent is told while the job meets its
     peers (a long wait there is said, with what it waits for)."""
-    hook_rendezvous(module, client.meeting_peers)
+    hook_rendezvous(module, _meeting)
+
+
+def _meeting(on: bool) -> None:
+    client.meeting_peers(on)
+    if not on:  # a rank restarted in place notes when it met its peers again (ftrun report)
+        in_place.phase("met")
 
 
 def _hook_data_loader(module: ModuleType) -> None:

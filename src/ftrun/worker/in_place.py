@@ -21,11 +21,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -33,6 +35,8 @@ from ftrun.worker import messages
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
 ENV = "FTRUN_IN_PLACE"  # the abstract socket name of the agent's door for parked processes
+PHASES_ENV = "FTRUN_PHASES_FILE"  # where a rank restarted in place notes when it reached each phase (the report)
+PHASES_FILE = "phases.json"  # that file, in the rank's directory of the attempt
 # What a collective broken by a lost peer raises (gloo's transport, torch's NCCL watchdog): the job's restart.
 BROKEN_BY_A_PEER = (
     "gloo/transport",
@@ -53,6 +57,7 @@ class RestartInPlace(BaseException):
 
 
 _running = False  # the wrapped function is running: only then does the signal interrupt it
+_phases: dict[str, float] = {}  # this attempt's, in a process restarted in place (empty: none to note)
 
 
 def restartable(fn: Callable[P, R]) -> Callable[P, R]:
@@ -195,3 +200,17 @@ def _become(request: messages.Message, fds: list[int]) -> None:
 
     client.reattach()
     client.restartable()
+    _phases.clear()
+    phase("handed")
+
+
+def phase(name: str) -> None:
+    """A process restarted in place reached ``name`` ("handed": it has its attempt; "met": its peers, in
+    init_process_group; "restored": ftrun.restore returned), written for ``ftrun report`` (wall clock). Nothing
+    in a process that was not restarted in place."""
+    path = os.environ.get(PHASES_ENV)
+    if not path or (not _phases and name != "handed") or name in _phases:
+        return
+    _phases[name] = time.time()
+    with contextlib.suppress(OSError), open(path, "w") as f:  # a failing log disk loses the note, nothing else
+        json.dump(_phases, f)

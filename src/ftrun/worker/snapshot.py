@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftrun.worker import client
+from ftrun.worker import client, in_place
 from ftrun.worker import snapshot_budget as budget
 from ftrun.worker import snapshot_file as file
 from ftrun.worker.snapshot_file import BAD_MARK, CorruptSnapshot, is_whole, path_of
@@ -321,6 +321,7 @@ def _gib(size: int) -> str:
 def name_start(restored: int | None) -> None:
     """Where this attempt starts, for lost work: the step after the one restored; with none, step 0 in a run's
     first attempt (a later attempt resumes from the job's own checkpoint, at a step ftrun does not know)."""
+    in_place.phase("restored")
     if restored is not None:
         name_step(restored + 1)
     elif os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
