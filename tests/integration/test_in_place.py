@@ -129,10 +129,11 @@ def test_fifty_restarts_in_place_in_a_row_leave_nothing_behind(tmp_path: Path, s
     first, last = holds[1], holds[50]
     assert last[0] <= first[0] * 1.05, (first, last)  # RSS
     assert {(h[1], h[3]) for at, h in holds.items() if at >= 1} == {(holds[1][1], 1)}, holds  # threads, groups
-    # Descriptors come and go by a dozen (gloo's context of the group before, freed a restart late; a restored
-    # snapshot's file an earlier attempt's tensors still hold), but never pile up: no more in the last 25
-    # restarts than in the first 25.
-    assert max(holds[at][2] for at in range(26, 51)) <= max(holds[at][2] for at in range(1, 26)), holds
+    # Descriptors come and go by a dozen (gloo's context of the group before, freed a restart late) and a
+    # restored snapshot's file an earlier attempt's tensors still hold may stay open, at any restart; but they
+    # never pile up: the last 25 restarts hold at most 2 more than the most of the first 25 (a leak of one a
+    # restart would be 25 more).
+    assert max(holds[at][2] for at in range(26, 51)) <= max(holds[at][2] for at in range(1, 26)) + 2, holds
     never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")
     assert checksum(logs) == checksum(never.stdout)
 
