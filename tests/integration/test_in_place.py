@@ -171,6 +171,7 @@ train()
 """
 
 
+@pytest.mark.alone  # timed by a bound (5 s to park); it hung 120 s once in CI beside 3 others, not understood
 def test_a_rank_that_cannot_be_interrupted_is_restarted_as_a_process_and_said(
     tmp_path: Path, script: WriteScript
 ) -> None:
