@@ -41,7 +41,6 @@ class Parked:
     conn: socket.socket
     handle: ProcessHandle | None = None  # set when the agent keeps it for the next attempt
     given: tuple[str, ...] = ()  # the environment ftrun gave its last attempt (replaced, not added to)
-    parked_at: float = 0.0  # monotonic
 
 
 class Survivors:
@@ -168,7 +167,7 @@ def _read_arrival(conn: socket.socket) -> Parked | None:
         message = object_or_none(conn.recv(messages.MAX_MESSAGE), limit=messages.MAX_MESSAGE)
         if message is None:
             raise ValueError("not a JSON object")
-        parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn, parked_at=time.monotonic())
+        parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn)
     except (OSError, ValueError, KeyError, TypeError):
         conn.close()
         return None
