@@ -98,11 +98,29 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
     )
     try:
         out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        seen = processes_of(proc.pid)  # what was still there, and in what state: before the kill ends it
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"ftrun did not end within {timeout:g} s; its session then:\n{seen}\n{err[-4000:]}"
+        ) from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     return Result(proc.returncode, out, err, tmp_path / "logs" / RUN_ID)
+
+
+def processes_of(session: int, pids: Sequence[int] = ()) -> str:
+    """``ps`` of a session's processes and of ``pids`` (a failing test's picture: who waits where)."""
+    ps = subprocess.run(
+        ["ps", "-eo", "pid,ppid,sid,stat,wchan:24,etimes,args", "--forest"], capture_output=True, text=True
+    ).stdout.splitlines()
+    wanted = {str(p) for p in pids}
+    return (
+        "\n".join(line for line in ps[1:] if line.split()[2] == str(session) or line.split()[0] in wanted) or "(none)"
+    )
 
 
 def clean_run(shared: Path, *args: str, files: Mapping[str, str] | None = None, timeout: float = 120.0) -> Result:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import LiveFtrun, WriteScript, run_ftrun, wait_gone
+from tests.integration.harness import LiveFtrun, WriteScript, processes_of, run_ftrun, wait_gone
 
 SLEEPER = """
 import os, signal, sys, time
@@ -220,5 +220,6 @@ def test_sigkill_of_ftrun_leaves_no_descendant_even_in_its_own_session(
     pids = [int(p) for m in f.wait_for_lines(r"ready (\d+) (\d+)", 2) for p in m.groups()]
     f.proc.kill()
     f.wait()
-    assert wait_gone(pids) == []
+    left = wait_gone(pids)
+    assert left == [], f"{processes_of(-1, left)}\n{f.stderr()[-3000:]}"
     assert "its warden ended" in f.stderr()
