@@ -100,6 +100,8 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         seen = processes_of(proc.pid)  # what was still there, and in what state: before the kill ends it
+        spy = Path(sys.executable).with_name("py-spy")  # a dev dependency: where the agent waits
+        seen += "\n" + subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(
@@ -113,14 +115,16 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
 
 
 def processes_of(session: int, pids: Sequence[int] = ()) -> str:
-    """``ps`` of a session's processes and of ``pids`` (a failing test's picture: who waits where)."""
-    ps = subprocess.run(
+    """``ps`` of a session's processes, ``pids`` and everything below them (a failing test's picture: who waits
+    where)."""
+    lines = subprocess.run(
         ["ps", "-eo", "pid,ppid,sid,stat,wchan:24,etimes,args", "--forest"], capture_output=True, text=True
-    ).stdout.splitlines()
-    wanted = {str(p) for p in pids}
-    return (
-        "\n".join(line for line in ps[1:] if line.split()[2] == str(session) or line.split()[0] in wanted) or "(none)"
-    )
+    ).stdout.splitlines()[1:]
+    rows = [(line.split(), line) for line in lines]
+    wanted = {int(f[0]) for f, _ in rows if int(f[2]) == session} | set(pids)
+    while grown := {int(f[0]) for f, _ in rows if int(f[1]) in wanted} - wanted:
+        wanted |= grown
+    return "\n".join(line for f, line in rows if int(f[0]) in wanted) or "(none)"
 
 
 def clean_run(shared: Path, *args: str, files: Mapping[str, str] | None = None, timeout: float = 120.0) -> Result:
