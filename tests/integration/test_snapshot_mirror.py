@@ -29,6 +29,16 @@ def whole(directory: Path, step: int, rank: int) -> bytes:
     return file.path_of(directory, step, rank).read_bytes()
 
 
+def newest_first(directory: Path, steps: tuple[int, ...], rank: int) -> None:
+    """Steps written whole elsewhere, then moved in newest first: the pacing node never sees an older one as its
+    newest (written in order, a loaded machine let its copier start on the older one between the two)."""
+    staging = directory.with_name(f"{directory.name}-staging")
+    for step in steps:
+        whole(staging, step, rank)
+    for step in sorted(steps, reverse=True):
+        (staging / file.STEP_DIR.format(step)).rename(directory / file.STEP_DIR.format(step))
+
+
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[SnapshotMirror, SnapshotMirror]]:
     (tmp_path / "a").mkdir()
@@ -161,12 +171,11 @@ def test_every_node_copies_the_step_the_pacing_node_chose_and_keeps_it(
     assert held(tmp_path / "b") == {0: {3}}
     pinned = {n: {s for s in range(1, 8) if file.is_pinned(tmp_path / n / file.STEP_DIR.format(s))} for n in "ab"}
     assert pinned == {"a": {3}, "b": {3}}
-    for step in (4, 5):
-        whole(tmp_path / "a", step, 0)
+    newest_first(tmp_path / "a", (4, 5), 0)
     until(lambda: held(tmp_path / "a") == {1: {3, 5}}, "b's step 5 on a")
     for step in (6, 7):
-        whole(tmp_path / "a", step, 0)
         whole(tmp_path / "b", step, 1)
+    newest_first(tmp_path / "a", (6, 7), 0)
     until(lambda: held(tmp_path / "a") == {1: {5, 7}}, "b's step 7 on a")
     a.stop_sending()
     b.stop_sending()
