@@ -16,7 +16,9 @@ every rank having finished its first step after the restart; how many recovered 
 and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
 
     python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise] [--cuda-standin]
-                             [--nproc 2] [--job ddp|stack]
+                             [--nproc 2] [--job ddp|stack] [--busy]
+
+--busy: one busy loop per core for the whole run, at normal priority (a node whose cores are all taken).
 
 --job stack: the real-stack job instead (examples/pretrain_stack.py: FSDP2 on a 2-D mesh, torch.compile with
 inductor, DCP every 5 steps, a StatefulDataLoader over a datasets table); rank 1 exits (os._exit) at the step.
@@ -168,7 +170,19 @@ def main() -> None:
     p.add_argument("--job", choices=["ddp", "stack"], default="ddp",
                    help="ddp: bench/plain_ddp.py; stack: examples/pretrain_stack.py (FSDP2, DCP, torch.compile, "
                    "a datasets loader; steps of its own length, a SIGKILL-free exit at the step)")  # fmt: skip
+    p.add_argument("--busy", action="store_true", help="every core taken by a busy loop (see above)")
     args = p.parse_args()
+    cores = (os.cpu_count() or 1) if args.busy else 0
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        run_all(args)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+def run_all(args: argparse.Namespace) -> None:
     launchers = args.launchers.split(",")
     crash_points = [int(c) for c in args.crash_at.split(",")]
     trials: list[Trial] = []

@@ -189,6 +189,17 @@ def test_the_first_attempt_starts_fresh_on_every_core_but_the_one_the_zygote_pre
     assert policy.first_fresh(cores=1, workers=4, whole=False) == 0
 
 
+def test_on_a_busy_node_the_first_attempt_starts_fresh_only_on_the_cores_that_were_idle() -> None:
+    """The idle cores measured while the zygote imported: a fresh worker with no core of its own would import
+    beside the zygote on a shared one (the same import twice, both slower)."""
+    assert policy.first_fresh(cores=2, workers=2, whole=False, idle=0.9) == 1  # quiet: the zygote's core aside
+    assert policy.first_fresh(cores=2, workers=2, whole=False, idle=0.3) == 0  # every core taken
+    assert policy.first_fresh(cores=16, workers=8, whole=False, idle=4.2) == 4
+    assert policy.first_fresh(cores=16, workers=8, whole=False, idle=16.0) == 8  # never more than the workers
+    assert policy.first_fresh(cores=2, workers=2, whole=False, idle=2.0) == 1  # never the zygote's core
+    assert policy.first_fresh(cores=16, workers=8, whole=True, idle=16.0) == 0
+
+
 def test_the_first_attempt_waits_for_a_zygote_preloading_what_a_whole_run_imported() -> None:
     """The job's cache has what its workers imported lazily too (compiling, stepping): a fresh worker would
     import it all on its own critical path."""

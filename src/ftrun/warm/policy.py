@@ -79,7 +79,7 @@ def waited_for_first(zygotes: Sequence[Z], started: bool) -> Z | None:
     return max(preloading, key=lambda z: len(z.preload)) if preloading else None
 
 
-def first_fresh(cores: int, workers: int, *, whole: bool) -> int:
+def first_fresh(cores: int, workers: int, *, whole: bool, idle: float | None = None) -> int:
     """How many of the first attempt's workers start fresh beside the zygote preloading what is known.
 
     ``whole``: the job's cache says what its workers imported over a whole run, the modules they import lazily
@@ -90,8 +90,13 @@ def first_fresh(cores: int, workers: int, *, whole: bool) -> int:
     imports and --preload are known, a part of what the workers import): one per core but the one it preloads
     on. They import on cores the zygote leaves; the others wait for it and fork (one import for all of them
     instead of one each on shared cores). Measured on 2 cores: 2 workers both waiting started 1.12x slower than
-    both fresh (one core idle while the zygote imported); 8 workers waiting started 3.4x faster."""
-    return 0 if whole else max(0, min(workers, cores - 1))
+    both fresh (one core idle while the zygote imported); 8 workers waiting started 3.4x faster.
+
+    ``idle``: the cores idle on average from the pool's start to this decision, the zygote importing (None: not
+    known, every core but the zygote's is taken as free). On a busy node a fresh worker has no core of its own:
+    it shares one with the zygote and the node's other work, and doing the same import twice there slows both."""
+    free = cores - 1 if idle is None else min(cores - 1, round(idle))
+    return 0 if whole else max(0, min(workers, free))
 
 
 def refused(module: str, never: set[str]) -> bool:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.clock import Clock, SystemClock
+from ftrun.node.idle_cores import IdleCores
 from ftrun.procs import proctree
 from ftrun.procs.spawner import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.warm import policy
@@ -93,6 +94,7 @@ class WarmPool:
         self._cores = len(os.sched_getaffinity(0))
         self._first_wait_s = first_wait_s
         self._first_fresh = -1  # how many more of the first attempt's workers start fresh (-1: not decided yet)
+        self._idle: IdleCores | None = None  # the cores' idle time from the start on (how busy the node is)
         self.holding = False  # a restart is under way: see hold()
         self._cold = False  # a worker of this attempt started without a preloaded zygote
         self._restarted = False  # workers were started more than once
@@ -106,6 +108,7 @@ class WarmPool:
         """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
         user what to know (the pool is off), ``detail`` how it works (--verbose); ``on_ready`` gets ready reports."""
         self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
+        self._idle = IdleCores.start()
         self._launch([])
         if self._known:  # at normal priority when the first attempt's workers are to wait for it
             self._launch(self._known, idle=self._first_wait_s <= 0)
@@ -215,7 +218,10 @@ class WarmPool:
         if self._off or policy.waited_for_first(self._zygotes, self._refill.started) is None:
             return False
         if self._first_fresh < 0:
-            self._first_fresh = policy.first_fresh(self._cores, self._workers, whole=self._known_whole)
+            idle = self._idle.since_start() if self._idle is not None else None
+            self._first_fresh = policy.first_fresh(self._cores, self._workers, whole=self._known_whole, idle=idle)
+            busy = "" if idle is None else f" ({idle:.1f} of {self._cores} cores idle of late)"
+            self._detail(f"warm pool: {self._first_fresh} of the first workers start fresh beside the zygote{busy}")
         if self._first_fresh == 0:
             return False
         self._first_fresh -= 1
