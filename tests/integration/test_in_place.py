@@ -117,7 +117,10 @@ def test_fifty_restarts_in_place_in_a_row_leave_nothing_behind(tmp_path: Path, s
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "50", EXAMPLE, "--steps", "70",
                   "--crash-at", "10", "--crashes", "50", "--leaks", timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "50 restarts (in place)" in r.stderr, r.stderr[-2000:]
+    # once in CI under load attempt 1's new group broke on both ranks 1.1 s in ("Connection closed by peer"):
+    # that restart was a process restart; not understood (gloo's context of attempt 0 is freed a restart late)
+    said = [line for line in r.stderr.splitlines() if "restarts (" in line or "its collectives broke" in line]
+    assert "50 restarts (in place)" in r.stderr, said
     logs = "".join(p.read_text() for p in sorted(r.run_dir.glob("attempt_*/*/stdout.log")))
     ran = pids(logs)
     assert len({ran[0, attempt] for attempt in range(51)}) == 1, ran  # one process for rank 0 throughout
