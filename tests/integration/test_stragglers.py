@@ -16,8 +16,10 @@ from tests.integration.harness import CONF, WAIT_S, LiveFtrun, run_ftrun, until
 pytestmark = pytest.mark.torch
 
 # A DDP job that never imports ftrun. It trains until rank 0 sees `done` (or DURATION seconds pass); the ranks
-# agree to stop through an all-reduce, so that none is left alone in a collective. SLOW_RANK (or every rank of a
-# node started with SLOW_NODE=1) spins SLOW_MS before every forward pass; PAUSE_RANK sleeps PAUSE_S once at
+# agree to stop through an all-reduce, so that none is left alone in a collective. Each step's compute waits
+# 3 ms, as a GPU job's CPU waits on its device (the straggler watch times a rank's compute by the clock, so a
+# wait is compute to it; a busy loop would hold a core of a loaded test machine for the whole run). SLOW_RANK
+# (or every rank of a node started with SLOW_NODE=1) takes SLOW_MS longer; PAUSE_RANK sleeps PAUSE_S once at
 # step 30 (a checkpoint); every rank pauses 1 s at step 60 (an evaluation).
 DDP_JOB = """
 import os, sys, time, pathlib
@@ -43,10 +45,7 @@ while True:
         dist.all_reduce(stop)
         if stop.item():
             break
-    if rank == slow_rank or os.environ.get("SLOW_NODE"):
-        end = time.perf_counter() + slow_ms / 1000
-        while time.perf_counter() < end:
-            pass
+    time.sleep(0.003 + (slow_ms / 1000 if rank == slow_rank or os.environ.get("SLOW_NODE") else 0.0))
     if step == 30 and rank == pause_rank:
         time.sleep(pause_s)
     if step == 60:
