@@ -187,6 +187,43 @@ def test_a_rank_that_cannot_be_interrupted_is_restarted_as_a_process_and_said(
     assert "1 restart (warm)" in r.stderr or "1 restart (cold)" in r.stderr, r.stderr
 
 
+LEFT_IN_INIT = """
+import datetime, os, time
+import torch.distributed as dist
+import ftrun
+
+@ftrun.restartable
+def train():
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    if attempt == 0 and rank == 1:
+        time.sleep(1)
+        os._exit(3)  # before it joined: rank 0's init waits for it, then fails
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2 if attempt == 0 else 60))
+    dist.barrier()
+    print(f"rank {rank} met its peer", flush=True)
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+def test_a_rank_whose_init_failed_for_a_lost_peer_meets_the_new_one_in_place(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Rank 1 exits before joining; rank 0's init_process_group fails (its timeout) and it restarts in place.
+    Torch had already named the group it never made: left so, its next group's name differs from the new
+    rank's and both would wait in init for good."""
+    script("w.py", LEFT_IN_INIT)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0) + r.log(0, 1) + r.log(1, 1))
+    assert ran[0, 0] == ran[0, 1], ran  # in place
+    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
+    assert "rank 0 met its peer" in r.log(1, 0)
+    assert "rank 1 met its peer" in r.log(1, 1)
+
+
 def test_outside_ftrun_the_function_runs_once() -> None:
     code = "import ftrun\n@ftrun.restartable\ndef f(x):\n    return x * 2\nprint(f(21))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

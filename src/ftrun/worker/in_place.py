@@ -146,10 +146,24 @@ def _let_go(before: set[str]) -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway
             dist.destroy_process_group()
+    else:
+        _forget_the_group_never_made()
     from ftrun.worker import peers
 
     peers.stop_peer_heartbeat()
     gc.collect()
+
+
+def _forget_the_group_never_made() -> None:
+    """An init_process_group that failed (a peer gone while it waited for it) had already named its group: torch
+    names default groups by a count ("0") that only the end of the default group resets, and a failed init never
+    made one. Left as it is, this rank's next group would be "1" while a new rank's is "0": their keys in the
+    store never meet, and both wait in init_process_group (seen in CI: a rank whose peer exited during its init)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    with contextlib.suppress(Exception):
+        if world is not None and world.group_count:
+            world.group_count = 0
 
 
 def _socket_fds() -> dict[int, str]:
