@@ -151,10 +151,15 @@ def test_status_answers_from_the_events_before_the_first_status_record(tmp_path:
     """On a loaded node the first status record can come seconds after the first events (a long rendezvous, a
     slow start): status answers from the events, never calling the run directory old. Replayed here with the
     real run's events as they stood at each moment, and no status record."""
-    until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job runs")
     early = tmp_path / "early"
     early.mkdir()
-    lines = (job.run_dir / "events.jsonl").read_text().splitlines()
+
+    def events_say_running() -> list[str] | None:  # the status record can say so before the events do
+        lines = (job.run_dir / "events.jsonl").read_text().splitlines()
+        (early / "events.jsonl").write_text("\n".join(lines) + "\n")
+        return lines if snapshot(str(early))["phase"] == "running" else None
+
+    lines = until(events_say_running, "the job runs, as its events say")
     kinds = [json.loads(line)["kind"] for line in lines]
     spawned = max(i for i, k in enumerate(kinds) if k == "worker_spawned") + 1
     for upto, phase in ((1, "starting"), (spawned, "workers starting"), (len(lines), "running")):
