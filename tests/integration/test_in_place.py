@@ -32,6 +32,7 @@ def checksum(stdout: str) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean_run(
     tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, shared_dir: Path
 ) -> None:
@@ -71,6 +72,7 @@ def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean
     assert checksum(out) == checksum(processes.stdout)
 
 
+@pytest.mark.slow
 def test_a_node_that_joins_and_is_lost_leaves_the_first_nodes_ranks_in_their_processes(
     tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
 ) -> None:

@@ -49,6 +49,7 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
 
 
+@pytest.mark.slow
 def test_the_readmes_dcp_block_restores_the_step_ftrun_names_with_the_momentum(tmp_path: Path) -> None:
     [block] = [b for b in python_blocks() if "SnapshotWriter" in b]
     (tmp_path / "job.py").write_text(AROUND_DCP.format(block=block))

@@ -68,6 +68,7 @@ def alive(pid: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tmp_path: Path, shared_dir: Path) -> None:
     before = snapshot_dirs()
     crashed = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", str(EXAMPLE), "--crash-at", "30")
@@ -90,6 +91,7 @@ def test_a_worker_crash_restores_the_newest_snapshot_and_loses_at_most_a_step(tm
     assert not snapshot_dirs() - before  # the run's snapshots freed with it (a dead agent's, left before, too)
 
 
+@pytest.mark.slow
 def test_a_corrupt_snapshot_is_never_restored_the_job_falls_back_and_says_so(tmp_path: Path, shared_dir: Path) -> None:
     (tmp_path / "corrupting.py").write_text(CORRUPTING)
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "corrupting.py", "--crash-at", "30")
@@ -139,6 +141,7 @@ def test_two_nodes_restore_one_step_agreed_through_the_store(
 DCP_EXAMPLE = EXAMPLE.with_name("snapshot_dcp.py")
 
 
+@pytest.mark.slow
 def test_a_dcp_job_changes_one_argument_and_restores_the_newest_step_verified(tmp_path: Path) -> None:
     """torch.distributed.checkpoint through ftrun.SnapshotWriter / SnapshotReader: a crash restores the newest
     step whole on both ranks (nothing at --checkpoint: it is in memory); under torchrun the same job saves to
@@ -231,6 +234,7 @@ def test_a_node_lost_restores_its_rank_on_a_spare_from_the_copy_a_survivor_holds
     assert not (tmp_path / "ckpt").exists()  # a DCP job's steps: in memory, on every node
 
 
+@pytest.mark.slow
 def test_a_dcp_job_on_two_nodes_restores_one_step_agreed_through_the_store(
     tmp_path: Path, tcp_server: str, live: list[LiveFtrun], shared_dir: Path
 ) -> None:

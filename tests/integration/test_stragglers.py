@@ -104,6 +104,7 @@ def test_a_balanced_job_with_a_slow_checkpoint_and_an_evaluation_names_nobody(tm
     assert all(rank["straggler_score"] is not None for rank in ranks)  # windows were judged: the silence is a verdict
 
 
+@pytest.mark.slow
 def test_no_stragglers_times_nothing(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(DDP_JOB)
     r = run_ftrun(
