@@ -8,10 +8,11 @@ inductor), ftrun.snapshot every step. Rank 3 exits (os._exit) at a step; the job
 timeline (wall-clock lines written by every rank): the crash -> every rank having finished its first step
 after the restart; and the slowest survivor's part of it.
 
-    python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy]
+    python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy] [--crash-by exit|raise]
 
---busy: one busy loop per core for the whole run (a node whose cores are all taken). Prints figures; asserts
-nothing about time.
+--busy: one busy loop per core for the whole run (a node whose cores are all taken). --crash-by raise: rank 3's
+function raises instead of its process exiting (in place, rank 3 then keeps its process too: nobody compiles
+again). Prints figures; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def free_port() -> int:
         return port
 
 
-def run_once(mode: str, workdir: Path, crash_at: int, compile_: bool, timeout: float) -> dict[str, float] | None:
+def run_once(
+    mode: str, workdir: Path, crash_at: int, compile_: bool, crash_by: str, timeout: float
+) -> dict[str, float] | None:
     timeline = workdir / "timeline.jsonl"
     job = [str(EXAMPLE), "--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", "3",
-           "--step-time", "0.05", "--timeline", str(timeline)]  # fmt: skip
+           "--step-time", "0.05", "--timeline", str(timeline), "--crash-by", crash_by]  # fmt: skip
     job += ["--compile"] if compile_ else []
     job += ["--process-restart"] if mode == "process" else []
     port = free_port()
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=30)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--busy", action="store_true")
+    p.add_argument("--crash-by", choices=("exit", "raise"), default="exit")
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args()
     loads = busy_loops() if a.busy else []
@@ -103,7 +107,7 @@ def main() -> None:
                 for mode in MODES if rep % 2 == 0 else reversed(MODES):
                     workdir = Path(tmp) / f"{mode}-{rep}"
                     workdir.mkdir()
-                    trial = run_once(mode, workdir, a.crash_at, a.compile, a.timeout)
+                    trial = run_once(mode, workdir, a.crash_at, a.compile, a.crash_by, a.timeout)
                     if trial is not None:
                         found[mode].append(trial)
                         shown = ", ".join(f"{k} {v:.2f}" for k, v in trial.items())
@@ -112,6 +116,7 @@ def main() -> None:
         for loop in loads:
             loop.kill()
     machine = f"{os.cpu_count()} cores{', every core busy' if a.busy else ''}{', compiled' if a.compile else ''}"
+    machine += ", rank 3 raises" if a.crash_by == "raise" else ", rank 3 exits"
     print(f"\nin-process restart vs process restart, 2 nodes x 2 ranks, gloo ({machine}):")
     medians = {m: statistics.median(t["every_rank_s"] for t in found[m]) for m in MODES if found[m]}
     for mode in MODES:

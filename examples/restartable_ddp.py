@@ -1,10 +1,11 @@
-"""In-process restart: when a rank fails, the ranks that did not fail keep their process (``@ftrun.restartable``).
+"""In-process restart: when a rank fails, every rank whose process is sound keeps it (``@ftrun.restartable``).
 
     ftrun --nproc-per-node 2 --max-restarts 3 examples/restartable_ddp.py --crash-at 30
 
 What is built outside the wrapped function (the model, its compiled code with ``--compile``, the optimizer)
-lives as long as the process; the function makes the process group, restores the newest snapshot agreed on
-every rank (or the initial state: a survivor's memory may hold an optimizer step half-done), and trains.
+lives as long as the process, in a rank whose exception ended the function (``--crash-by raise``) too; the
+function makes the process group, restores the newest snapshot agreed on every rank (or the initial state: a
+survivor's memory may hold an optimizer step half-done), and trains.
 Deterministic (the batch of each step is a function of the step and the rank): with 2 ranks, a run that crashed
 ends with the same weights as one that never failed; with more, as one restarted without the decorator (torch's
 DDP on gloo sums the first step after any restart in another order than an uninterrupted run does). Rank 0
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None, help="the crashing rank exits at this step")
     p.add_argument("--crashes", type=int, default=1, help="attempts that crash (each a step later)")
     p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--crash-by", choices=("exit", "raise"), default="exit", help="the process's end, or an exception")
     p.add_argument("--hang-at", type=int, default=None, help="the crashing rank hangs at this step instead")
     p.add_argument("--leaks", action="store_true", help="print what each attempt starts with (RSS, threads...)")
     p.add_argument("--timeline", default=None, help="append one JSON line per step and at the crash (benchmarks)")
@@ -77,6 +79,8 @@ def main() -> None:
             failing = rank == a.crash_rank and attempt < a.crashes
             if failing and a.crash_at is not None and step == a.crash_at + attempt:
                 note(a.timeline, rank=rank, attempt=attempt, step=step, crash=True)
+                if a.crash_by == "raise":  # restarted in place too: its process is sound
+                    raise RuntimeError(f"rank {rank} failed at step {step}")
                 os._exit(3)
             if failing and step == a.hang_at:
                 time.sleep(3600)

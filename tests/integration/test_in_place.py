@@ -155,6 +155,41 @@ def test_a_hung_rank_is_replaced_and_the_ranks_waiting_for_it_restart_in_place(t
     assert "ROOT CAUSE  rank 1" in r.stderr
 
 
+def test_a_rank_whose_function_raised_restarts_in_place_with_its_traceback_as_the_root_cause(
+    tmp_path: Path, shared_dir: Path
+) -> None:
+    """Rank 1 raises at step 10, then at step 11: its process is sound, so it restarts in place as rank 0 does,
+    twice; each time the root cause is its exception with its traceback, as if uncaught (the log, the error
+    file); the weights end as a run's that never failed (2 ranks)."""
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2",
+                  EXAMPLE, "--steps", "70", "--crash-at", "10", "--crashes", "2", "--crash-by", "raise")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids("".join(r.log(attempt, rank) for attempt in range(3) for rank in range(2)))
+    assert [len({ran[rank, attempt] for attempt in range(3)}) for rank in range(2)] == [1, 1], ran
+    assert "2 restarts (in place)" in r.stderr, r.stderr[-3000:]
+    for attempt, step in ((0, 10), (1, 11)):
+        said = f"raised RuntimeError: rank 1 failed at step {step}; it restarts in place"
+        assert said in r.stderr, r.stderr[-3000:]
+        root = r.report(attempt)["root_cause"]
+        assert isinstance(root, dict)
+        assert root["rank"] == 1, root
+        assert root["error"]["message"] == f"rank 1 failed at step {step}", root  # the error file
+        assert "in train" in root["error"]["traceback"], root
+        assert "Traceback (most recent call last)" in r.log(attempt, 1, "stderr")
+    never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")
+    assert checksum(r.log(2, 0)) == checksum(never.stdout)
+
+
+def test_a_rank_that_raises_past_the_budget_ends_the_run_with_its_exception(tmp_path: Path) -> None:
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1",
+                  EXAMPLE, "--steps", "20", "--crash-at", "5", "--crashes", "9", "--crash-by", "raise")  # fmt: skip
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert "ROOT CAUSE  rank 1" in r.stderr, r.stderr[-3000:]
+    root = r.report(1)["root_cause"]
+    assert isinstance(root, dict)
+    assert root["error"]["message"] == "rank 1 failed at step 6", root
+
+
 DEAF = """
 import os, signal, time
 import torch.distributed as dist

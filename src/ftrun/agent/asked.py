@@ -65,6 +65,15 @@ class Asked:
         self._say(f"{w.who} {w.request}")
         return Requested(w.local_rank, request, f"rank {w.rank} on {self._host}")
 
+    def raised(self, w: Worker, why: str) -> Requested:
+        """``w``'s function (ftrun.restartable) raised ``why``, its own failure: the root cause (its traceback is in
+        its log and error file), restarted in place."""
+        request = Request(Action.RESTART, f"its function raised {why}; it restarts in place")
+        self._emit(EventKind.REQUEST, **w.identity(), action=request.action.value, reason=request.reason)
+        w.blame()  # its report says so itself, with the exception from its error file
+        self._say(f"{w.who} {request.describe()}")
+        return Requested(w.local_rank, request, f"rank {w.rank} on {self._host}")
+
     def _leave(self, reason: str, w: Worker) -> Requested:
         """This node leaves the job for ``reason``, as if ``w`` (its first running worker, which stands for the
         node in the failure report) had called ftrun.exclude_this_node()."""

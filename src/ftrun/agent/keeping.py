@@ -5,9 +5,10 @@ The door and the hand-over to the next attempt are :mod:`ftrun.warm.in_place`; t
 :mod:`ftrun.worker.in_place`. Here: a stop that may keep (a failure the job restarts from) interrupts every
 restartable rank that is not to blame, stops the others as always, then waits for the interrupted ones to
 park; one that does not park within PARK_TIMEOUT_S (stuck in C, its handler never run) is stopped as the others
-were, and the console says so. A rank that parks while the attempt still runs (its collective broke, yet no
-rank here failed) stands for a failure of the job after EARLY_PARK_GRACE_S: another rank's exit, seen within
-that time, is the root cause instead.
+were, and the console says so. A rank that parks while the attempt still runs is either the failure (its own
+exception ended its function: the root cause at once, and kept too) or stands for one (its collective broke,
+yet no rank here failed) after EARLY_PARK_GRACE_S: another rank's exit, seen within that time, is the root
+cause instead.
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ class Keeping:
     def early(self, running: Sequence[Worker]) -> list[Happening]:
         """Ranks that parked while the attempt runs: after the grace, each is a failure (a restart asked)."""
         by_pid = {w.pid: w for w in running}
+        happened: list[Happening] = []
         for parked in self._survivors.take_arrivals():
             w = by_pid.get(parked.pid)
-            if w is not None and parked.pid not in self._early:
+            if w is not None and parked.failed:
+                happened.append(self._asked.raised(w, parked.why))  # the failure itself: no other to wait for
+            elif w is not None and parked.pid not in self._early:
                 self._early[parked.pid] = (w, parked.why, self._clock.monotonic())
         now = self._clock.monotonic()
-        happened: list[Happening] = []
         for pid, (w, why, at) in list(self._early.items()):
             if pid not in by_pid:
                 del self._early[pid]
@@ -85,8 +88,9 @@ class Keeping:
         return happened
 
     def set_aside(self, processes: AttemptProcesses, running: Sequence[Worker]) -> list[Worker]:
-        """Interrupt the restartable ranks not to blame, and take them out of the attempt being stopped."""
-        kept = [w for w in running if w.state is WorkerState.RUNNING and self._restartable(w)]
+        """Interrupt the restartable ranks not to blame, and take them out of the attempt being stopped (with a
+        rank whose own exception ended its function: parked already, its process sound)."""
+        kept = [w for w in running if (w.state is WorkerState.RUNNING and self._restartable(w)) or self._raised(w)]
         for w in running:
             if w not in kept:  # to blame: its process goes, even where it parked
                 self._survivors.let_go(w.pid)
@@ -121,6 +125,10 @@ class Keeping:
 
     def close(self) -> None:
         self._survivors.close()
+
+    def _raised(self, w: Worker) -> bool:
+        parked = self._survivors.parked(w.pid)
+        return parked is not None and parked.failed
 
     def _restartable(self, w: Worker) -> bool:
         slot = self._slot(w.local_rank)

@@ -78,12 +78,18 @@ class WorkerOutcome:
 
     def _end(self) -> str:
         if self.in_place:
-            return "interrupted; its process restarts in place"
+            ended = "its function raised" if self.state == WorkerState.FAILED.value else "interrupted"
+            return f"{ended}; its process restarts in place"
         if self.signal:
             return f"killed by {self.signal}"
         if self.exit_code is None:
             return "exit status unknown (it was not this agent's child when it ended)"
         return f"exit code {self.exit_code}"
+
+    @property
+    def ended_wall(self) -> float | None:
+        """When it ended: its exit, else (its process kept, its function raised) its error's record."""
+        return self.exit_wall or (self.error.timestamp if self.error is not None else None)
 
     @property
     def cause(self) -> str:
@@ -388,7 +394,7 @@ def _gpu_field(gpu: GpuError) -> str:
 
 def _torchrun_fields(r: WorkerOutcome) -> list[str]:
     """torchrun's fields of the root cause, as it spells them: scripts that parse its block find them."""
-    at = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(r.exit_wall)) if r.exit_wall else "<N/A>"
+    at = time.strftime("%Y-%m-%d_%H:%M:%S", time.localtime(r.ended_wall)) if r.ended_wall else "<N/A>"
     code = r.exit_code if r.exit_code is not None else (-signal.Signals[r.signal] if r.signal else "<N/A>")
     return [
         f"  time      : {at}",
@@ -411,7 +417,7 @@ def _root_lines(report: FailureReport) -> list[str]:
         lines = [*_elsewhere(report.elsewhere), f"{label} {_who(r)} on {r.host}: {r.how}"]
         found = "quiet"
     else:
-        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.exit_wall)}"]
+        lines = [f"ROOT CAUSE  {_who(r)} on {r.host}: {r.how} at {when(r.hang_wall or r.ended_wall)}"]
         lines += [*_torchrun_fields(r), *([f"  why this rank: {r.why}"] if r.why else [])]
         if r.gpu_error:
             lines.append(f"  {_gpu_field(r.gpu_error)}: {r.gpu_error.what}")

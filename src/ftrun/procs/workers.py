@@ -270,10 +270,12 @@ class AttemptProcesses:
         return [w for w in self.workers if w.returncode is None and not w.kept]
 
     def keep(self, w: Worker) -> None:
-        """``w`` stays alive out of this attempt, for the next one (an in-place restart): stopped, not waited for."""
+        """``w`` stays alive out of this attempt, for the next one (an in-place restart): stopped, not waited for
+        (unless it failed: its own exception ended its function, and it is this attempt's failure still)."""
         assert w.handle is not None
         self._selector.unregister(w.handle.fileno())
-        w.state = WorkerState.STOPPED
+        if w.state is not WorkerState.FAILED:
+            w.state = WorkerState.STOPPED
         w._move(ProcessPhase.KEPT)
 
     def unkeep(self, w: Worker) -> None:

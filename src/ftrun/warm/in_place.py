@@ -37,8 +37,9 @@ class Parked:
 
     pid: int
     local_rank: int
-    why: str  # what ended its function ("RestartInPlace: ...", the collective's error)
+    why: str  # what ended its function ("RestartInPlace: ...", the collective's error, its own exception)
     conn: socket.socket
+    failed: bool = False  # its own exception ended its function: it is the failure, restarted in place
     handle: ProcessHandle | None = None  # set when the agent keeps it for the next attempt
     given: tuple[str, ...] = ()  # the environment ftrun gave its last attempt (replaced, not added to)
 
@@ -167,7 +168,8 @@ def _read_arrival(conn: socket.socket) -> Parked | None:
         message = object_or_none(conn.recv(messages.MAX_MESSAGE), limit=messages.MAX_MESSAGE)
         if message is None:
             raise ValueError("not a JSON object")
-        parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn)
+        failed = message.get("failed") is True
+        parked = Parked(pid, int(message["local_rank"]), str(message["parked"])[:300], conn, failed)
     except (OSError, ValueError, KeyError, TypeError):
         conn.close()
         return None

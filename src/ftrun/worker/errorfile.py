@@ -121,7 +121,7 @@ def record(
                 if error_handler is not None:
                     error_handler.record_exception(e)
                 else:
-                    _record(e)
+                    record_exception(e)
                 raise
 
         return wrapper
@@ -129,7 +129,8 @@ def record(
     return wrap if fn is None else wrap(fn)
 
 
-def _record(e: BaseException) -> None:
+def record_exception(e: BaseException) -> None:
+    """Write ``e`` to this worker's error file, if ftrun (or torchrun) gave it one."""
     # Read at the failure, never at import: the same script runs under plain python.
     error_file = os.environ.get("FTRUN_ERROR_FILE") or os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:

@@ -6,7 +6,10 @@ process (from the warm pool). How a survivor gets there:
 
 1. ftrun interrupts the function: a signal that raises :class:`RestartInPlace` in the main thread. A collective
    that a lost peer broke raises by itself first (gloo's "Connection reset by peer", NCCL's errors); both are
-   taken as the job's restart, any other exception is the rank's own failure and ends its process as before.
+   taken as the job's restart. Any other exception is this rank's own failure: printed and written to its error
+   file as if uncaught (the root cause), then this rank restarts in place too, as every other does: its process
+   is sound. Only an exception that leaves the process unfit (a CUDA error, which stays with its context;
+   MemoryError) or an exit (SystemExit, KeyboardInterrupt) ends it, and it is replaced as before.
 2. The function's process groups are destroyed, and the process parks: it tells its agent, through the socket
    named in ``FTRUN_IN_PLACE``, and sleeps there until the next attempt gives it its environment (its rank, the
    new master port, TORCHELASTIC_RESTART_COUNT), its directory and its output, as a warm standby gets them.
@@ -28,10 +31,11 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from ftrun.worker import messages
+from ftrun.worker import errorfile, messages
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
 ENV = "FTRUN_IN_PLACE"  # the abstract socket name of the agent's door for parked processes
@@ -46,6 +50,9 @@ BROKEN_BY_A_PEER = (
     "NCCL communicator was aborted",
     "ProcessGroupNCCL",
 )
+
+# An exception whose cause stays in the process: a CUDA error is sticky to its context (every later call fails).
+UNFIT = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "device-side assert")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,10 +85,13 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
                 finally:  # the interrupt may come until this is done: then it is what the outer block sees
                     _running = False
             except BaseException as e:
-                if not restarts_the_job(e):
+                failed = not restarts_the_job(e)
+                if failed and not restarts_in_place(e):
                     raise
+                if failed:
+                    _tell(e)
                 why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            _park(why, before)
+            _park(why, before, failed)
 
     return restarting
 
@@ -98,6 +108,23 @@ def restarts_the_job(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(marker in str(e) for marker in BROKEN_BY_A_PEER)
 
 
+def restarts_in_place(e: BaseException) -> bool:
+    """Whether this rank's own failure ``e`` leaves its process fit to call the function again."""
+    if not isinstance(e, Exception) or isinstance(e, MemoryError):
+        return False  # an exit the job asked for, or an interpreter short of memory
+    return not any(marker in str(e) for marker in UNFIT)
+
+
+def _tell(e: BaseException) -> None:
+    """What an uncaught ``e`` would have left: its traceback on stderr, its record in the error file (from the
+    job's function down: the wrapper's own frame is ftrun's, not the job's)."""
+    if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+        e.__traceback__ = e.__traceback__.tb_next
+    traceback.print_exception(e)
+    with contextlib.suppress(Exception):  # a full disk loses the record; stderr still has the traceback
+        errorfile.record_exception(e)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     if _running:
         raise RestartInPlace("ftrun restarts the job in place")
@@ -111,15 +138,16 @@ def _arm() -> None:
     client.restartable()
 
 
-def _park(why: str, before: set[str]) -> None:
-    """Let go of the attempt that ended (``before``: the sockets open when it began), tell the agent, and become
-    the next attempt's rank when it says so (exits when the agent closes the door instead: the run ended, or this
-    process is not wanted)."""
+def _park(why: str, before: set[str], failed: bool) -> None:
+    """Let go of the attempt that ended (``before``: the sockets open when it began), tell the agent (``failed``:
+    this rank's own exception ended it), and become the next attempt's rank when it says so (exits when the agent
+    closes the door instead: the run ended, or this process is not wanted)."""
     _let_go(before)
     door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         door.connect("\0" + os.environ[ENV])
-        messages.send(door, {"parked": why, "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        messages.send(door, {"parked": why, "local_rank": local_rank, "failed": failed})
         request, fds = messages.receive(door)
     except OSError:
         request, fds = None, []

@@ -1,0 +1,40 @@
+"""Which exceptions end a restartable function's attempt in place, and which end its process (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.worker.in_place import RestartInPlace, restarts_in_place, restarts_the_job
+
+
+@pytest.mark.parametrize(
+    "e",
+    [
+        RestartInPlace("ftrun restarts the job in place"),
+        RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer"),
+    ],
+)
+def test_the_jobs_restart_reaching_a_rank_is_not_its_failure(e: BaseException) -> None:
+    assert restarts_the_job(e)
+
+
+@pytest.mark.parametrize("e", [ValueError("bad batch"), RuntimeError("loss is nan"), KeyError("x"), OSError(5, "EIO")])
+def test_a_ranks_own_exception_restarts_it_in_place(e: BaseException) -> None:
+    assert not restarts_the_job(e)
+    assert restarts_in_place(e)
+
+
+@pytest.mark.parametrize(
+    "e",
+    [
+        SystemExit(3),
+        KeyboardInterrupt(),
+        MemoryError(),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+        RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"),
+    ],
+)
+def test_an_exit_or_an_exception_that_leaves_the_process_unfit_ends_it(e: BaseException) -> None:
+    assert not restarts_the_job(e)
+    assert not restarts_in_place(e)
