@@ -44,7 +44,7 @@ def note(timeline: str | None, **what: object) -> None:
             f.write(json.dumps({**what, "t": time.time()}) + "\n")
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--crash-at", type=int, default=None, help="the crashing rank exits at this step")
@@ -57,7 +57,11 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (once per process)")
     p.add_argument("--process-restart", action="store_true", help="no in-place restart: as without the decorator")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = arguments()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
