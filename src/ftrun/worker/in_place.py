@@ -120,8 +120,9 @@ def _tell(e: BaseException) -> None:
     job's function down: the wrapper's own frame is ftrun's, not the job's)."""
     if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
         e.__traceback__ = e.__traceback__.tb_next
-    traceback.print_exception(e)
-    with contextlib.suppress(Exception):  # a full disk loses the record; stderr still has the traceback
+    with contextlib.suppress(Exception):  # a closed stderr or a full disk loses one of the two, not the restart
+        traceback.print_exception(e)
+    with contextlib.suppress(Exception):
         errorfile.record_exception(e)
 
 
