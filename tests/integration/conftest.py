@@ -91,7 +91,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     so the longest do not end the tier with its other workers idle, and the tests that wait (partitions of 35 s)
     run beside tests that compute rather than beside each other (ci26: twice a minute of half-idle cores)."""
     here = Path(__file__).parent
-    ours = [item for item in items if here in item.path.parents]
+    ours: list[pytest.Item] = []
+    theirs: list[pytest.Item] = []
+    for item in items:
+        (ours if here in item.path.parents else theirs).append(item)
     slow = [item for item in ours if item.get_closest_marker("slow")]
     modules = Counter(item.path for item in slow)
     seen: Counter[Path] = Counter()
@@ -100,4 +103,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         where[item] = seen[item.path] / modules[item.path]  # 0 for each module's first, then evenly to 1
         seen[item.path] += 1
     first = sorted(slow, key=where.__getitem__)  # stable: ties keep the modules' order
-    items[:] = [item for item in items if item not in ours] + first + [item for item in ours if item not in where]
+    items[:] = theirs + first + [item for item in ours if item not in where]

@@ -30,8 +30,8 @@ class IdleCores:
         (a single node's first spawn comes within milliseconds): as the last minute's load average says, its
         share of the machine's cores on ours. None: neither could be read."""
         spent = time.monotonic() - self._began
-        now = _idle_s(self.cores)
-        if spent >= MIN_S and now is not None and self._idle_s is not None:
+        now = _idle_s(self.cores) if spent >= MIN_S and self._idle_s is not None else None
+        if now is not None and self._idle_s is not None:
             idle = (now - self._idle_s) / spent
         else:
             try:
