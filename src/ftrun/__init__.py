@@ -7,7 +7,8 @@ launcher itself is the ``ftrun`` command (:mod:`ftrun.cli.main`).
 from ftrun.worker.calculated import calculate_timeouts, load_monitor_state, monitor_state
 from ftrun.worker.client import heartbeat
 from ftrun.worker.errorfile import record
-from ftrun.worker.in_place import RestartInPlace, restartable
+from ftrun.worker.in_place import restartable
+from ftrun.worker.interrupt import RestartInPlace
 from ftrun.worker.nvidia import RankMonitorClient
 from ftrun.worker.pace import stragglers
 from ftrun.worker.peers import start_peer_heartbeat

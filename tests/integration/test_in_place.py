@@ -224,6 +224,53 @@ def test_a_rank_that_cannot_be_interrupted_is_restarted_as_a_process_and_said(
     assert "1 restart (warm)" in r.stderr or "1 restart (cold)" in r.stderr, r.stderr
 
 
+STUCK_PEER = """
+import os, pathlib, time
+import torch, torch.distributed as dist
+import ftrun
+
+@ftrun.restartable
+def train():
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    pair = dist.new_group([0, 1])
+    print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    inside = pathlib.Path("rank-0-inside")
+    if attempt == 0 and rank == 0:
+        inside.touch()
+        dist.all_reduce(torch.ones(1), group=pair)  # waits for rank 1, which never comes
+    elif attempt == 0 and rank == 1:
+        os.system("sleep 60")  # stuck in C (system() waits for its child whatever signal comes)
+    elif attempt == 0:
+        deadline = time.monotonic() + 60
+        while not inside.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(3)  # the failure; rank 0's collective does not involve this rank
+    dist.barrier()
+    print(f"rank {rank} attempt {attempt} done", flush=True)
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+def test_a_rank_waiting_in_a_collective_for_a_peer_stuck_outside_python_restarts_in_place(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Rank 0 waits in an all_reduce with rank 1, which is stuck in C; rank 2 exits. Python runs rank 0's
+    interrupt handler only once its collective returns, which it would do only when rank 1's process ends: after
+    the bound to park, when rank 0 too is past it. The interrupt's thread breaks the collective at once: rank 0
+    restarts in place, rank 1 is replaced for not parking."""
+    script("stuck.py", STUCK_PEER)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "3", "--max-restarts", "1", "stuck.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    logs = "".join(r.log(attempt, rank) for rank in range(3) for attempt in range(2))
+    ran = pids(logs)
+    assert (ran[0, 0] == ran[0, 1], ran[1, 0] == ran[1, 1], ran[2, 0] == ran[2, 1]) == (True, False, False), ran
+    assert re.search(r"rank 1 \(local rank 1, pid \d+\): not interrupted within 5 s", r.stderr), r.stderr[-3000:]
+    assert "rank 0 attempt 1 done" in r.log(1, 0)
+
+
 LEFT_IN_INIT = """
 import datetime, os, time
 import torch.distributed as dist

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from ftrun.worker.in_place import RestartInPlace, restarts_in_place, restarts_the_job
+from ftrun.worker import in_place
+from ftrun.worker.in_place import restarts_in_place, restarts_the_job
+from ftrun.worker.interrupt import RestartInPlace
 
 
 @pytest.mark.parametrize(
@@ -38,3 +42,17 @@ def test_a_ranks_own_exception_restarts_it_in_place(e: BaseException) -> None:
 def test_an_exit_or_an_exception_that_leaves_the_process_unfit_ends_it(e: BaseException) -> None:
     assert not restarts_the_job(e)
     assert not restarts_in_place(e)
+
+
+@pytest.mark.parametrize(("given", "then"), [(None, "2"), ("1", "2"), ("3", "2"), ("0", "0"), ("2", "2")])
+def test_nccls_watchdog_is_told_to_leave_a_restartable_ranks_process(
+    given: str | None, then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1 and 3 (torch's default) end the process at a communicator's error; 2 aborts the communicators only. 0
+    (no handling) is the job's choice, kept."""
+    if given is None:
+        monkeypatch.delenv(in_place.NCCL_ERROR_HANDLING, raising=False)
+    else:
+        monkeypatch.setenv(in_place.NCCL_ERROR_HANDLING, given)
+    in_place._nccl_errors_leave_the_process()
+    assert os.environ[in_place.NCCL_ERROR_HANDLING] == then

@@ -4,12 +4,13 @@ The ranks that did not fail keep their interpreter, their imports, whatever the 
 function (the model, its compiled code, a CUDA context), and call the function again; only a failed rank is a new
 process (from the warm pool). How a survivor gets there:
 
-1. ftrun interrupts the function: a signal that raises :class:`RestartInPlace` in the main thread. A collective
-   that a lost peer broke raises by itself first (gloo's "Connection reset by peer", NCCL's errors); both are
-   taken as the job's restart. Any other exception is this rank's own failure: printed and written to its error
-   file as if uncaught (the root cause), then this rank restarts in place too, as every other does: its process
-   is sound. Only an exception that leaves the process unfit (a CUDA error, which stays with its context;
-   MemoryError) or an exit (SystemExit, KeyboardInterrupt) ends it, and it is replaced as before.
+1. ftrun interrupts the function: a signal that raises :class:`RestartInPlace` in the main thread, and breaks
+   a collective it waits in (:mod:`ftrun.worker.interrupt`). A collective that a lost peer broke raises by itself
+   first (gloo's "Connection reset by peer", NCCL's errors); both are taken as the job's restart. Any other
+   exception is this rank's own failure: printed and written to its error file as if uncaught (the root cause),
+   then this rank restarts in place too, as every other does: its process is sound. Only an exception that
+   leaves the process unfit (a CUDA error, which stays with its context; MemoryError) or an exit (SystemExit,
+   KeyboardInterrupt) ends it, and it is replaced as before.
 2. The function's process groups are destroyed, and the process parks: it tells its agent, through the socket
    named in ``FTRUN_IN_PLACE``, and sleeps there until the next attempt gives it its environment (its rank, the
    new master port, TORCHELASTIC_RESTART_COUNT), its directory and its output, as a warm standby gets them.
@@ -26,7 +27,6 @@ import functools
 import gc
 import json
 import os
-import signal
 import socket
 import sys
 import threading
@@ -35,12 +35,13 @@ import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from ftrun.worker import errorfile, messages
-from ftrun.worker.signals import INTERRUPT_SIGNAL
+from ftrun.worker import errorfile, interrupt, messages
+from ftrun.worker.interrupt import RestartInPlace
 
 ENV = "FTRUN_IN_PLACE"  # the abstract socket name of the agent's door for parked processes
 PHASES_ENV = "FTRUN_PHASES_FILE"  # where a rank restarted in place notes when it reached each phase (the report)
 PHASES_FILE = "phases.json"  # that file, in the rank's directory of the attempt
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 # What a collective broken by a lost peer raises (gloo's transport, torch's NCCL watchdog): the job's restart.
 BROKEN_BY_A_PEER = (
     "gloo/transport",
@@ -58,12 +59,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class RestartInPlace(BaseException):
-    """Raised in the wrapped function when ftrun restarts the job in place. A BaseException, so that the job's
-    ``except Exception`` does not swallow it; let it pass."""
-
-
-_running = False  # the wrapped function is running: only then does the signal interrupt it
 _phases: dict[str, float] = {}  # this attempt's, in a process restarted in place (empty: none to note)
 
 
@@ -72,18 +67,17 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def restarting(*args: P.args, **kwargs: P.kwargs) -> R:
-        global _running  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
         if not os.environ.get(ENV) or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
         _arm()
         while True:
-            before = _sockets()
+            _nccl_errors_leave_the_process()
+            before = interrupt.enter()
             try:
                 try:
-                    _running = True
                     return fn(*args, **kwargs)
                 finally:  # the interrupt may come until this is done: then it is what the outer block sees
-                    _running = False
+                    interrupt.leave()
             except BaseException as e:
                 failed = not restarts_the_job(e)
                 if failed and not restarts_in_place(e):
@@ -126,17 +120,21 @@ def _tell(e: BaseException) -> None:
         errorfile.record_exception(e)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    if _running:
-        raise RestartInPlace("ftrun restarts the job in place")
-
-
 def _arm() -> None:
     """Take the interrupt, and tell the agent this rank restarts in place (its slot's flag)."""
-    signal.signal(INTERRUPT_SIGNAL, _interrupt)
+    interrupt.arm()
     from ftrun.worker import client
 
     client.restartable()
+
+
+def _nccl_errors_leave_the_process() -> None:
+    """NCCL's watchdog, at a communicator's error (a peer lost, a collective's timeout), ends the process under
+    TORCH_NCCL_ASYNC_ERROR_HANDLING 1 (torchrun's setting, and ftrun's) and 3 (torch's default): a restartable
+    rank's process must outlive it. Under 2 the watchdog aborts the communicators only, and the rank's next wait
+    on them raises (the job's restart). Read by each new NCCL group: set before the function makes its own."""
+    if os.environ.get(NCCL_ERROR_HANDLING, "3") in ("1", "3"):
+        os.environ[NCCL_ERROR_HANDLING] = "2"
 
 
 def _park(why: str, before: set[str], failed: bool) -> None:
@@ -168,9 +166,7 @@ def _let_go(before: set[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    for fd, inode in _socket_fds().items():
-        if inode not in before:
-            _shut_if_tcp(fd)
+    interrupt.shut_connections(before)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway
@@ -193,34 +189,6 @@ def _forget_the_group_never_made() -> None:
     with contextlib.suppress(Exception):
         if world is not None and world.group_count:
             world.group_count = 0
-
-
-def _socket_fds() -> dict[int, str]:
-    """This process's open sockets: fd -> "socket:[inode]"."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("socket:"):
-                found[int(name)] = target
-    return found
-
-
-def _sockets() -> set[str]:
-    return set(_socket_fds().values())
-
-
-def _shut_if_tcp(fd: int) -> None:
-    """Shut (not close: the fd stays its owner's) a connected TCP socket: both ends see the connection end.
-    Never a listening one: gloo's listener thread ends the process when its accept fails."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return
-    with sock, contextlib.suppress(OSError):
-        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-        if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _become(request: messages.Message, fds: list[int]) -> None:

@@ -1,0 +1,161 @@
+"""How ftrun's interrupt reaches a restartable rank's function, wherever its main thread is (see worker.in_place).
+
+The signal's Python handler raises :class:`RestartInPlace` in the main thread, but Python runs a handler only when
+that thread comes back to Python: one blocked in C (a gloo collective waiting for a peer, a CUDA sync behind an
+NCCL kernel waiting for one) would wait until the collective's timeout, minutes, where the peer is lost or stuck
+outside Python itself. So a thread hears the signal too (Python's C-level handler writes each signal's number to
+the wakeup fd at once, whatever the main thread does) and breaks what the main thread may be waiting in: the
+NCCL communicators are aborted (their kernels end, a sync behind them returns) and the TCP connections the
+function opened are shut (a gloo wait fails). The main thread gets out of C with an error, then the handler's
+exception follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+
+from ftrun.worker.signals import INTERRUPT_SIGNAL
+
+
+class RestartInPlace(BaseException):
+    """Raised in the wrapped function when ftrun restarts the job in place. A BaseException, so that the job's
+    ``except Exception`` does not swallow it; let it pass."""
+
+
+_running = False  # the wrapped function runs: only then does the interrupt raise in it, or break anything
+_before: set[str] = set()  # the sockets open before the function began: not its own, never shut
+_breaking = threading.Lock()  # held while the thread breaks the function's collectives
+_told: socket.socket | None = None  # the wakeup fd's socket (Python's C handler writes to it), once per process
+
+
+def arm() -> None:
+    """Take the interrupt (in the main thread), and hear it from a thread (once per process)."""
+    global _told  # noqa: PLW0603 - one listener per process
+    signal.signal(INTERRUPT_SIGNAL, _raise_in_function)
+    if _told is not None:
+        return
+    heard, told = socket.socketpair()
+    told.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(told.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # another thread than the main one: the handler alone, as before
+        heard.close()
+        told.close()
+        return
+    _told = told
+    threading.Thread(target=_listen, args=(heard, previous), name="ftrun-interrupt", daemon=True).start()
+
+
+def enter() -> set[str]:
+    """The function is about to run; returns the sockets open before it (see :func:`shut_connections`)."""
+    global _running, _before  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
+    _before = sockets()
+    _running = True
+    return _before
+
+
+def leave() -> None:
+    """The function returned or raised: the interrupt no longer reaches it. A break under way ends first: the main
+    thread lets go of what it breaks only after it."""
+    global _running  # noqa: PLW0603
+    _running = False
+    with _breaking:
+        pass
+
+
+def _raise_in_function(signum: int, frame: object) -> None:
+    global _running  # noqa: PLW0603
+    if _running:
+        _running = False  # once: the wrapper's own handling and its park are never interrupted
+        raise RestartInPlace("ftrun restarts the job in place")
+
+
+def _listen(heard: socket.socket, previous: int) -> None:
+    """The wakeup fd's reader: breaks the function's collectives when the interrupt comes while it runs; passes
+    every signal's byte on to a wakeup fd set before ftrun's (whoever set it reads them as before)."""
+    while True:
+        try:
+            got = heard.recv(256)
+        except InterruptedError:
+            continue
+        except OSError:
+            return
+        if not got:
+            return
+        if previous != -1:
+            with contextlib.suppress(OSError):
+                os.write(previous, got)
+        if INTERRUPT_SIGNAL in got:
+            with _breaking:
+                if _running:
+                    _abort_nccl()
+                    shut_connections(_before)
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator of the process groups torch knows, as torch itself does from another thread
+    (its watchdog; ``_abort_process_group``): inside one NCCL group call, since two communicators aborted one by
+    one can wait on each other. Their kernels end, so a CUDA sync behind one returns. Nothing without NCCL."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    nccl = getattr(c10d, "ProcessGroupNCCL", None)
+    world = getattr(c10d, "_world", None)
+    torch = sys.modules.get("torch")
+    if nccl is None or world is None or torch is None:
+        return
+    backends = []
+    for group in list(world.pg_map):
+        with contextlib.suppress(Exception):  # a group with no CUDA backend raises
+            backend = group._get_backend(torch.device("cuda"))
+            if isinstance(backend, nccl):
+                backends.append(backend)
+    if not backends:
+        return
+    with contextlib.suppress(Exception):
+        backends[0]._group_start()
+    for backend in backends:
+        with contextlib.suppress(Exception):
+            backend.abort()
+    with contextlib.suppress(Exception):
+        backends[0]._group_end()
+
+
+def shut_connections(before: set[str]) -> None:
+    """Shut the connected TCP sockets opened since ``before`` (the function's process groups', its store's): both
+    ends see the connection end, so a peer's collective with this rank fails now rather than at its timeout, and
+    so does this rank's own wait in one (gloo cannot be aborted from another thread: measured, torch 2.13)."""
+    for fd, inode in _socket_fds().items():
+        if inode not in before:
+            _shut_if_tcp(fd)
+
+
+def sockets() -> set[str]:
+    return set(_socket_fds().values())
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's open sockets: fd -> "socket:[inode]"."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:"):
+                found[int(name)] = target
+    return found
+
+
+def _shut_if_tcp(fd: int) -> None:
+    """Shut (not close: the fd stays its owner's) a connected TCP socket: both ends see the connection end.
+    Never a listening one: gloo's listener thread ends the process when its accept fails."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return
+    with sock, contextlib.suppress(OSError):
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+        if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            sock.shutdown(socket.SHUT_RDWR)
