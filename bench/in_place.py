@@ -8,11 +8,12 @@ inductor), ftrun.snapshot every step. Rank 3 exits (os._exit) at a step; the job
 timeline (wall-clock lines written by every rank): the crash -> every rank having finished its first step
 after the restart; and the slowest survivor's part of it.
 
-    python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy] [--crash-by exit|raise]
+    python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy] [--crash-by exit|raise] [--nccl]
 
 --busy: one busy loop per core for the whole run (a node whose cores are all taken). --crash-by raise: rank 3's
 function raises instead of its process exiting (in place, rank 3 then keeps its process too: nobody compiles
-again). Prints figures; asserts nothing about time.
+again). --nccl (a GPU node): 2 nodes x 1 rank on NCCL, both on GPU 0, each agent with its own NCCL_HOSTID (NCCL
+takes them for two hosts and talks over its sockets); rank 1 fails. Prints figures; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -40,22 +41,26 @@ def free_port() -> int:
 
 
 def run_once(
-    mode: str, workdir: Path, crash_at: int, compile_: bool, crash_by: str, timeout: float
+    mode: str, workdir: Path, crash_at: int, compile_: bool, crash_by: str, timeout: float, nccl: bool = False
 ) -> dict[str, float] | None:
     timeline = workdir / "timeline.jsonl"
-    job = [str(EXAMPLE), "--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", "3",
+    per_node = 1 if nccl else 2
+    world = 2 * per_node
+    job = [str(EXAMPLE), "--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", str(world - 1),
            "--step-time", "0.05", "--timeline", str(timeline), "--crash-by", crash_by]  # fmt: skip
     job += ["--compile"] if compile_ else []
     job += ["--process-restart"] if mode == "process" else []
+    job += ["--backend", "nccl"] if nccl else []
     port = free_port()
     agents = []
     for name in "ab":
-        flags = ["--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend", "c10d",
+        env = {**os.environ, "NCCL_HOSTID": f"bench-{name}-{port}"} if nccl else None
+        flags = ["--nnodes", "2", "--nproc-per-node", str(per_node), "--max-restarts", "2", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}", "--local-addr", "127.0.0.1",
                  "--log-dir", str(workdir / f"logs-{name}")]  # fmt: skip
         argv = [sys.executable, "-m", "ftrun", *flags, *job]
         out = (workdir / f"{name}.out").open("w")
-        agents.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        agents.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env))
     try:
         codes = [a.wait(timeout) for a in agents]
     except subprocess.TimeoutExpired:
@@ -66,7 +71,10 @@ def run_once(
                 os.killpg(a.pid, 9)
                 a.wait()
     if any(codes):
-        print(f"  {mode}: a run failed ({codes}); see {workdir}", flush=True)
+        print(f"  {mode}: a run failed ({codes}); the agents' last lines:", flush=True)
+        for name in "ab":  # the directory goes with the run: what it says is kept here
+            for line in (workdir / f"{name}.out").read_text(errors="replace").splitlines()[-12:]:
+                print(f"    {name}| {line[:240]}", flush=True)
         return None
     lines = [json.loads(line) for line in timeline.read_text().splitlines()]
     [crash] = [x for x in lines if x.get("crash")]
@@ -76,12 +84,12 @@ def run_once(
             restored[x["rank"]] = x["t"]
         elif x["attempt"] == 1 and not x.get("crash"):
             first.setdefault(x["rank"], x["t"])
-    if sorted(first) != [0, 1, 2, 3]:
+    if sorted(first) != list(range(world)):
         return None
     return {
         "every_rank_s": max(first.values()) - crash["t"],
-        "survivors_s": max(first[r] for r in (0, 1, 2)) - crash["t"],
-        "replaced_s": first[3] - crash["t"],
+        "survivors_s": max(first[r] for r in range(world - 1)) - crash["t"],
+        "replaced_s": first[world - 1] - crash["t"],
         "restored_s": max(restored.values()) - crash["t"],  # every rank has its group and its state
     }
 
@@ -97,6 +105,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--busy", action="store_true")
     p.add_argument("--crash-by", choices=("exit", "raise"), default="exit")
+    p.add_argument("--nccl", action="store_true", help="2 nodes x 1 rank on NCCL, sharing GPU 0")
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args()
     loads = busy_loops() if a.busy else []
@@ -107,7 +116,7 @@ def main() -> None:
                 for mode in MODES if rep % 2 == 0 else reversed(MODES):
                     workdir = Path(tmp) / f"{mode}-{rep}"
                     workdir.mkdir()
-                    trial = run_once(mode, workdir, a.crash_at, a.compile, a.crash_by, a.timeout)
+                    trial = run_once(mode, workdir, a.crash_at, a.compile, a.crash_by, a.timeout, a.nccl)
                     if trial is not None:
                         found[mode].append(trial)
                         shown = ", ".join(f"{k} {v:.2f}" for k, v in trial.items())
@@ -116,8 +125,10 @@ def main() -> None:
         for loop in loads:
             loop.kill()
     machine = f"{os.cpu_count()} cores{', every core busy' if a.busy else ''}{', compiled' if a.compile else ''}"
-    machine += ", rank 3 raises" if a.crash_by == "raise" else ", rank 3 exits"
-    print(f"\nin-process restart vs process restart, 2 nodes x 2 ranks, gloo ({machine}):")
+    last = "rank 1" if a.nccl else "rank 3"
+    machine += f", {last} raises" if a.crash_by == "raise" else f", {last} exits"
+    shape = "2 nodes x 1 rank, NCCL on one GPU" if a.nccl else "2 nodes x 2 ranks, gloo"
+    print(f"\nin-process restart vs process restart, {shape} ({machine}):")
     medians = {m: statistics.median(t["every_rank_s"] for t in found[m]) for m in MODES if found[m]}
     for mode in MODES:
         if found[mode]:

@@ -57,20 +57,25 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each step also sleeps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (once per process)")
     p.add_argument("--process-restart", action="store_true", help="no in-place restart: as without the decorator")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: the model on its GPU")
     return p.parse_args()
 
 
 def main() -> None:
     a = arguments()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    device = torch.device("cpu")
+    if a.backend == "nccl":  # this rank's GPU (several ranks may share one: see NCCL_HOSTID)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     initial = {"model": copy.deepcopy(net.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     forward = torch.compile(net) if a.compile else net
 
     def train() -> None:
         rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        dist.init_process_group("gloo")
+        dist.init_process_group(a.backend)
         model = DistributedDataParallel(forward)
         last, state = ftrun.restore() or (-1, initial)
         net.load_state_dict(state["model"])
@@ -89,14 +94,14 @@ def main() -> None:
             if failing and step == a.hang_at:
                 time.sleep(3600)
             gen = torch.Generator().manual_seed(step * 100 + rank)
-            x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+            x, y = torch.randn(32, 64, generator=gen).to(device), torch.randn(32, 8, generator=gen).to(device)
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             ftrun.snapshot(step, {"model": net.state_dict(), "opt": opt.state_dict()})
             note(a.timeline, rank=rank, attempt=attempt, step=step)
             time.sleep(a.step_time)
-        digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
+        digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in net.state_dict().values()))
         if rank == 0:
             print(f"checksum {digest.hexdigest()[:16]}", flush=True)
         # DDP first, while its group is still registered: freed after the group's end, DDP's reducer would end
