@@ -271,6 +271,53 @@ def test_a_rank_waiting_in_a_collective_for_a_peer_stuck_outside_python_restarts
     assert "rank 0 attempt 1 done" in r.log(1, 0)
 
 
+RAISED_AS_THE_STOP_BEGAN = """
+import os, pathlib, time
+import torch.distributed as dist
+import ftrun
+
+@ftrun.restartable
+def train():
+    dist.init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    waiting = pathlib.Path("rank-0-waiting")
+    if attempt == 0 and rank == 0:
+        try:
+            waiting.touch()
+            time.sleep(60)
+        except ftrun.RestartInPlace:  # swallowed (the docs say: let it pass), then a failure of its own
+            pass
+        raise ValueError("rank 0 failed as the stop began")
+    if attempt == 0:
+        deadline = time.monotonic() + 60
+        while not waiting.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(3)
+    dist.barrier()
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+def test_a_rank_whose_function_raises_while_the_stop_waits_for_it_is_a_failure_too(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Rank 1 exits; rank 0's function raises an exception of its own once interrupted, so its park is read while
+    the stop waits for it: it restarts in place, and the report says its function raised (not "interrupted")."""
+    script("w.py", RAISED_AS_THE_STOP_BEGAN)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(0, 1) + r.log(1, 0) + r.log(1, 1))
+    assert ran[0, 0] == ran[0, 1], ran
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\): its function raised; its process restarts in place", r.stderr)
+    assert "ROOT CAUSE  rank 1" in r.stderr, r.stderr[-3000:]
+    also = r"ALSO FAILED rank 0 .*: its function raised; its process restarts in place at 20\d\d-.*\n  ValueError"
+    assert re.search(also, r.stderr), r.stderr[-3000:]  # when, from its error file, and what
+    assert "ValueError: rank 0 failed as the stop began" in r.log(0, 0, "stderr")
+
+
 LEFT_IN_INIT = """
 import datetime, os, time
 import torch.distributed as dist

@@ -22,6 +22,13 @@ def test_the_jobs_restart_reaching_a_rank_is_not_its_failure(e: BaseException) -
     assert restarts_the_job(e)
 
 
+def test_an_exception_the_jobs_cleanup_raised_while_the_interrupt_went_through_it_is_not_its_failure() -> None:
+    cleanup_failed = ValueError("a cleanup that failed")  # from a finally block the interrupt went through
+    cleanup_failed.__context__ = RestartInPlace("ftrun restarts the job in place")
+    assert restarts_the_job(cleanup_failed)
+    assert not restarts_the_job(ValueError("bad batch"))
+
+
 @pytest.mark.parametrize("e", [ValueError("bad batch"), RuntimeError("loss is nan"), KeyError("x"), OSError(5, "EIO")])
 def test_a_ranks_own_exception_restarts_it_in_place(e: BaseException) -> None:
     assert not restarts_the_job(e)

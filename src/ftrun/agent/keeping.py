@@ -109,6 +109,9 @@ class Keeping:
         for w in kept:
             if w.pid in parked:
                 assert w.handle is not None
+                came = self._survivors.parked(w.pid)
+                if came is not None and came.failed and w.state is not WorkerState.FAILED:
+                    self._asked.raised(w, came.why)  # its own failure, as the stop began: a failure still
                 self._survivors.keep(w.pid, w.handle, w.env.keys())
             else:
                 processes.unkeep(w)

@@ -363,15 +363,22 @@ def render(report: FailureReport) -> str:
         lines.append(f"  its logs lack {r.unwritten} bytes of its output: the log disk was full or failing")
     lines += _recorder_lines(r)
     for o in report.other_failures:
-        lines.append(f"ALSO FAILED {_who(o)}: {o.how} at {when(o.exit_wall)}")
-        if o.gpu_error:
-            lines.append(f"  {o.gpu_error.what}")
-        lines.append(f"  logs: {o.stderr_log}")
-        lines += _recorder_lines(o)
+        lines += _also_failed_lines(o)
     for o in report.stopped_by_ftrun:
         lines += _stopped_lines(o)
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _also_failed_lines(o: WorkerOutcome) -> list[str]:
+    """A failure after the root cause: when, the error it ended with (from its error file), where its logs are."""
+    lines = [f"ALSO FAILED {_who(o)}: {o.how} at {when(o.ended_wall)}"]
+    if o.gpu_error:
+        lines.append(f"  {o.gpu_error.what}")
+    elif o.error is not None:
+        lines.append(f"  {o.error.headline}")
+    lines.append(f"  logs: {o.stderr_log}")
+    return lines + _recorder_lines(o)
 
 
 def _stopped_lines(o: WorkerOutcome) -> list[str]:

@@ -91,10 +91,14 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 def restarts_the_job(e: BaseException) -> bool:
-    """Whether ``e`` is the job's restart reaching this rank (the interrupt, a collective a lost peer broke)
-    rather than this rank's own failure."""
-    if isinstance(e, RestartInPlace):
-        return True
+    """Whether ``e`` is the job's restart reaching this rank (the interrupt, a collective a lost peer broke, an
+    exception the job's own cleanup raised while the interrupt went through it) rather than this rank's own
+    failure (as torchrun takes no worker's exception for a failure once it stops the workers)."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, RestartInPlace):
+            return True
+        seen = seen.__context__
     dist = sys.modules.get("torch.distributed")
     dist_error = getattr(dist, "DistError", None) if dist is not None else None
     if isinstance(dist_error, type) and isinstance(e, dist_error):
