@@ -126,9 +126,12 @@ DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo"
 
 
 def shape(line: str) -> str:
-    """A console line with what changes between runs left out: paths, numbers (times, pids, steps' losses), and
-    whether the restart was warm (on a busy machine the pool may not be ready by the crash: .ci/run checks it)."""
+    """A console line with what changes between runs left out: paths, numbers (times, pids, steps' losses), the
+    weights' checksum (its floating-point sums differ from one CPU's vector instructions to another's: AVX2,
+    AVX-512), and whether the restart was warm (on a busy machine the pool may not be ready by the crash:
+    .ci/run checks it)."""
     line = re.sub(r"/\S+", "PATH", line).replace(" (warm)", "")
+    line = re.sub(r"checksum [0-9a-f]+", "checksum HEX", line)
     return re.sub(r"\d+(\.\d+)?", "N", line).strip()
 
 

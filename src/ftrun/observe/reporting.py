@@ -335,7 +335,8 @@ def render(report: FailureReport) -> str:
     verdict = "restarting" if report.will_restart else "not restarting"
     lines = [
         "=" * 78,
-        f"ftrun: attempt {report.attempt} of run {report.run_id} failed ({verdict})",
+        f"ftrun: attempt {report.attempt}{'' if report.run_id == 'none' else f' of run {report.run_id}'} failed "
+        f"({verdict})",
         "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
     ]
     lines += _root_lines(report)
