@@ -164,13 +164,13 @@ def _park(why: str, before: set[str], failed: bool) -> None:
 
 
 def _let_go(before: set[str]) -> None:
-    """What the interrupted attempt held: the output it had not written yet, the TCP connections it opened (its
-    process groups', its store's: shut, so that a peer still inside a collective with this rank gets an error
-    now rather than at its timeout; gloo cannot be aborted from another thread), its process groups."""
+    """What the interrupted attempt held: the output it had not written yet, its collectives (broken, so that a
+    peer still inside one with this rank gets an error now rather than at its timeout: NCCL's communicators
+    aborted, the TCP connections it opened shut), its process groups."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    interrupt.shut_connections(before)
+    interrupt.break_collectives(before)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway

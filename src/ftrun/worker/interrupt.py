@@ -52,7 +52,7 @@ def arm() -> None:
 
 
 def enter() -> set[str]:
-    """The function is about to run; returns the sockets open before it (see :func:`shut_connections`)."""
+    """The function is about to run; returns the sockets open before it (see :func:`break_collectives`)."""
     global _running, _before  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
     _before = sockets()
     _running = True
@@ -93,8 +93,16 @@ def _listen(heard: socket.socket, previous: int) -> None:
         if INTERRUPT_SIGNAL in got:
             with _breaking:
                 if _running:
-                    _abort_nccl()
-                    shut_connections(_before)
+                    break_collectives(_before)
+
+
+def break_collectives(before: set[str]) -> None:
+    """End every collective of the function's, here and, where it can, at its peers: the NCCL communicators
+    aborted, then the TCP connections opened since ``before`` shut (see :func:`_shut_connections`). From the
+    thread at the interrupt, and from the main thread as it lets go of the attempt (a rank whose own exception
+    ended the function: a graceful end of an NCCL group would wait for the collectives its peers still wait in)."""
+    _abort_nccl()
+    _shut_connections(before)
 
 
 def _abort_nccl() -> None:
@@ -124,7 +132,7 @@ def _abort_nccl() -> None:
         backends[0]._group_end()
 
 
-def shut_connections(before: set[str]) -> None:
+def _shut_connections(before: set[str]) -> None:
     """Shut the connected TCP sockets opened since ``before`` (the function's process groups', its store's): both
     ends see the connection end, so a peer's collective with this rank fails now rather than at its timeout, and
     so does this rank's own wait in one (gloo cannot be aborted from another thread: measured, torch 2.13)."""
