@@ -11,10 +11,11 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from tests.integration.harness import WAIT_S, until
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=netns.available() or "available")
 
 PORT = 29455
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "restartable_ddp.py")
 TTL_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=300"
 
 TRAINS = """
@@ -40,18 +42,25 @@ while not os.path.exists(stop):
 
 
 class Agent:
-    def __init__(self, node: netns.Node, store: netns.Node | str, tmp: Path, *extra: str) -> None:
-        """``store``: the node whose address is the endpoint, or the endpoint's host name."""
+    def __init__(
+        self, node: netns.Node, store: netns.Node | str, tmp: Path, *extra: str, job: Sequence[str] = ()
+    ) -> None:
+        """``store``: the node whose address is the endpoint, or the endpoint's host name; ``job``: the script and
+        its arguments (TRAINS by default)."""
         self.node = node
+        self.logs = tmp / f"logs-{node.name}"
         self.stderr_path = tmp / f"agent-{node.name}.stderr"
         endpoint = store if isinstance(store, str) else store.addr
-        argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp / f"logs-{node.name}"), "--rdzv-backend", "c10d",
+        job = job or [str(tmp / "train.py"), str(tmp / "train.log"), str(tmp / "stop")]
+        # GLOO_SOCKET_IFNAME: the machine's host name, which gloo would bind to, is no node's own here
+        argv = [sys.executable, "-m", "ftrun", "--log-dir", str(self.logs), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{endpoint}:{PORT}", "--rdzv-id", "netfaults", "--local-addr", node.addr,
                 "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "10", "--rdzv-conf", TTL_CONF, *extra,
-                str(tmp / "train.py"), str(tmp / "train.log"), str(tmp / "stop")]  # fmt: skip
+                *job]  # fmt: skip
         with self.stderr_path.open("w") as err:
             self.proc = subprocess.Popen(node.argv(argv), cwd=tmp, stdout=subprocess.DEVNULL, stderr=err,
-                                         env={**os.environ, "NODE": node.name}, start_new_session=True)  # fmt: skip
+                                         env={**os.environ, "NODE": node.name, "GLOO_SOCKET_IFNAME": "eth0"},
+                                         start_new_session=True)  # fmt: skip
 
     @property
     def stderr(self) -> str:
@@ -283,6 +292,40 @@ def test_a_partition_during_a_takeover_never_makes_a_second_store(
     hosts = [x.node.name for x in agents[1:] if "this node hosts the store now" in x.stderr]
     assert len(hosts) == 1, [x.stderr for x in agents[1:]]  # one store, ever
     finish(tmp_path, agents[1:])
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_in_a_collective_for_a_node_cut_off_restarts_in_place(tmp_path: Path) -> None:
+    """@ftrun.restartable (examples/restartable_ddp.py), a rank per node: node b is cut off (no packet in or
+    out, no reset) and node a's rank enters its next all_reduce with b's rank, which nothing will ever end: its
+    handler cannot run there. Once b's lease lapses, a's agent interrupts it; the interrupt's thread shuts the
+    rank's connections, the all_reduce fails, and the rank goes on alone in the same process."""
+    timeline = tmp_path / "timeline.jsonl"
+    job = [EXAMPLE, "--steps", "300", "--step-time", "0.05", "--timeline", str(timeline)]
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            a, b = net.add("a"), net.add("b")
+            agents += [Agent(a, a, tmp_path, job=job), Agent(b, a, tmp_path, job=job)]
+
+            def stepped(rank: int, attempt: int) -> bool:
+                found = [json.loads(x) for x in timeline.read_text().splitlines()] if timeline.exists() else []
+                return any(x["rank"] == rank and x["attempt"] >= attempt and not x.get("restored") for x in found)
+
+            until(lambda: stepped(1, 0), "both nodes train", WAIT_S * 3)
+            net.cut(b)
+            until(lambda: stepped(0, 1), "a's rank trains on alone", 60.0)
+            assert agents[0].proc.wait(WAIT_S * 2) == 0, agents[0].stderr
+            agents[1].close()  # still cut off, waiting to rejoin
+        finally:
+            stop_all(tmp_path, agents)
+    said = agents[0].stderr
+    assert "not interrupted within" not in said, said
+    assert re.search(r"\d+ restarts? \(in place\)", said), said
+    logs = "".join(p.read_text() for p in sorted(agents[0].logs.glob("*/attempt_*/*/stdout.log")))
+    started = re.findall(r"rank \d+ attempt (\d+) pid (\d+)", logs)  # node a's one rank (0 or 1 with b)
+    assert len(started) >= 2, logs  # with b, then alone
+    assert len({pid for _, pid in started}) == 1, started  # one process throughout
 
 
 @pytest.mark.slow

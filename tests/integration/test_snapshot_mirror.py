@@ -181,3 +181,33 @@ def test_every_node_copies_the_step_the_pacing_node_chose_and_keeps_it(
     b.stop_sending()
     for n in "ab":  # the two newest copied steps kept, no older one
         assert {s for s in range(1, 8) if file.is_pinned(tmp_path / n / file.STEP_DIR.format(s))} == {5, 7}
+
+
+def test_a_copy_to_a_successor_that_stopped_answering_is_given_up_at_once_when_sending_stops(
+    tmp_path: Path, nodes: tuple[SnapshotMirror, SnapshotMirror]
+) -> None:
+    """The successor took the connection, then went silent (cut off mid-copy): stopping the copies (the agent
+    does before each restart) shuts that connection rather than waiting out its 60 s timeout."""
+    a, _ = nodes
+    whole(tmp_path / "a", 1, 0)
+    silent = socket.create_server(("127.0.0.1", 0))
+    taken = threading.Event()
+    held_open: list[socket.socket] = []
+
+    def take() -> None:
+        conn, _ = silent.accept()
+        held_open.append(conn)  # never read, never answered
+        taken.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    try:
+        a.send_to(lambda: f"127.0.0.1:{silent.getsockname()[1]}", ranks=[0], every_s=0.05)
+        assert taken.wait(10), "the copy never connected"
+        stopping = threading.Thread(target=a.stop_sending, daemon=True)
+        stopping.start()
+        stopping.join(10)  # far less than the connection's 60 s timeout
+        assert not stopping.is_alive(), "stop_sending waited for the silent successor"
+    finally:
+        for conn in held_open:
+            conn.close()
+        silent.close()

@@ -53,6 +53,10 @@ from ftrun.worker.snapshot_file import (
 
 HEAD_LIMIT = 4096
 IO_TIMEOUT_S = 60.0
+# A node that answers no connection within this is gone or cut off: a restart that fetched a lost node's part
+# waited out IO_TIMEOUT_S (60 s: seen with a node cut off, its workers' parts wanted by a world that shrank).
+# Between nodes that can reach each other a connection takes milliseconds; 5 s lets two SYNs be lost.
+CONNECT_TIMEOUT_S = 5.0
 HEAD_TIMEOUT_S = 10.0  # for a connection's first line, its request
 BLOCK = 4 << 20
 SEND_PIECE = 64 << 20
@@ -158,6 +162,9 @@ class SnapshotMirror:
         self._key = key
         self._sending: threading.Thread | None = None
         self._stop = threading.Event()
+        # the connection a copy is being sent on: stop_sending shuts it, or its join would wait out IO_TIMEOUT_S
+        # where the successor was cut off mid-copy (the restart after it waited 57 s: seen in a partition test)
+        self._in_flight: socket.socket | None = None
         self._sent: tuple[list[int], int] | None = None  # (ranks, step) sent last: not again after a restart
 
     @property
@@ -184,6 +191,10 @@ class SnapshotMirror:
 
     def stop_sending(self) -> None:
         self._stop.set()
+        sock = self._in_flight
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         if self._sending is not None:
             self._sending.join()
             self._sending = None
@@ -241,11 +252,16 @@ class SnapshotMirror:
         """A rank's file of a step to the mirror at ``address`` (given up when ``stop`` is set)."""
         try:
             with path_of(self._dir, step, rank).open("rb") as f, _connect(address) as sock:
+                self._in_flight = sock
+                if stop is not None and stop.is_set():  # set before stop_sending could see the connection
+                    return False
                 size = os.fstat(f.fileno()).st_size
                 nonce = _ask(sock, self._key, {"op": "put", "step": step, "rank": rank, "size": size, "nonce": ""})
                 return _send_file(sock, f, self._key, nonce, stop) and _line(sock, 16) == b"ok\n"
         except OSError:
             return False
+        finally:
+            self._in_flight = None
 
 
 def _yield_cpu() -> None:
@@ -373,7 +389,9 @@ def _line(sock: socket.socket, limit: int = HEAD_LIMIT) -> bytes:
 
 def _connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
-    return socket.create_connection((host.strip("[]"), int(port)), timeout=IO_TIMEOUT_S)
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
+    sock.settimeout(IO_TIMEOUT_S)
+    return sock
 
 
 def pin(directory: Path, step: int) -> None:
