@@ -318,6 +318,46 @@ def test_a_rank_whose_function_raises_while_the_stop_waits_for_it_is_a_failure_t
     assert "ValueError: rank 0 failed as the stop began" in r.log(0, 0, "stderr")
 
 
+REFUSED_END = """
+import os
+import torch.distributed as dist
+import ftrun
+
+graceful_end = dist.destroy_process_group
+
+
+def refuse(group=None):  # as NCCL's graceful end of a communicator ftrun aborted: it raises, forgetting nothing
+    raise RuntimeError("NCCL error: the communicator was aborted (finalize)")
+
+
+@ftrun.restartable
+def train():
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.destroy_process_group = refuse if attempt == 0 else graceful_end
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    if attempt == 0 and rank == 1:
+        os._exit(3)
+    dist.barrier()  # attempt 0: rank 0 waits here for rank 1, gone
+    print(f"rank {rank} met its peer", flush=True)
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+def test_a_group_that_refuses_a_graceful_end_is_forgotten_and_made_again(tmp_path: Path, script: WriteScript) -> None:
+    """The end of rank 0's group raises (as NCCL's does for a communicator aborted): torch's abort forgets it,
+    so rank 0's next init_process_group makes a new default group rather than finding the old one there."""
+    script("w.py", REFUSED_END)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(0, 1) + r.log(1, 0) + r.log(1, 1))
+    assert ran[0, 0] == ran[0, 1], ran
+    assert "rank 0 met its peer" in r.log(1, 0)
+
+
 LEFT_IN_INIT = """
 import datetime, os, time
 import torch.distributed as dist

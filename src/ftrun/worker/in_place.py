@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from ftrun.worker import errorfile, interrupt, messages
 from ftrun.worker.interrupt import RestartInPlace
@@ -173,14 +173,25 @@ def _let_go(before: set[str]) -> None:
     interrupt.break_collectives(before)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):  # a group a lost peer broke may refuse a clean end; it goes anyway
-            dist.destroy_process_group()
+        _end_the_groups(dist)
     else:
         _forget_the_group_never_made()
     from ftrun.worker import peers
 
     peers.stop_peer_heartbeat()
     gc.collect()
+
+
+def _end_the_groups(dist: Any) -> None:
+    """Every process group ended and forgotten. A graceful end may refuse: NCCL's finalize of a communicator
+    aborted raises (torch's ProcessGroupNCCL.shutdown) before torch has forgotten its groups, and the next
+    init_process_group would find the default group still there. Torch's own abort then ends what is left and
+    forgets them all (it works for gloo's groups too: torch 2.13, measured)."""
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
 
 
 def _forget_the_group_never_made() -> None:
