@@ -33,7 +33,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from types import ModuleType
+from typing import ParamSpec, TypeVar
 
 from ftrun.worker import errorfile, interrupt, messages
 from ftrun.worker.interrupt import RestartInPlace
@@ -182,7 +183,7 @@ def _let_go(before: set[str]) -> None:
     gc.collect()
 
 
-def _end_the_groups(dist: Any) -> None:
+def _end_the_groups(dist: ModuleType) -> None:
     """Every process group ended and forgotten. A graceful end may refuse: NCCL's finalize of a communicator
     aborted raises (torch's ProcessGroupNCCL.shutdown) before torch has forgotten its groups, and the next
     init_process_group would find the default group still there. Torch's own abort then ends what is left and
