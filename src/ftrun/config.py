@@ -19,6 +19,14 @@ from ftrun.store.url import StoreUrl
 from ftrun.worker.timeouts import LEARNED_FLOOR_S, TEARDOWN_GRACE_S, Timeouts
 
 STORE_BACKENDS = ("c10d", "tcp", "etcd", "etcd-v2")  # the nodes meet through a store (else: static)
+NO_RUN_ID = "none"  # torchrun's default --rdzv-id: nodes started with the same command meet; it names no run
+
+
+def run_named(run_id: str) -> str:
+    """How a person is told which run: by its id, or, under torchrun's default id, as a run given none."""
+    return "run (no --rdzv-id)" if run_id == NO_RUN_ID else f"run {run_id}"
+
+
 DEFAULT_PREFIX_TEMPLATE = "[${role_name}${local_rank}]:"  # torchrun's tee prefix: [default0]:
 
 

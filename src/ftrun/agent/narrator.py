@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from ftrun.clock import Clock
-from ftrun.config import LaunchConfig, Std
+from ftrun.config import LaunchConfig, Std, run_named
 from ftrun.observe.events import EventKind, EventLog, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import before_requeue
@@ -78,8 +78,7 @@ class Narrator:
         """The run announced: where its logs are, the notices of its flags, its first event."""
         c = self._config
         workers = "1 worker" if c.nproc_per_node == 1 else f"{c.nproc_per_node} workers"
-        named = "run (no --rdzv-id)" if c.run_id == "none" else f"run {c.run_id}"  # torchrun's default id, "none"
-        self.say(f"{named}: {workers}, logs in {self.run_dir}")
+        self.say(f"{run_named(c.run_id)}: {workers}, logs in {self.run_dir}")
         for notice in (*c.rdzv.conf.notices, *c.notices):
             self.warn(notice)
         run = {"run_id": c.run_id, "host": self.host, "nproc": c.nproc_per_node, "max_restarts": c.max_restarts}

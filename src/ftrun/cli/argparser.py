@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from ftrun.cli import nvidia_ft
 from ftrun.cli.slurm import slurm_step
+from ftrun.config import NO_RUN_ID
 from ftrun.errors import ConfigError
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle
@@ -99,7 +100,7 @@ def _torchrun_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--local-addr", default=None, help="address other nodes reach this node at")
     _flag(p, "--rdzv-backend", default="static", help="static, c10d (alias tcp: the embedded store) or etcd")
     _flag(p, "--rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store")
-    _flag(p, "--rdzv-id", default="none", help="job id shared by all nodes (also names the log directory)")
+    _flag(p, "--rdzv-id", default=NO_RUN_ID, help="job id shared by all nodes (also names the log directory)")
     _flag(p, "--rdzv-conf", default="", help="KEY=VALUE,... e.g. join_timeout=900,last_call_timeout=10")
     _flag(p, "--signals-to-handle", default=DEFAULT_SIGNALS, help="signals passed on to the workers when stopping")
     _flag(

@@ -75,7 +75,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
             f"use one of {', '.join(flags.START_METHODS)}",
         )
     run_id = rdzv_flags.parse_run_id(a.rdzv_id, standalone=a.standalone)
-    if a.standalone and a.rdzv_id not in (None, "none"):
+    if a.standalone and a.rdzv_id not in (None, cfg.NO_RUN_ID):
         notices.append(f"--rdzv-id {a.rdzv_id} has no effect with --standalone (as in torchrun): the run is {run_id}")
     level = flags.parse_loglevel(environ)
     token = rdzv_flags.store_token(a.rdzv_token, a.rdzv_token_file, environ)

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping
 
 from ftrun.cli.flags import parse_int, parse_seconds
-from ftrun.config import RdzvConf
+from ftrun.config import NO_RUN_ID, RdzvConf
 from ftrun.errors import ConfigError
 from ftrun.node.addresses import DEFAULT_ETCD_PORT, parse_endpoint
 from ftrun.store.url import StoreUrl, parse_store_url, read_token_file, tcp_url
@@ -55,7 +55,7 @@ def parse_run_id(text: str | None, *, standalone: bool = False) -> str:
     """
     if standalone:
         return f"ftrun-{uuid.uuid4().hex[:12]}"
-    text = text or "none"
+    text = text or NO_RUN_ID
     if not _RUN_ID.match(text) or text in (".", ".."):
         raise ConfigError("--rdzv-id", f"{text!r} is not a valid run id", "use letters, digits, '.', '_' and '-'")
     return text

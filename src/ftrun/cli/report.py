@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ftrun.config import run_named
 from ftrun.errors import ConfigError
 from ftrun.jsonobject import object_or_none
 from ftrun.observe.events import EventKind, summarize
@@ -102,7 +103,7 @@ def text(h: NodeHistory) -> str:
     """The history as a person reads it, oldest first."""
     summary = summarize(h.events)
     lines = [
-        f"run {h.run_id} on {h.host} ({h.run_dir}): {h.outcome}, {summary.attempts} attempt(s), "
+        f"{run_named(h.run_id)} on {h.host} ({h.run_dir}): {h.outcome}, {summary.attempts} attempt(s), "
         f"{summary.restarts} restart(s)"
     ]
     rounds = node_counts(h)

@@ -19,6 +19,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
+from ftrun.config import NO_RUN_ID
 from ftrun.errors import ErrorFileError
 from ftrun.observe.gpu_errors import GpuError, diagnose
 from ftrun.private import write_atomically
@@ -335,7 +336,7 @@ def render(report: FailureReport) -> str:
     verdict = "restarting" if report.will_restart else "not restarting"
     lines = [
         "=" * 78,
-        f"ftrun: attempt {report.attempt}{'' if report.run_id == 'none' else f' of run {report.run_id}'} failed "
+        f"ftrun: attempt {report.attempt}{'' if report.run_id == NO_RUN_ID else f' of run {report.run_id}'} failed "
         f"({verdict})",
         "Root Cause (first observed failure):",  # torchrun's words: scripts that look for them find them
     ]

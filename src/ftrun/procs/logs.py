@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ftrun.config import LaunchConfig, LogSpec, Std
+from ftrun.config import NO_RUN_ID, LaunchConfig, LogSpec, Std
 from ftrun.errors import ConfigError
 from ftrun.node import process_limit
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
@@ -322,7 +322,7 @@ def open_run_dir(config: LaunchConfig, carry_on: CarryOn | None = None) -> tuple
     log directory, in the shared temp dir, keeps the KEEP_RUNS newest runs of its user; a --log-dir keeps all.
     After SLURM requeued the job, ``carry_on`` finds the directory of this node's start before, if any."""
     logs, name = config.logs, config.run_id
-    if name == "none":
+    if name == NO_RUN_ID:
         name = f"{Path(config.entrypoint.target).name.removesuffix('.py') or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if config.requeued and carry_on and (before := carry_on(logs.base_dir, name, config.node_index)) is not None:
         return before, f"SLURM requeued the job ({config.requeued} time(s)): carrying on in {before}"

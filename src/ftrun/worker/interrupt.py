@@ -54,7 +54,7 @@ def arm() -> None:
 def enter() -> set[str]:
     """The function is about to run; returns the sockets open before it (see :func:`break_collectives`)."""
     global _running, _before  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
-    _before = sockets()
+    _before = _sockets()
     _running = True
     return _before
 
@@ -141,7 +141,7 @@ def _shut_connections(before: set[str]) -> None:
             _shut_if_tcp(fd)
 
 
-def sockets() -> set[str]:
+def _sockets() -> set[str]:
     return set(_socket_fds().values())
 
 
