@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun, until
+from tests.integration.harness import CONF, WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun, until
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "restartable_ddp.py")
 STARTED = re.compile(r"rank (\d+) attempt (\d+) pid (\d+) from step (\d+)")
@@ -108,6 +108,46 @@ def test_a_node_that_joins_and_is_lost_leaves_the_first_nodes_ranks_in_their_pro
         assert len(ran) == 3, starts  # alone, with b, alone again (a scale-up spends no restart: its count stays)
         assert len(set(ran)) == 1, starts  # one process throughout
     assert "2 restarts (in place)" in a.stderr(), a.stderr()
+
+
+@pytest.mark.slow
+def test_a_node_lost_is_replaced_by_a_spare_and_the_survivor_keeps_its_process(
+    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, shared_dir: Path
+) -> None:
+    """2 nodes x 1 rank and a hot spare; the node of rank 1 is lost (its worker SIGKILLed, its agent a moment
+    later). Rank 0 goes on in the process it started in; the spare's new worker takes rank 1 and restores the
+    step both agree on from the copy of rank 1's snapshots that rank 0's node holds; the weights end as in a
+    run that never failed."""
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false",
+             "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "2", "--local-addr", "127.0.0.1",
+             EXAMPLE, "--steps", "80", "--step-time", "0.1"]  # fmt: skip
+    a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id="spare") for n in "ab")
+    live.extend([a, b])
+    head = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
+    lost = b if head is a else a
+    lost.wait_for_stderr(r"round 1: group rank")
+    spare = LiveFtrun(tmp_path, *flags, name="spare", run_id="spare")
+    live.append(spare)
+    spare.wait_for_stderr("hot spare")
+    copies = Path("/dev/shm") / f"ftrun-snapshots-{os.geteuid()}"
+    until(lambda: bool(list(copies.glob(f"{head.proc.pid}-*/peer/step-*/rank-1.snap"))),
+          "rank 1's snapshot of a step reaches the node of rank 0")  # fmt: skip
+    os.kill(lost.proc.pid, signal.SIGSTOP)  # the machine goes: its worker first, its agent a moment later
+    for e in lost.events():
+        if e["kind"] == "worker_spawned":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(e["pid"]), signal.SIGKILL)
+    lost.proc.kill()
+    assert [head.wait(WAIT_S), spare.wait(WAIT_S)] == [0, 0], head.stderr() + spare.stderr()
+    ran = pids("\n".join(head.lines))
+    assert len({pid for (rank, _), pid in ran.items() if rank == 0}) == 1, ran  # one process throughout
+    assert "1 restart (in place)" in head.stderr(), head.stderr()
+    assert re.search(r"rank 1's snapshot of step \d+ fetched from the node holding its copy", spare.stderr())
+    restored = {int(r): int(s) for r, at, _, s in STARTED.findall("\n".join(head.lines + spare.lines)) if at == "1"}
+    assert sorted(restored) == [0, 1], restored
+    assert restored[0] == restored[1] > 0, restored  # one step, agreed
+    never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "80")
+    assert checksum("\n".join(head.lines)) == checksum(never.stdout)
 
 
 @pytest.mark.slow
