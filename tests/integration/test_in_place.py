@@ -435,6 +435,85 @@ def test_a_rank_whose_init_failed_for_a_lost_peer_meets_the_new_one_in_place(
     assert "rank 1 met its peer" in r.log(1, 1)
 
 
+FRAMEWORK_JOB = """
+import hashlib, os, sys
+import torch
+from torch import nn
+import ftrun
+{set_up}
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+initial = {{"model": {{k: v.clone() for k, v in net.state_dict().items()}}, "opt": None}}
+
+
+@ftrun.restartable
+def train():
+    rank, prepare, backward = set_up()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    last, state = ftrun.restore() or (-1, initial)
+    net.load_state_dict(state["model"])
+    if state["opt"] is not None:
+        opt.load_state_dict(state["opt"])
+    model, optimizer = prepare(net, opt)
+    print(f"rank {{rank}} attempt {{attempt}} pid {{os.getpid()}} from step {{last + 1}}", flush=True)
+    for step in range(last + 1, 30):
+        if "--crash" in sys.argv and rank == 1 and attempt == 0 and step == 12:
+            os._exit(3)
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        optimizer.zero_grad()
+        backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        ftrun.snapshot(step, {{"model": net.state_dict(), "opt": opt.state_dict()}})
+    if rank == 0:
+        weights = b"".join(t.numpy().tobytes() for t in net.state_dict().values())
+        print("checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+
+
+train()
+"""
+SET_UP = {
+    "accelerate": """
+from accelerate import Accelerator
+
+
+def set_up():
+    accelerator = Accelerator(cpu=True)
+    return accelerator.process_index, accelerator.prepare, accelerator.backward
+""",
+    "lightning_fabric": """
+from lightning_fabric import Fabric
+
+
+def set_up():
+    fabric = Fabric(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy="ddp")
+    fabric.launch()
+    return fabric.global_rank, fabric.setup, fabric.backward
+""",
+}
+
+
+@pytest.mark.parametrize("framework", sorted(SET_UP))
+def test_a_framework_that_sets_up_the_group_itself_restarts_in_place(
+    tmp_path: Path, script: WriteScript, framework: str
+) -> None:
+    """The function sets up through a training framework (its own init_process_group, DDP, its backward), which
+    Accelerate does once per process in a singleton: rank 1 exits at step 12, rank 0's second call sets up anew in
+    the same process, and the weights end as in a run that never failed."""
+    pytest.importorskip(framework)
+    script("w.py", FRAMEWORK_JOB.format(set_up=SET_UP[framework]))
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "--crash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0))
+    assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
+    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / "w.py"))
+    assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
+
+
 def test_outside_ftrun_the_function_runs_once() -> None:
     code = "import ftrun\n@ftrun.restartable\ndef f(x):\n    return x * 2\nprint(f(21))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)

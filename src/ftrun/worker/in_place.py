@@ -177,6 +177,7 @@ def _let_go(before: set[str]) -> None:
         _end_the_groups(dist)
     else:
         _forget_the_group_never_made()
+    _forget_what_libraries_kept()
     from ftrun.worker import peers
 
     peers.stop_peer_heartbeat()
@@ -205,6 +206,20 @@ def _forget_the_group_never_made() -> None:
     with contextlib.suppress(Exception):
         if world is not None and world.group_count:
             world.group_count = 0
+
+
+def _forget_what_libraries_kept() -> None:
+    """Hugging Face Accelerate keeps the process's distributed set-up in singletons made once per process (its
+    states: the first ``Accelerator()`` calls init_process_group, a later one reads what the first found): the
+    next call's ``Accelerator()`` would hand it the group just ended ("Default process group has not been
+    initialized"), or a state an interrupt left half-made. They are cleared as Accelerate clears them between two
+    set-ups in one process (its own tests), so that the next call sets up anew; only where the job imported it."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    with contextlib.suppress(Exception):  # another version's internals: its next set-up says what is wrong
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
 
 
 def _become(request: messages.Message, fds: list[int]) -> None:
