@@ -514,6 +514,68 @@ def test_a_framework_that_sets_up_the_group_itself_restarts_in_place(
     assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
 
 
+HF_TRAINER_JOB = """
+import hashlib, os, sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+import ftrun
+
+
+class Crash(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if "--crash" in sys.argv and first and os.environ["RANK"] == "1" and state.global_step == 6:
+            os._exit(3)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+@ftrun.restartable
+def train():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments("out", per_device_train_batch_size=4, max_steps=12, save_steps=4, report_to=[],
+                             use_cpu=True, seed=0, ddp_backend="gloo", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Crash()])
+    saved = os.path.isdir("out") and any(d.startswith("checkpoint-") for d in os.listdir("out"))
+    print(f"rank {os.environ['RANK']} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} pid {os.getpid()} "
+          f"from step 0", flush=True)
+    trainer.train(resume_from_checkpoint=saved or None)
+    if os.environ["RANK"] == "0":
+        weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        print("checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+
+
+train()
+"""
+
+
+@pytest.mark.slow
+def test_a_hugging_face_trainer_resuming_from_its_own_checkpoints_restarts_in_place(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """transformers' Trainer (Accelerate underneath, DDP on gloo), its own checkpoints every 4 steps and no
+    ftrun.snapshot: rank 1 exits at step 6; rank 0's process makes its Trainer again and resumes from
+    checkpoint-4 with the new rank 1; the weights end as in a run that never failed."""
+    pytest.importorskip("transformers")
+    script("w.py", HF_TRAINER_JOB)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "--crash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0))
+    assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
+    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / "w.py"))
+    assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
+
+
 def test_outside_ftrun_the_function_runs_once() -> None:
     code = "import ftrun\n@ftrun.restartable\ndef f(x):\n    return x * 2\nprint(f(21))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
