@@ -435,6 +435,19 @@ def test_a_rank_whose_init_failed_for_a_lost_peer_meets_the_new_one_in_place(
     assert "rank 1 met its peer" in r.log(1, 1)
 
 
+def crashed_in_place_ends_as_a_clean_run(tmp_path: Path, job: str) -> None:
+    """``job --crash`` on 2 ranks: rank 1's exit restarts rank 0 in place, and rank 0's weights end as in ``job``
+    run without the crash."""
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", job, "--crash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = pids(r.log(0, 0) + r.log(1, 0))
+    assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
+    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
+    (tmp_path / "never").mkdir()
+    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / job))
+    assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
+
+
 FRAMEWORK_JOB = """
 import hashlib, os, sys
 import torch
@@ -504,14 +517,7 @@ def test_a_framework_that_sets_up_the_group_itself_restarts_in_place(
     the same process, and the weights end as in a run that never failed."""
     pytest.importorskip(framework)
     script("w.py", FRAMEWORK_JOB.format(set_up=SET_UP[framework]))
-    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "--crash")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ran = pids(r.log(0, 0) + r.log(1, 0))
-    assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
-    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / "w.py"))
-    assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
+    crashed_in_place_ends_as_a_clean_run(tmp_path, "w.py")
 
 
 HF_TRAINER_JOB = """
@@ -566,14 +572,7 @@ def test_a_hugging_face_trainer_resuming_from_its_own_checkpoints_restarts_in_pl
     checkpoint-4 with the new rank 1; the weights end as in a run that never failed."""
     pytest.importorskip("transformers")
     script("w.py", HF_TRAINER_JOB)
-    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "--crash")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ran = pids(r.log(0, 0) + r.log(1, 0))
-    assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
-    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / "w.py"))
-    assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
+    crashed_in_place_ends_as_a_clean_run(tmp_path, "w.py")
 
 
 def test_outside_ftrun_the_function_runs_once() -> None:
