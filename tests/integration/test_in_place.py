@@ -358,6 +358,48 @@ def test_a_rank_whose_function_raises_while_the_stop_waits_for_it_is_a_failure_t
     assert "ValueError: rank 0 failed as the stop began" in r.log(0, 0, "stderr")
 
 
+RAISES_AS_IT_BEGINS = """
+import os
+import torch
+import torch.distributed as dist
+import ftrun
+
+
+@ftrun.restartable
+def train():
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    if rank == 1 and 1 <= attempt <= 5:
+        raise ValueError(f"rank 1 fails as attempt {attempt} begins")
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    for step in range(5):
+        dist.all_reduce(t)
+        if rank == 1 and attempt == 0 and step == 3:
+            raise ValueError("rank 1 fails at step 3")
+    dist.destroy_process_group()
+
+
+train()
+"""
+
+
+def test_a_rank_that_fails_as_each_attempt_begins_never_costs_its_peer_its_process(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Rank 1's function raises as soon as it is called, 5 attempts in a row: each time rank 0 is interrupted as
+    its own call begins, or just before, and it keeps its process throughout (an interrupt heard before its
+    call ran was lost: rank 0 then waited in init_process_group, was "not interrupted within 5 s", replaced)."""
+    script("w.py", RAISES_AS_IT_BEGINS)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "6", "--crash-loop-limit", "0", "w.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "not interrupted" not in r.stderr, r.stderr[-3000:]
+    ran = pids("".join(r.log(attempt, 0) for attempt in range(7)))  # interrupted before its call began: no line
+    assert {0, 6} <= {attempt for rank, attempt in ran if rank == 0}, ran
+    assert len({pid for (rank, _), pid in ran.items() if rank == 0}) == 1, ran
+    assert "6 restarts (in place)" in r.stderr, r.stderr[-2000:]
+
+
 REFUSED_END = """
 import os
 import torch.distributed as dist
@@ -449,7 +491,7 @@ def crashed_in_place_ends_as_a_clean_run(tmp_path: Path, job: str) -> None:
 
 
 FRAMEWORK_JOB = """
-import hashlib, os, sys
+import gc, hashlib, os, sys
 import torch
 from torch import nn
 import ftrun
@@ -462,7 +504,7 @@ initial = {{"model": {{k: v.clone() for k, v in net.state_dict().items()}}, "opt
 
 @ftrun.restartable
 def train():
-    rank, prepare, backward = set_up()
+    rank, prepare, backward, finish = set_up()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     last, state = ftrun.restore() or (-1, initial)
@@ -483,6 +525,8 @@ def train():
     if rank == 0:
         weights = b"".join(t.numpy().tobytes() for t in net.state_dict().values())
         print("checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+    del model, optimizer
+    finish()
 
 
 train()
@@ -494,7 +538,12 @@ from accelerate import Accelerator
 
 def set_up():
     accelerator = Accelerator(cpu=True)
-    return accelerator.process_index, accelerator.prepare, accelerator.backward
+
+    def finish():  # as Accelerate's docs show; its references to the model first (DDP before its group)
+        accelerator.free_memory()
+        accelerator.end_training()
+
+    return accelerator.process_index, accelerator.prepare, accelerator.backward, finish
 """,
     "lightning_fabric": """
 from lightning_fabric import Fabric
@@ -503,7 +552,12 @@ from lightning_fabric import Fabric
 def set_up():
     fabric = Fabric(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy="ddp")
     fabric.launch()
-    return fabric.global_rank, fabric.setup, fabric.backward
+
+    def finish():  # DDP before its group (freed after it, it can hang gloo's teardown: torch 2.13)
+        gc.collect()
+        torch.distributed.destroy_process_group()
+
+    return fabric.global_rank, fabric.setup, fabric.backward, finish
 """,
 }
 

@@ -64,6 +64,7 @@ class Survivors:
         self._arrived: dict[int, Parked] = {}  # pid -> parked, not kept yet
         self._kept: dict[int, Parked] = {}  # local rank -> kept for the next attempt
         self._interrupted: set[int] = set()  # asked to park, not parked yet
+        self._sent: dict[int, int] = {}  # pid -> how many interrupts it was sent (said as it is handed an attempt)
         self.resumed: set[int] = set()  # pids handed to the current attempt in place
 
     def fileno(self) -> int:
@@ -91,6 +92,7 @@ class Survivors:
         for pid in pids:
             if pid not in self._arrived:
                 self._interrupted.add(pid)
+                self._sent[pid] = self._sent.get(pid, 0) + 1
                 proctree.signal_quietly(pid, INTERRUPT_SIGNAL)
 
     def wait_parked(self, pids: set[int], timeout_s: float) -> set[int]:
@@ -131,7 +133,12 @@ class Survivors:
         parked = self._kept.pop(local_rank, None)
         if parked is None or parked.handle is None:
             return None
-        request = {"env": dict(env), "cwd": str(cwd), "given": list(parked.given)}
+        request = {
+            "env": dict(env),
+            "cwd": str(cwd),
+            "given": list(parked.given),
+            "interrupts": self._sent.get(parked.pid, 0),
+        }
         try:
             messages.send(parked.conn, request, (stdout, stderr))
         except OSError:
@@ -143,6 +150,8 @@ class Survivors:
 
     def new_attempt(self) -> None:
         self.resumed = set()
+        kept = {p.pid for p in self._kept.values()}
+        self._sent = {pid: n for pid, n in self._sent.items() if pid in kept}  # a pid gone may be another's later
 
     def close(self) -> None:
         """The run is over: every parked process is let go (it exits), the door closes."""

@@ -73,9 +73,10 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
         _arm()
         while True:
             _nccl_errors_leave_the_process()
-            before = interrupt.enter()
+            before = interrupt.sockets()
             try:
                 try:
+                    interrupt.enter(before)
                     return fn(*args, **kwargs)
                 finally:  # the interrupt may come until this is done: then it is what the outer block sees
                     interrupt.leave()
@@ -240,6 +241,7 @@ def _become(request: messages.Message, fds: list[int]) -> None:
             os.environ[name] = value
     from ftrun.worker import client
 
+    interrupt.handed(request.get("interrupts"))
     client.reattach()
     client.restartable()
     _phases.clear()

@@ -6,8 +6,15 @@ NCCL kernel waiting for one) would wait until the collective's timeout, minutes,
 outside Python itself. So a thread hears the signal too (Python's C-level handler writes each signal's number to
 the wakeup fd at once, whatever the main thread does) and breaks what the main thread may be waiting in: the
 NCCL communicators are aborted (their kernels end, a sync behind them returns) and the TCP connections the
-function opened are shut (a gloo wait fails). The main thread gets out of C with an error, then the handler's
-exception follows.
+function opened are shut (a gloo wait fails), again every 0.1 s until the main thread is out (torch's store
+client connects again by itself). The main thread gets out of C with an error, then the handler's exception
+follows.
+
+An interrupt is never lost, nor taken for the wrong call. One that comes after the next attempt was handed over
+and before the function runs (a peer failed at once) makes the call end as it begins: the agent says, as it
+hands an attempt over, how many it had sent before, and the handler counts those it hears. One for the call
+that ended, which the thread reads late (a busy node), is read before the next call runs: each call waits for
+the thread to have read every byte written before it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
@@ -28,14 +36,23 @@ class RestartInPlace(BaseException):
 
 
 _running = False  # the wrapped function runs: only then does the interrupt raise in it, or break anything
+_heard = 0  # the interrupts this process has heard (real-time signals: each one counted)
+_past = 0  # of those, how many the agent sent for attempts that ended (it says so as it hands one over)
 _before: set[str] = set()  # the sockets open before the function began: not its own, never shut
 _breaking = threading.Lock()  # held while the thread breaks the function's collectives
+_out = threading.Event()  # the main thread is out of the function (or on its way): the thread stops breaking
+AGAIN_S = 0.1  # while the main thread stays in C the thread breaks again this often (see _break_until_out)
+BREAK_FOR_S = 10.0  # and for this long at most (the agent stops a rank that has not parked within 5 s)
 _told: socket.socket | None = None  # the wakeup fd's socket (Python's C handler writes to it), once per process
+_listener: threading.Thread | None = None
+_fenced = threading.Event()  # the thread read the fence: every byte written before it
+FENCE = 0  # written to the wakeup fd by enter(): no signal's number
+FENCE_WAIT_S = 2.0  # a thread that cannot read within this long is not waited for (the call goes on)
 
 
 def arm() -> None:
     """Take the interrupt (in the main thread), and hear it from a thread (once per process)."""
-    global _told  # noqa: PLW0603 - one listener per process
+    global _told, _listener  # noqa: PLW0603 - one listener per process
     signal.signal(INTERRUPT_SIGNAL, _raise_in_function)
     if _told is not None:
         return
@@ -48,15 +65,42 @@ def arm() -> None:
         told.close()
         return
     _told = told
-    threading.Thread(target=_listen, args=(heard, previous), name="ftrun-interrupt", daemon=True).start()
+    _listener = threading.Thread(target=_listen, args=(heard, previous), name="ftrun-interrupt", daemon=True)
+    _listener.start()
 
 
-def enter() -> set[str]:
-    """The function is about to run; returns the sockets open before it (see :func:`break_collectives`)."""
-    global _running, _before  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
-    _before = _sockets()
+def handed(past: int | None) -> None:
+    """The next attempt was handed over; ``past``: how many interrupts the agent had sent this process until then,
+    for attempts that ended (None: as many as it heard). Counted, not cleared: one of those may be heard after
+    this, one of the new attempt's before it."""
+    global _past  # noqa: PLW0603
+    _past = _heard if past is None else past
+
+
+def enter(before: set[str]) -> None:
+    """The function is about to run (``before``: the sockets open before it, never shut by a break). Raises
+    :class:`RestartInPlace` when its interrupt came already."""
+    global _running, _before, _past  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
+    _before = before
+    _wait_for_the_thread()
+    _out.clear()
     _running = True
-    return _before
+    if _heard > _past:
+        _running, _past = False, _heard
+        raise RestartInPlace("ftrun restarts the job in place (interrupted before the function began)")
+
+
+def _wait_for_the_thread() -> None:
+    """Until the thread read every byte written to the wakeup fd before now: one of the call that ended, read
+    after this one began, would break this one's collectives."""
+    if _told is None or _listener is None or not _listener.is_alive():
+        return
+    _fenced.clear()
+    try:
+        _told.send(bytes([FENCE]))
+    except OSError:  # full: the thread is not reading
+        return
+    _fenced.wait(FENCE_WAIT_S)
 
 
 def leave() -> None:
@@ -64,14 +108,17 @@ def leave() -> None:
     thread lets go of what it breaks only after it."""
     global _running  # noqa: PLW0603
     _running = False
+    _out.set()
     with _breaking:
         pass
 
 
 def _raise_in_function(signum: int, frame: object) -> None:
-    global _running  # noqa: PLW0603
+    global _running, _heard  # noqa: PLW0603
+    _heard += 1  # one not raised here is for the next call, unless the agent sent it for the attempt that ended
     if _running:
         _running = False  # once: the wrapper's own handling and its park are never interrupted
+        _out.set()
         raise RestartInPlace("ftrun restarts the job in place")
 
 
@@ -87,13 +134,26 @@ def _listen(heard: socket.socket, previous: int) -> None:
             return
         if not got:
             return
-        if previous != -1:
+        signals = got.replace(bytes([FENCE]), b"")
+        if previous != -1 and signals:
             with contextlib.suppress(OSError):
-                os.write(previous, got)
-        if INTERRUPT_SIGNAL in got:
+                os.write(previous, signals)
+        if INTERRUPT_SIGNAL in signals:
             with _breaking:
-                if _running:
-                    break_collectives(_before)
+                _break_until_out()
+        if FENCE in got:
+            _fenced.set()
+
+
+def _break_until_out() -> None:
+    """Break the function's collectives, and again while its main thread stays in C: torch's store client,
+    its connection shut, connects again by itself (until its timeout, half an hour) and waits on the new one, as
+    a rank in init_process_group does when its peer failed as the attempt began."""
+    deadline = time.monotonic() + BREAK_FOR_S
+    while _running and not _out.is_set():
+        break_collectives(_before)
+        if _out.wait(AGAIN_S) or time.monotonic() > deadline:
+            return
 
 
 def break_collectives(before: set[str]) -> None:
@@ -141,7 +201,8 @@ def _shut_connections(before: set[str]) -> None:
             _shut_if_tcp(fd)
 
 
-def _sockets() -> set[str]:
+def sockets() -> set[str]:
+    """The sockets open now: those open before the function began are not its own (see :func:`enter`)."""
     return set(_socket_fds().values())
 
 
