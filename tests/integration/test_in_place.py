@@ -120,7 +120,7 @@ def test_a_node_lost_is_replaced_by_a_spare_and_the_survivor_keeps_its_process(
     run that never failed."""
     flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false",
              "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "2", "--local-addr", "127.0.0.1",
-             EXAMPLE, "--steps", "80", "--step-time", "0.1"]  # fmt: skip
+             EXAMPLE, "--steps", "70", "--step-time", "0.1"]  # fmt: skip
     a, b = (LiveFtrun(tmp_path, *flags, name=n, run_id="spare") for n in "ab")
     live.extend([a, b])
     head = a if "group rank 0" in a.wait_for_stderr(r"round 1: group rank") else b
@@ -146,7 +146,7 @@ def test_a_node_lost_is_replaced_by_a_spare_and_the_survivor_keeps_its_process(
     restored = {int(r): int(s) for r, at, _, s in STARTED.findall("\n".join(head.lines + spare.lines)) if at == "1"}
     assert sorted(restored) == [0, 1], restored
     assert restored[0] == restored[1] > 0, restored  # one step, agreed
-    never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "80")
+    never = clean_run(shared_dir, "--nproc-per-node", "2", EXAMPLE, "--steps", "70")  # shared with others
     assert checksum("\n".join(head.lines)) == checksum(never.stdout)
 
 
@@ -562,6 +562,7 @@ def set_up():
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", sorted(SET_UP))
 def test_a_framework_that_sets_up_the_group_itself_restarts_in_place(
     tmp_path: Path, script: WriteScript, framework: str

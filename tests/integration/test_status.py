@@ -177,6 +177,8 @@ def test_a_run_whose_agent_died_is_told_as_such_by_status_and_report(tmp_path: P
     until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job runs")
     for kind in ("ready", "live"):  # Kubernetes' exec probes, with no port
         assert status(str(job.run_dir), "--probe", kind).returncode == 0
+    # it trains (on a busy machine "running" may come before the agent noted the first step)
+    until(lambda: any(e["kind"] == "first_step" for e in job.events()), "the agent notes the first step")
     job.proc.kill()
     job.wait()
     assert [status(str(job.run_dir), "--probe", kind).returncode for kind in ("ready", "live")] == [1, 1]
