@@ -4,7 +4,7 @@ One prepared call on a GPU machine (one H100 was lent for 15 minutes; no network
 transformers preinstalled), and a dry run on a machine without a GPU (the cases that need one are skipped):
 
     python bench/gpu.py [--budget-s 330] [--cases crash,sigkill,...] [--out DIR] [--cuda-standin]
-                        [--in-place exit,raise]
+                        [--in-place exit,raise,leaks]
 
 The job (bench/gpu_job.py) never imports ftrun: 2 ranks share GPU 0 over gloo with CUDA tensors (NCCL refuses
 two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the first attempt. Cases:
@@ -27,9 +27,11 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
                (its host in synchronize()), rank 1 sleeps before the all-reduce, rank 1 loops in Python
     nccl-slow-ckpt  rank 1 writes a checkpoint slowly for 40 s while rank 0 waits in NCCL: no hang, no restart
 
---in-place exit,raise: then in-process restart against process restart of the same job (bench/in_place.py
+--in-place exit,raise,leaks: then in-process restart against process restart of the same job (bench/in_place.py
 --nccl --compile: 2 nodes x 1 rank on NCCL sharing GPU 0, a torch.compile'd model; rank 1's process exits, or its
-function raises), within what is left of the budget; with no GPU, the same on gloo and the CPU (a dry run).
+function raises), and 20 in-place restarts in a row with what rank 0 holds at the first and the last (its GPU
+memory and pinned memory too), within what is left of the budget; with no GPU, the same on gloo and the CPU (a
+dry run).
 
 Launchers alternate case by case: ftrun as it comes (with --heartbeat-timeout 10: hangs found), and torchrun
 with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here; the cases with
@@ -284,7 +286,12 @@ def main() -> None:
     p.add_argument("--run-timeout-s", type=float, default=90.0)
     p.add_argument("--out", default=os.environ.get("OUT"), help="where results.json goes (default: $OUT)")
     p.add_argument("--cuda-standin", action="store_true", help="preload the stand-in CUDA driver (a CPU dry run)")
-    p.add_argument("--in-place", default="", help="exit,raise: in-place restart on NCCL, compiled (bench/in_place.py)")
+    p.add_argument(
+        "--in-place",
+        default="",
+        help="exit,raise,leaks: in-place restart on NCCL, compiled "
+        "(bench/in_place.py; leaks: 20 in a row, what rank 0 holds)",
+    )
     p.add_argument("--in-place-reps", type=int, default=2)
     args = p.parse_args()
     began = time.monotonic()
@@ -344,7 +351,8 @@ def in_place(crash_by: str, gpu: bool, reps: int, left_s: float) -> None:
     if left_s < 60:
         print(f"\nin place ({crash_by}): not run, {left_s:.0f} s of the budget left", flush=True)
         return
-    argv = [sys.executable, str(HERE / "in_place.py"), "--compile", "--crash-by", crash_by, "--reps", str(reps)]
+    argv = [sys.executable, str(HERE / "in_place.py"), "--compile"]
+    argv += ["--leaks", "20"] if crash_by == "leaks" else ["--crash-by", crash_by, "--reps", str(reps)]
     argv += ["--nccl", "--timeout", "120"] if gpu else []  # without a GPU: the same on gloo (a dry run of this call)
     print(f"\nin place ({crash_by}): {' '.join(argv[1:])}", flush=True)
     proc = subprocess.Popen(argv)

@@ -9,11 +9,15 @@ timeline (wall-clock lines written by every rank): the crash -> every rank havin
 after the restart; and the slowest survivor's part of it.
 
     python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy] [--crash-by exit|raise] [--nccl]
+                             [--leaks N]
 
 --busy: one busy loop per core for the whole run (a node whose cores are all taken). --crash-by raise: rank 3's
 function raises instead of its process exiting (in place, rank 3 then keeps its process too: nobody compiles
-again). --nccl (a GPU node): 2 nodes x 1 rank on NCCL, both on GPU 0, each agent with its own NCCL_HOSTID (NCCL
-takes them for two hosts and talks over its sockets); rank 1 fails. Prints figures; asserts nothing about time.
+again). --leaks N: instead, N in-place restarts in a row (the last rank exits in each attempt); what rank 0
+holds as the first restart's attempt starts and as the last's (RSS, threads, descriptors, process groups; on a
+GPU the memory torch's allocator reserved and the pinned host memory). --nccl (a GPU node): 2 nodes x 1 rank
+on NCCL, both on GPU 0, each agent with its own NCCL_HOSTID (NCCL takes them for two hosts and talks over its
+sockets); rank 1 fails. Prints figures; asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -44,37 +49,12 @@ def run_once(
     mode: str, workdir: Path, crash_at: int, compile_: bool, crash_by: str, timeout: float, nccl: bool = False
 ) -> dict[str, float] | None:
     timeline = workdir / "timeline.jsonl"
-    per_node = 1 if nccl else 2
-    world = 2 * per_node
-    job = [str(EXAMPLE), "--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", str(world - 1),
-           "--step-time", "0.05", "--timeline", str(timeline), "--crash-by", crash_by]  # fmt: skip
+    world = 2 if nccl else 4
+    job = ["--steps", str(crash_at + 15), "--crash-at", str(crash_at), "--crash-rank", str(world - 1),
+           "--timeline", str(timeline), "--crash-by", crash_by]  # fmt: skip
     job += ["--compile"] if compile_ else []
     job += ["--process-restart"] if mode == "process" else []
-    job += ["--backend", "nccl"] if nccl else []
-    port = free_port()
-    agents = []
-    for name in "ab":
-        env = {**os.environ, "NCCL_HOSTID": f"bench-{name}-{port}"} if nccl else None
-        flags = ["--nnodes", "2", "--nproc-per-node", str(per_node), "--max-restarts", "2", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}", "--local-addr", "127.0.0.1",
-                 "--log-dir", str(workdir / f"logs-{name}")]  # fmt: skip
-        argv = [sys.executable, "-m", "ftrun", *flags, *job]
-        out = (workdir / f"{name}.out").open("w")
-        agents.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env))
-    try:
-        codes = [a.wait(timeout) for a in agents]
-    except subprocess.TimeoutExpired:
-        codes = [1]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, 9)
-                a.wait()
-    if any(codes):
-        print(f"  {mode}: a run failed ({codes}); the agents' last lines:", flush=True)
-        for name in "ab":  # the directory goes with the run: what it says is kept here
-            for line in (workdir / f"{name}.out").read_text(errors="replace").splitlines()[-12:]:
-                print(f"    {name}| {line[:240]}", flush=True)
+    if not run_job(workdir, job, nccl, 2, timeout):
         return None
     lines = [json.loads(line) for line in timeline.read_text().splitlines()]
     [crash] = [x for x in lines if x.get("crash")]
@@ -94,6 +74,65 @@ def run_once(
     }
 
 
+HOLDS = re.compile(r"rank 0 attempt (\d+) holds (.*)")
+
+
+def leaks(workdir: Path, restarts: int, compile_: bool, nccl: bool, timeout: float) -> None:
+    """The last rank exits in each of ``restarts`` attempts in a row; what rank 0 holds as each attempt starts
+    (RSS, threads, descriptors, process groups; on a GPU the allocator's reserved memory and pinned host
+    memory), its first restart against its last."""
+    world = 2 if nccl else 4
+    job = ["--steps", str(20 + restarts + 10), "--crash-at", "20", "--crashes", str(restarts),
+           "--crash-rank", str(world - 1), "--leaks"]  # fmt: skip
+    job += ["--compile"] if compile_ else []
+    if not run_job(workdir, job, nccl, restarts, timeout):
+        return
+    held = {int(at): dict(zip(what.split()[::2], map(int, what.split()[1::2]), strict=True))
+            for name in "ab" for at, what in HOLDS.findall((workdir / f"{name}.out").read_text())}  # fmt: skip
+    if 1 not in held or restarts not in held:
+        print(f"  rank 0's holdings not seen at restarts 1 and {restarts}: {sorted(held)}", flush=True)
+        return
+    first, last = held[1], held[restarts]
+    print(f"\n{restarts} in-process restarts in a row, rank 0 at the first restart -> at the last:")
+    for name in first:
+        grew = f" ({(last[name] - first[name]) / first[name]:+.1%})" if first[name] else ""
+        print(f"  {name}: {first[name]} -> {last[name]}{grew}")
+
+
+def run_job(workdir: Path, job: list[str], nccl: bool, restarts: int, timeout: float) -> bool:
+    """The example with ``job``'s arguments on two agents (their consoles in workdir/a.out, b.out: either may
+    have group rank 0); whether both ended well (else their last lines are printed: the directory goes with the
+    run)."""
+    per_node = 1 if nccl else 2
+    job = [str(EXAMPLE), "--step-time", "0.05", *job, *(["--backend", "nccl"] if nccl else [])]
+    port = free_port()
+    agents = []
+    for name in "ab":
+        env = {**os.environ, "NCCL_HOSTID": f"bench-{name}-{port}"} if nccl else None
+        flags = ["--nnodes", "2", "--nproc-per-node", str(per_node), "--max-restarts", str(restarts),
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}",
+                 "--local-addr", "127.0.0.1", "--log-dir", str(workdir / f"logs-{name}")]  # fmt: skip
+        argv = [sys.executable, "-m", "ftrun", *flags, *job]
+        out = (workdir / f"{name}.out").open("w")
+        agents.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env))
+    try:
+        codes = [a.wait(timeout) for a in agents]
+    except subprocess.TimeoutExpired:
+        codes = [1]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+                a.wait()
+    if any(codes):
+        print(f"  {workdir.name}: a run failed ({codes}); the agents' last lines:", flush=True)
+        for name in "ab":  # the directory goes with the run: what it says is kept here
+            for line in (workdir / f"{name}.out").read_text(errors="replace").splitlines()[-12:]:
+                print(f"    {name}| {line[:240]}", flush=True)
+        return False
+    return True
+
+
 def busy_loops() -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
 
@@ -107,7 +146,13 @@ def main() -> None:
     p.add_argument("--crash-by", choices=("exit", "raise"), default="exit")
     p.add_argument("--nccl", action="store_true", help="2 nodes x 1 rank on NCCL, sharing GPU 0")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--leaks", type=int, default=0, metavar="N", help="instead: N in-place restarts in a row, what "
+                   "rank 0 holds at the first and the last")  # fmt: skip
     a = p.parse_args()
+    if a.leaks:
+        with tempfile.TemporaryDirectory(prefix="ftrun-bench-in-place-") as tmp:
+            leaks(Path(tmp), a.leaks, a.compile, a.nccl, a.timeout)
+        return
     loads = busy_loops() if a.busy else []
     found: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     try:

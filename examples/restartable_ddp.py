@@ -35,7 +35,11 @@ def held() -> str:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups torch still knows
-    return f"rss {rss} threads {threading.active_count()} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
+    held = f"rss {rss} threads {threading.active_count()} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
+    if torch.cuda.is_initialized():  # the GPU's memory torch's allocator holds, and the host's pinned memory
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        held += f" cuda {torch.cuda.memory_reserved()} pinned {pinned}"
+    return held
 
 
 def note(timeline: str | None, **what: object) -> None:
