@@ -35,12 +35,14 @@ class RestartInPlace(BaseException):
     ``except Exception`` does not swallow it; let it pass."""
 
 
-_running = False  # the wrapped function runs: only then does the interrupt raise in it, or break anything
 _heard = 0  # the interrupts this process has heard (real-time signals: each one counted)
 _past = 0  # of those, how many the agent sent for attempts that ended (it says so as it hands one over)
 _before: set[str] = set()  # the sockets open before the function began: not its own, never shut
 _breaking = threading.Lock()  # held while the thread breaks the function's collectives
-_out = threading.Event()  # the main thread is out of the function (or on its way): the thread stops breaking
+# Set while the wrapped function does not run (or is on its way out): only while it runs does the interrupt raise
+# in it, or break anything.
+_out = threading.Event()
+_out.set()
 AGAIN_S = 0.1  # while the main thread stays in C the thread breaks again this often (see _break_until_out)
 BREAK_FOR_S = 10.0  # and for this long at most (the agent stops a rank that has not parked within 5 s)
 _told: socket.socket | None = None  # the wakeup fd's socket (Python's C handler writes to it), once per process
@@ -80,13 +82,13 @@ def handed(past: int | None) -> None:
 def enter(before: set[str]) -> None:
     """The function is about to run (``before``: the sockets open before it, never shut by a break). Raises
     :class:`RestartInPlace` when its interrupt came already."""
-    global _running, _before, _past  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
+    global _before, _past  # noqa: PLW0603 - one wrapped function runs per process, in the main thread
     _before = before
     _wait_for_the_thread()
     _out.clear()
-    _running = True
     if _heard > _past:
-        _running, _past = False, _heard
+        _out.set()
+        _past = _heard
         raise RestartInPlace("ftrun restarts the job in place (interrupted before the function began)")
 
 
@@ -106,19 +108,16 @@ def _wait_for_the_thread() -> None:
 def leave() -> None:
     """The function returned or raised: the interrupt no longer reaches it. A break under way ends first: the main
     thread lets go of what it breaks only after it."""
-    global _running  # noqa: PLW0603
-    _running = False
     _out.set()
     with _breaking:
         pass
 
 
 def _raise_in_function(signum: int, frame: object) -> None:
-    global _running, _heard  # noqa: PLW0603
+    global _heard  # noqa: PLW0603
     _heard += 1  # one not raised here is for the next call, unless the agent sent it for the attempt that ended
-    if _running:
-        _running = False  # once: the wrapper's own handling and its park are never interrupted
-        _out.set()
+    if not _out.is_set():
+        _out.set()  # once: the wrapper's own handling and its park are never interrupted
         raise RestartInPlace("ftrun restarts the job in place")
 
 
@@ -150,7 +149,7 @@ def _break_until_out() -> None:
     its connection shut, connects again by itself (until its timeout, half an hour) and waits on the new one, as
     a rank in init_process_group does when its peer failed as the attempt began."""
     deadline = time.monotonic() + BREAK_FOR_S
-    while _running and not _out.is_set():
+    while not _out.is_set():
         break_collectives(_before)
         if _out.wait(AGAIN_S) or time.monotonic() > deadline:
             return
