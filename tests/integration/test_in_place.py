@@ -32,6 +32,17 @@ def checksum(stdout: str) -> str:
     return found[0]
 
 
+def lose_the_machine(agent: LiveFtrun) -> None:
+    """The machine goes: its workers SIGKILLed first, its agent (stopped meanwhile, so that it cannot tell
+    anyone) a moment later."""
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    for e in agent.events():
+        if e["kind"] == "worker_spawned":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(e["pid"]), signal.SIGKILL)
+    agent.proc.kill()
+
+
 @pytest.mark.slow
 def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean_run(
     tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str, shared_dir: Path
@@ -95,12 +106,7 @@ def test_a_node_that_joins_and_is_lost_leaves_the_first_nodes_ranks_in_their_pro
         return any(x["rank"] == 3 and not x.get("restored") for x in lines)
 
     until(four_ranks_stepped, "the job trains on 4 ranks")
-    os.kill(b.proc.pid, signal.SIGSTOP)  # the machine goes: its workers, its agent with them
-    for e in b.events():
-        if e["kind"] == "worker_spawned":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(e["pid"]), signal.SIGKILL)
-    b.proc.kill()
+    lose_the_machine(b)
     assert a.wait(WAIT_S) == 0, a.stderr()
     starts = [(int(r), int(p)) for r, _, p, _ in STARTED.findall("\n".join(a.lines))]  # each call's rank, pid
     for rank in (0, 1):
@@ -132,12 +138,7 @@ def test_a_node_lost_is_replaced_by_a_spare_and_the_survivor_keeps_its_process(
     copies = Path("/dev/shm") / f"ftrun-snapshots-{os.geteuid()}"
     until(lambda: bool(list(copies.glob(f"{head.proc.pid}-*/peer/step-*/rank-1.snap"))),
           "rank 1's snapshot of a step reaches the node of rank 0")  # fmt: skip
-    os.kill(lost.proc.pid, signal.SIGSTOP)  # the machine goes: its worker first, its agent a moment later
-    for e in lost.events():
-        if e["kind"] == "worker_spawned":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(e["pid"]), signal.SIGKILL)
-    lost.proc.kill()
+    lose_the_machine(lost)
     assert [head.wait(WAIT_S), spare.wait(WAIT_S)] == [0, 0], head.stderr() + spare.stderr()
     ran = pids("\n".join(head.lines))
     assert len({pid for (rank, _), pid in ran.items() if rank == 0}) == 1, ran  # one process throughout
@@ -477,7 +478,7 @@ def test_a_rank_whose_init_failed_for_a_lost_peer_meets_the_new_one_in_place(
     assert "rank 1 met its peer" in r.log(1, 1)
 
 
-def crashed_in_place_ends_as_a_clean_run(tmp_path: Path, job: str) -> None:
+def crashed_in_place_ends_as_a_clean_run(tmp_path: Path, shared_dir: Path, job: str) -> None:
     """``job --crash`` on 2 ranks: rank 1's exit restarts rank 0 in place, and rank 0's weights end as in ``job``
     run without the crash."""
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", job, "--crash")
@@ -485,8 +486,7 @@ def crashed_in_place_ends_as_a_clean_run(tmp_path: Path, job: str) -> None:
     ran = pids(r.log(0, 0) + r.log(1, 0))
     assert ran[0, 0] == ran[0, 1], ran  # rank 0 kept its process
     assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
-    (tmp_path / "never").mkdir()
-    never = run_ftrun(tmp_path / "never", "--nproc-per-node", "2", str(tmp_path / job))
+    never = clean_run(shared_dir, "--nproc-per-node", "2", job, files={job: (tmp_path / job).read_text()})
     assert checksum(r.log(1, 0)) == checksum(never.log(0, 0))
 
 
@@ -565,14 +565,14 @@ def set_up():
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", sorted(SET_UP))
 def test_a_framework_that_sets_up_the_group_itself_restarts_in_place(
-    tmp_path: Path, script: WriteScript, framework: str
+    tmp_path: Path, shared_dir: Path, script: WriteScript, framework: str
 ) -> None:
     """The function sets up through a training framework (its own init_process_group, DDP, its backward), which
     Accelerate does once per process in a singleton: rank 1 exits at step 12, rank 0's second call sets up anew in
     the same process, and the weights end as in a run that never failed."""
     pytest.importorskip(framework)
     script("w.py", FRAMEWORK_JOB.format(set_up=SET_UP[framework]))
-    crashed_in_place_ends_as_a_clean_run(tmp_path, "w.py")
+    crashed_in_place_ends_as_a_clean_run(tmp_path, shared_dir, "w.py")
 
 
 HF_TRAINER_JOB = """
@@ -620,14 +620,14 @@ train()
 
 @pytest.mark.slow
 def test_a_hugging_face_trainer_resuming_from_its_own_checkpoints_restarts_in_place(
-    tmp_path: Path, script: WriteScript
+    tmp_path: Path, shared_dir: Path, script: WriteScript
 ) -> None:
     """transformers' Trainer (Accelerate underneath, DDP on gloo), its own checkpoints every 4 steps and no
     ftrun.snapshot: rank 1 exits at step 6; rank 0's process makes its Trainer again and resumes from
     checkpoint-4 with the new rank 1; the weights end as in a run that never failed."""
     pytest.importorskip("transformers")
     script("w.py", HF_TRAINER_JOB)
-    crashed_in_place_ends_as_a_clean_run(tmp_path, "w.py")
+    crashed_in_place_ends_as_a_clean_run(tmp_path, shared_dir, "w.py")
 
 
 def test_outside_ftrun_the_function_runs_once() -> None:
