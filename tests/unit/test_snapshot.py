@@ -205,3 +205,24 @@ def test_a_snapshot_of_another_worlds_size_is_restored_only_when_replicated(
         assert "step 9 was snapshotted in a world of 2 ranks, this one has 1: not restored" in said
     monkeypatch.setenv("WORLD_SIZE", "2")  # the same world: restored either way
     assert snap.restore() is not None
+
+
+def test_an_interrupt_as_the_copy_starts_leaves_the_next_optimizer_step_free(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ftrun's interrupt (an in-place restart) raised in the job's thread as the copy's thread was to start: no
+    copy is in flight, so the next call's first optimizer step must not wait for one (it waited for good: a
+    fifty-restart run hung so)."""
+    from ftrun.worker.interrupt import RestartInPlace
+
+    def interrupted(self: object) -> None:
+        raise RestartInPlace("ftrun restarts the job in place")
+
+    with monkeypatch.context() as m:
+        m.setattr(snap.threading.Thread, "start", interrupted)
+        with pytest.raises(RestartInPlace):
+            snap.snapshot(41, state())
+    assert snap._writer.copied.is_set()
+    snap.snapshot(42, state())  # and the next one is taken as usual
+    snap.wait()
+    assert snap.path_of(in_ftrun, 42, 3).is_file()

@@ -125,13 +125,19 @@ def snapshot(step: int, state: Mapping[str, Any], *, replicated: bool = False) -
             late.append((t, at, nbytes))
     staged = _stage(on_gpu, torch) if on_gpu else _Staged([], [], [])
     _hook_optimizer(torch)
-    _writer.copied.clear()
-    _writer.thread = threading.Thread(
+    thread = threading.Thread(
         target=_finish,
         args=(view, late, staged, data_end, path_of(Path(directory), step, _rank()), torch),
         name="ftrun-snapshot",
     )
-    _writer.thread.start()
+    try:
+        _writer.copied.clear()
+        thread.start()
+    except BaseException:  # ftrun's interrupt (an in-place restart) before the copy began: nothing would set it
+        if not thread.is_alive():  # and the next call's first optimizer step would wait for it for good
+            _writer.copied.set()
+        raise
+    _writer.thread = thread
     _writer.blocked_s += time.perf_counter() - started
 
 
