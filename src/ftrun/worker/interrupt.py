@@ -149,10 +149,12 @@ def _break_until_out() -> None:
     its connection shut, connects again by itself (until its timeout, half an hour) and waits on the new one, as
     a rank in init_process_group does when its peer failed as the attempt began."""
     deadline = time.monotonic() + BREAK_FOR_S
+    again = AGAIN_S
     while not _out.is_set():
         break_collectives(_before)
-        if _out.wait(AGAIN_S) or time.monotonic() > deadline:
+        if _out.wait(again) or time.monotonic() > deadline:
             return
+        again *= 2
 
 
 def break_collectives(before: set[str]) -> None:
