@@ -6,9 +6,9 @@ NCCL kernel waiting for one) would wait until the collective's timeout, minutes,
 outside Python itself. So a thread hears the signal too (Python's C-level handler writes each signal's number to
 the wakeup fd at once, whatever the main thread does) and breaks what the main thread may be waiting in: the
 NCCL communicators are aborted (their kernels end, a sync behind them returns) and the TCP connections the
-function opened are shut (a gloo wait fails), again every 0.1 s until the main thread is out (torch's store
-client connects again by itself). The main thread gets out of C with an error, then the handler's exception
-follows.
+function opened are shut (a gloo wait fails), again after 0.1 s, 0.2 s, 0.4 s... until the main thread is out
+(torch's store client connects again by itself). The main thread gets out of C with an error, then the
+handler's exception follows.
 
 An interrupt is never lost, nor taken for the wrong call. One that comes after the next attempt was handed over
 and before the function runs (a peer failed at once) makes the call end as it begins: the agent says, as it
@@ -43,7 +43,7 @@ _breaking = threading.Lock()  # held while the thread breaks the function's coll
 # in it, or break anything.
 _out = threading.Event()
 _out.set()
-AGAIN_S = 0.1  # while the main thread stays in C the thread breaks again this often (see _break_until_out)
+AGAIN_S = 0.1  # while the main thread stays in C the thread breaks again after this, then twice as long...
 BREAK_FOR_S = 10.0  # and for this long at most (the agent stops a rank that has not parked within 5 s)
 _told: socket.socket | None = None  # the wakeup fd's socket (Python's C handler writes to it), once per process
 _listener: threading.Thread | None = None
