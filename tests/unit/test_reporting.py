@@ -63,6 +63,19 @@ def test_stderr_tail_stands_in_for_a_missing_error_file(tmp_path: Path) -> None:
     assert "ValueError: bad shape" in text
 
 
+def test_a_fatal_errors_list_of_extension_modules_is_cut_to_its_count(tmp_path: Path) -> None:
+    modules = ", ".join(f"pkg{i}._ext" for i in range(87))
+    dump = (
+        "Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
+        '  File "/job/train.py", line 3 in inner\n\n'
+        f"Extension modules: {modules} (total: 87)\n"
+    )
+    text = report_of([worker(tmp_path, 0, WorkerState.FAILED, -signal.SIGABRT, 1.0, dump)])
+    assert "Fatal Python error: Aborted" in text
+    assert "Extension modules: pkg0._ext, pkg1._ext, ... (total: 87)" in text
+    assert "pkg50._ext" not in text
+
+
 def test_error_file_traceback_wins(tmp_path: Path) -> None:
     w = worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, "unrelated\n")
     try:

@@ -35,6 +35,8 @@ MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nod
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 # The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
 _EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+# The last line of a fatal error's dump (faulthandler's): every C extension loaded, 3 KB for a torch job.
+_EXTENSION_MODULES = re.compile(r"^(Extension modules: [^,]*, [^,]*), .*(\(total: \d+\))$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +176,9 @@ def _tail(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
 
 def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
     """The last lines of a worker's stderr to show, or, when the error that ended it came earlier (torch's
-    teardown warnings follow a CUDA error by the dozen), the traceback that holds it."""
+    teardown warnings follow a CUDA error by the dozen), the traceback that holds it. A fatal error's list of
+    extension modules is cut to its count: the stacks above it are what tells."""
+    lines = [_EXTENSION_MODULES.sub(r"\1, ... \2", line) for line in lines]
     tail = tuple(lines[-STDERR_TAIL_LINES:])
     end = gpu.line if gpu is not None and gpu.line >= 0 else None
     if end is None or end >= len(lines) - STDERR_TAIL_LINES:
