@@ -199,9 +199,13 @@ def test_socket_diagnostics_and_the_proc_tables_agree_on_what_listens() -> None:
 # kill would lose) and, with "slow", takes long (a __del__ that sleeps, as a torch teardown can); with "stuck",
 # forever (a teardown that hangs).
 RAISES = """
-import os, sys, time
+import os, signal, subprocess, sys, time
 rank, attempt, teardown = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), sys.argv[1]
 if attempt == 0 and rank == 1:
+    if "held" in sys.argv:  # the agent held up for 2 s as the script fails (a busy node)
+        agent = int(os.environ["FTRUN_AGENT_PID"])
+        os.kill(agent, signal.SIGSTOP)
+        subprocess.Popen(["sh", "-c", f"sleep 2; kill -CONT {agent}"])
     log = open("unclosed.log", "w")
     log.write("flushed by the finalization")  # buffered: only the interpreter's teardown writes it
 
@@ -241,5 +245,18 @@ def test_a_teardown_that_hangs_after_a_raise_is_ended_after_the_teardown_timeout
     flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "--teardown-timeout", "1"]
     r = run_ftrun(tmp_path, *flags, "w.py", "stuck")
     assert r.returncode == 0, r.stderr
-    assert "teardown still going --teardown-timeout after its script failed; ended" in r.stderr
+    assert "teardown still going --teardown-timeout after its script failed; ended" in r.stderr, r.stderr
     assert not (tmp_path / "teardown-done").exists()
+
+
+def test_an_agent_held_up_past_the_teardown_timeout_still_restarts_beside_the_failed_workers_teardown(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """The agent wakes 2 s after the script failed, past --teardown-timeout: the teardown is that of a script that
+    failed (the restart goes on beside it), not a stuck one (its stacks read first, the restart after it)."""
+    script("w.py", RAISES)
+    flags = ["--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "--teardown-timeout", "1"]
+    r = run_ftrun(tmp_path, *flags, "w.py", "stuck", "held")
+    assert r.returncode == 0, r.stderr
+    assert "teardown still going --teardown-timeout after its script failed; ended" in r.stderr, r.stderr
+    assert "teardown is stuck" not in r.stderr, r.stderr

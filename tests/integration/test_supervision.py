@@ -195,6 +195,19 @@ def test_a_static_job_whose_other_node_never_comes_says_what_it_waits_for(
     assert "met" not in f.lines
 
 
+def marks_of(pids: list[int]) -> str:
+    """What the warden looks for in each process's environment (a failing test's clue)."""
+    said = []
+    for pid in pids:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError as e:
+            said.append(f"{pid}: environment unreadable ({e})")
+            continue
+        said.append(f"{pid}: {[v.decode() for v in env if v.startswith(b'FTRUN_AGENT_PID=')] or 'no FTRUN_AGENT_PID'}")
+    return "\n".join(said)
+
+
 DETACHED = """
 import os, subprocess, time
 own_session = subprocess.Popen(["sleep", "601"], start_new_session=True)  # leaves the worker's process group
@@ -221,5 +234,5 @@ def test_sigkill_of_ftrun_leaves_no_descendant_even_in_its_own_session(
     f.proc.kill()
     f.wait()
     left = wait_gone(pids)
-    assert left == [], f"{processes_of(-1, left)}\n{f.stderr()[-3000:]}"
+    assert left == [], f"{processes_of(-1, left)}\n{marks_of(left)}\n{f.stderr()[-3000:]}"
     assert "its warden ended" in f.stderr()

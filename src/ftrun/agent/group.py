@@ -208,8 +208,10 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
-            happened += self._failing_scripts()
             self._link.poke()
+        # Not only when its wake-up came: an agent held up longer than --teardown-timeout (a busy node) would
+        # otherwise take the teardown after the script's end for a stuck one (restarting after it, not beside).
+        happened += self._failing_scripts()
         self._processes.end_stuck(self.config.hang.teardown_s, self.narrator.warn)
         happened += self._requests()
         happened += self._in_place.early(self._processes.running)
