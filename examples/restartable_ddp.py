@@ -19,7 +19,6 @@ import copy
 import hashlib
 import json
 import os
-import threading
 import time
 
 import torch
@@ -35,7 +34,8 @@ def held() -> str:
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     groups = len(dist.distributed_c10d._world.pg_map)  # the process groups torch still knows
-    held = f"rss {rss} threads {threading.active_count()} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
+    threads = len(os.listdir("/proc/self/task"))  # the process's, torch's and gloo's too (not only Python's)
+    held = f"rss {rss} threads {threads} fds {len(os.listdir('/proc/self/fd'))} groups {groups}"
     if torch.cuda.is_initialized():  # the GPU's memory torch's allocator holds, and the host's pinned memory
         pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
         held += f" cuda {torch.cuda.memory_reserved()} pinned {pinned}"

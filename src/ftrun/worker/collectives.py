@@ -91,9 +91,8 @@ def _run() -> None:
         record = _read_recorder()
         if record is None:
             continue
-        frame = sys._current_frames().get(main) if main is not None else None
         now = time.time()
-        seen = tuple(_frames(frame))
+        seen = _stack_of(main)
         if seen != stack:
             stack, stack_since = seen, now
         places.add(seen, now)
@@ -132,6 +131,14 @@ def merged(records: list[dict[str, Any]]) -> dict[str, Any]:
             ):
                 status[name] = s
     return {"entries": entries, "pg_status": status}
+
+
+def _stack_of(thread: int | None) -> tuple[tuple[str, int], ...]:
+    """Where ``thread`` is, innermost first. Its frame is never kept past this call: a frame keeps every frame
+    below it and their locals alive (an interrupted attempt's model, its process groups and their threads, freed
+    from this thread when it looked next; a process restarted in place aborted so, in a Trainer's job)."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    return tuple(_frames(frame))
 
 
 def _frames(frame: FrameType | None) -> Iterator[tuple[str, int]]:
