@@ -12,7 +12,9 @@ from the thread that forked them, and signal handlers live in the main thread.
 
 from __future__ import annotations
 
+import math
 import signal
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -208,10 +210,10 @@ class LocalGroup:
         happened: list[Happening] = [self._exited(w) for w in exited]
         if woken:
             happened += self._signals()
+            happened += self._failing_scripts()
             self._link.poke()
-        # Not only when its wake-up came: an agent held up longer than --teardown-timeout (a busy node) would
-        # otherwise take the teardown after the script's end for a stuck one (restarting after it, not beside).
-        happened += self._failing_scripts()
+        else:  # an agent held up past --teardown-timeout (a busy node) would take that teardown for a stuck one
+            happened += self._failing_scripts(time.monotonic() - self.config.hang.teardown_s)  # the workers' clock
         self._processes.end_stuck(self.config.hang.teardown_s, self.narrator.warn)
         happened += self._requests()
         happened += self._in_place.early(self._processes.running)
@@ -322,15 +324,16 @@ class LocalGroup:
 
     # --- inside -----------------------------------------------------------------------------------
 
-    def _failing_scripts(self) -> list[Happening]:
+    def _failing_scripts(self, ended_by: float = math.inf) -> list[Happening]:
         """A script that ended with an error wakes the agent before its interpreter's teardown (and the exit
         its peers notice): the other ranks' stderr leaves the console before they echo its failure, and it counts
-        as exited where the node allows, its teardown left to finish (a raise restarts as fast as a crash)."""
+        as exited where the node allows, its teardown left to finish (a raise restarts as fast as a crash).
+        ``ended_by``: only the scripts that ended by then (monotonic; the agent was not woken)."""
         exited: list[Happening] = []
         release = self._may_release()
         for w in self._processes.running:
             slot = self._watch.hangs.slot(w.local_rank)
-            if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code:
+            if slot is not None and slot.pid == w.pid and slot.ended and slot.end_code and slot.ended <= ended_by:
                 self._processes.mute_all_but(w)
                 if release is not None and release(w):
                     self._processes.release_finishing(w, slot.end_code)
