@@ -269,15 +269,16 @@ def train():
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     pair = dist.new_group([0, 1])
     print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
-    inside = pathlib.Path("rank-0-inside")
+    inside = [pathlib.Path(f"rank-{r}-inside") for r in (0, 1)]
     if attempt == 0 and rank == 0:
-        inside.touch()
+        inside[0].touch()
         dist.all_reduce(torch.ones(1), group=pair)  # waits for rank 1, which never comes
     elif attempt == 0 and rank == 1:
+        inside[1].touch()
         os.system("sleep 60")  # stuck in C (system() waits for its child whatever signal comes)
     elif attempt == 0:
         deadline = time.monotonic() + 60
-        while not inside.exists() and time.monotonic() < deadline:
+        while not all(p.exists() for p in inside) and time.monotonic() < deadline:
             time.sleep(0.01)
         os._exit(3)  # the failure; rank 0's collective does not involve this rank
     dist.barrier()
