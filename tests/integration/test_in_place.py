@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrun.testing.etcd import EtcdHarness
 from tests.integration.harness import CONF, WAIT_S, LiveFtrun, WriteScript, clean_run, run_ftrun, until
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "restartable_ddp.py")
@@ -85,14 +86,14 @@ def test_a_crash_on_one_node_keeps_every_other_ranks_process_and_ends_as_a_clean
 
 @pytest.mark.slow
 def test_a_node_that_joins_and_is_lost_leaves_the_first_nodes_ranks_in_their_processes(
-    tmp_path: Path, live: list[LiveFtrun], own_tcp_server: str
+    tmp_path: Path, live: list[LiveFtrun], etcd_server: EtcdHarness
 ) -> None:
-    """--nnodes 1:2: node a trains alone, node b joins (the job scales up to 4 ranks), then b is lost (its
+    """--nnodes 1:2 on etcd: node a trains alone, node b joins (the job scales up to 4 ranks), then b is lost (its
     workers SIGKILLed, its agent with them). Node a's ranks 0 and 1 go through both restarts in the processes
     they started in: the new round, then their collectives broken by the lost node."""
     timeline = tmp_path / "timeline.jsonl"
-    conf = "is_host=false,last_call_timeout=1"  # node a starts alone at once
-    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", conf,
+    endpoint = etcd_server.url.removeprefix("etcd://")
+    flags = ["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=1",
              "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3", "--local-addr", "127.0.0.1",
              EXAMPLE, "--steps", "120", "--step-time", "0.05", "--timeline", str(timeline)]  # fmt: skip
     a = LiveFtrun(tmp_path, *flags, name="a", run_id="lost")
