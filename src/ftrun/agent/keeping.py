@@ -134,7 +134,12 @@ class Keeping:
         return parked is not None and parked.failed
 
     def _restartable(self, w: Worker) -> bool:
+        """Its slot says so; or it is parked; or it was handed this attempt in place (its process runs the
+        wrapper, and until it has attached to the new table, which a peer failing at once can precede, its slot
+        there does not say so yet)."""
         slot = self._slot(w.local_rank)
         return (
-            slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_RESTARTABLE)
-        ) or self._survivors.parked(w.pid) is not None
+            (slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_RESTARTABLE))
+            or w.in_place
+            or self._survivors.parked(w.pid) is not None
+        )
