@@ -19,8 +19,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 POLL_S = 1.0
@@ -134,18 +133,16 @@ def merged(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _stack_of(thread: int | None) -> tuple[tuple[str, int], ...]:
-    """Where ``thread`` is, innermost first. Its frame is never kept past this call: a frame keeps every frame
-    below it and their locals alive (an interrupted attempt's model, its process groups and their threads, freed
-    from this thread when it looked next; a process restarted in place aborted so, in a Trainer's job)."""
+    """Where ``thread`` is, innermost first, as (file, line). Its frame is never kept past this call: a frame
+    keeps every frame below it and their locals alive (an interrupted attempt's model, its process groups and
+    their threads, freed from this thread when it looked next; a process restarted in place aborted so, in a
+    Trainer's job)."""
     frame = sys._current_frames().get(thread) if thread is not None else None
-    return tuple(_frames(frame))
-
-
-def _frames(frame: FrameType | None) -> Iterator[tuple[str, int]]:
-    """The main thread's stack, innermost first, as (file, line)."""
+    stack = []
     while frame is not None:
-        yield frame.f_code.co_filename, frame.f_lineno
+        stack.append((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
+    return tuple(stack)
 
 
 def summary(record: dict[str, Any], now: float, stack_since: float, where: str) -> dict[str, Any]:
