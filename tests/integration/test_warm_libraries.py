@@ -5,6 +5,9 @@ is still preloaded) and the rest stays warm. docs/WARM_RESTARTS.md has the table
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +120,55 @@ def test_a_warm_worker_has_inductors_answers_about_the_machine_as_a_fresh_one_wo
     assert answers["warm"][0] == 1, answers  # asked in the zygote...
     assert answers["fresh"][0] == 0, answers  # ...where a fresh worker asks itself
     assert answers["warm"][1] == answers["fresh"][1], answers
+
+
+# A job's first compile: what dynamo and inductor hold before it, what it made, the threads after it.
+FIRST_COMPILE = """
+import json, os, threading
+import torch
+import torch._inductor.codecache
+from torch._dynamo.utils import compilation_time_metrics, counters
+before = {"counters": {k: dict(v) for k, v in counters.items()}, "timed": list(compilation_time_metrics),
+          "headers": torch._inductor.codecache._precompile_header.cache_info().currsize}
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+x = torch.randn(4, 8)
+loss = torch.compile(net)(x).square().sum()
+loss.backward()
+print(json.dumps({**before, "loss": loss.item(), "grad": net[0].weight.grad.sum().item(),
+                  "graphs": counters["stats"]["unique_graphs"], "threads": len(os.listdir("/proc/self/task")),
+                  "python threads": sorted(t.name for t in threading.enumerate())}), flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_warm_workers_first_compile_finds_dynamo_as_a_fresh_process_does_with_the_headers_asked(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """The zygote compiles a small function once (0.3 s of every new process's first compile: dynamo's tables,
+    inductor's preprocessing of its precompiled header), then resets dynamo: a warm worker's first compile
+    finds no counter, no timing and no graph of it, makes what a fresh worker makes, and has its threads."""
+    pytest.importorskip("torch._inductor.codecache")
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # the model's kernels built once, before
+    primed = subprocess.run([sys.executable, "-c", FIRST_COMPILE], env={**os.environ, **cache}, timeout=300)
+    assert primed.returncode == 0  # (a first compile builds them with a pool of threads: not the point here)
+    seen = {}
+    for how in ("warm", "fresh"):
+        script(f"{how}.py", restarted_warm(FIRST_COMPILE))
+        flags = ["--preload", "torch._inductor.codecache"] if how == "warm" else ["--no-warm"]
+        r = run_ftrun(tmp_path, "--log-dir", str(tmp_path / how), "--max-restarts", "1", *flags, f"{how}.py",
+                      env={**(POOL if how == "warm" else {}), **cache}, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        r.run_dir = tmp_path / how / "t"
+        assert "warm pool" not in r.stderr, r.stderr  # nothing refused, nothing failed
+        spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1]
+        assert spawned == [how == "warm"], spawned
+        seen[how] = json.loads(r.log(1, 0).splitlines()[-1])
+    warm, fresh = seen["warm"], seen["fresh"]
+    assert warm.pop("headers") >= 1, warm  # preprocessed in the zygote...
+    assert fresh.pop("headers") == 0, fresh  # ...where a fresh worker does it at its first compile
+    assert warm == fresh
+    assert (fresh["counters"], fresh["timed"], fresh["graphs"]) == ({}, [], 1), fresh
 
 
 ASKED = """

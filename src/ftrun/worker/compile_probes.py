@@ -9,11 +9,21 @@ a fresh process would once it asked. Asked only when the job's own imports broug
 cache (``torch._inductor.codecache``), which a job loads only once it compiled with inductor. ``import
 torch._dynamo`` alone loads ``cpu_vec_isa`` too: a job that never compiles must not wait 1.1 s for a zygote
 asking it (its first attempt's workers wait for that zygote).
+
+The first compile in a process pays once more: dynamo builds its tables of what to trace, and inductor's C++
+path preprocesses the headers it precompiles (``g++ -E``, to key them) before it loads even a cached kernel. The
+zygote compiles one small function, then gives dynamo a fresh process's state (``torch._dynamo.reset``, its
+counters as they were): a worker's first compile of a cached model then takes 0.10 s instead of 0.42 s (a
+3-layer MLP) and 0.30 s instead of 0.61 s (a transformer layer), on this 2-core node.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 INDUCTOR_USED = "torch._inductor.codecache"  # loaded once the job compiled with inductor (not by importing dynamo)
 PROBES = (
@@ -22,18 +32,92 @@ PROBES = (
 )
 
 
+FIRST_COMPILE = "torch.compile of a small function"
+
+
 def ask_in_advance() -> dict[str, str]:
-    """Ask every probe whose module is loaded; returns {probe: error} for those that failed (the worker then
-    asks again itself, as a fresh one would)."""
+    """Ask every probe whose module is loaded, then compile once; returns {probe: error} for those that failed
+    (the worker then asks again itself, as a fresh one would)."""
     failed: dict[str, str] = {}
     if INDUCTOR_USED not in sys.modules:
         return failed
-    for module, name in PROBES:
-        loaded = sys.modules.get(module)
-        if loaded is None:
-            continue
-        try:
-            getattr(loaded, name)()
-        except Exception as e:  # a compiler missing here is missing for the worker too: it will say so itself
-            failed[f"{module}.{name}"] = f"{type(e).__name__}: {e}"[:200]
+    with _uncounted():
+        for module, name in PROBES:
+            loaded = sys.modules.get(module)
+            if loaded is None:
+                continue
+            try:
+                getattr(loaded, name)()
+            except Exception as e:  # a compiler missing here is missing for the worker too: it will say so itself
+                failed[f"{module}.{name}"] = f"{type(e).__name__}: {e}"[:200]
+        error = compiled_once()
+    if error:
+        failed[FIRST_COMPILE] = error
     return failed
+
+
+@contextlib.contextmanager
+def _uncounted() -> Iterator[None]:
+    """Dynamo's counters and timings (``torch._dynamo.utils.counters``, ``compile_times()``) left as they were:
+    a worker starts with none of the zygote's."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        yield
+        return
+    counted = {k: v.copy() for k, v in utils.counters.items()}
+    timed = {k: list(v) for k, v in utils.compilation_time_metrics.items()}
+    try:
+        yield
+    finally:
+        utils.counters.clear()
+        utils.counters.update(counted)
+        utils.compilation_time_metrics.clear()
+        utils.compilation_time_metrics.update(timed)
+
+
+def _small(x: Any) -> Any:
+    return (x @ x).relu().sum()
+
+
+@functools.cache  # once per process, as torch's probes (a zygote grown from a ready one has it done)
+def compiled_once() -> str:
+    """Compile a small function with inductor on CPU, its backward too, then leave dynamo as a fresh process
+    has it; returns why it failed ("": it did not). Only on a torch built for CPU alone: on a CUDA build a
+    compile may ask the driver for its devices (``cuInit``), after which no worker forked from here could use
+    CUDA (not measured on a GPU node)."""
+    try:
+        _compile_small()
+    except Exception as e:  # the worker's own first compile pays, as a fresh one's does, and says why
+        return f"{type(e).__name__}: {e}"[:200]
+    return ""
+
+
+def _compile_small() -> None:
+    import torch
+    import torch._dynamo
+    import torch._inductor.config
+    import torch._inductor.metrics
+
+    if torch.version.cuda or torch.version.hip:
+        return
+    try:
+        with _no_monitor_thread(), torch._inductor.config.patch(compile_threads=1):  # more: a pool of threads
+            torch.compile(_small, backend="inductor")(torch.ones(4, 4, requires_grad=True)).backward()
+    finally:
+        torch._dynamo.reset()  # torch's own "as if you had started a fresh process"
+        torch._inductor.metrics.reset()
+
+
+@contextlib.contextmanager
+def _no_monitor_thread() -> Iterator[None]:
+    """tqdm (when installed) starts a monitor thread at its first bar, even a disabled one: inductor makes one."""
+    bar: Any = getattr(sys.modules.get("torch.hub"), "tqdm", None)
+    interval = getattr(bar, "monitor_interval", None)
+    if interval is None:
+        yield
+        return
+    bar.monitor_interval = 0
+    try:
+        yield
+    finally:
+        bar.monitor_interval = interval
