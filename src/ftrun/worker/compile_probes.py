@@ -77,25 +77,28 @@ def _uncounted() -> Iterator[None]:
 
 @functools.cache  # once per process, as torch's probes (a zygote grown from a ready one has it done)
 def compiled_once() -> str:
-    """Compile a small module with inductor on CPU, its backward too, then leave dynamo as a fresh process
-    has it; returns why it failed ("": it did not). Only on a torch built for CPU alone: on a CUDA build a
-    compile may ask the driver for its devices (``cuInit``), after which no worker forked from here could use
-    CUDA (not measured on a GPU node)."""
+    """``compile_small`` where torch is built for CPU alone; returns why it failed ("": it did not). On a CUDA
+    build a compile may ask the driver for its devices (``cuInit``), after which no worker forked from here could
+    use CUDA: not measured on a GPU node yet (``bench/gpu.py`` asks)."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        return ""
     try:
-        _compile_small()
+        compile_small()
     except Exception as e:  # the worker's own first compile pays, as a fresh one's does, and says why
         return f"{type(e).__name__}: {e}"[:200]
     return ""
 
 
-def _compile_small() -> None:
+def compile_small() -> None:
+    """Compile a small module with inductor on CPU, its backward too, then leave dynamo as a fresh process
+    has it."""
     import torch
     import torch._dynamo
     import torch._inductor.config
     import torch._inductor.metrics
 
-    if torch.version.cuda or torch.version.hip:
-        return
     try:
         with _no_monitor_thread(), torch._inductor.config.patch(compile_threads=1):  # more: a pool of threads
             # A module of torch's functions: a function of tensor methods leaves half the gain (dynamo builds its
