@@ -23,7 +23,6 @@ import contextlib
 import functools
 import sys
 from collections.abc import Iterator
-from typing import Any
 
 INDUCTOR_USED = "torch._inductor.codecache"  # loaded once the job compiled with inductor (not by importing dynamo)
 PROBES = (
@@ -33,6 +32,7 @@ PROBES = (
 
 
 FIRST_COMPILE = "torch.compile of a small module"
+TQDM_MONITOR = "monitor_interval"  # seconds between the looks of tqdm's monitor thread; 0: no thread
 
 
 def ask_in_advance() -> dict[str, str]:
@@ -113,13 +113,13 @@ def compile_small() -> None:
 @contextlib.contextmanager
 def _no_monitor_thread() -> Iterator[None]:
     """tqdm (when installed) starts a monitor thread at its first bar, even a disabled one: inductor makes one."""
-    bar: Any = getattr(sys.modules.get("torch.hub"), "tqdm", None)
-    interval = getattr(bar, "monitor_interval", None)
+    bar = getattr(sys.modules.get("torch.hub"), "tqdm", None)  # tqdm's class, or torch's stand-in without it
+    interval = getattr(bar, TQDM_MONITOR, None)
     if interval is None:
         yield
         return
-    bar.monitor_interval = 0
+    setattr(bar, TQDM_MONITOR, 0)
     try:
         yield
     finally:
-        bar.monitor_interval = interval
+        setattr(bar, TQDM_MONITOR, interval)
