@@ -40,8 +40,7 @@ cold start (launch -> every rank stepped), recovery (the fault -> every rank ste
 workers' phases (process start, imports, CUDA context, process group, DDP, first step; the slowest rank's),
 whether ftrun's restart was warm, and whether the final checksum equals a fault-free run's. --cuda-standin
 preloads the stand-in CUDA driver (ftrun.testing.cuda_driver) into every run, for a dry run of a GPU node's
-driver on a CPU machine. Prints figures (and writes results.json to --out); asserts nothing about time. First,
-whether the warm pool's zygote could compile once on this build (a CPU compile leaving CUDA uninitialised).
+driver on a CPU machine. Prints figures (and writes results.json to --out); asserts nothing about time.
 """
 
 from __future__ import annotations
@@ -309,7 +308,6 @@ def main() -> None:
         print(f"skipped (nothing to run them on here): {', '.join(skipped)}")
     cases = [c for c in cases if c not in skipped]
     results: list[Run] = []
-    zygote_compile(env)
     with tempfile.TemporaryDirectory(prefix="ftrun-gpu-") as tmp:
         if args.cuda_standin:
             from ftrun.testing import cuda_driver
@@ -346,28 +344,6 @@ def main() -> None:
             # each run's console, events and timeline, to read what the figures do not say
             big = ["--exclude=*.pt", "--exclude=*.slow"]  # checkpoints
             subprocess.run(["tar", "czf", str(out / "runs.tgz"), "-C", tmp, *big, "."], check=False)
-
-
-# Whether the warm pool's first compile (worker/compile_probes.py) may run in a zygote of a CUDA build of torch:
-# it compiles a small module on CPU tensors; a driver initialised by it (or a thread left) would make the zygote
-# unforkable. Until measured, the zygote compiles only where torch is built for CPU alone.
-ZYGOTE_COMPILE = """
-import json, time
-import torch, torch._inductor.codecache
-from ftrun.warm.zygote import cuda_driver_initialised, unforkable
-from ftrun.worker import compile_probes
-began = time.monotonic()
-compile_probes.compile_small()
-print(json.dumps({"cuda build": torch.version.cuda, "driver initialised": cuda_driver_initialised(),
-                  "unforkable": unforkable(), "s": round(time.monotonic() - began, 2)}), flush=True)
-"""
-
-
-def zygote_compile(env: dict[str, str]) -> None:
-    zygote_env = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    got = subprocess.run([sys.executable, "-c", ZYGOTE_COMPILE], env=zygote_env, capture_output=True, text=True,
-                         timeout=120, check=False)  # fmt: skip
-    print(f"the zygote's first compile on this build: {(got.stdout or got.stderr).strip()[-400:]}", flush=True)
 
 
 def in_place(crash_by: str, gpu: bool, reps: int, left_s: float) -> None:

@@ -77,37 +77,30 @@ def _uncounted() -> Iterator[None]:
 
 @functools.cache  # once per process, as torch's probes (a zygote grown from a ready one has it done)
 def compiled_once() -> str:
-    """``compile_small`` where torch is built for CPU alone; returns why it failed ("": it did not). On a CUDA
-    build a compile may ask the driver for its devices (``cuInit``), after which no worker forked from here could
-    use CUDA: not measured on a GPU node yet (``bench/gpu.py`` asks)."""
-    import torch
-
-    if torch.version.cuda or torch.version.hip:
-        return ""
-    try:
-        compile_small()
-    except Exception as e:  # the worker's own first compile pays, as a fresh one's does, and says why
-        return f"{type(e).__name__}: {e}"[:200]
-    return ""
-
-
-def compile_small() -> None:
-    """Compile a small module with inductor on CPU, its backward too, then leave dynamo as a fresh process
-    has it."""
+    """Compile a small module with inductor on CPU, its backward too, then leave dynamo as a fresh process has
+    it; returns why it failed ("": it did not). Only where torch is built for CPU alone: a compile, even of CPU
+    tensors with dynamo alone, asks ``torch.cuda.is_available()`` and ``device_count()`` (inductor
+    ``current_device()`` too), which on a CUDA build initialise the driver, and no worker forked after that can
+    use CUDA (read with a profiler on this CPU build of torch 2.13)."""
     import torch
     import torch._dynamo
     import torch._inductor.config
     import torch._inductor.metrics
 
+    if torch.version.cuda or torch.version.hip:
+        return ""
     try:
         with _no_monitor_thread(), torch._inductor.config.patch(compile_threads=1):  # more: a pool of threads
             # A module of torch's functions: a function of tensor methods leaves half the gain (dynamo builds its
             # tables of torch's functions, and of modules, at their first trace).
             small = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
             torch.compile(small, backend="inductor")(torch.ones(2, 4)).sum().backward()
+    except Exception as e:  # the worker's own first compile pays, as a fresh one's does, and says why
+        return f"{type(e).__name__}: {e}"[:200]
     finally:
         torch._dynamo.reset()  # torch's own "as if you had started a fresh process"
         torch._inductor.metrics.reset()
+    return ""
 
 
 @contextlib.contextmanager
