@@ -171,6 +171,30 @@ def test_a_warm_workers_first_compile_finds_dynamo_as_a_fresh_process_does_with_
     assert (fresh["counters"], fresh["timed"], fresh["graphs"]) == ({}, [], 1), fresh
 
 
+COMPILES = """
+import torch
+import torch._inductor.codecache
+torch.compile(torch.nn.Linear(4, 2))(torch.ones(3, 4)).sum().backward()
+print("compiled", flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_job_that_has_torch_trace_its_compiles_finds_only_its_own_trace(tmp_path: Path, script: WriteScript) -> None:
+    """With TORCH_TRACE set (tlparse's input), the zygote asks inductor nothing (its probe of torch's sources is
+    traced too) and compiles nothing: the trace directory holds the one file of the rank's process."""
+    pytest.importorskip("torch._inductor.codecache")
+    trace = tmp_path / "trace"
+    script("w.py", restarted_warm(COMPILES))
+    r = run_ftrun(tmp_path, "--preload", "torch._inductor.codecache", "--max-restarts", "1", "w.py",
+                  env={**POOL, "TORCH_TRACE": str(trace)}, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True]
+    assert r.log(1, 0) == "compiled\n"
+    [traced] = trace.iterdir()  # (torch names it with the rank only once a process group is made)
+    assert '"name": "dynamo"' in traced.read_text(), traced  # the job's own compile
+
+
 ASKED = """
 from torch._inductor import cpu_vec_isa
 print(cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, flush=True)

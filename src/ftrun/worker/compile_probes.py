@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
 from collections.abc import Iterator
 
@@ -39,7 +40,7 @@ def ask_in_advance() -> dict[str, str]:
     """Ask every probe whose module is loaded, then compile once; returns {probe: error} for those that failed
     (the worker then asks again itself, as a fresh one would)."""
     failed: dict[str, str] = {}
-    if INDUCTOR_USED not in sys.modules:
+    if INDUCTOR_USED not in sys.modules or _compiles_recorded():
         return failed
     with _uncounted():
         for module, name in PROBES:
@@ -101,6 +102,12 @@ def compiled_once() -> str:
         torch._dynamo.reset()  # torch's own "as if you had started a fresh process"
         torch._inductor.metrics.reset()
     return ""
+
+
+def _compiles_recorded() -> bool:
+    """Whether the job has torch record its compiles (a structured trace, inductor's debug directory): it finds
+    only its own processes' there (a probe is timed into the trace too), as without the pool."""
+    return bool(os.environ.get("TORCH_TRACE")) or os.environ.get("TORCH_COMPILE_DEBUG") == "1"
 
 
 @contextlib.contextmanager
