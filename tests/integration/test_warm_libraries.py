@@ -145,7 +145,7 @@ print(json.dumps({**before, "loss": loss.item(), "grad": net[0].weight.grad.sum(
 def test_a_warm_workers_first_compile_finds_dynamo_as_a_fresh_process_does_with_the_headers_asked(
     tmp_path: Path, script: WriteScript
 ) -> None:
-    """The zygote compiles a small function once (0.3 s of every new process's first compile: dynamo's tables,
+    """The zygote compiles a small module once (0.3 s of every new process's first compile: dynamo's tables,
     inductor's preprocessing of its precompiled header), then resets dynamo: a warm worker's first compile
     finds no counter, no timing and no graph of it, makes what a fresh worker makes, and has its threads."""
     pytest.importorskip("torch._inductor.codecache")
