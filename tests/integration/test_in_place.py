@@ -625,6 +625,85 @@ def test_a_hugging_face_trainer_resuming_from_its_own_checkpoints_restarts_in_pl
     crashed_in_place_ends_as_a_clean_run(tmp_path, shared_dir, "w.py")
 
 
+LIGHTNING_TRAINER_JOB = """
+import hashlib, os, sys
+import torch
+from torch import nn
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+import ftrun
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch, i):
+        first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+        if "--crash" in sys.argv and first and self.global_rank == 1 and self.global_step == 7:
+            os._exit(3)
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24  # 3 steps an epoch on 2 ranks
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g), torch.randn(4, generator=g)
+
+
+def train():
+    pl.seed_everything(0)
+    model = Net()
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), strategy="ddp",
+                         max_steps=12, callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    last = "ckpt/last.ckpt" if os.path.exists("ckpt/last.ckpt") else None
+    print(f"rank {os.environ['RANK']} attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} pid {os.getpid()} "
+          f"from step 0", flush=True)
+    trainer.fit(model, torch.utils.data.DataLoader(Pairs(), batch_size=4), ckpt_path=last)
+    if trainer.global_rank == 0:
+        weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        print("checksum", hashlib.sha256(weights).hexdigest()[:16], flush=True)
+
+
+(train if "--process-restart" in sys.argv else ftrun.restartable(train))()
+"""
+
+
+@pytest.mark.slow
+def test_a_lightning_trainer_resuming_from_its_own_checkpoints_restarts_in_place_as_torchrun_restarts_it(
+    tmp_path: Path,
+) -> None:
+    """PyTorch Lightning's Trainer (its own DDP set-up, its checkpoint at each epoch's end, its resume): rank 1
+    exits in the third epoch; rank 0's process makes its Trainer again and resumes from the last checkpoint with
+    the new rank 1. Lightning's resume from an epoch's end is not a clean run's (it runs a step of that epoch
+    again): the weights end as when the same job is restarted as processes, as under torchrun (measured: the
+    same checksum)."""
+    pytest.importorskip("pytorch_lightning")
+    ended = {}
+    for how in ("in place", "process restart"):
+        here = tmp_path / how.replace(" ", "-")
+        here.mkdir()
+        (here / "w.py").write_text(LIGHTNING_TRAINER_JOB)
+        flags = ["--process-restart"] if how == "process restart" else []
+        r = run_ftrun(here, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", "--crash", *flags)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"1 restart ({'in place' if how == 'in place' else 'warm'})" in r.stderr, r.stderr[-2000:]
+        ran = pids(r.log(0, 0) + r.log(1, 0))
+        assert (ran[0, 0] == ran[0, 1]) == (how == "in place"), ran  # rank 0 kept its process, or not
+        assert "Restored all states from the checkpoint" in r.log(1, 0, "stderr")  # Lightning's own resume
+        ended[how] = checksum(r.log(1, 0))
+    assert ended["in place"] == ended["process restart"], ended
+
+
 def test_outside_ftrun_the_function_runs_once() -> None:
     code = "import ftrun\n@ftrun.restartable\ndef f(x):\n    return x * 2\nprint(f(21))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
