@@ -14,7 +14,7 @@ from tests.integration.harness import POOL, WAIT_S, LiveFtrun, Result, WriteScri
 pytestmark = pytest.mark.torch
 
 DDP = """
-import ctypes, hashlib, os, sys, threading, time
+import ctypes, hashlib, os, signal, sys, threading, time
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,6 +31,24 @@ def stuck_before_the_first_step():
 def asleep_between_steps():
     time.sleep(120)
 
+def sigterm_sets_a_flag(*_):  # as Lightning's handler does: the loop stops at its next step
+    stopping.append(True)
+
+def sigterm_writes_then_exits(*_):  # a handler that saves something before it ends the process
+    if not stopping:
+        stopping.append(True)
+        with open(checkpoint + ".on-sigterm", "w") as f:
+            for piece in range(16):
+                f.write(f"{piece:4096d}")
+                f.flush()
+                time.sleep(0.25)
+        os._exit(7)
+
+stopping = []
+if kind == "flag_handler":
+    signal.signal(signal.SIGTERM, sigterm_sets_a_flag)
+if kind == "writing_handler":
+    signal.signal(signal.SIGTERM, sigterm_writes_then_exits)
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Linear(8, 1))
@@ -45,7 +63,7 @@ if faulty and kind == "before_first_step":
 for step in range(start, 30):
     if faulty and kind == "in_c" and step == 12:
         stuck_in_c_holding_the_gil()
-    if faulty and kind == "sleeps" and step == 12:
+    if faulty and kind in ("sleeps", "flag_handler", "writing_handler") and step == 12:
         asleep_between_steps()
     data = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
     opt.zero_grad()
@@ -95,6 +113,36 @@ def test_a_hung_rank_is_found_blamed_with_its_stack_and_the_job_ends_as_without_
     root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
     assert root["rank"] == 1
     assert stuck_in in root["stacks"]
+    assert checksums(r, 1) == {failure_free}
+
+
+def test_a_hung_rank_whose_sigterm_handler_leaves_it_hung_is_not_waited_for(
+    tmp_path: Path, script: WriteScript, failure_free: str
+) -> None:
+    """Its SIGTERM handler sets a flag its hung loop never reads (as Lightning's does): it shows no progress after
+    the signal, and is killed then, not after --shutdown-timeout (600 s here: longer than the test waits)."""
+    script("w.py", DDP)
+    r = run_ftrun(tmp_path, *FLAGS, "--shutdown-timeout", "600", "w.py", "flag_handler", str(tmp_path / "ckpt.pt"),
+                  timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [said] = [line for line in r.stderr.splitlines() if "(still hung): SIGKILL" in line]
+    assert said.startswith("ftrun: rank 1 (local rank 1"), said
+    [ended] = [e for e in r.events() if e["kind"] == "worker_exited" and (e["attempt"], e["rank"]) == (0, 1)]
+    assert ended["signal"] == "SIGKILL", ended
+    assert checksums(r, 1) == {failure_free}
+
+
+def test_a_hung_rank_whose_sigterm_handler_writes_has_the_whole_grace(
+    tmp_path: Path, script: WriteScript, failure_free: str
+) -> None:
+    """Its SIGTERM handler writes for 4 s, then ends the process: it moves, so it has all of --shutdown-timeout."""
+    script("w.py", DDP)
+    r = run_ftrun(tmp_path, *FLAGS, "w.py", "writing_handler", str(tmp_path / "ckpt.pt"), timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "still hung" not in r.stderr, r.stderr
+    assert (tmp_path / "ckpt.pt.on-sigterm").read_text() == "".join(f"{p:4096d}" for p in range(16))
+    [ended] = [e for e in r.events() if e["kind"] == "worker_exited" and (e["attempt"], e["rank"]) == (0, 1)]
+    assert (ended["exit_code"], ended["signal"]) == (7, None), ended
     assert checksums(r, 1) == {failure_free}
 
 

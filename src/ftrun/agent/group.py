@@ -250,6 +250,17 @@ class LocalGroup:
 
         # Stopped workers ending of the signal count as gone at once where the node allows (the kernel then
         # frees their memory beside the next attempt's start).
+        still = self._watch.still_hung(self._processes.running)
+
+        def hopeless(running: list[Worker]) -> list[Worker]:
+            found = still.hopeless(running)
+            for w in found:
+                self.narrator.warn(
+                    f"{w.who} shows no progress {still.quiet_s:g} s after {signal_name(first)} (still hung): "
+                    "SIGKILL, not the rest of --shutdown-timeout"
+                )
+            return found
+
         def stop_running() -> None:
             self._processes.stop(
                 self.config.term_timeout_s,
@@ -257,6 +268,7 @@ class LocalGroup:
                 on_wake=on_wake,
                 first_signal=first,
                 release=self._may_release(),
+                hopeless=hopeless,
             )
 
         stop_running()

@@ -273,6 +273,10 @@ class Progress:
         if not sample.stopped and (busy or moving_io):
             self._moved[rank] = sample.at
 
+    def moved_at(self, rank: int) -> float | None:
+        """The wall time of ``rank``'s last sign of CPU or I/O progress (None: never sampled)."""
+        return self._moved.get(rank)
+
     def forget(self, keep: Sequence[int]) -> None:
         for rank in set(self._last) - set(keep):
             del self._last[rank], self._moved[rank]

@@ -29,6 +29,8 @@ from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
 LOOK_EVERY_S = 1.0
+# A hung worker that shows no progress for this long after the stop's signal is still hung (see StillHung).
+STILL_S = 3.0
 
 
 class PeersCollectives(Protocol):
@@ -108,6 +110,34 @@ class StallWatch:
             where = r.where if now - r.read_at <= STALE_S else ""
             found[w.rank] = Stalled(w, watched.stall, quiet_s, where, sample.stopped)
         return [found[rank] for rank in culprits(watched, quiet, summaries, now, self.patience)]
+
+
+class StillHung:
+    """The workers found hung, watched while a stop waits for them to exit. A job's SIGTERM handler may keep a
+    process that was not hung alive until it gets to a good place to stop (Lightning's sets a flag its loop
+    reads at the next step); in a hung process that place never comes, or the handler cannot even run (its
+    main thread is in C), and the stop would wait its whole grace (``--shutdown-timeout``, 30 s) for nothing. One
+    that shows no progress (as at the verdict: its main thread's CPU time, its other threads' and children's,
+    its I/O) for STILL_S after the stop began is SIGKILLed then; one that moves (a handler writing a checkpoint)
+    keeps the whole grace."""
+
+    def __init__(self, clock: Clock, hung: Sequence[Worker]) -> None:
+        self._clock = clock
+        self._hung = {w.local_rank for w in hung}
+        self._progress = Progress()
+        self.quiet_s = STILL_S
+
+    def hopeless(self, running: list[Worker]) -> list[Worker]:
+        """The hung workers still running that have not moved for STILL_S, each named once."""
+        now, found = self._clock.wall(), []
+        for w in running:
+            if w.local_rank not in self._hung or (sample := _sample(w.pid, now)) is None:
+                continue
+            self._progress.add(w.local_rank, sample, "")
+            if now - (self._progress.moved_at(w.local_rank) or now) >= self.quiet_s:
+                self._hung.discard(w.local_rank)
+                found.append(w)
+        return found
 
 
 def _parsed(raw: dict[int, bytes]) -> dict[int, RankCollectives]:

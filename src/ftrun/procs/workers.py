@@ -25,6 +25,7 @@ from ftrun.procs.signals import name as signal_name
 from ftrun.procs.spawner import ProcessHandle, Spawner
 
 KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
+HOPELESS_LOOK_S = 0.5  # how often a stop asks which workers not to wait for (see Workers.stop)
 REAP_EVERY_S = 2.0  # how often an idle agent looks for exited children that are no worker (a /proc walk)
 
 
@@ -334,6 +335,7 @@ class AttemptProcesses:
         on_wake: Callable[[], bool],
         first_signal: int = signal.SIGTERM,
         release: Callable[[Worker], bool] | None = None,
+        hopeless: Callable[[list[Worker]], list[Worker]] | None = None,
     ) -> None:
         """Send ``first_signal`` to every worker's process group, wait ``grace_s``, then SIGKILL what is left.
 
@@ -344,6 +346,7 @@ class AttemptProcesses:
         where ``release`` allows, it counts as exited at once, with the status it is
         ending with, and is reaped when its exit comes. ``on_wake`` is called when the
         wake fd fires (a signal to ftrun) and returns True to skip the rest of the grace period.
+        ``hopeless``, asked every HOPELESS_LOOK_S, names running workers to SIGKILL without the rest of it.
         """
         for w in self.running:
             if w.state is WorkerState.RUNNING:  # a hung worker stays FAILED: it is the cause, not collateral
@@ -354,11 +357,14 @@ class AttemptProcesses:
             left = deadline - self._clock.monotonic()
             if left <= 0:
                 break
-            exited, woken, _ = self.wait(left)
+            exited, woken, _ = self.wait(left if hopeless is None else min(left, HOPELESS_LOOK_S))
             for w in exited:
                 on_exit(w)
             if woken and on_wake():
                 break
+            for w in hopeless(self.running) if hopeless is not None else []:
+                if w.handle is not None and not w.reaped:
+                    w.handle.signal_group(signal.SIGKILL)
         if self.running:  # else the sweep that follows every stop kills the strays
             self._signal_all(signal.SIGKILL)
         # SIGKILL cannot be refused; only a process stuck in the kernel (D state) outlives it.
