@@ -9,6 +9,8 @@ At step 20 of the first attempt rank 3 (on the second node) stops making progres
   fifo    blocked opening a FIFO nobody writes
   group   inside an all-reduce of another process group, which waits for rank 2 (in the default group's
           all-reduce, waiting for rank 3): every rank's stack is inside a collective
+  flagged time.sleep, where every rank's SIGTERM handler only sets a flag its loop would read at the next
+          step (as Lightning's does): the stop's signal leaves the hung rank hung
 
 Figures: the hang -> every rank stepping again (from the job's own timeline), and whether ftrun named rank 3
 by the collective ("never entered all_reduce #N"). torchrun runs the same job in the same run, alternating:

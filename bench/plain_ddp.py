@@ -4,8 +4,9 @@ Imports torch and torch._dynamo (as many real jobs do, through torch.compile or 
 small model with gloo on CPU, checkpoints every 10 steps from rank 0 and resumes from the last checkpoint,
 and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills itself with
 SIGKILL at --crash-at, raises an exception at --raise-at (torch's teardown follows), or stops making progress
-at --hang-at (--hang-how: it sleeps, sleeps in C holding the GIL, blocks on a FIFO nobody writes, or enters an
-all-reduce of another group; --culprit names the rank). Every rank appends JSON lines to
+at --hang-at (--hang-how: it sleeps, sleeps in C holding the GIL, blocks on a FIFO nobody writes, enters an
+all-reduce of another group, or sleeps where every rank's SIGTERM handler only sets a flag, as Lightning's does;
+--culprit names the rank). Every rank appends JSON lines to
 --timeline: when its process started (before any import), each step, the crash or the hang.
 """
 
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--raise-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
-    p.add_argument("--hang-how", choices=("sleep", "gil", "fifo", "group"), default="sleep")
+    p.add_argument("--hang-how", choices=("sleep", "gil", "fifo", "group", "flagged"), default="sleep")
     p.add_argument("--culprit", type=int, default=1, help="the rank that crashes, raises or hangs")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--timeline", required=True)
@@ -51,6 +52,9 @@ def main() -> None:
             f.write(json.dumps(line) + "\n")
 
     record("start", STARTED, pid=os.getpid())
+    stopping: list[bool] = []
+    if a.hang_how == "flagged":  # the loop would stop at its next step: a hung rank never gets there
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     if a.cuinit:  # on a CPU machine, the stand-in driver bench/recovery.py --cuda-standin preloads
         import ctypes
 
