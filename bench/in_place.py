@@ -6,7 +6,8 @@ inductor), ftrun.snapshot every step. Rank 3 exits (os._exit) at a step; the job
 (@ftrun.restartable: ranks 0-2 keep their processes, rank 3 is a warm worker) or as processes
 (``--process-restart``: every rank a warm worker, as without the decorator). Figures from the job's own
 timeline (wall-clock lines written by every rank): the crash -> every rank having finished its first step
-after the restart; and the slowest survivor's part of it.
+after the restart; the slowest survivor's part of it; and, in place, where the new process's time goes (its
+script's start, its model on its device: on a GPU its CUDA context, its group and state, its first step).
 
     python bench/in_place.py [--reps 3] [--compile] [--crash-at 30] [--busy] [--crash-by exit|raise] [--nccl]
                              [--leaks N]
@@ -58,11 +59,16 @@ def run_once(
         return None
     lines = [json.loads(line) for line in timeline.read_text().splitlines()]
     [crash] = [x for x in lines if x.get("crash")]
-    first, restored = {}, {}
+    first, restored, replaced = {}, {}, {}
     for x in lines:
-        if x["attempt"] == 1 and x.get("restored"):
+        if x["attempt"] != 1:
+            continue
+        if phase := next((k for k in ("started", "built") if x.get(k)), None):
+            if x["rank"] == world - 1:
+                replaced[phase] = x["t"]  # the new process's own timeline
+        elif x.get("restored"):
             restored[x["rank"]] = x["t"]
-        elif x["attempt"] == 1 and not x.get("crash"):
+        elif not x.get("crash"):
             first.setdefault(x["rank"], x["t"])
     if sorted(first) != list(range(world)):
         return None
@@ -71,6 +77,9 @@ def run_once(
         "survivors_s": max(first[r] for r in range(world - 1)) - crash["t"],
         "replaced_s": first[world - 1] - crash["t"],
         "restored_s": max(restored.values()) - crash["t"],  # every rank has its group and its state
+        # where the replacement's time goes (a new process only: its script's start, its model on its device)
+        **{f"replaced_{phase}_s": t - crash["t"] for phase, t in replaced.items()},
+        "replaced_restored_s": restored[world - 1] - crash["t"],
     }
 
 
@@ -183,6 +192,13 @@ def main() -> None:
                   f"the survivors: {survivors:.2f} s")  # fmt: skip
     if len(medians) == 2:
         print(f"  ratio in-place / process: {medians['in-place'] / medians['process']:.2f}x")
+    phases = ("replaced_started_s", "replaced_built_s", "replaced_restored_s", "replaced_s")
+    if found["in-place"] and all(k in t for t in found["in-place"] for k in phases):  # a new process replaced it
+        at = [statistics.median(t[k] for t in found["in-place"]) for k in phases]
+        print(
+            f"  in place, the new {last} after the crash (medians): its script started {at[0]:.2f} s, its model "
+            f"on its device {at[1]:.2f} s, its group and state {at[2]:.2f} s, its first step {at[3]:.2f} s"
+        )
 
 
 if __name__ == "__main__":

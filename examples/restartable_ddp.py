@@ -67,12 +67,15 @@ def arguments() -> argparse.Namespace:
 
 def main() -> None:
     a = arguments()
+    born = {"rank": int(os.environ["RANK"]), "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+    note(a.timeline, **born, started=True)  # a new process (a survivor restarted in place never comes here again)
     torch.manual_seed(0)
     device = torch.device("cpu")
     if a.backend == "nccl":  # this rank's GPU (several ranks may share one: see NCCL_HOSTID)
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
+    note(a.timeline, **born, built=True)  # the model on its device (on a GPU: the CUDA context made)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     initial = {"model": copy.deepcopy(net.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     forward = torch.compile(net) if a.compile else net
