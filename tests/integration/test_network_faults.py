@@ -329,6 +329,54 @@ def test_a_rank_waiting_in_a_collective_for_a_node_cut_off_restarts_in_place(tmp
     assert len({pid for _, pid in started}) == 1, started  # one process throughout
 
 
+FLAGGED_DDP = """
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+timeline, stop, stopping = sys.argv[1], sys.argv[2], []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # as Lightning's: the loop stops at its next step
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(6000):
+    if stopping:
+        sys.exit(143)
+    if os.path.exists(stop):  # the test's end
+        break
+    dist.all_reduce(torch.ones(4))
+    with open(timeline, "a") as f:
+        f.write(json.dumps({"rank": dist.get_rank(), "attempt": attempt, "step": step}) + "\\n")
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_a_node_cut_off_whose_sigterm_handler_cannot_run_is_not_waited_for(tmp_path: Path) -> None:
+    """A job whose SIGTERM handler sets a flag its loop reads (as Lightning's), not restartable in place: node b is
+    cut off, and node a's rank waits in an all_reduce with b's rank that nothing will ever end, where a Python
+    handler cannot run. Once b's lease lapses, a's agent stops its rank: it shows no progress after SIGTERM, and
+    is killed then, not after --shutdown-timeout (600 s here: longer than the test waits)."""
+    (tmp_path / "w.py").write_text(FLAGGED_DDP)
+    timeline = tmp_path / "timeline.jsonl"
+    job = [str(tmp_path / "w.py"), str(timeline), str(tmp_path / "stop")]
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            a, b = net.add("a"), net.add("b")
+            agents += [Agent(n, a, tmp_path, "--shutdown-timeout", "600", job=job) for n in (a, b)]
+
+            def stepped(rank: int, attempt: int) -> bool:
+                found = [json.loads(x) for x in timeline.read_text().splitlines()] if timeline.exists() else []
+                return any(x["rank"] == rank and x["attempt"] >= attempt for x in found)
+
+            until(lambda: stepped(1, 0), "both nodes train", WAIT_S * 3)
+            net.cut(b)
+            until(lambda: stepped(0, 1), "a's rank trains on alone", 120.0)
+            agents[1].close()  # still cut off, waiting to rejoin
+        finally:
+            stop_all(tmp_path, agents)
+    [said] = [line for line in agents[0].stderr.splitlines() if "(waiting for a lost node): SIGKILL" in line]
+    assert said.startswith("ftrun: rank "), said
+
+
 @pytest.mark.slow
 def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tmp_path: Path) -> None:
     """The endpoint is a name (a pod's DNS name). The store's host is lost, the survivor takes the store over;

@@ -141,6 +141,16 @@ def test_the_job_failed_with_no_node_to_blame_stop_then_exit_1() -> None:
     assert stopped == (Finish(Outcome.FAILED),)
 
 
+def test_a_round_that_ended_for_a_lost_node_says_so_to_the_stop() -> None:
+    """Its ranks will never answer a collective: the stop does not wait for a worker stuck waiting for them."""
+    lost = RoundRecord(2, Status.OPEN, lost_nodes=("b",), reason="node b lost")
+    _, [stop] = walk(running(), RendezvousAdvised(Decision(Action.STOP, "round 2 is open", record=lost)))
+    assert stop == (StopWorkers(keep=True, peers_lost=True),)
+    failed = replace(lost, status=Status.FAILED)
+    _, [stop] = walk(running(), RendezvousAdvised(Decision(Action.FAIL, "failed", record=failed)))
+    assert stop == (StopWorkers(peers_lost=True),)
+
+
 def test_a_round_reopened_for_a_failure_elsewhere_is_reported_here_once_the_job_goes_on() -> None:
     reopened = RendezvousAdvised(
         Decision(Action.STOP, "round 2 is open", record=RoundRecord(2, Status.OPEN, failures=1, failed_node="b"))

@@ -130,10 +130,12 @@ class StartWorkers:
 class StopWorkers:
     """Stop every running worker: ``signal`` (None: SIGTERM) to each, the grace period, SIGKILL; answered by
     WorkersStopped. Signals to ftrun that come meanwhile are answered first, as Interrupted. ``keep``: a restart
-    follows, so the ranks that restart in place (ftrun.restartable) and are not to blame are kept instead."""
+    follows, so the ranks that restart in place (ftrun.restartable) and are not to blame are kept instead.
+    ``peers_lost``: a node was lost, and a worker waiting in a collective for its ranks waits for ever."""
 
     signal: int | None = None
     keep: bool = False
+    peers_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)

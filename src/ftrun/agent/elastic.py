@@ -141,7 +141,8 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
             # the rendezvous says whether the job goes on.
             elsewhere = d.record is not None and bool(d.record.failed_node or state.lost) and not state.failed
             stopping = replace(state, phase=Phase.STOPPING, local=Local(), report_owed=state.report_owed or elsewhere)
-            return Transition(stopping, (*report, StopWorkers(keep=True)), d.reason)  # a round follows
+            stop = StopWorkers(keep=True, peers_lost=_lost_nodes(d))
+            return Transition(stopping, (*report, stop), d.reason)  # a round follows
         return Transition(replace(state, local=Local()), (*report, AskRendezvous(Local())), d.reason)
     if d.action is Action.FINISHED:
         return _finishing(replace(state, phase=Phase.FINISHING), report, d.reason)
@@ -149,9 +150,14 @@ def _advised(state: State, d: Decision) -> Transition[State]:  # noqa: PLR0911 -
         if state.running:  # the job failed elsewhere while my workers ran: say so once they are stopped
             elsewhere = d.record is not None and bool(d.record.failed_node or state.lost) and not state.failed
             failing = replace(state, phase=Phase.FAILING, report_owed=state.report_owed or elsewhere)
-            return Transition(failing, (*report, StopWorkers()), d.reason)
+            return Transition(failing, (*report, StopWorkers(peers_lost=_lost_nodes(d))), d.reason)
         return _done(state, (*report, Finish(Outcome.FAILED)), d.reason)
     return Transition(state, report, d.reason)  # WAIT, STANDBY: until the store changes or wake_at
+
+
+def _lost_nodes(d: Decision) -> bool:
+    """Whether the round ended for nodes lost (their ranks will never answer a collective)."""
+    return d.record is not None and bool(d.record.lost_nodes)
 
 
 def _start(state: State, a: NodeAssignment) -> StartWorkers:

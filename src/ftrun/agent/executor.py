@@ -110,7 +110,7 @@ class Executor(Generic[S]):
             attempt, restarts = command.attempt + self._attempts_before, command.restart_count + self._restarts_before
             return self._group.start(replace(command, attempt=attempt, restart_count=restarts), port)
         if isinstance(command, StopWorkers):
-            return self._group.stop(command.signal, command.keep)
+            return self._group.stop(command.signal, command.keep, command.peers_lost)
         if isinstance(command, ReportFailure):
             self._group.report_failure(command.will_restart, command.lost, command.lost_why)
             return []

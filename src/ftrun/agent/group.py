@@ -224,11 +224,12 @@ class LocalGroup:
             self._processes.reap_exited_helpers()
         return happened, also_ready
 
-    def stop(self, first_signal: int | None = None, keep: bool = False) -> list[Happening]:
+    def stop(self, first_signal: int | None = None, keep: bool = False, peers_lost: bool = False) -> list[Happening]:
         """Stop the running workers: ``first_signal`` (None: SIGTERM), ``--shutdown-timeout``, SIGKILL; then
         sweep strays. ``keep``: the job restarts, and the restartable ranks not to blame are interrupted and kept
-        for the next attempt instead (see :mod:`ftrun.agent.keeping`). Returns their exits, the signals to ftrun
-        that came meanwhile, then WorkersStopped."""
+        for the next attempt instead (see :mod:`ftrun.agent.keeping`). ``peers_lost``: a node was lost (a worker
+        the signal leaves unmoved is not waited for: see :class:`ftrun.monitor.stalls.Unmoved`). Returns their
+        exits, the signals to ftrun that came meanwhile, then WorkersStopped."""
         first = signal.SIGTERM if first_signal is None else first_signal
         running, workers = [w.rank for w in self._processes.running], self._processes.workers
         # Said when every worker had exited by itself too: the moment ftrun acted ends the failure's detection,
@@ -250,13 +251,14 @@ class LocalGroup:
 
         # Stopped workers ending of the signal count as gone at once where the node allows (the kernel then
         # frees their memory beside the next attempt's start).
-        still = self._watch.still_hung(self._processes.running)
+        unmoved = self._watch.unmoved(self._processes.running, peers_lost)
 
         def hopeless(running: list[Worker]) -> list[Worker]:
-            found = still.hopeless(running)
+            found = unmoved.hopeless(running)
             for w in found:
+                why = "still hung" if w.hang is not None else "waiting for a lost node"
                 self.narrator.warn(
-                    f"{w.who} shows no progress {still.quiet_s:g} s after {signal_name(first)} (still hung): "
+                    f"{w.who} shows no progress {unmoved.quiet_s:g} s after {signal_name(first)} ({why}): "
                     "SIGKILL, not the rest of --shutdown-timeout"
                 )
             return found

@@ -29,7 +29,7 @@ from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
 LOOK_EVERY_S = 1.0
-# A hung worker that shows no progress for this long after the stop's signal is still hung (see StillHung).
+# A worker that shows no progress for this long after the stop's signal is not moved by it (see Unmoved).
 STILL_S = 3.0
 
 
@@ -112,30 +112,31 @@ class StallWatch:
         return [found[rank] for rank in culprits(watched, quiet, summaries, now, self.patience)]
 
 
-class StillHung:
-    """The workers found hung, watched while a stop waits for them to exit. A job's SIGTERM handler may keep a
-    process that was not hung alive until it gets to a good place to stop (Lightning's sets a flag its loop
-    reads at the next step); in a hung process that place never comes, or the handler cannot even run (its
-    main thread is in C), and the stop would wait its whole grace (``--shutdown-timeout``, 30 s) for nothing. One
-    that shows no progress (as at the verdict: its main thread's CPU time, its other threads' and children's,
-    its I/O) for STILL_S after the stop began is SIGKILLed then; one that moves (a handler writing a checkpoint)
-    keeps the whole grace."""
+class Unmoved:
+    """Workers a stop's signal cannot move, watched while the stop waits for them to exit. A job's SIGTERM
+    handler may keep its process alive until it gets to a good place to stop (Lightning's sets a flag its loop
+    reads at the next step), and a Python handler runs only once the main thread is back from C. In a hung
+    process that place never comes; nor in one waiting in a collective for a lost node's ranks, a wait that
+    never returns. The stop would wait its whole grace (``--shutdown-timeout``, 30 s) for nothing. Watched: the
+    workers found hung, and after a lost node every one. One that shows no progress (as at a hang's verdict: its
+    main thread's CPU time, its other threads' and children's, its I/O) for STILL_S after the stop began is
+    SIGKILLed then; one that moves (a handler writing a checkpoint) keeps the whole grace."""
 
-    def __init__(self, clock: Clock, hung: Sequence[Worker]) -> None:
+    def __init__(self, clock: Clock, watched: Sequence[Worker]) -> None:
         self._clock = clock
-        self._hung = {w.local_rank for w in hung}
+        self._watched = {w.local_rank for w in watched}
         self._progress = Progress()
         self.quiet_s = STILL_S
 
     def hopeless(self, running: list[Worker]) -> list[Worker]:
-        """The hung workers still running that have not moved for STILL_S, each named once."""
+        """The watched workers still running that have not moved for STILL_S, each named once."""
         now, found = self._clock.wall(), []
         for w in running:
-            if w.local_rank not in self._hung or (sample := _sample(w.pid, now)) is None:
+            if w.local_rank not in self._watched or (sample := _sample(w.pid, now)) is None:
                 continue
             self._progress.add(w.local_rank, sample, "")
             if now - (self._progress.moved_at(w.local_rank) or now) >= self.quiet_s:
-                self._hung.discard(w.local_rank)
+                self._watched.discard(w.local_rank)
                 found.append(w)
         return found
 

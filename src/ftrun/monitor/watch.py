@@ -26,7 +26,7 @@ from ftrun.monitor.filetimer import FileTimerServer
 from ftrun.monitor.hangs import Found, HangWatch
 from ftrun.monitor.pace import PaceWatch
 from ftrun.monitor.pace import Share as PaceShare
-from ftrun.monitor.stalls import PeersCollectives, Stalled, StallWatch, StillHung
+from ftrun.monitor.stalls import PeersCollectives, Stalled, StallWatch, Unmoved
 from ftrun.monitor.watchdog import TEARDOWN
 from ftrun.observe.events import EventKind
 from ftrun.procs import proctree
@@ -143,9 +143,10 @@ class WorkerWatch:
         if w.handle is not None and not w.reaped:
             w.handle.signal_group(self._config.hang.hang_signal)
 
-    def still_hung(self, running: list[Worker]) -> StillHung:
-        """A stop's watch of the running workers found hung: those its signal leaves hung are not waited for."""
-        return StillHung(self._clock, [w for w in running if w.hang is not None])
+    def unmoved(self, running: list[Worker], peers_lost: bool) -> Unmoved:
+        """A stop's watch of the running workers found hung, and of all of them after a lost node: those its
+        signal leaves unmoved are not waited for."""
+        return Unmoved(self._clock, [w for w in running if peers_lost or w.hang is not None])
 
     def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
         """Workload control requests the workers wrote since the last look (or why one is unreadable)."""
