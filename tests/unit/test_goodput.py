@@ -52,6 +52,25 @@ def test_lost_work_is_unknown_when_the_job_names_no_steps() -> None:
     assert "lost work unknown" in g.render()
 
 
+def test_training_ends_when_the_stop_begins_for_a_lost_node_whose_report_names_a_worker_stopped_here() -> None:
+    """A node was lost: the root cause here is a worker stopped for it, whose end came 3 s into the stop."""
+    events = [
+        ev(EventKind.RUN_STARTED, 0.0),
+        ev(EventKind.ATTEMPT_STARTED, 0.0, attempt=0),
+        ev(EventKind.FIRST_STEP, 2.0, attempt=0, rank=0, first_mono=2.0, step=None),
+        ev(EventKind.GROUP_STOPPING, 20.0, attempt=0, last_step=None, last_beat_mono=None),
+        ev(EventKind.WORKER_EXITED, 23.0, attempt=0, rank=0, state="stopped"),
+        ev(EventKind.FAILURE, 23.2, root_cause={"exit_mono": 23.0}),
+        ev(EventKind.ATTEMPT_STARTED, 23.5, attempt=1),
+        ev(EventKind.FIRST_STEP, 25.0, attempt=1, rank=0, first_mono=25.0, step=None),
+        ev(EventKind.RUN_FINISHED, 30.0, outcome="succeeded", exit_code=0),
+    ]
+    g = measure(events)
+    assert g.training_s == pytest.approx(18.0 + 5.0)
+    assert g.detection_s == 0.0
+    assert g.recovery_s == pytest.approx(5.0)  # the stop's 3 s and the restart
+
+
 def test_a_hang_failed_at_its_last_sign_of_progress_not_when_it_was_killed() -> None:
     events = [
         ev(EventKind.RUN_STARTED, 0.0),

@@ -160,6 +160,8 @@ def _fold(attempts: list[_Attempt], started: float | None, end: float | None) ->
     for i, a in enumerate(attempts):
         a_end = a.end if a.end is not None else end
         stop = a.failed if a.failed is not None else a_end
+        if a.stopping is not None:  # nothing trains once ftrun stops the workers (a lost node's report names a
+            stop = min(stop, a.stopping)  # worker stopped here, whose end came after that)
         if a.first is not None:
             training += max(0.0, stop - a.first)
         if a.failed is not None:
