@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import WriteScript, run_ftrun
+from tests.integration.harness import LiveFtrun, WriteScript, run_ftrun
 
 
 @pytest.mark.parametrize(
@@ -65,6 +67,24 @@ def test_a_store_host_that_does_not_resolve_is_waited_for_then_named_with_exit_2
     assert waiting[1].startswith("ftrun: error: --rdzv-endpoint: the store's host no-such-host.invalid")
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "started").exists()
+
+
+def test_a_wait_for_a_store_host_that_does_not_resolve_ended_by_a_signal_says_how_long_it_waited(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", "open('started', 'w').close()\n")
+    endpoint = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "no-such-host.invalid:29400"]
+    live = LiveFtrun(tmp_path, "--nnodes", "2", *endpoint, "--rdzv-conf", "join_timeout=600", "w.py")
+    try:
+        live.wait_for_stderr("waiting up to 600 s")
+        live.proc.send_signal(signal.SIGTERM)
+        assert live.wait() == 2
+    finally:
+        live.close()
+    [error] = [ln for ln in live.stderr().splitlines() if ln.startswith("ftrun: error: --rdzv-endpoint")]
+    waited = re.search(r"waited (\d+) s", error)
+    assert waited is not None, error
+    assert int(waited.group(1)) < 60, error  # not the 600 s it would have waited
 
 
 @pytest.mark.parametrize("nodes", [[], ["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "0"]])

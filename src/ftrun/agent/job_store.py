@@ -165,7 +165,8 @@ def wait_for_names(
     (torchrun waits too). A typo then costs that wait, but the line says what is wrong at once. Past it, or at
     a signal to ftrun (``wake_fd`` readable, ``interrupted()``), raises ConfigError naming --rdzv-endpoint."""
     names = ", ".join(dict.fromkeys(host for host, _ in url.endpoints))
-    deadline = clock.monotonic() + timeout_s
+    began = clock.monotonic()
+    deadline = began + timeout_s
     said = False
     while True:
         why = ""
@@ -178,7 +179,7 @@ def wait_for_names(
         if clock.monotonic() >= deadline or interrupted():
             raise ConfigError(
                 "--rdzv-endpoint",
-                f"the store's host {names} does not resolve ({why}; waited {timeout_s:g} s)",
+                f"the store's host {names} does not resolve ({why}; waited {clock.monotonic() - began:.0f} s)",
                 "check the name, or give the host's address",
             )
         if not said:
