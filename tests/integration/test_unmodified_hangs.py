@@ -35,14 +35,14 @@ def sigterm_sets_a_flag(*_):  # as Lightning's handler does: the loop stops at i
     stopping.append(True)
 
 def sigterm_writes_then_exits(*_):  # a handler that saves something before it ends the process
-    if not stopping:
-        stopping.append(True)
-        with open(checkpoint + ".on-sigterm", "w") as f:
-            for piece in range(16):
-                f.write(f"{piece:4096d}")
-                f.flush()
-                time.sleep(0.25)
-        os._exit(7)
+    with open(f"{checkpoint}.{rank}.{attempt}.calls", "a") as f:
+        f.write("called\\n")
+    with open(f"{checkpoint}.{rank}.{attempt}.on-sigterm", "w") as f:
+        for piece in range(16):
+            f.write(f"{piece:4096d}")
+            f.flush()
+            time.sleep(0.25)
+    os._exit(7)
 
 stopping = []
 if kind == "flag_handler":
@@ -135,12 +135,14 @@ def test_a_hung_rank_whose_sigterm_handler_leaves_it_hung_is_not_waited_for(
 def test_a_hung_rank_whose_sigterm_handler_writes_has_the_whole_grace(
     tmp_path: Path, script: WriteScript, failure_free: str
 ) -> None:
-    """Its SIGTERM handler writes for 4 s, then ends the process: it moves, so it has all of --shutdown-timeout."""
+    """Its SIGTERM handler writes for 4 s, then ends the process: it moves, so it has all of --shutdown-timeout;
+    and it is called once (the hang signal, then the stop's SIGTERM, called it again inside itself)."""
     script("w.py", DDP)
     r = run_ftrun(tmp_path, *FLAGS, "w.py", "writing_handler", str(tmp_path / "ckpt.pt"), timeout=240)
     assert r.returncode == 0, r.stderr
     assert "still hung" not in r.stderr, r.stderr
-    assert (tmp_path / "ckpt.pt.on-sigterm").read_text() == "".join(f"{p:4096d}" for p in range(16))
+    assert (tmp_path / "ckpt.pt.1.0.on-sigterm").read_text() == "".join(f"{p:4096d}" for p in range(16))
+    assert (tmp_path / "ckpt.pt.1.0.calls").read_text() == "called\n"  # the hung rank's handler, called once
     [ended] = [e for e in r.events() if e["kind"] == "worker_exited" and (e["attempt"], e["rank"]) == (0, 1)]
     assert (ended["exit_code"], ended["signal"]) == (7, None), ended
     assert checksums(r, 1) == {failure_free}

@@ -140,8 +140,7 @@ class WorkerWatch:
     def condemn(self, w: Worker) -> None:
         """Act on a hung worker :meth:`check` returned: ``--hang-signal`` to its process group (when the agent
         decides: a node may first hear whether another node names the rank its own ranks wait for)."""
-        if w.handle is not None and not w.reaped:
-            w.handle.signal_group(self._config.hang.hang_signal)
+        w.send(self._config.hang.hang_signal)
 
     def unmoved(self, running: list[Worker], peers_lost: bool) -> Unmoved:
         """A stop's watch of the running workers found hung, and of all of them after a lost node: those its

@@ -133,6 +133,7 @@ class Worker:
     peer_lost: dict[str, object] | None = None  # it noticed its peer on another node go silent: that peer
     phase: ProcessPhase = ProcessPhase.ALIVE
     in_place: bool = False  # its process is the last attempt's rank's, restarted in place (ftrun.restartable)
+    sent: int | None = None  # the signal ftrun sent it alone (the hang signal): a stop does not send it again
 
     def _move(self, to: ProcessPhase) -> None:
         assert to in _ARROWS.get(self.phase, ()), f"{self.who}: {self.phase.value} -> {to.value}"
@@ -163,6 +164,13 @@ class Worker:
         """Its script had ended with ``code`` when ftrun ended its stuck teardown (its result, whatever the
         kill makes of its exit status)."""
         self.ended_code = code
+
+    def send(self, sig: int) -> None:
+        """``sig`` to its process group, remembered: a job's handler of it runs once, where a second one coming
+        while the first runs would call it again inside itself (a checkpoint written twice, the first cut)."""
+        if self.handle is not None and not self.reaped:
+            self.handle.signal_group(sig)
+            self.sent = sig
 
     def waits_for(self, stacks: str, where: str) -> None:
         """Found waiting, in the collective ``where``, for the rank found hung: its stacks, for the report."""
@@ -426,7 +434,7 @@ class AttemptProcesses:
     def _send_first(
         self, sent: int, release: Callable[[Worker], bool] | None, on_exit: Callable[[Worker], object]
     ) -> None:
-        self._signal_groups(sent)
+        self._signal_groups(sent, unless_sent=True)
         for w in self.running:  # a process that cannot run cannot handle a signal: no grace period for it
             if w.handle is not None and proctree.is_stopped(w.pid):
                 w.handle.signal_group(signal.SIGKILL)
@@ -462,9 +470,11 @@ class AttemptProcesses:
         self._signal_groups(sig)
         self._spawner.signal_strays(sig, self._pids)  # a dying worker's children are re-parented: still below
 
-    def _signal_groups(self, sig: int) -> None:
+    def _signal_groups(self, sig: int, unless_sent: bool = False) -> None:
+        """``unless_sent``: not to a worker already sent ``sig`` alone (see :meth:`Worker.send`)."""
         for w in self.workers:
             # A finishing worker ends on its own; a reaped one's group id may be another process's now (its
             # children left behind are found below the agent, as strays).
-            if w.handle is not None and not w.finishing and not w.reaped and not w.kept:
+            spared = unless_sent and w.sent == sig
+            if w.handle is not None and not w.finishing and not w.reaped and not w.kept and not spared:
                 w.handle.signal_group(sig)
