@@ -230,6 +230,8 @@ import os, signal, time
 import torch.distributed as dist
 import ftrun
 
+signal.signal(signal.SIGTERM, lambda *_: None)  # as Lightning's: a flag the loop reads at its next step
+
 @ftrun.restartable
 def train():
     dist.init_process_group("gloo")
@@ -250,12 +252,15 @@ train()
 def test_a_rank_that_cannot_be_interrupted_is_restarted_as_a_process_and_said(
     tmp_path: Path, script: WriteScript
 ) -> None:
+    """Its SIGTERM handler cannot end it either (it sets a flag): it is not waited for once it shows no progress
+    (--shutdown-timeout 600 here: longer than the test waits)."""
     script("deaf.py", DEAF)
-    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "deaf.py")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "600", "deaf.py")
     assert r.returncode == 0, r.stderr[-3000:]
     ran = pids(r.log(0, 0) + r.log(1, 0) + r.log(0, 1) + r.log(1, 1))
     assert ran[0, 0] != ran[0, 1], ran
     assert re.search(r"rank 0 \(local rank 0, pid \d+\): not interrupted within 5 s", r.stderr), r.stderr
+    assert "(not interrupted: stuck outside Python): SIGKILL" in r.stderr, r.stderr
     assert "1 restart (warm)" in r.stderr or "1 restart (cold)" in r.stderr, r.stderr
 
 

@@ -251,19 +251,18 @@ class LocalGroup:
 
         # Stopped workers ending of the signal count as gone at once where the node allows (the kernel then
         # frees their memory beside the next attempt's start).
-        unmoved = self._watch.unmoved(self._processes.running, peers_lost)
+        def stop_running(watched: list[Worker], every: bool, why: str) -> None:
+            unmoved = self._watch.unmoved(watched, every)  # of ``watched``, those found hung (every: all)
 
-        def hopeless(running: list[Worker]) -> list[Worker]:
-            found = unmoved.hopeless(running)
-            for w in found:
-                why = "still hung" if w.hang is not None else "waiting for a lost node"
-                self.narrator.warn(
-                    f"{w.who} shows no progress {unmoved.quiet_s:g} s after {signal_name(first)} ({why}): "
-                    "SIGKILL, not the rest of --shutdown-timeout"
-                )
-            return found
+            def hopeless(running: list[Worker]) -> list[Worker]:
+                found = unmoved.hopeless(running)
+                for w in found:
+                    self.narrator.warn(
+                        f"{w.who} shows no progress {unmoved.quiet_s:g} s after {signal_name(first)} "
+                        f"({'still hung' if w.hang is not None else why}): SIGKILL, not the rest of --shutdown-timeout"
+                    )
+                return found
 
-        def stop_running() -> None:
             self._processes.stop(
                 self.config.term_timeout_s,
                 on_exit=lambda w: exits.append(self._exited(w)),
@@ -273,9 +272,9 @@ class LocalGroup:
                 hopeless=hopeless,
             )
 
-        stop_running()
-        if kept and self._in_place.park(self._processes, kept):
-            stop_running()  # those not parked in time
+        stop_running(self._processes.running, peers_lost, "waiting for a lost node")
+        if kept and (stuck := self._in_place.park(self._processes, kept)):  # those not parked in time
+            stop_running(stuck, True, "not interrupted: stuck outside Python")
         self._settle()
         self.narrator.emit(EventKind.GROUP_STOPPED, attempt=self._attempt)
         self._reports.publish_root_cause(self._this_attempt)

@@ -118,7 +118,8 @@ class Unmoved:
     reads at the next step), and a Python handler runs only once the main thread is back from C. In a hung
     process that place never comes; nor in one waiting in a collective for a lost node's ranks, a wait that
     never returns. The stop would wait its whole grace (``--shutdown-timeout``, 30 s) for nothing. Watched: the
-    workers found hung, and after a lost node every one. One that shows no progress (as at a hang's verdict: its
+    workers found hung, after a lost node every one, and a rank kept in place that did not take its interrupt
+    (stuck outside Python). One that shows no progress (as at a hang's verdict: its
     main thread's CPU time, its other threads' and children's, its I/O) for STILL_S after the stop began is
     SIGKILLed then; one that moves (a handler writing a checkpoint) keeps the whole grace."""
 

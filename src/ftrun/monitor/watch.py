@@ -142,10 +142,10 @@ class WorkerWatch:
         decides: a node may first hear whether another node names the rank its own ranks wait for)."""
         w.send(self._config.hang.hang_signal)
 
-    def unmoved(self, running: list[Worker], peers_lost: bool) -> Unmoved:
-        """A stop's watch of the running workers found hung, and of all of them after a lost node: those its
-        signal leaves unmoved are not waited for."""
-        return Unmoved(self._clock, [w for w in running if peers_lost or w.hang is not None])
+    def unmoved(self, workers: list[Worker], every: bool) -> Unmoved:
+        """A stop's watch of the ``workers`` found hung (``every``: of them all): those its signal leaves
+        unmoved are not waited for."""
+        return Unmoved(self._clock, [w for w in workers if every or w.hang is not None])
 
     def requests(self, running: list[Worker]) -> list[tuple[Worker, Request | str]]:
         """Workload control requests the workers wrote since the last look (or why one is unreadable)."""
