@@ -371,8 +371,7 @@ class AttemptProcesses:
             if woken and on_wake():
                 break
             for w in hopeless(self.running) if hopeless is not None else []:
-                if w.handle is not None and not w.reaped:
-                    w.handle.signal_group(signal.SIGKILL)
+                w.send(signal.SIGKILL)
         if self.running:  # else the sweep that follows every stop kills the strays
             self._signal_all(signal.SIGKILL)
         # SIGKILL cannot be refused; only a process stuck in the kernel (D state) outlives it.
