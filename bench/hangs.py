@@ -17,17 +17,18 @@ by the collective ("never entered all_reduce #N"). torchrun runs the same job in
 it finds nothing until gloo's own timeout (30 minutes), so a run of it ends at --bound.
 
     python bench/hangs.py [--reps 3] [--ways sleep,gil,fifo,group] [--bound 120] [--launchers ftrun,torchrun]
-    python bench/hangs.py --cost [--reps 3] [--steps 400]
+    python bench/hangs.py --cost [--reps 3] [--steps 400] [--buckets 20 --step-time 0.005]
     python bench/hangs.py --look-alikes SECONDS
 
 --look-alikes: examples/looks_hung.py, a job whose phases only look hung (a checkpoint while the others wait,
 an evaluation, a compile in child processes, a slow read, a sleep, each lasting SECONDS), 3 ranks, no flag:
 how many hangs ftrun found (0 is right) and its wall time against torchrun's on the same job.
 
---cost: the watch's price, one node, 2 ranks, no fault: the median step time (50 ms of simulated compute and
-an all-reduce) with torch's flight recorder off (TORCH_FR_BUFFER_SIZE=0) and ftrun's watch off, with the
-recorder on (torch's default) and the watch off (--no-hang-detection), and with both on (ftrun's default),
-alternating in one run.
+--cost: the watch's price, one node, 2 ranks, no fault: the median and mean step time (--step-time of simulated
+compute, 50 ms, and --buckets all-reduces, 1) with torch's flight recorder off (TORCH_FR_BUFFER_SIZE=0) and
+ftrun's watch off, with the recorder on (torch's default) and the watch off (--no-hang-detection), with both on
+(ftrun's default), and torchrun, alternating in one run. The mean tells a stall of a step now and then (the
+median does not); many buckets and short steps fill the recorder within seconds, as a big model's job does.
 
 Prints figures; asserts nothing about time.
 """
@@ -140,17 +141,38 @@ def step_times(records: list[dict[str, object]]) -> list[float]:
     return gaps
 
 
-def cost_once(config: str, workdir: Path, steps: int) -> float:
+def cost_once(config: str, workdir: Path, steps: int, job_flags: list[str]) -> list[float]:
+    """The step times of one run under ``config``."""
     tl = workdir / "timeline.jsonl"
     env = dict(os.environ)
-    flags = ["--nproc-per-node", "2", "--log-dir", str(workdir / "logs")]
+    launcher = [*TORCHRUN, "--nproc-per-node", "2"] if config == "torchrun" else [*FTRUN, "--nproc-per-node", "2"]
+    flags = [] if config == "torchrun" else ["--log-dir", str(workdir / "logs")]
     if config == "nothing":
         env["TORCH_FR_BUFFER_SIZE"] = "0"
     if config in ("nothing", "recorder"):
         flags.append("--no-hang-detection")
     job = [str(JOB), "--steps", str(steps), "--timeline", str(tl), "--checkpoint", str(workdir / "ckpt.pt")]
-    subprocess.run([*FTRUN, *flags, *job], env=env, cwd=workdir, capture_output=True, check=True, timeout=600)
-    return statistics.median(step_times(timeline(tl)))
+    subprocess.run([*launcher, *flags, *job, *job_flags], env=env, cwd=workdir, capture_output=True, check=True,
+                   timeout=600)  # fmt: skip
+    return step_times(timeline(tl))
+
+
+def cost(reps: int, steps: int, job_flags: list[str]) -> None:
+    configs = ("nothing", "recorder", "ftrun", "torchrun")
+    medians: dict[str, list[float]] = {c: [] for c in configs}
+    means: dict[str, list[float]] = {c: [] for c in configs}
+    for rep in range(reps):
+        for c in configs if rep % 2 == 0 else reversed(configs):
+            with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
+                times = cost_once(c, Path(d), steps, job_flags)
+                medians[c].append(statistics.median(times))
+                means[c].append(statistics.fmean(times))
+    base_median, base_mean = statistics.median(medians["nothing"]), statistics.median(means["nothing"])
+    for c in configs:
+        m, mean = statistics.median(medians[c]), statistics.median(means[c])
+        runs = ", ".join(f"{x * 1000:.2f}" for x in means[c])
+        print(f"{c:9s} median step {m * 1000:8.3f} ms ({m / base_median:.3f} of nothing), "
+              f"mean {mean * 1000:8.3f} ms ({mean / base_mean:.3f}); means of the runs: {runs}")  # fmt: skip
 
 
 def look_alikes(seconds: float) -> None:
@@ -180,23 +202,15 @@ def main() -> None:
     p.add_argument("--launchers", default="ftrun,torchrun")
     p.add_argument("--cost", action="store_true")
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--buckets", type=int, default=1, help="--cost: the job's all-reduces per step")
+    p.add_argument("--step-time", type=float, default=0.05, help="--cost: the job's simulated compute per step")
     p.add_argument("--look-alikes", type=float, metavar="SECONDS")
     a = p.parse_args()
     if a.look_alikes:
         look_alikes(a.look_alikes)
         return
     if a.cost:
-        configs = ("nothing", "recorder", "ftrun")
-        medians: dict[str, list[float]] = {c: [] for c in configs}
-        for _ in range(a.reps):
-            for c in configs:
-                with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
-                    medians[c].append(cost_once(c, Path(d), a.steps))
-        base = statistics.median(medians["nothing"])
-        for c in configs:
-            m = statistics.median(medians[c])
-            print(f"{c:9s} median step {m * 1000:8.3f} ms  ({m / base:.4f} of nothing; runs: "
-                  f"{', '.join(f'{x * 1000:.2f}' for x in medians[c])})")  # fmt: skip
+        cost(a.reps, a.steps, ["--buckets", str(a.buckets), "--step-time", str(a.step_time)])
         return
     for how in a.ways.split(","):
         results: dict[str, list[tuple[float | None, str]]] = {name: [] for name in a.launchers.split(",")}

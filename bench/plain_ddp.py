@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--hang-how", choices=("sleep", "gil", "fifo", "group", "flagged"), default="sleep")
     p.add_argument("--culprit", type=int, default=1, help="the rank that crashes, raises or hangs")
     p.add_argument("--step-time", type=float, default=0.05)
+    p.add_argument("--buckets", type=int, default=1, help="gradient all-reduces per step (a layer per bucket)")
     p.add_argument("--timeline", required=True)
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--checksum", default=None, help="rank 0 writes a digest of the final parameters here")
@@ -66,7 +67,10 @@ def main() -> None:
     partner = a.culprit - 1 if a.culprit % 2 else a.culprit + 1
     pair = dist.new_group(sorted((a.culprit, partner))) if a.hang_how == "group" else None
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)))
+    hidden = [m for _ in range(a.buckets - 1) for m in (nn.Linear(128, 128), nn.ReLU())]
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), *hidden, nn.Linear(128, 8))
+    # 64 KB buckets: each hidden layer's gradients are all-reduced on their own, as a big model's buckets are
+    model = DistributedDataParallel(net, bucket_cap_mb=0.0625 if a.buckets > 1 else 25)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
     if os.path.exists(a.checkpoint):

@@ -9,8 +9,13 @@ flight. With it goes where the main thread is (its innermost frame) and when its
 compares the ranks' summaries: the rank that never entered the collective its peers wait in is the hung one
 (:mod:`ftrun.monitor.collectives`).
 
-The thread needs the GIL for a fraction of a millisecond a second. A worker whose main thread holds the GIL in
-C code stops updating its summary: that silence is itself what the agent reads. It never imports torch.
+The thread needs the GIL for a fraction of a millisecond a second: it reads each group's counts (entered,
+finished), and the recorder's entries (which collective, how big, since when) only where a group has had one in
+flight since the last read. A whole dump holds the GIL for 30-100 ms once the recorder is full (its 2000 entries:
+gloo marks none of them done), and the job's main thread waits that long: read every second, that cost a job
+with many small collectives 12-30% of its step time (``python bench/hangs.py --cost --job many``). A worker
+whose main thread holds the GIL in C code stops updating its summary: that silence is itself what the agent
+reads. It never imports torch.
 """
 
 from __future__ import annotations
@@ -85,11 +90,15 @@ def _run() -> None:
     stack_since = time.time()
     places = Places(stack_since)
     published = False
+    counts: dict[str, tuple[int, int]] = {}
     while True:
         time.sleep(POLL_S if published else POLL_S / 10)  # the first summary as soon as the group is made
-        record = _read_recorder()
+        record = _read_recorder(with_entries=False)
         if record is None:
             continue
+        before, counts = counts, group_counts(record)
+        if waited_since(before, counts):
+            record = _read_recorder(with_entries=True) or record
         now = time.time()
         seen = _stack_of(main)
         if seen != stack:
@@ -101,19 +110,39 @@ def _run() -> None:
         published = True
 
 
-def _read_recorder() -> dict[str, Any] | None:
-    """The flight recorder's collectives not retired yet, with every group's status; None before the job's
-    default group exists (or after it was destroyed), or with a torch that has no recorder."""
+def _read_recorder(*, with_entries: bool) -> dict[str, Any] | None:
+    """Every group's status in the flight recorder, and ``with_entries`` its collectives not retired yet; None
+    before the job's default group exists (or after it was destroyed), or with a torch that has no recorder."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is None or not dist.is_initialized():
             return None
         c10d = sys.modules["torch"]._C._distributed_c10d
         dumps = [getattr(c10d, name, None) for name in RECORDERS]
-        records = [json.loads(dump(includeCollectives=True, onlyActive=True)) for dump in dumps if dump is not None]
+        records = [
+            json.loads(dump(includeCollectives=with_entries, onlyActive=True)) for dump in dumps if dump is not None
+        ]
     except Exception:
         return None
     return merged(records) if records else None
+
+
+def group_counts(record: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """PURE: per group, the sequence numbers of the last collective entered and the last finished."""
+    return {
+        str(name): (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
+        for name, s in (record.get("pg_status") or {}).items()
+    }
+
+
+def waited_since(before: dict[str, tuple[int, int]], now: dict[str, tuple[int, int]]) -> bool:
+    """PURE: whether a group has had a collective in flight since the last read (none finished in between): its
+    entries are read then, to tell which one and since when (a hang's summary; a long collective's)."""
+    for name, (entered, finished) in now.items():
+        was = before.get(name)
+        if was is not None and entered > finished and was[1] == finished and was[0] > finished:
+            return True
+    return False
 
 
 def merged(records: list[dict[str, Any]]) -> dict[str, Any]:
