@@ -17,7 +17,7 @@ by the collective ("never entered all_reduce #N"). torchrun runs the same job in
 it finds nothing until gloo's own timeout (30 minutes), so a run of it ends at --bound.
 
     python bench/hangs.py [--reps 3] [--ways sleep,gil,fifo,group] [--bound 120] [--launchers ftrun,torchrun]
-    python bench/hangs.py --cost [--reps 3] [--steps 400] [--buckets 20 --step-time 0.005]
+    python bench/hangs.py --cost [--reps 3] [--steps 400] [--buckets 20 --step-time 0.005] [--job stack]
     python bench/hangs.py --look-alikes SECONDS
 
 --look-alikes: examples/looks_hung.py, a job whose phases only look hung (a checkpoint while the others wait,
@@ -29,6 +29,8 @@ compute, 50 ms, and --buckets all-reduces, 1) with torch's flight recorder off (
 ftrun's watch off, with the recorder on (torch's default) and the watch off (--no-hang-detection), with both on
 (ftrun's default), and torchrun, alternating in one run. The mean tells a stall of a step now and then (the
 median does not); many buckets and short steps fill the recorder within seconds, as a big model's job does.
+--job stack: the real stack instead (examples/pretrain_stack.py: FSDP2, compiled blocks, a datasets loader; no
+checkpoint during the run).
 
 Prints figures; asserts nothing about time.
 """
@@ -50,6 +52,7 @@ from pathlib import Path
 from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
 
 JOB = Path(__file__).resolve().parent / "plain_ddp.py"
+STACK = Path(__file__).resolve().parents[1] / "examples" / "pretrain_stack.py"  # --cost --job stack
 FTRUN = [sys.executable, "-m", "ftrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 HANG_AT = 20
@@ -142,7 +145,7 @@ def step_times(records: list[dict[str, object]]) -> list[float]:
 
 
 def cost_once(config: str, workdir: Path, steps: int, job_flags: list[str]) -> list[float]:
-    """The step times of one run under ``config``."""
+    """The step times of one run under ``config`` (``job_flags``: the DDP job's, or ["stack"]: the real stack)."""
     tl = workdir / "timeline.jsonl"
     env = dict(os.environ)
     launcher = [*TORCHRUN, "--nproc-per-node", "2"] if config == "torchrun" else [*FTRUN, "--nproc-per-node", "2"]
@@ -151,9 +154,12 @@ def cost_once(config: str, workdir: Path, steps: int, job_flags: list[str]) -> l
         env["TORCH_FR_BUFFER_SIZE"] = "0"
     if config in ("nothing", "recorder"):
         flags.append("--no-hang-detection")
-    job = [str(JOB), "--steps", str(steps), "--timeline", str(tl), "--checkpoint", str(workdir / "ckpt.pt")]
-    subprocess.run([*launcher, *flags, *job, *job_flags], env=env, cwd=workdir, capture_output=True, check=True,
-                   timeout=600)  # fmt: skip
+    if job_flags == ["stack"]:  # no checkpoint in the run: its steps alone
+        job = [str(STACK), "--workdir", str(workdir), "--ckpt-every", str(steps + 1)]
+    else:
+        job = [str(JOB), "--checkpoint", str(workdir / "ckpt.pt"), *job_flags]
+    job += ["--steps", str(steps), "--timeline", str(tl)]
+    subprocess.run([*launcher, *flags, *job], env=env, cwd=workdir, capture_output=True, check=True, timeout=900)
     return step_times(timeline(tl))
 
 
@@ -204,13 +210,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--buckets", type=int, default=1, help="--cost: the job's all-reduces per step")
     p.add_argument("--step-time", type=float, default=0.05, help="--cost: the job's simulated compute per step")
+    p.add_argument("--job", choices=("ddp", "stack"), default="ddp", help="--cost: the DDP job or the real stack")
     p.add_argument("--look-alikes", type=float, metavar="SECONDS")
     a = p.parse_args()
     if a.look_alikes:
         look_alikes(a.look_alikes)
         return
     if a.cost:
-        cost(a.reps, a.steps, ["--buckets", str(a.buckets), "--step-time", str(a.step_time)])
+        stack = a.job == "stack"
+        cost(a.reps, a.steps, ["stack"] if stack else ["--buckets", str(a.buckets), "--step-time", str(a.step_time)])
         return
     for how in a.ways.split(","):
         results: dict[str, list[tuple[float | None, str]]] = {name: [] for name in a.launchers.split(",")}
