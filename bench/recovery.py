@@ -8,6 +8,8 @@ first attempt: at the first step, about 0.5 s and 2 s after it, and late. Launch
   ftrun-warm        ftrun as it comes, with an empty cache: the job's first run on this machine
   ftrun-rerun       ftrun again on the same job, with the cache the ftrun-warm run left
   ftrun-cold        ftrun --no-warm
+  ftrun-in-place    ftrun, --job stack under @ftrun.restartable (its --restartable): rank 0 keeps its process and
+                    trains again, rank 1 is a new one (not in the default list)
   torchrun          torchrun as it comes (static rendezvous, the agent's store shared with the workers)
   torchrun-noshare  torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
@@ -21,7 +23,8 @@ and, for ftrun, its own part: the failed worker's exit seen -> every new worker 
 --busy: one busy loop per core for the whole run, at normal priority (a node whose cores are all taken).
 
 --job stack: the real-stack job instead (examples/pretrain_stack.py: FSDP2 on a 2-D mesh, torch.compile with
-inductor, DCP every 5 steps, a StatefulDataLoader over a datasets table); rank 1 exits (os._exit) at the step.
+inductor, DCP every 5 steps, a StatefulDataLoader over a datasets table); rank 1 exits (os._exit) at the step
+(--fault raise: raises).
 
 --cuda-standin: a GPU node's driver on this machine: the stand-in CUDA driver (ftrun.testing.cuda_driver)
 preloaded into every launcher and worker, and every worker initialises it first (cuInit), as GPU jobs do.
@@ -51,6 +54,7 @@ LAUNCHERS = {
     "ftrun-warm": FTRUN,
     "ftrun-rerun": FTRUN,
     "ftrun-cold": [*FTRUN, "--no-warm"],
+    "ftrun-in-place": FTRUN,
     "torchrun": TORCHRUN,
     "torchrun-noshare": TORCHRUN,
 }
@@ -89,13 +93,7 @@ def run_once(
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    steps = crash_at + 5
-    if stack:
-        job = [str(STACK), "--workdir", str(workdir), "--crash-at", str(crash_at), "--timeline", str(timeline)]
-        job += ["--steps", str(steps)]
-    else:
-        job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
-        job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if driver else [])
+    job = job_command(launcher, crash_at, workdir, fault, bool(driver), stack)
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(
@@ -123,18 +121,31 @@ def run_once(
     own = warm = stop = released = None
     if launcher.startswith("ftrun") and events.exists():
         ev = [json.loads(line) for line in events.read_text().splitlines()]
-        failed = next(e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed")
-        if len(started.get(1, {})) == nproc:
-            own = max(started[1].values()) - failed["wall"]
-        exits = [e for e in ev if e["kind"] == "worker_exited" and e["attempt"] == failed["attempt"]]
-        stop = max(e["wall"] for e in exits) - failed["wall"]
-        released = all(e.get("released") for e in exits if e["state"] == "stopped")
+        failed = next((e for e in ev if e["kind"] == "worker_exited" and e["state"] == "failed"), None)
+        if failed is not None:  # none where every rank restarted in place (an exception under --restartable)
+            if len(started.get(1, {})) == nproc:
+                own = max(started[1].values()) - failed["wall"]
+            exits = [e for e in ev if e["kind"] == "worker_exited" and e["attempt"] == failed["attempt"]]
+            stop = max(e["wall"] for e in exits) - failed["wall"]
+            released = all(e.get("released") for e in exits if e["state"] == "stopped")
         respawned = [e for e in ev if e["kind"] == "worker_spawned" and e["attempt"] == 1]
         warm = bool(respawned) and all(e["warm"] for e in respawned)
     firsts = [min((r["wall"] for r in records if r["event"] == "step" and r["attempt"] == 0 and r["rank"] == k),
                   default=None) for k in range(nproc)]  # fmt: skip
     start = max(firsts) - launched if None not in firsts else None  # type: ignore[type-var, operator]
     return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, stop, released, warm, start)
+
+
+def job_command(launcher: str, crash_at: int, workdir: Path, fault: str, cuinit: bool, stack: bool) -> list[str]:
+    timeline, steps = workdir / "timeline.jsonl", crash_at + 5
+    if stack:
+        job = [str(STACK), "--workdir", str(workdir), "--crash-at", str(crash_at), "--timeline", str(timeline)]
+        job += ["--steps", str(steps), "--crash-by", "raise" if fault == "raise" else "exit"]
+        job += ["--restartable"] if launcher == "ftrun-in-place" else []
+    else:
+        job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
+        job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if cuinit else [])
+    return job
 
 
 def kill_leftovers(workdir: Path) -> None:
@@ -163,7 +174,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--crash-at", default="0,10,40,300", help="steps (50 ms each) at which rank 1 dies")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run that hangs is killed")
-    p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument("--launchers", default=",".join(n for n in LAUNCHERS if n != "ftrun-in-place"))
     p.add_argument("--fault", choices=["crash", "raise"], default="crash", help="SIGKILL, or an uncaught exception")
     p.add_argument("--cuda-standin", action="store_true", help="a GPU node's CUDA driver, stood in for (see above)")
     p.add_argument("--nproc", type=int, default=2, help="workers (ranks) on this node")

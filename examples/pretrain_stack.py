@@ -1,4 +1,5 @@
-"""A pretraining job built the way big runs build theirs, small enough for two CPU ranks; it never imports ftrun.
+"""A pretraining job built the way big runs build theirs, small enough for two CPU ranks; it never imports ftrun
+(but under --restartable).
 
 - the model: a small decoder-only language model, each block compiled (torch.compile) and sharded with FSDP2
   (``fully_shard``) on a 2-D DeviceMesh (replicate x shard: HSDP, one replica here);
@@ -12,14 +13,18 @@
     ftrun --nproc-per-node 2 --max-restarts 3 examples/pretrain_stack.py --workdir DIR --crash-at 13
     torchrun --nproc-per-node 2 --max-restarts 3 examples/pretrain_stack.py --workdir DIR --crash-at 13
 
-Rank 1 exits at --crash-at in the first attempt. Deterministic: a run that crashed and resumed ends with the
-same weights, bit for bit, as one that never failed; rank 0 prints their checksum. --timeline writes each rank's
+Rank 1 exits at --crash-at in the first attempt (--crash-by raise: raises). --restartable: the training under
+``@ftrun.restartable`` (ftrun's in-process restart): rank 0 (and rank 1 where it raised) keeps its process and
+trains again; the imports and torch.compile's code stay, and the new blocks of the same class reuse that code.
+Deterministic: a run that crashed and resumed ends with the same weights, bit for bit, as one that never failed;
+rank 0 prints their checksum. --timeline writes each rank's
 start and steps as JSON lines (bench/recovery.py --job stack reads them).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -102,9 +107,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--crash-at", type=int, default=None, help="rank 1 exits at this step of the first attempt")
+    p.add_argument("--crash-by", choices=("exit", "raise"), default="exit", help="its process's end, or an exception")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for each block")
     p.add_argument("--timeline", default=None, help="append each rank's start and steps here as JSON lines")
+    p.add_argument("--restartable", action="store_true", help="train under @ftrun.restartable (in-process restart)")
     a = p.parse_args()
+    run = functools.partial(train, a)
+    if a.restartable:  # the only use of ftrun: rank 0 keeps its process, its imports and torch.compile's code
+        import ftrun
+
+        run = ftrun.restartable(run)
+    run()
+
+
+def train(a: argparse.Namespace) -> None:
+    """Everything is made again in each call: the group, the mesh, FSDP2 (applied once per module), the loader."""
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def mark(event: str, **data: object) -> None:
@@ -123,6 +140,8 @@ def main() -> None:
         mark("step", step=step)
         if attempt == 0 and rank == 1 and step == a.crash_at:
             mark("crash", step=step)
+            if a.crash_by == "raise":  # under --restartable, rank 1 keeps its process too
+                raise RuntimeError(f"rank 1 failed at step {step}")
             print(f"rank 1: exits at step {step}", flush=True)
             os._exit(1)
         if (step + 1) % a.ckpt_every == 0:

@@ -2,7 +2,7 @@
 torch.compile, AdamW with a schedule, DCP with get_state_dict/set_state_dict, a stateful loader with worker
 processes reading a `datasets` Arrow table), a script that never imports ftrun: a crash restarts warm, with
 nothing the pool refuses, and the job resumes to the weights of a run that never failed, bit for bit; its main
-under @ftrun.restartable restarts in place to the same weights."""
+under @ftrun.restartable (--restartable) restarts in place to the same weights."""
 
 from __future__ import annotations
 
@@ -32,15 +32,6 @@ def checksum(output: str) -> str:
     return found[0]
 
 
-IN_PLACE = """
-import runpy, sys
-import ftrun
-
-job = runpy.run_path(sys.argv.pop(1), run_name="pretrain_stack")
-ftrun.restartable(job["main"])()  # its body makes everything again (mesh, FSDP2, compile, loader) but the imports
-"""
-
-
 @pytest.mark.slow
 def test_the_real_stack_restarts_warm_and_in_place_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     (tmp_path / "clean").mkdir()
@@ -61,8 +52,7 @@ def test_the_real_stack_restarts_warm_and_in_place_and_resumes_bit_for_bit(tmp_p
     # The same job's main under @ftrun.restartable: rank 0 calls it again in its process, rank 1 is new.
     here = tmp_path / "in-place"  # its own logs and checkpoints
     here.mkdir()
-    (here / "in_place.py").write_text(IN_PLACE)
-    r = run_ftrun(here, "--nproc-per-node", "2", "--max-restarts", "2", "in_place.py", str(JOB),
+    r = run_ftrun(here, "--nproc-per-node", "2", "--max-restarts", "2", str(JOB), "--restartable",
                   "--workdir", str(here), *ARGS, "--crash-at", "13", timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     again = {e["rank"]: e["in_place"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1}
