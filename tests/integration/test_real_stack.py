@@ -49,13 +49,15 @@ def test_the_real_stack_restarts_warm_and_in_place_and_resumes_bit_for_bit(tmp_p
     assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True, True]
     assert "resumed from step 10" in r.stdout
     assert checksum(r.stdout) == checksum(clean.stdout)
-    # The same job's main under @ftrun.restartable: rank 0 calls it again in its process, rank 1 is new.
-    here = tmp_path / "in-place"  # its own logs and checkpoints
-    here.mkdir()
-    r = run_ftrun(here, "--nproc-per-node", "2", "--max-restarts", "2", str(JOB), "--restartable",
-                  "--workdir", str(here), *ARGS, "--crash-at", "13", timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    again = {e["rank"]: e["in_place"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1}
-    assert again == {0: True, 1: False}, again
-    assert "resumed from step 10" in r.stdout
-    assert checksum(r.stdout) == checksum(clean.stdout)
+    # Its training under @ftrun.restartable: rank 0 trains again in its process, rank 1 is new where it exited and
+    # keeps its process too where it raised (both then remake FSDP2's blocks and run the code compiled before).
+    for crash_by, kept in (("exit", {0: True, 1: False}), ("raise", {0: True, 1: True})):
+        here = tmp_path / f"in-place-{crash_by}"  # its own logs and checkpoints
+        here.mkdir()
+        job = [str(JOB), "--restartable", "--workdir", str(here), *ARGS, "--crash-at", "13", "--crash-by", crash_by]
+        r = run_ftrun(here, "--nproc-per-node", "2", "--max-restarts", "2", *job, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        again = {e["rank"]: e["in_place"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1}
+        assert again == kept, again
+        assert "resumed from step 10" in r.stdout
+        assert checksum(r.stdout) == checksum(clean.stdout)
