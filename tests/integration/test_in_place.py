@@ -190,6 +190,47 @@ def test_a_hung_rank_is_replaced_and_the_ranks_waiting_for_it_restart_in_place(t
     assert "ROOT CAUSE  rank 1" in r.stderr
 
 
+HANGS_LATER = """
+import os, time, torch, torch.distributed as dist
+import ftrun
+
+@ftrun.restartable
+def train():
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    t = torch.ones(16)
+    for step in range(40):
+        if rank == 1 and attempt == 0 and step == 5:
+            raise RuntimeError("rank 1 fails at step 5")
+        if rank == 1 and attempt == 1 and step == 30:
+            print("rank 1 hangs at step 30", flush=True)
+            time.sleep(3600)
+        dist.all_reduce(t)
+        time.sleep(0.02)
+    print(f"rank {rank} attempt {attempt} done", flush=True)
+    dist.destroy_process_group()
+
+train()
+"""
+
+
+@pytest.mark.slow
+def test_a_hang_after_a_restart_in_place_is_found_by_the_collective(tmp_path: Path, script: WriteScript) -> None:
+    """Both ranks restart in place at step 5 (rank 1 raised while rank 0 waited in all_reduce #6); in the next
+    attempt rank 1 sleeps before all_reduce #31, no hang flag. Rank 0's recorder still holds the first attempt's
+    default group, under its id 0 and the name "0" that the new default group (id 1) has too, and #6, cut off,
+    never retired: the watch read them as the new group's (seen: no hang found within 150 s)."""
+    script("w.py", HANGS_LATER)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "--hang-timeout", "6", "w.py", timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [hang] = [e for e in r.events() if e["kind"] == "hang"]
+    assert (hang["attempt"], hang["rank"], hang["timeout"]) == (1, 1, "collective")
+    root = r.report(1)["root_cause"]
+    assert isinstance(root, dict)
+    assert re.search(r"rank 1 never entered all_reduce #31 \(default_pg, 64 B\) that rank 0 entered", root["hang"])
+    assert "rank 0 attempt 2 done" in r.log(2, 0)
+
+
 def test_a_rank_whose_function_raised_restarts_in_place_with_its_traceback_as_the_root_cause(
     tmp_path: Path, shared_dir: Path
 ) -> None:

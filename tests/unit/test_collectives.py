@@ -16,7 +16,7 @@ from ftrun.monitor.collectives import (
     stalls,
     suspects,
 )
-from ftrun.worker.collectives import group_counts, merged, summary, waited_since
+from ftrun.worker.collectives import group_counts, group_names, merged, summary, waited_since
 
 # What torch 2.13's recorder said (onlyActive) on rank 0 of a gloo job while rank 1 slept before all_reduce #2.
 RECORD = {
@@ -58,6 +58,29 @@ def test_nccl_keeps_its_own_recorder_and_both_are_read() -> None:
     s = summary(merged([generic, nccl]), now=1_795_749_400.0, stack_since=1_795_749_370.0, where="")
     assert s["g"] == [["0", "default_pg", 26, 25, [26, "all_reduce", 4, 1_795_749_369.975421899]]]
     assert merged([nccl, generic])["pg_status"]["0"]["last_enqueued_collective"] == 26
+
+
+def test_a_process_restarted_in_place_names_its_new_group_as_a_new_process_does() -> None:
+    """What torch 2.13's recorder said on rank 0, restarted in place, while rank 1 slept before all_reduce #31 of
+    the next attempt: the status is keyed by group id (the first attempt's default group 0, this one's 1), the
+    entries by name too (both "0"), and the first attempt's collective, cut off by the interrupt, never retired."""
+    record = {
+        "pg_status": {"0": {"last_completed_collective": "5", "last_enqueued_collective": "6"},
+                      "1": {"last_completed_collective": "30", "last_enqueued_collective": "31"}},
+        "entries": [
+            {"pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 6, "retired": False,
+             "profiling_name": "gloo:all_reduce", "input_sizes": [[16]], "input_dtypes": ["Float"],
+             "time_created_ns": 1_000_000_000_000},
+            {"pg_id": 1, "process_group": ["0", "default_pg"], "collective_seq_id": 31, "retired": False,
+             "profiling_name": "gloo:all_reduce", "input_sizes": [[16]], "input_dtypes": ["Float"],
+             "time_created_ns": 1_030_000_000_000},
+        ],
+    }  # fmt: skip
+    assert group_names(record) == {"0": ("0", "default_pg"), "1": ("0", "default_pg")}
+    assert summary(record, 1040.0, 1030.0, "")["g"] == [["0", "default_pg", 31, 30, [31, "all_reduce", 64, 1030.0]]]
+    counts_only = {"pg_status": record["pg_status"]}  # a read without entries: the names learnt before
+    s = summary(counts_only, 1040.0, 1030.0, "", group_names(record))
+    assert s["g"] == [["0", "default_pg", 31, 30, None]]
 
 
 def test_the_entries_are_read_only_where_a_collective_has_been_in_flight_since_the_last_read() -> None:

@@ -11,11 +11,11 @@ compares the ranks' summaries: the rank that never entered the collective its pe
 
 The thread needs the GIL for a fraction of a millisecond a second: it reads each group's counts (entered,
 finished), and the recorder's entries (which collective, how big, since when) only where a group has had one in
-flight since the last read. A whole dump holds the GIL for 30-100 ms once the recorder is full (its 2000 entries:
-gloo marks none of them done), and the job's main thread waits that long: read every second, that cost a job
-with many small collectives 12-30% of its step time (``python bench/hangs.py --cost --job many``). A worker
-whose main thread holds the GIL in C code stops updating its summary: that silence is itself what the agent
-reads. It never imports torch.
+flight since the last read, or once for a new group's name. A whole dump holds the GIL for 30-100 ms once the
+recorder is full (its 2000 entries: gloo marks none of them done), and the job's main thread waits that long:
+read every second, it cost a job of many small collectives a third of its speed (``python bench/hangs.py --cost
+--buckets 20 --step-time 0.005``). A worker whose main thread holds the GIL in C code stops updating its summary:
+that silence is itself what the agent reads. It never imports torch.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+Record = dict[str, Any]  # a flight recorder dump, as torch's JSON has it
 
 POLL_S = 1.0
 # torch's recorders: the one every backend but NCCL records into (gloo), and NCCL's own (a CUDA build's)
@@ -91,26 +93,31 @@ def _run() -> None:
     places = Places(stack_since)
     published = False
     counts: dict[str, tuple[int, int]] = {}
+    names: dict[str, tuple[str, str]] = {}  # group id -> its name and description (from entries read)
+    looked: set[str] = set()  # the group ids an entries' read has seen (one whose entries are gone stays unnamed)
     while True:
         time.sleep(POLL_S if published else POLL_S / 10)  # the first summary as soon as the group is made
         record = _read_recorder(with_entries=False)
         if record is None:
             continue
         before, counts = counts, group_counts(record)
-        if waited_since(before, counts):
+        new = any(entered >= 0 and group not in looked for group, (entered, _) in counts.items())
+        if new or waited_since(before, counts):  # a group used since the last read: once, for its name
             record = _read_recorder(with_entries=True) or record
+            names.update(group_names(record))
+            looked.update(counts)
         now = time.time()
         seen = _stack_of(main)
         if seen != stack:
             stack, stack_since = seen, now
         places.add(seen, now)
         where = f"{seen[0][0]}:{seen[0][1]}" if seen else ""
-        doc = summary(record, now, stack_since, where) | {"l": round(places.since, 3)}
+        doc = summary(record, now, stack_since, where, names) | {"l": round(places.since, 3)}
         _publish(json.dumps(doc, separators=(",", ":")).encode())
         published = True
 
 
-def _read_recorder(*, with_entries: bool) -> dict[str, Any] | None:
+def _read_recorder(*, with_entries: bool) -> Record | None:
     """Every group's status in the flight recorder, and ``with_entries`` its collectives not retired yet; None
     before the job's default group exists (or after it was destroyed), or with a torch that has no recorder."""
     dist = sys.modules.get("torch.distributed")
@@ -127,7 +134,7 @@ def _read_recorder(*, with_entries: bool) -> dict[str, Any] | None:
     return merged(records) if records else None
 
 
-def group_counts(record: dict[str, Any]) -> dict[str, tuple[int, int]]:
+def group_counts(record: Record) -> dict[str, tuple[int, int]]:
     """PURE: per group, the sequence numbers of the last collective entered and the last finished."""
     return {
         str(name): (int(s.get("last_enqueued_collective", -1)), int(s.get("last_completed_collective", -1)))
@@ -145,7 +152,7 @@ def waited_since(before: dict[str, tuple[int, int]], now: dict[str, tuple[int, i
     return False
 
 
-def merged(records: list[dict[str, Any]]) -> dict[str, Any]:
+def merged(records: list[Record]) -> Record:
     """PURE: one record of several recorders' dumps (NCCL keeps its own): their entries together, and per group
     the status of the recorder that saw the most of it (a group on two backends is in both)."""
     entries: list[Any] = []
@@ -174,32 +181,50 @@ def _stack_of(thread: int | None) -> tuple[tuple[str, int], ...]:
     return tuple(stack)
 
 
-def summary(record: dict[str, Any], now: float, stack_since: float, where: str) -> dict[str, Any]:
-    """PURE: the slot's summary of one flight recorder dump.
-
-    ``g``: per group ``[name, description, entered, finished, in flight]``, the latest entered first; in flight:
-    ``[seq, op, bytes, since]`` of the oldest collective entered and not finished, or None. ``t``: when read;
-    ``s``: when the main thread's stack last changed; ``w``: its innermost frame. (The watcher adds ``l``: since
-    when the stack has only come back to the same few places, :class:`Places`.)
-    """
-    flying: dict[str, list[Any]] = {}
-    descriptions: dict[str, str] = {}
+def group_names(record: Record) -> dict[str, tuple[str, str]]:
+    """PURE: per group id, its name and description, as the recorder's entries say. torch keys each group's status by
+    an id counted over the process's whole life, and names groups by a count that the default group's end resets:
+    a process restarted in place has a default group "0" whose id is 1, 2... (a new process's: 0)."""
+    names = {}
     for e in record.get("entries") or []:
         name, description = [*(e.get("process_group") or []), "?", ""][:2]
-        descriptions[str(name)] = str(description)
+        names[str(e.get("pg_id", name))] = (str(name), str(description))
+    return names
+
+
+def summary(
+    record: Record, now: float, stack_since: float, where: str, names: dict[str, tuple[str, str]] | None = None
+) -> Record:
+    """PURE: the slot's summary of one flight recorder dump (``names``: the group names learnt from earlier dumps'
+    entries, by id; this dump's entries add theirs).
+
+    ``g``: per group ``[name, description, entered, finished, in flight]``, the latest entered first; in flight:
+    ``[seq, op, bytes, since]`` of the oldest collective entered and not finished, or None. A group of an attempt
+    that ended (a process restarted in place keeps its recorder) gives way to the newer group of its name. ``t``:
+    when read; ``s``: when the main thread's stack last changed; ``w``: its innermost frame. (The watcher adds
+    ``l``: since when the stack has only come back to the same few places, :class:`Places`.)
+    """
+    names = {**(names or {}), **group_names(record)}
+    flying: dict[str, list[Any]] = {}  # by group id
+    for e in record.get("entries") or []:
+        group = str(e.get("pg_id", (e.get("process_group") or ["?"])[0]))
         seq = int(e.get("collective_seq_id") or 0)
-        if e.get("retired") or e.get("is_p2p") or seq >= flying.get(str(name), [seq + 1])[0]:
+        if e.get("retired") or e.get("is_p2p") or seq >= flying.get(group, [seq + 1])[0]:
             continue
         op = str(e.get("profiling_name") or "?").split(":")[-1]
         sizes = zip(e.get("input_sizes") or [], e.get("input_dtypes") or [], strict=False)
-        flying[str(name)] = [seq, op, sum(_nbytes(s, d) for s, d in sizes), int(e.get("time_created_ns") or 0) / 1e9]
-    groups: list[list[Any]] = []
-    for name, status in (record.get("pg_status") or {}).items():
+        flying[group] = [seq, op, sum(_nbytes(s, d) for s, d in sizes), int(e.get("time_created_ns") or 0) / 1e9]
+    newest: dict[str, tuple[int, int, list[object]]] = {}  # by name: (id, entered, row) of the highest id
+    for group, status in (record.get("pg_status") or {}).items():
         entered = int(status.get("last_enqueued_collective", -1))
-        if entered >= 0:
+        if entered < 0:
+            continue
+        name, description = names.get(str(group), (str(group), ""))
+        gid = int(group) if str(group).isdigit() else -1
+        if name not in newest or gid > newest[name][0]:
             finished = int(status.get("last_completed_collective", -1))
-            groups.append([str(name), descriptions.get(str(name), ""), entered, finished, flying.get(str(name))])
-    groups.sort(key=lambda g: -int(g[2]))
+            newest[name] = (gid, entered, [name, description, entered, finished, flying.get(str(group))])
+    groups = [row for _, _, row in sorted(newest.values(), key=lambda v: -v[1])]
     return {"t": round(now, 3), "s": round(stack_since, 3), "w": where[-120:], "g": groups[:MAX_GROUPS]}
 
 
