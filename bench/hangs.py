@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
@@ -144,8 +145,16 @@ def step_times(records: list[dict[str, object]]) -> list[float]:
     return gaps
 
 
-def cost_once(config: str, workdir: Path, steps: int, job_flags: list[str]) -> list[float]:
-    """The step times of one run under ``config`` (``job_flags``: the DDP job's, or ["stack"]: the real stack)."""
+def cost_job(which: str, workdir: Path, steps: int, buckets: int, step_time: float) -> list[str]:
+    """--cost's job (``which``: ddp or stack), but for its --steps and --timeline."""
+    if which == "stack":  # no checkpoint in the run: its steps alone
+        return [str(STACK), "--workdir", str(workdir), "--ckpt-every", str(steps + 1)]
+    flags = ["--buckets", str(buckets), "--step-time", str(step_time)]
+    return [str(JOB), "--checkpoint", str(workdir / "ckpt.pt"), *flags]
+
+
+def cost_once(config: str, workdir: Path, steps: int, job: list[str]) -> list[float]:
+    """The step times of one run of ``job`` under ``config``."""
     tl = workdir / "timeline.jsonl"
     env = dict(os.environ)
     launcher = [*TORCHRUN, "--nproc-per-node", "2"] if config == "torchrun" else [*FTRUN, "--nproc-per-node", "2"]
@@ -154,23 +163,19 @@ def cost_once(config: str, workdir: Path, steps: int, job_flags: list[str]) -> l
         env["TORCH_FR_BUFFER_SIZE"] = "0"
     if config in ("nothing", "recorder"):
         flags.append("--no-hang-detection")
-    if job_flags == ["stack"]:  # no checkpoint in the run: its steps alone
-        job = [str(STACK), "--workdir", str(workdir), "--ckpt-every", str(steps + 1)]
-    else:
-        job = [str(JOB), "--checkpoint", str(workdir / "ckpt.pt"), *job_flags]
-    job += ["--steps", str(steps), "--timeline", str(tl)]
+    job = [*job, "--steps", str(steps), "--timeline", str(tl)]
     subprocess.run([*launcher, *flags, *job], env=env, cwd=workdir, capture_output=True, check=True, timeout=900)
     return step_times(timeline(tl))
 
 
-def cost(reps: int, steps: int, job_flags: list[str]) -> None:
+def cost(reps: int, steps: int, job: Callable[[Path], list[str]]) -> None:
     configs = ("nothing", "recorder", "ftrun", "torchrun")
     medians: dict[str, list[float]] = {c: [] for c in configs}
     means: dict[str, list[float]] = {c: [] for c in configs}
     for rep in range(reps):
         for c in configs if rep % 2 == 0 else reversed(configs):
             with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
-                times = cost_once(c, Path(d), steps, job_flags)
+                times = cost_once(c, Path(d), steps, job(Path(d)))
                 medians[c].append(statistics.median(times))
                 means[c].append(statistics.fmean(times))
     base_median, base_mean = statistics.median(medians["nothing"]), statistics.median(means["nothing"])
@@ -217,8 +222,7 @@ def main() -> None:
         look_alikes(a.look_alikes)
         return
     if a.cost:
-        stack = a.job == "stack"
-        cost(a.reps, a.steps, ["stack"] if stack else ["--buckets", str(a.buckets), "--step-time", str(a.step_time)])
+        cost(a.reps, a.steps, lambda workdir: cost_job(a.job, workdir, a.steps, a.buckets, a.step_time))
         return
     for how in a.ways.split(","):
         results: dict[str, list[tuple[float | None, str]]] = {name: [] for name in a.launchers.split(",")}

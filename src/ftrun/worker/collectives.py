@@ -219,11 +219,11 @@ def summary(
         entered = int(status.get("last_enqueued_collective", -1))
         if entered < 0:
             continue
-        name, description = names.get(str(group), (str(group), ""))
-        gid = int(group) if str(group).isdigit() else -1
+        name, description = names.get(group, (group, ""))
+        gid = int(group) if group.isdigit() else -1
         if name not in newest or gid > newest[name][0]:
             finished = int(status.get("last_completed_collective", -1))
-            newest[name] = (gid, entered, [name, description, entered, finished, flying.get(str(group))])
+            newest[name] = (gid, entered, [name, description, entered, finished, flying.get(group)])
     groups = [row for _, _, row in sorted(newest.values(), key=lambda v: -v[1])]
     return {"t": round(now, 3), "s": round(stack_since, 3), "w": where[-120:], "g": groups[:MAX_GROUPS]}
 
