@@ -157,6 +157,31 @@ def test_a_job_without_torch_distributed_that_sleeps_long_is_no_hang(tmp_path: P
     assert [e for e in plain.events() if e["kind"] == "hang"] == []
 
 
+THREADS = """
+import os, threading, torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+for step in range(3):
+    dist.all_reduce(torch.ones(4))
+print("threads", sorted(t.name for t in threading.enumerate() if t.name.startswith("ftrun")), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_with_no_hang_detection_the_workers_do_not_watch_their_collectives(tmp_path: Path) -> None:
+    """--no-hang-detection: no thread reads the worker's flight recorder (it cost a job of many small
+    collectives a third of its speed, before it read only the groups' counts); without the flag, one does."""
+    for flags, watched in (([], True), (["--no-hang-detection"], False)):
+        run = tmp_path / ("watched" if watched else "not-watched")
+        run.mkdir()
+        (run / "threads.py").write_text(THREADS)
+        r = run_ftrun(run, *flags, "--nproc-per-node", "2", "threads.py", timeout=120)
+        assert r.returncode == 0, r.stderr
+        for rank in range(2):
+            said = next(line for line in r.log(0, rank).splitlines() if line.startswith("threads "))
+            assert ("'ftrun-collectives'" in said) == watched, (flags, said)
+
+
 STOPPED_INSIDE = """
 import os, signal, sys, threading, time
 import torch, torch.distributed as dist

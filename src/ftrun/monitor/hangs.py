@@ -84,6 +84,8 @@ class HangWatch:
             "FTRUN_STACKS_FILE": stacks_file,
             "FTRUN_AGENT_PID": str(os.getpid()),  # woken by workload control requests
         }
+        if not self._spec.collectives:  # --no-hang-detection: the worker's thread reading its recorder is idle
+            env["FTRUN_WATCH_COLLECTIVES"] = "0"
         if self._spec.learn_after:
             env["FTRUN_LEARN_AFTER"] = str(self._spec.learn_after)
             env["FTRUN_LEARNED_FLOOR"] = repr(self._spec.learned_floor_s)

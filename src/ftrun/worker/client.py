@@ -80,6 +80,7 @@ class _Attached:
         self._agent = int(environ.get("FTRUN_AGENT_PID") or os.getppid())
         self._safety_factor = float(environ.get("FTRUN_SAFETY_FACTOR") or DEFAULT_SAFETY_FACTOR)
         self._modules_file = environ.get("FTRUN_MODULES_FILE", "")
+        self._watch_collectives = environ.get("FTRUN_WATCH_COLLECTIVES") != "0"  # 0: --no-hang-detection
         self._modules_told = 0  # len(sys.modules) at the last report
         # --learn-timeouts: every this many automatic steps, the heartbeat timeout is learned from the gaps seen.
         self._learn_after = _int(environ.get("FTRUN_LEARN_AFTER"))
@@ -158,7 +159,7 @@ class _Attached:
         self._write_flags()
         if on:
             self.report_imports()
-        else:  # met: its process groups are made next, and their collectives are watched from then on
+        elif self._watch_collectives:  # met: its process groups are made next, watched from then on
             collectives.watch(self._collectives)
 
     def restartable(self) -> None:
