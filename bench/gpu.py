@@ -4,7 +4,7 @@ One prepared call on a GPU machine (one H100 was lent for 15 minutes; no network
 transformers preinstalled), and a dry run on a machine without a GPU (the cases that need one are skipped):
 
     python bench/gpu.py [--budget-s 330] [--cases crash,sigkill,...] [--out DIR] [--cuda-standin]
-                        [--in-place exit,raise,leaks]
+                        [--in-place exit,raise,leaks] [--watch-cost STEPS]
 
 The job (bench/gpu_job.py) never imports ftrun: 2 ranks share GPU 0 over gloo with CUDA tensors (NCCL refuses
 two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the first attempt. Cases:
@@ -31,7 +31,8 @@ two ranks per GPU), checkpointing every step; rank 1 fails at step 20 of the fir
 --nccl --compile: 2 nodes x 1 rank on NCCL sharing GPU 0, a torch.compile'd model; rank 1's process exits, or its
 function raises), and 20 in-place restarts in a row with what rank 0 holds at the first and the last (its GPU
 memory and pinned memory too), within what is left of the budget; with no GPU, the same on gloo and the CPU (a
-dry run).
+dry run). --watch-cost STEPS: then what the hang watch costs a job of 20 all-reduces a step on NCCL (one rank,
+bench/hangs.py --cost --job nccl), as the recorder ftrun turns on records every collective.
 
 Launchers alternate case by case: ftrun as it comes (with --heartbeat-timeout 10: hangs found), and torchrun
 with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (hangs end at the process group's timeout, 20 s here; the cases with
@@ -293,6 +294,8 @@ def main() -> None:
         "(bench/in_place.py; leaks: 20 in a row, what rank 0 holds)",
     )
     p.add_argument("--in-place-reps", type=int, default=2)
+    p.add_argument("--watch-cost", type=int, default=0, metavar="STEPS", help="then the hang watch's price on "
+                   "NCCL (bench/hangs.py --cost --job nccl: 20 all-reduces a step, STEPS steps)")  # fmt: skip
     args = p.parse_args()
     began = time.monotonic()
     import torch
@@ -337,6 +340,8 @@ def main() -> None:
         summary(results)
         for crash_by in filter(None, args.in_place.split(",")):
             in_place(crash_by, gpu, args.in_place_reps, args.budget_s - (time.monotonic() - began))
+        if args.watch_cost:
+            watch_cost(args.watch_cost, gpu, args.budget_s - (time.monotonic() - began))
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
@@ -348,17 +353,30 @@ def main() -> None:
 
 def in_place(crash_by: str, gpu: bool, reps: int, left_s: float) -> None:
     """Issue 50's GPU goal: a rank fails, then every rank steps again, in place against process restart."""
-    if left_s < 60:
-        print(f"\nin place ({crash_by}): not run, {left_s:.0f} s of the budget left", flush=True)
-        return
-    argv = [sys.executable, str(HERE / "in_place.py"), "--compile"]
+    argv = [str(HERE / "in_place.py"), "--compile"]
     argv += ["--leaks", "20"] if crash_by == "leaks" else ["--crash-by", crash_by, "--reps", str(reps)]
     argv += ["--nccl", "--timeout", "120"] if gpu else []  # without a GPU: the same on gloo (a dry run of this call)
-    print(f"\nin place ({crash_by}): {' '.join(argv[1:])}", flush=True)
-    proc = subprocess.Popen(argv)
+    bench(f"in place ({crash_by})", argv, left_s)
+
+
+def watch_cost(steps: int, gpu: bool, left_s: float) -> None:
+    """What the hang watch costs a job of many small collectives on NCCL, whose flight recorder ftrun turns on
+    (torch leaves NCCL's off): step times with it off, on, ftrun's default, and torchrun's."""
+    argv = [str(HERE / "hangs.py"), "--cost", "--reps", "1", "--steps", str(steps), "--buckets", "20"]
+    argv += ["--step-time", "0.002", "--job", "nccl" if gpu else "ddp"]  # without a GPU: gloo (a dry run)
+    bench("the hang watch's price", argv, left_s)
+
+
+def bench(what: str, argv: list[str], left_s: float) -> None:
+    """Another benchmark of bench/, stopped (SIGINT: it stops its agents on the way out) at the budget."""
+    if left_s < 60:
+        print(f"\n{what}: not run, {left_s:.0f} s of the budget left", flush=True)
+        return
+    print(f"\n{what}: {' '.join(argv)}", flush=True)
+    proc = subprocess.Popen([sys.executable, *argv])
     try:
         proc.wait(left_s)
-    except subprocess.TimeoutExpired:  # SIGINT: it stops its agents on the way out
+    except subprocess.TimeoutExpired:
         print(f"  stopped at the budget ({left_s:.0f} s)", flush=True)
         proc.send_signal(signal.SIGINT)
         proc.wait(30)

@@ -17,7 +17,7 @@ by the collective ("never entered all_reduce #N"). torchrun runs the same job in
 it finds nothing until gloo's own timeout (30 minutes), so a run of it ends at --bound.
 
     python bench/hangs.py [--reps 3] [--ways sleep,gil,fifo,group] [--bound 120] [--launchers ftrun,torchrun]
-    python bench/hangs.py --cost [--reps 3] [--steps 400] [--buckets 20 --step-time 0.005] [--job stack]
+    python bench/hangs.py --cost [--reps 3] [--steps 400] [--buckets 20 --step-time 0.005] [--job stack|nccl]
     python bench/hangs.py --look-alikes SECONDS
 
 --look-alikes: examples/looks_hung.py, a job whose phases only look hung (a checkpoint while the others wait,
@@ -30,7 +30,8 @@ ftrun's watch off, with the recorder on (torch's default) and the watch off (--n
 (ftrun's default), and torchrun, alternating in one run. The mean tells a stall of a step now and then (the
 median does not); many buckets and short steps fill the recorder within seconds, as a big model's job does.
 --job stack: the real stack instead (examples/pretrain_stack.py: FSDP2, compiled blocks, a datasets loader; no
-checkpoint during the run).
+checkpoint during the run). --job nccl (a GPU node): the DDP job on NCCL, one rank on GPU 0 (NCCL takes no two
+ranks on one GPU), each step synchronized: what NCCL's recorder, which ftrun turns on, costs each collective.
 
 Prints figures; asserts nothing about time.
 """
@@ -146,18 +147,19 @@ def step_times(records: list[dict[str, object]]) -> list[float]:
 
 
 def cost_job(which: str, workdir: Path, steps: int, buckets: int, step_time: float) -> list[str]:
-    """--cost's job (``which``: ddp or stack), but for its --steps and --timeline."""
+    """--cost's job (``which``: ddp, nccl or stack), but for its --steps and --timeline."""
     if which == "stack":  # no checkpoint in the run: its steps alone
         return [str(STACK), "--workdir", str(workdir), "--ckpt-every", str(steps + 1)]
     flags = ["--buckets", str(buckets), "--step-time", str(step_time)]
+    flags += ["--backend", "nccl", "--every", str(steps + 1)] if which == "nccl" else []  # no checkpoint: the GPU's
     return [str(JOB), "--checkpoint", str(workdir / "ckpt.pt"), *flags]
 
 
-def cost_once(config: str, workdir: Path, steps: int, job: list[str]) -> list[float]:
-    """The step times of one run of ``job`` under ``config``."""
+def cost_once(config: str, workdir: Path, steps: int, job: list[str], nproc: int) -> list[float]:
+    """The step times of one run of ``job`` on ``nproc`` ranks under ``config``."""
     tl = workdir / "timeline.jsonl"
     env = dict(os.environ)
-    launcher = [*TORCHRUN, "--nproc-per-node", "2"] if config == "torchrun" else [*FTRUN, "--nproc-per-node", "2"]
+    launcher = [*(TORCHRUN if config == "torchrun" else FTRUN), "--nproc-per-node", str(nproc)]
     flags = [] if config == "torchrun" else ["--log-dir", str(workdir / "logs")]
     if config == "nothing":
         env["TORCH_FR_BUFFER_SIZE"] = "0"
@@ -168,14 +170,14 @@ def cost_once(config: str, workdir: Path, steps: int, job: list[str]) -> list[fl
     return step_times(timeline(tl))
 
 
-def cost(reps: int, steps: int, job: Callable[[Path], list[str]]) -> None:
+def cost(reps: int, steps: int, job: Callable[[Path], list[str]], nproc: int) -> None:
     configs = ("nothing", "recorder", "ftrun", "torchrun")
     medians: dict[str, list[float]] = {c: [] for c in configs}
     means: dict[str, list[float]] = {c: [] for c in configs}
     for rep in range(reps):
         for c in configs if rep % 2 == 0 else reversed(configs):
             with tempfile.TemporaryDirectory(prefix="ftrun-bench-") as d:
-                times = cost_once(c, Path(d), steps, job(Path(d)))
+                times = cost_once(c, Path(d), steps, job(Path(d)), nproc)
                 medians[c].append(statistics.median(times))
                 means[c].append(statistics.fmean(times))
     base_median, base_mean = statistics.median(medians["nothing"]), statistics.median(means["nothing"])
@@ -215,14 +217,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--buckets", type=int, default=1, help="--cost: the job's all-reduces per step")
     p.add_argument("--step-time", type=float, default=0.05, help="--cost: the job's simulated compute per step")
-    p.add_argument("--job", choices=("ddp", "stack"), default="ddp", help="--cost: the DDP job or the real stack")
+    p.add_argument("--job", choices=("ddp", "nccl", "stack"), default="ddp",
+                   help="--cost: the DDP job (on gloo, or NCCL on one GPU) or the real stack")  # fmt: skip
     p.add_argument("--look-alikes", type=float, metavar="SECONDS")
     a = p.parse_args()
     if a.look_alikes:
         look_alikes(a.look_alikes)
         return
     if a.cost:
-        cost(a.reps, a.steps, lambda workdir: cost_job(a.job, workdir, a.steps, a.buckets, a.step_time))
+        job = lambda workdir: cost_job(a.job, workdir, a.steps, a.buckets, a.step_time)  # noqa: E731
+        cost(a.reps, a.steps, job, 1 if a.job == "nccl" else 2)
         return
     for how in a.ways.split(","):
         results: dict[str, list[tuple[float | None, str]]] = {name: [] for name in a.launchers.split(",")}

@@ -1,13 +1,13 @@
 """A DDP job as people write it for torchrun: it never imports ftrun (benchmark workload).
 
-Imports torch and torch._dynamo (as many real jobs do, through torch.compile or a framework), trains a
-small model with gloo on CPU, checkpoints every 10 steps from rank 0 and resumes from the last checkpoint,
-and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills itself with
-SIGKILL at --crash-at, raises an exception at --raise-at (torch's teardown follows), or stops making progress
-at --hang-at (--hang-how: it sleeps, sleeps in C holding the GIL, blocks on a FIFO nobody writes, enters an
-all-reduce of another group, or sleeps where every rank's SIGTERM handler only sets a flag, as Lightning's does;
---culprit names the rank). Every rank appends JSON lines to
---timeline: when its process started (before any import), each step, the crash or the hang.
+Imports torch and torch._dynamo (as many real jobs do, through torch.compile or a framework), trains a small model
+with gloo on CPU (``--backend nccl``: on NCCL, a rank per GPU), checkpoints every 10 steps from rank 0 and resumes
+from the last checkpoint, and ends with torch's normal teardown (no os._exit). On the first attempt rank 1 kills
+itself with SIGKILL at --crash-at, raises an exception at --raise-at (torch's teardown follows), or stops making
+progress at --hang-at (--hang-how: it sleeps, sleeps in C holding the GIL, blocks on a FIFO nobody writes, enters
+an all-reduce of another group, or sleeps where every rank's SIGTERM handler only sets a flag, as Lightning's
+does; --culprit names the rank). Every rank appends JSON lines to --timeline: when its process started (before any
+import), each step, the crash or the hang.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--checksum", default=None, help="rank 0 writes a digest of the final parameters here")
     p.add_argument("--every", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--cuinit", action="store_true", help="initialise the CUDA driver first, as every GPU job does")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: the model on its GPU")
     a = p.parse_args()
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -61,7 +62,11 @@ def main() -> None:
 
         if ctypes.CDLL("libcuda.so.1").cuInit(0) != 0:
             raise RuntimeError("the CUDA driver could not be initialised (a process forked after cuInit?)")
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if a.backend == "nccl":  # one rank per GPU
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group(a.backend)
     # Every rank makes every group (torch requires it); with --hang-how group the culprit enters this one's
     # all-reduce while its partner is in the default group's: each waits for the other.
     partner = a.culprit - 1 if a.culprit % 2 else a.culprit + 1
@@ -70,11 +75,11 @@ def main() -> None:
     hidden = [m for _ in range(a.buckets - 1) for m in (nn.Linear(128, 128), nn.ReLU())]
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), *hidden, nn.Linear(128, 8))
     # 64 KB buckets: each hidden layer's gradients are all-reduced on their own, as a big model's buckets are
-    model = DistributedDataParallel(net, bucket_cap_mb=0.0625 if a.buckets > 1 else 25)
+    model = DistributedDataParallel(net.to(device), bucket_cap_mb=0.0625 if a.buckets > 1 else 25)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     start = 0
     if os.path.exists(a.checkpoint):
-        state = torch.load(a.checkpoint)
+        state = torch.load(a.checkpoint, map_location=device)
         model.module.load_state_dict(state["model"])
         start = state["step"]
     for step in range(start, a.steps):
@@ -89,10 +94,12 @@ def main() -> None:
             record("hang", how=a.hang_how)
             hang(a.hang_how, a.checkpoint + ".fifo", pair)
         gen = torch.Generator().manual_seed(step * 100 + rank)
-        x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)
+        x, y = torch.randn(32, 64, generator=gen).to(device), torch.randn(32, 8, generator=gen).to(device)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        if device.type == "cuda":  # the step's time is the GPU's too
+            torch.cuda.synchronize()
         time.sleep(a.step_time)
         record("step", step=step)
         if rank == 0 and (step + 1) % a.every == 0:
@@ -100,7 +107,8 @@ def main() -> None:
             torch.save({"model": model.module.state_dict(), "step": step + 1}, tmp)
             os.replace(tmp, a.checkpoint)
     if a.checksum and rank == 0:
-        digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.module.state_dict().values()))
+        weights = model.module.state_dict().values()
+        digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in weights))
         with open(a.checksum, "w") as f:
             f.write(digest.hexdigest()[:16])
     dist.destroy_process_group()
