@@ -256,6 +256,42 @@ def test_a_rank_whose_function_raised_restarts_in_place_with_its_traceback_as_th
     assert checksum(r.log(2, 0)) == checksum(never.stdout)
 
 
+GROUP_OUTSIDE = """
+import os, torch, torch.distributed as dist, ftrun
+
+dist.init_process_group("gloo")  # before the decorated function: a restart in place could not make it again
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+@ftrun.restartable
+def train():
+    t = torch.ones(4)
+    for step in range(10):
+        if dist.get_rank() == 1 and attempt == 0 and step == 5:
+            raise RuntimeError("rank 1 failed")
+        dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} attempt {attempt} pid {os.getpid()} done {t[0].item():g}", flush=True)
+
+train()
+dist.destroy_process_group()
+"""
+
+
+def test_a_job_that_makes_its_group_outside_the_function_restarts_as_processes_and_is_told_why(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """init_process_group at the script's top, the training function decorated: the ranks restart as new
+    processes (each made its group at its top), the console says why and what to move, and the job ends well
+    (before: every call after the first failed with torch's "Default process group has not been initialized"
+    until the restart budget was spent)."""
+    script("outside.py", GROUP_OUTSIDE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "2", "outside.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 restart (warm)" in r.stderr, r.stderr[-3000:]
+    assert "the default process group was made before the function was called" in r.stderr, r.stderr[-3000:]
+    assert "Call init_process_group (and make what uses the group" in r.stderr
+    assert [f"rank {n} attempt 1" in r.log(1, n) and "done 1024" in r.log(1, n) for n in range(2)] == [True, True]
+
+
 def test_a_rank_that_raises_past_the_budget_ends_the_run_with_its_exception(tmp_path: Path) -> None:
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1",
                   EXAMPLE, "--steps", "20", "--crash-at", "5", "--crashes", "9", "--crash-by", "raise")  # fmt: skip

@@ -56,6 +56,13 @@ BROKEN_BY_A_PEER = (
 # An exception whose cause stays in the process: a CUDA error is sticky to its context (every later call fails).
 UNFIT = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "device-side assert")
 
+MADE_OUTSIDE = (
+    "ftrun: @ftrun.restartable: the default process group was made before the function was called "
+    "(init_process_group outside it), and a restart in place would end it with nothing to make it again: "
+    "the ranks restart as new processes. Call init_process_group (and make what uses the group: DDP, FSDP, a "
+    "DeviceMesh) inside the decorated function to keep their processes.\n"
+)
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -69,6 +76,10 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def restarting(*args: P.args, **kwargs: P.kwargs) -> R:
         if not os.environ.get(ENV) or threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        if _group_made_outside():  # the rank restarts as a process, as without the decorator
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once a node
+                sys.stderr.write(MADE_OUTSIDE)
             return fn(*args, **kwargs)
         _arm()
         while True:
@@ -90,6 +101,15 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
             _park(why, before, failed)
 
     return restarting
+
+
+def _group_made_outside() -> bool:
+    """Whether the job made its default process group before the function (init_process_group, or a framework's
+    set-up, outside it): a restart in place ends the groups, and nothing outside the function would make one
+    again (seen: every rank's next call failed with torch's "Default process group has not been initialized",
+    restart after restart, until the budget was spent)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def restarts_the_job(e: BaseException) -> bool:
