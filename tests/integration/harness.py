@@ -99,9 +99,7 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        seen = processes_of(proc.pid)  # what was still there, and in what state: before the kill ends it
-        spy = Path(sys.executable).with_name("py-spy")  # a dev dependency: where the agent waits
-        seen += "\n" + subprocess.run([spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout
+        seen = where_it_waits(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise AssertionError(
@@ -112,6 +110,17 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     return Result(proc.returncode, out, err, tmp_path / "logs" / RUN_ID)
+
+
+def where_it_waits(agent: int) -> str:
+    """An agent that did not do what a test waited for: its session's processes and the agent's threads' stacks,
+    taken before the test's end kills them (the failing test's only picture of a hang)."""
+    spy = Path(sys.executable).with_name("py-spy")  # a dev dependency
+    try:
+        stacks = subprocess.run([spy, "dump", "--pid", str(agent)], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        stacks = f"(py-spy: {e})"
+    return f"{processes_of(agent)}\n{stacks}"
 
 
 def processes_of(session: int, pids: Sequence[int] = ()) -> str:
@@ -202,7 +211,10 @@ class LiveFtrun:
                 return found
             left = deadline - time.monotonic()
             if left <= 0 or not self._selector.select(left):
-                raise AssertionError(f"{count} lines like {pattern!r} not seen in {timeout} s; saw {self.lines}")
+                raise AssertionError(
+                    f"{count} lines like {pattern!r} not seen in {timeout} s; saw {self.lines}; the agent then:\n"
+                    f"{where_it_waits(self.proc.pid) if self.proc.poll() is None else 'exited'}"
+                )
             chunk = os.read(self._stdout.fileno(), 65536)
             if not chunk:
                 raise AssertionError(f"ftrun closed stdout; saw {self.lines}; stderr: {self.stderr()}")
@@ -235,7 +247,8 @@ class LiveFtrun:
         with self._stderr_changed:
             line = self._stderr_changed.wait_for(seen, timeout)
         if not line:
-            raise AssertionError(f"no stderr line like {pattern!r} in {timeout} s; stderr: {self.stderr()}")
+            alive = where_it_waits(self.proc.pid) if self.proc.poll() is None else "exited"
+            raise AssertionError(f"no stderr line like {pattern!r} in {timeout} s; stderr: {self.stderr()}; {alive}")
         return line
 
     def wait(self, timeout: float = WAIT_S) -> int:

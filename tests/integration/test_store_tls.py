@@ -134,6 +134,7 @@ def test_a_store_whose_certificate_the_client_cannot_verify_is_refused(
 def test_a_job_hosts_its_store_over_tls_with_torchruns_rdzv_conf_keys(tmp_path: Path, certs: dict[str, Path]) -> None:
     (tmp_path / "w.py").write_text("print('worker ran')\n")
     conf = f"cacert={certs['ca.crt']},cert={certs['server.crt']},key={certs['server.key']}"
+    conf += ",last_call_timeout=0.5"  # 1:2 nodes and one comes: torchrun's 30 s wait for a second is not the point
     argv = [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / "logs"), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "tls", "--nnodes", "1:2", "--rdzv-conf", conf,
             str(tmp_path / "w.py")]  # fmt: skip
