@@ -228,6 +228,7 @@ def test_a_malformed_record_in_the_store_is_said_and_ignored(
     finish(tmp_path, agents)
     assert len(found) == 1, found  # not even a restart
     assert keys.round in a.stderr
+    assert "still registered" not in a.stderr  # the stranger's record is no node: the store's host did not wait for it
 
 
 def all_train(tmp: Path, nodes: set[str], since: float) -> bool:
