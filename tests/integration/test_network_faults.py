@@ -407,5 +407,7 @@ def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tm
             assert "is not the job's" in agents[2].stderr, agents[2].stderr
             assert "a new store of this job is at the endpoint" in agents[1].stderr, agents[1].stderr
             finish(tmp_path, agents[1:])
+            # The job's store is b's: a2 hosts none of it, and each no longer waited close_timeout for the other.
+            assert ["still registered" in agent.stderr for agent in agents[1:]] == [False, False]
         finally:
             stop_all(tmp_path, agents)
