@@ -90,3 +90,16 @@ def test_the_rank_to_blame_is_not_kept_even_where_its_function_is_restartable() 
     kept, door = set_aside([failed, worker(1, 101)], {0: slot(100, True), 1: slot(101, True)})
     assert kept == [101]
     assert door.let_go_of == [100]
+
+
+def test_a_stop_that_keeps_no_rank_lets_every_parked_one_go() -> None:
+    """The run ends, or restarts as processes: a rank parked at the door exits now, whatever its slot says (the
+    job's SIGTERM handler could keep it there for the whole --shutdown-timeout)."""
+    door = Door()
+    clock = SystemClock()
+    asked = Asked("host", clock, emit=lambda *a, **k: None, say=lambda _: None)
+    keeping = Keeping(door, {0: slot(100, restartable=True)}.get, asked, clock, say=lambda _: None,
+                      emit=lambda *a, **k: None)  # fmt: skip
+    keeping.let_go([worker(0, 100), worker(1, 101)])
+    assert door.let_go_of == [100, 101]
+    assert door.interrupted == []

@@ -81,6 +81,8 @@ class InPlace(Protocol):
 
     def set_aside(self, processes: AttemptProcesses, running: Sequence[Worker]) -> list[Worker]: ...
 
+    def let_go(self, running: Sequence[Worker]) -> None: ...
+
     def park(self, processes: AttemptProcesses, kept: Sequence[Worker]) -> list[Worker]: ...
 
     def close(self) -> None: ...
@@ -239,7 +241,11 @@ class LocalGroup:
             self._settle()
             return [self._stopped()]
         self._pacing.stopping()
-        kept = self._in_place.set_aside(self._processes, self._processes.running) if keep else []
+        kept: list[Worker] = []
+        if keep:
+            kept = self._in_place.set_aside(self._processes, self._processes.running)
+        else:  # none is kept: a rank parked at the door exits now (a handler swallowing SIGTERM would keep it)
+            self._in_place.let_go(self._processes.running)
         exits: list[Happening] = []
         late: list[Happening] = []
 

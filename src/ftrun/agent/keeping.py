@@ -100,6 +100,13 @@ class Keeping:
             processes.keep(w)
         return kept
 
+    def let_go(self, running: Sequence[Worker]) -> None:
+        """No rank is kept (the run ends, or restarts as processes): each parked at the door exits now. It runs
+        none of the job's code there, and the job's SIGTERM handler may swallow the stop's signal (Lightning's,
+        a flag for a loop that is not running): the stop waited its whole --shutdown-timeout for it (seen: 600 s)."""
+        for w in running:
+            self._survivors.let_go(w.pid)
+
     def park(self, processes: AttemptProcesses, kept: Sequence[Worker]) -> list[Worker]:
         """Wait for the ranks set aside to park; keeps those for the next attempt, returns the others (back in
         their attempt, to be stopped)."""
