@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from recovery import kill_leftovers  # bench/ is this script's sys.path[0]
@@ -225,7 +226,7 @@ def main() -> None:
         look_alikes(a.look_alikes)
         return
     if a.cost:
-        job = lambda workdir: cost_job(a.job, workdir, a.steps, a.buckets, a.step_time)  # noqa: E731
+        job = partial(cost_job, a.job, steps=a.steps, buckets=a.buckets, step_time=a.step_time)  # of its workdir
         cost(a.reps, a.steps, job, 1 if a.job == "nccl" else 2)
         return
     for how in a.ways.split(","):

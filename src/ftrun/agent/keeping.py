@@ -91,9 +91,7 @@ class Keeping:
         """Interrupt the restartable ranks not to blame, and take them out of the attempt being stopped (with a
         rank whose own exception ended its function: parked already, its process sound)."""
         kept = [w for w in running if (w.state is WorkerState.RUNNING and self._restartable(w)) or self._raised(w)]
-        for w in running:
-            if w not in kept:  # to blame: its process goes, even where it parked
-                self._survivors.let_go(w.pid)
+        self.let_go([w for w in running if w not in kept])  # to blame: its process goes, even where it parked
         self._asked_at = self._clock.monotonic()
         self._survivors.interrupt(w.pid for w in kept)
         for w in kept:
@@ -101,9 +99,10 @@ class Keeping:
         return kept
 
     def let_go(self, running: Sequence[Worker]) -> None:
-        """No rank is kept (the run ends, or restarts as processes): each parked at the door exits now. It runs
-        none of the job's code there, and the job's SIGTERM handler may swallow the stop's signal (Lightning's,
-        a flag for a loop that is not running): the stop waited its whole --shutdown-timeout for it (seen: 600 s)."""
+        """Ranks not kept (to blame; or every rank, when the run ends or restarts as processes): each parked at
+        the door exits now. It runs none of the job's code there, and the job's SIGTERM handler may swallow the
+        stop's signal (Lightning's, a flag for a loop that is not running): the stop waited its whole
+        --shutdown-timeout for it (seen: 600 s)."""
         for w in running:
             self._survivors.let_go(w.pid)
 

@@ -323,12 +323,12 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
         board = JobBoard(store, config.run_id, rendezvous.node_id, clock)
         group = node.group(JobLink(board, lambda: job_key(config.run_id, config.rdzv.token, store), clock))
 
-        endpoints = store.current
+        endpoint_store = store.current
 
         def hosting() -> bool:
             """The job's store lives in this process now: the endpoint's (unless this node, started again there,
             was sent to the store a successor took over), or later a successor's."""
-            return succession.server is not None or (server is not None and store.current is endpoints)
+            return succession.server is not None or (server is not None and store.current is endpoint_store)
 
         try:
             return _take_part(node, group, store, rendezvous, hosting)

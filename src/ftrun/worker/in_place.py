@@ -77,7 +77,7 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
     def restarting(*args: P.args, **kwargs: P.kwargs) -> R:
         if not os.environ.get(ENV) or threading.current_thread() is not threading.main_thread():
             return fn(*args, **kwargs)
-        if _group_made_outside():  # the rank restarts as a process, as without the decorator
+        if _with_a_group() is not None:  # made before the function: the rank restarts as a process (see MADE_OUTSIDE)
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once a node
                 sys.stderr.write(MADE_OUTSIDE)
             return fn(*args, **kwargs)
@@ -103,13 +103,13 @@ def restartable(fn: Callable[P, R]) -> Callable[P, R]:
     return restarting
 
 
-def _group_made_outside() -> bool:
-    """Whether the job made its default process group before the function (init_process_group, or a framework's
-    set-up, outside it): a restart in place ends the groups, and nothing outside the function would make one
-    again (seen: every rank's next call failed with torch's "Default process group has not been initialized",
-    restart after restart, until the budget was spent)."""
+def _with_a_group() -> ModuleType | None:
+    """torch.distributed, where the job imported it and its default process group exists now. Before the
+    function's first call, such a group was made outside it (init_process_group, or a framework's set-up): a
+    restart in place ends the groups, and nothing outside the function would make one again (seen: every rank's
+    next call failed with torch's "Default process group has not been initialized", until the budget was spent)."""
     dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def restarts_the_job(e: BaseException) -> bool:
@@ -193,8 +193,7 @@ def _let_go(before: set[str]) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     interrupt.break_collectives(before)
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if (dist := _with_a_group()) is not None:
         _end_the_groups(dist)
     else:
         _forget_the_group_never_made()
