@@ -17,7 +17,7 @@ Each fault waits for both ranks to train again, and its downtime (the fault -> b
 with the schedule, so a failure can be replayed with the same --seed. Prints the restarts each node made, and
 whether the final checksum equals the clean run's. Needs root and iproute2.
 
-    python bench/chaos.py [--seed 1] [--faults 20] [--steps 3000]
+    python bench/chaos.py [--seed 1] [--faults 20] [--steps 3000] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -213,12 +213,14 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--keep", type=Path, help="keep the runs' logs and timelines in this new directory")
     a = p.parse_args()
     why = netns.available()
     if why:
         print(f"chaos: cannot run here: {why}", file=sys.stderr)
         return 1
-    with tempfile.TemporaryDirectory(prefix="ftrun-chaos-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = a.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="ftrun-chaos-"))
         print(f"clean run: {a.steps} steps, 2 nodes", flush=True)
         clean = run(a.steps, 0, None, Path(tmp) / "clean")
         print(f"  exit codes {clean['codes']}, checksum {clean['checksum']}, {clean['wall_s']:.1f} s")
