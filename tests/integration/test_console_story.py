@@ -44,6 +44,49 @@ def test_a_ddp_crash_reads_root_cause_first_with_its_echoes_summarised(tmp_path:
         assert "a secondary error, after the root cause: RuntimeError: " in err
 
 
+ECHO_FIRST = """
+import os, pathlib, signal, sys, time, traceback
+rank, restart = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+said = pathlib.Path("rank0-said")
+if restart == 0 and rank == 0:  # rank 1's crash reaches rank 0 first, as a reset connection does, and it raises
+    try:
+        raise ConnectionResetError("peer vanished (echo-7f3a)")
+    except ConnectionResetError:
+        traceback.print_exc()
+    said.touch()
+    time.sleep(60)
+if restart == 0 and rank == 1:  # then the crash itself, which the agent sees after the echo
+    while not said.exists():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_peers_traceback_written_just_before_the_crash_it_echoes_stays_off_the_console(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """A busy agent may see a crash after its peer's echo of it was written: the echo's traceback waits a
+    moment before the console, and the crash seen meanwhile keeps it there, in the log only."""
+    script("w.py", ECHO_FIRST)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"ROOT CAUSE  rank 1 .*killed by SIGKILL", r.stderr), r.stderr
+    assert "peer vanished (echo-7f3a)" in r.log(0, 0, "stderr")
+    assert "Traceback (most recent call last)" not in r.stderr, r.stderr  # the report sums it up in a line
+
+
+def test_a_traceback_no_failure_follows_is_shown_on_the_console(tmp_path: Path, script: WriteScript) -> None:
+    script(
+        "w.py",
+        "import logging, time\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n"
+        "    logging.exception('handled, training goes on (shown-9c1d)')\ntime.sleep(1.0)\nprint('done', flush=True)\n",
+    )
+    r = run_ftrun(tmp_path, "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "handled, training goes on (shown-9c1d)" in r.stderr, r.stderr
+    assert "ZeroDivisionError: division by zero" in r.stderr, r.stderr
+
+
 def test_last_words_on_stdout_are_shown_when_stderr_is_empty(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", "import sys\nprint('checkpoint dir not found: /data/ckpt', flush=True)\nsys.exit(4)\n")
     r = run_ftrun(tmp_path, "w.py")

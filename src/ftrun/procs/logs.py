@@ -15,6 +15,7 @@ import array
 import contextlib
 import fcntl
 import os
+import select
 import shutil
 import tempfile
 import termios
@@ -33,6 +34,12 @@ from ftrun.procs import disk
 
 _CHUNK = 65536
 MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's file keeps it whole)
+# A traceback on a worker's stderr waits this long before the console shows it: a rank's peer raises within
+# milliseconds of its crash ("Connection reset by peer"), and a busy agent may see the crash later; muted
+# meanwhile (another rank failed first), it was that failure's echo, which the report sums up. The log has it
+# at once, and a failed rank's own traceback is shown as soon as the agent has read all of its output.
+TRACEBACK = b"Traceback (most recent call last)"
+HOLD_S = 0.5
 
 
 class Console:
@@ -152,6 +159,8 @@ class _Pump(threading.Thread):
         self._duplicate, self._label = duplicate, label
         self._progress = threading.Condition()  # notified each time it goes back to reading, and at the end
         self._reading = self._done = False
+        self._held: list[bytes] = []  # console lines held since a traceback began (HOLD_S)
+        self._hold_until = 0.0
 
     def run(self) -> None:
         pending = b""  # the start of a line not ended yet: at most MAX_LINE, looked through once
@@ -169,6 +178,7 @@ class _Pump(threading.Thread):
                     pending = b""
             if pending:
                 self._show(pending + b"\n")
+            self.release()
         finally:
             os.close(self._read_fd)
             os.close(self._file_fd)
@@ -180,6 +190,7 @@ class _Pump(threading.Thread):
         with self._progress:
             self._reading = True
             self._progress.notify_all()
+        self._wait_out_the_hold()
         chunk = os.read(self._read_fd, _CHUNK)
         with self._progress:
             self._reading = False
@@ -193,7 +204,31 @@ class _Pump(threading.Thread):
             return self._done or (self._reading and _unread(self._read_fd) == 0)
 
         with self._progress:
-            return self._progress.wait_for(idle, timeout_s)
+            if not self._progress.wait_for(idle, timeout_s):
+                return False
+        self.release()  # what it wrote is read: its traceback goes to the console now, ahead of its report
+        return True
+
+    def _wait_out_the_hold(self) -> None:
+        """Before the next read: wait for the stream no longer than what is held may wait, then show it."""
+        while self._held:
+            if select.select([self._read_fd], [], [], max(0.0, self._hold_until - time.monotonic()))[0]:
+                return
+            self.release()  # the hold is over, and no other rank failed first
+
+    def release(self) -> None:
+        """Show the console lines held since a traceback began (unless muted meanwhile). Under the lock, as
+        :meth:`_show` writes, so that no later line of the stream overtakes them."""
+        with self._progress:
+            held, self._held = self._held, []
+            if held and self.console is not None:
+                self.console.write_lines(self.stream, b"".join(held))
+
+    def mute(self) -> None:
+        """Show nothing more on the console, nor what is held."""
+        with self._progress:
+            self.console = None
+            self._held.clear()
 
     def _show(self, lines: bytes) -> None:
         if self._duplicate is not None:
@@ -207,7 +242,13 @@ class _Pump(threading.Thread):
             return
         if self._prefix:
             lines = b"".join(self._prefix + line for line in lines.splitlines(keepends=True))
-        console.write_lines(self.stream, lines)
+        with self._progress:
+            if self._held or (self.stream is Std.ERR and TRACEBACK in lines):
+                if not self._held:
+                    self._hold_until = time.monotonic() + HOLD_S
+                self._held.append(lines)
+            else:
+                console.write_lines(self.stream, lines)
 
 
 class RankOutput:
@@ -274,7 +315,7 @@ class RankOutput:
         writes there is the failure's echo ("Connection closed by peer"), summarised in the report instead."""
         for pump in self._pumps:
             if pump.stream is Std.ERR:
-                pump.console = None
+                pump.mute()
 
     def wait_caught_up(self, timeout_s: float) -> bool:
         """Wait until what the worker wrote is copied (it is ending: no more comes, but its pipes are open)."""
