@@ -20,6 +20,10 @@ from ftrun.procs.proctree import is_stopped
 
 PY_SPY_TIMEOUT_S = 10.0
 FAULTHANDLER_WAIT_S = 2.0
+# A warm worker's main thread runs the job below the frames of the zygote it was forked from (and of the runpy
+# that started the zygote): frames a fresh process does not have, and nothing the job's author can act on.
+ZYGOTE = "ftrun/warm/zygote.py"
+POOL_FRAMES = (ZYGOTE, "<frozen runpy>")
 
 
 def dump_stacks(
@@ -45,7 +49,7 @@ def dump_stacks(
             why = f"py-spy took more than {PY_SPY_TIMEOUT_S:g} s"
         else:
             if done.returncode == 0 and done.stdout.strip():
-                return f"(py-spy dump --pid {pid})\n{done.stdout.rstrip()}"
+                return f"(py-spy dump --pid {pid})\n{as_fresh(done.stdout.rstrip())}"
             why = f"py-spy failed: {(done.stderr or done.stdout).strip()[:300]}"
     if not client_listens:
         return f"(no stacks: {why}, and the worker never started ftrun's client)"
@@ -78,4 +82,26 @@ def _faulthandler(pid: int, path: Path, signal_number: int, pidfd: int | None = 
         return ""
     with path.open("rb") as f:
         f.seek(before)
-        return "(faulthandler)\n" + f.read().decode(errors="replace").rstrip()
+        return "(faulthandler)\n" + as_fresh(f.read().decode(errors="replace").rstrip())
+
+
+def as_fresh(stacks: str) -> str:
+    """The stacks as a fresh process would show them: a thread's outermost frames, when they are the warm
+    pool's (its zygote's, and the runpy that started the zygote), are left out. py-spy and faulthandler alike
+    list the innermost frame first, so those are the frames that end a thread's list."""
+    out: list[str] = []
+    run: list[str] = []  # consecutive frames of POOL_FRAMES, kept only if a frame of another file follows
+    for line in [*stacks.splitlines(), ""]:
+        if _is_frame(line) and any(marker in line for marker in POOL_FRAMES):
+            run.append(line)
+            continue
+        if _is_frame(line) or not any(ZYGOTE in frame for frame in run):
+            out.extend(run)  # below the job's own frames, or runpy's alone (a fresh `python -m`): kept
+        run = []
+        out.append(line)
+    return "\n".join(out[:-1])
+
+
+def _is_frame(line: str) -> bool:
+    """A frame's line: py-spy's indented ``func (file:line)``, faulthandler's ``  File "...", line N in func``."""
+    return line.startswith("  ") and bool(line.strip())
