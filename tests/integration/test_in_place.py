@@ -349,6 +349,7 @@ def train():
     dist.init_process_group("gloo")
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     print(f"rank {dist.get_rank()} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    dist.barrier()  # both groups made: rank 1 leaving while rank 0's init connects would fail that init instead
     if attempt == 0 and dist.get_rank() == 1:
         os._exit(3)
     if attempt == 0:  # rank 0 cannot be interrupted: the signal never reaches Python
@@ -533,6 +534,7 @@ def train():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     print(f"rank {rank} attempt {attempt} pid {os.getpid()} from step 0", flush=True)
+    dist.barrier()  # rank 0's group is made too (under load rank 1 could leave while rank 0's init connected)
     if attempt == 0 and rank == 1:
         os._exit(3)
     dist.barrier()  # attempt 0: rank 0 waits here for rank 1, gone
