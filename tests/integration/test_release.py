@@ -260,3 +260,74 @@ def test_an_agent_held_up_past_the_teardown_timeout_still_restarts_beside_the_fa
     assert r.returncode == 0, r.stderr
     assert "teardown still going --teardown-timeout after its script failed; ended" in r.stderr, r.stderr
     assert "teardown is stuck" not in r.stderr, r.stderr
+
+
+# Rank 1 fails on the first attempt with a helper process of its own, which its teardown ends (as a DataLoader's
+# shutdown ends its workers), a second after its traceback: long after the agent stopped rank 0 and swept.
+HELPER_ENDED_BY_TEARDOWN = """
+import atexit, os, subprocess, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0 and rank == 1:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+    def shut_down_helper():
+        time.sleep(1.0)
+        helper.terminate()
+        with open("helper-ended", "w") as f:
+            f.write(f"helper ended with {helper.wait()}")  # -15: by the teardown; -9: killed under it
+
+    atexit.register(shut_down_helper)
+    raise RuntimeError("failed at step 10")
+print(f"rank {rank} attempt {attempt} done", flush=True)
+if attempt == 0:
+    time.sleep(600)
+"""
+
+
+def test_a_failed_workers_teardown_ends_its_own_helpers_unkilled(tmp_path: Path, script: WriteScript) -> None:
+    """The processes a failed worker started are its teardown's to end: the sweep that follows the stop leaves
+    them while the worker finishes (killed under it, a DataLoader's workers raised into its teardown)."""
+    script("w.py", HELPER_ENDED_BY_TEARDOWN)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "w.py")
+    assert r.returncode == 0, r.stderr
+    [failed] = [e for e in r.events() if e["kind"] == "worker_exited" and e["state"] == "failed"]
+    assert failed["released"], failed  # the restart went on beside its teardown
+    assert (tmp_path / "helper-ended").read_text() == "helper ended with -15"
+
+
+DATALOADER_IN_A_FAILED_RANK = """
+import os
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i * i)])
+
+
+if __name__ == "__main__":
+    rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    loader = DataLoader(Squares(), batch_size=8, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="spawn")
+    total = sum(float(b.sum()) for _ in range(2) for b in loader)
+    if attempt == 0 and rank == 1:
+        raise SystemExit("failed after loading")
+    print(f"rank {rank} attempt {attempt} total {total}", flush=True)
+"""
+
+
+def test_a_failed_rank_with_spawned_dataloader_workers_ends_quietly(tmp_path: Path, script: WriteScript) -> None:
+    """Its DataLoader's workers and multiprocessing's resource tracker end with its teardown, as under torchrun:
+    nothing raised into it, no tracker started again complaining of segments it never knew."""
+    script("w.py", DATALOADER_IN_A_FAILED_RANK)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert {"rank 0 attempt 1 total 170688.0", "rank 1 attempt 1 total 170688.0"} <= set(r.stdout.splitlines())
+    failed_log = r.log(0, 1, "stderr")
+    for noise in ("could not mark the script's end", "killed by signal", "resource_tracker", "KeyError"):
+        assert noise not in r.stderr, r.stderr
+        assert noise not in failed_log, failed_log

@@ -462,8 +462,14 @@ class AttemptProcesses:
 
     @property
     def _pids(self) -> set[int]:
-        """The workers' pids, with the last attempt's released ones still exiting: not strays to kill."""
-        return {w.pid for w in (*self.workers, *self.released) if w.handle}
+        """The workers' pids, with the last attempt's released ones still exiting, and every process below a
+        finishing one: not strays to kill. Its teardown ends what it started (its DataLoader's workers,
+        multiprocessing's resource tracker); killed under it, they raised into its teardown (the DataLoader's
+        SIGCHLD handler) and the tracker, started again, complained of every segment it never knew. What it
+        leaves behind is an orphan once it is reaped, swept then."""
+        pids = {w.pid for w in (*self.workers, *self.released) if w.handle}
+        finishing = [w.pid for w in self.released if w.finishing]
+        return pids | proctree.descendants(finishing) if finishing else pids
 
     def _signal_all(self, sig: int) -> None:
         self._signal_groups(sig)
