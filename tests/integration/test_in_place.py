@@ -556,6 +556,60 @@ def test_a_group_that_refuses_a_graceful_end_is_forgotten_and_made_again(tmp_pat
     assert "rank 0 met its peer" in r.log(1, 0)
 
 
+LOADER_OUTSIDE = """
+import os, sys, time
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+import ftrun
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+@ftrun.restartable
+def train(loader):
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for step, batch in enumerate(loader):
+        if step == 0:
+            print(f"rank {rank} attempt {attempt} loader workers {sorted(w.pid for w in loader._iterator._workers)}",
+                  flush=True)
+        total = batch.sum()
+        dist.all_reduce(total)
+        if attempt == 0 and rank == 1 and step == 10:
+            os._exit(3)
+        time.sleep(0.01)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    train(DataLoader(Numbers(), batch_size=4, num_workers=2, persistent_workers=True,
+                     multiprocessing_context=sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_made_outside_the_function_are_kept_with_the_survivors_process(
+    tmp_path: Path, script: WriteScript, context: str
+) -> None:
+    """As the README says: a survivor's persistent DataLoader workers, made outside the function, are the same
+    processes in the next call."""
+    script("w.py", LOADER_OUTSIDE)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py", context, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "1 restart (in place)" in r.stderr, r.stderr[-2000:]
+    workers = [re.findall(r"rank 0 attempt \d loader workers (\[.*\])", r.log(a, 0)) for a in (0, 1)]
+    assert len(workers[0]) == 1, workers  # its first step in each attempt, in the same process
+    assert workers[0] == workers[1], workers
+    assert "killed by signal" not in r.log(1, 0, "stderr")
+
+
 LEFT_IN_INIT = """
 import datetime, os, time
 import torch.distributed as dist
