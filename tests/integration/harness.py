@@ -82,8 +82,15 @@ def ftrun_argv(tmp_path: Path, *args: str, logs: str = "logs", run_id: str | Non
     return [sys.executable, "-m", "ftrun", "--log-dir", str(tmp_path / logs), *ids, *args]
 
 
-def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[str, str] | None = None) -> Result:
-    """Run ftrun to its end; its workers' scripts are looked up in tmp_path; ``env``: added to the environment."""
+def run_ftrun(
+    tmp_path: Path,
+    *args: str,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    stdin: str | None = None,
+) -> Result:
+    """Run ftrun to its end; its workers' scripts are looked up in tmp_path; ``env``: added to the environment;
+    ``stdin``: what ftrun reads on its standard input (none otherwise: the workers inherit it, as under torchrun)."""
     proc = subprocess.Popen(
         ftrun_argv(tmp_path, *args),
         cwd=tmp_path,
@@ -91,13 +98,14 @@ def run_ftrun(tmp_path: Path, *args: str, timeout: float = 120.0, env: Mapping[s
             **os.environ,
             **(env or {}),
         },  # explicit: C-level changes to this process's environment (readline sets LINES) stay out
+        stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
         seen = where_it_waits(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)

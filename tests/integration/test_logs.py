@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import select
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +148,39 @@ def test_a_huge_line_is_shown_cut_and_kept_whole_and_carriage_returns_end_lines(
     assert len(xs) > 1
     # Each \r-ended line with its own prefix (read here in text mode, where \r becomes \n).
     assert "[default0]:progress 0\n[default0]:progress 1\n[default0]:progress 2\n[default0]:done" in r.stdout
+
+
+PROMPT = """
+import os, sys, time
+sys.stdout.write("ready? ")  # a prompt: no line ends until the answer comes
+sys.stdout.flush()
+while not os.path.exists("answered"):
+    time.sleep(0.02)
+print("yes", flush=True)
+"""
+
+
+def test_a_line_left_unfinished_is_shown_as_it_is_and_its_end_follows(tmp_path: Path, script: WriteScript) -> None:
+    """A prompt (pdb's "(Pdb) ") waits for an answer the person gives only once they see it: the console shows
+    the unfinished line after a moment, and the rest of it when it comes, unprefixed (--tee 3 prefixes lines)."""
+    script("w.py", PROMPT)
+    proc = subprocess.Popen(ftrun_argv(tmp_path, "--tee", "3", "w.py"), cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    assert proc.stdout is not None
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"ready? " not in seen and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                seen += os.read(proc.stdout.fileno(), 65536)
+        assert seen == b"[default0]:ready? ", seen  # shown before the line ended: nothing else waits for it
+        (tmp_path / "answered").touch()
+        seen += proc.stdout.read()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+    assert seen == b"[default0]:ready? yes\n", seen
+    assert (tmp_path / "logs" / RUN_ID / "attempt_0" / "0" / "stdout.log").read_text() == "ready? yes\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import PortTaken, Result, WriteScript, run_ftrun, with_free_port
+from tests.integration.harness import POOL, PortTaken, Result, WriteScript, restarted_warm, run_ftrun, with_free_port
 
 pytestmark = pytest.mark.torch
 
@@ -91,3 +91,26 @@ def test_lightning_detects_the_launch_and_trains_in_its_world(tmp_path: Path, sc
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
     assert r.returncode == 0, r.stderr
     assert sorted(r.stdout.splitlines()) == ["rank 0 of 2 sum 3", "rank 1 of 2 sum 3"]
+
+
+BREAKPOINT = """
+answer = 6 * 7
+breakpoint()  # pdb reads the worker's standard input: ftrun's, as a torchrun worker reads torchrun's
+print("after the breakpoint", flush=True)
+"""
+
+
+@pytest.mark.parametrize("start", ["fresh", "warm"])
+def test_a_breakpoint_in_a_worker_reads_ftruns_standard_input_and_shows_its_prompt(
+    tmp_path: Path, script: WriteScript, start: str
+) -> None:
+    """The one-worker debugging run torchrun users know: pdb's prompt, which ends no line, is on the console,
+    and what is typed at ftrun reaches it."""
+    body = restarted_warm(BREAKPOINT) if start == "warm" else BREAKPOINT
+    script("w.py", body)
+    pool = [] if start == "warm" else ["--no-warm"]
+    r = run_ftrun(tmp_path, *pool, "--max-restarts", "1", "w.py", env=POOL, stdin="p answer\nc\n")
+    assert r.returncode == 0, r.stderr
+    assert "(Pdb) 42\n(Pdb) after the breakpoint\n" in r.stdout, r.stdout
+    spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"]
+    assert spawned[-1] == (start == "warm"), spawned

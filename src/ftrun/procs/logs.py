@@ -2,8 +2,9 @@
 
 Every stream goes through a pipe that a pump thread copies, unchanged, to the
 file and, line by line and optionally prefixed with ``[<rank>]:``, to the
-console where it shows there. The pump reads until every writer is gone, so
-lines written just before a crash are kept. A stream that goes only to its
+console where it shows there (a line left unfinished a while, a prompt, as it
+is). The pump reads until every writer is gone, so lines written just before a
+crash are kept. A stream that goes only to its
 file is pumped too: a full or failing log disk then costs lines, counted and
 said (:mod:`ftrun.procs.disk`), never the worker (writing to the file itself,
 its ``print`` would raise ENOSPC into the job).
@@ -40,10 +41,14 @@ MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's fil
 # at once, and a failed rank's own traceback is shown as soon as the agent has read all of its output.
 TRACEBACK = b"Traceback (most recent call last)"
 HOLD_S = 0.5
+# A line left unfinished this long goes to the console as it is (a prompt waiting for input: pdb's "(Pdb) "),
+# the rest after it when it comes; the log file has every byte at once anyway.
+PARTIAL_S = 0.25
 
 
 class Console:
-    """ftrun's own stdout/stderr, shared by every pump; whole lines only, never interleaved.
+    """ftrun's own stdout/stderr, shared by every pump; whole lines, never interleaved (but after a line a pump
+    left unfinished for PARTIAL_S: a prompt waits for its answer).
 
     A stream whose reader went away (``ftrun ... | head``) is dropped from then on:
     the files still get every line, and neither ftrun nor its workers are harmed.
@@ -164,20 +169,27 @@ class _Pump(threading.Thread):
 
     def run(self) -> None:
         pending = b""  # the start of a line not ended yet: at most MAX_LINE, looked through once
+        shown = 0  # how much of it the console shows already (a line left unfinished a while: a prompt)
+        due: float | None = None  # when the unshown rest of it goes to the console as it is
         try:
-            while chunk := self._read():
+            while (chunk := self._read(due)) != b"":
+                if chunk is None:  # no more of the line for PARTIAL_S: pdb's "(Pdb) ", a progress bar's dots
+                    self._show(pending, shown, ended=False)
+                    shown, due = len(pending), None
+                    continue
                 disk.write_all(self._file_fd, chunk, self._path)  # a full disk: dropped and counted, still read
                 end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1  # \r ends a progress bar's line
                 if end:
-                    self._show(pending + chunk[:end])
-                    pending = chunk[end:]
+                    self._show(pending + chunk[:end], shown)
+                    pending, shown = chunk[end:], 0
                 else:
                     pending += chunk
                 if len(pending) > MAX_LINE:  # a line with no end in sight: shown cut, not kept in memory
-                    self._show(pending + b"\n")
-                    pending = b""
+                    self._show(pending + b"\n", shown)
+                    pending, shown = b"", 0
+                due = time.monotonic() + PARTIAL_S if len(pending) > shown else None
             if pending:
-                self._show(pending + b"\n")
+                self._show(pending + b"\n", shown)
             self.release()
         finally:
             os.close(self._read_fd)
@@ -186,15 +198,25 @@ class _Pump(threading.Thread):
                 self._done = True
                 self._progress.notify_all()
 
-    def _read(self) -> bytes:
+    def _read(self, due: float | None) -> bytes | None:
+        """The next chunk; b"" at the end; None when nothing came by ``due`` (monotonic)."""
         with self._progress:
             self._reading = True
             self._progress.notify_all()
-        self._wait_out_the_hold()
-        chunk = os.read(self._read_fd, _CHUNK)
-        with self._progress:
-            self._reading = False
-        return chunk
+        try:
+            while True:
+                hold = self._hold_until if self._held else None
+                soonest = min((t for t in (hold, due) if t is not None), default=None)
+                wait = None if soonest is None else max(0.0, soonest - time.monotonic())
+                if select.select([self._read_fd], [], [], wait)[0]:
+                    return os.read(self._read_fd, _CHUNK)
+                if hold is not None and time.monotonic() >= hold:
+                    self.release()  # the hold is over, and no other rank failed first
+                if due is not None and time.monotonic() >= due:
+                    return None
+        finally:
+            with self._progress:
+                self._reading = False
 
     def caught_up(self, timeout_s: float) -> bool:
         """Wait until all that is in the pipe now has been copied: for writers that can write no more, but
@@ -208,13 +230,6 @@ class _Pump(threading.Thread):
                 return False
         self.release()  # what it wrote is read: its traceback goes to the console now, ahead of its report
         return True
-
-    def _wait_out_the_hold(self) -> None:
-        """Before the next read: wait for the stream no longer than what is held may wait, then show it."""
-        while self._held:
-            if select.select([self._read_fd], [], [], max(0.0, self._hold_until - time.monotonic()))[0]:
-                return
-            self.release()  # the hold is over, and no other rank failed first
 
     def release(self) -> None:
         """Show the console lines held since a traceback began (unless muted meanwhile). Under the lock, as
@@ -230,18 +245,22 @@ class _Pump(threading.Thread):
             self.console = None
             self._held.clear()
 
-    def _show(self, lines: bytes) -> None:
-        if self._duplicate is not None:
+    def _show(self, text: bytes, shown: int, *, ended: bool = True) -> None:
+        """Whole lines to the duplicate sink; to the console what it does not show yet (past ``shown``), each
+        line prefixed but one it shows the start of. ``ended``: False for a line's start, shown as it is."""
+        if self._duplicate is not None and ended:
             wanted = [
-                line for line in lines.splitlines(keepends=True) if any(n in line for n in self._duplicate.needles)
+                line for line in text.splitlines(keepends=True) if any(n in line for n in self._duplicate.needles)
             ]
             if wanted:
                 self._duplicate.sink.write(b"".join(self._label + line for line in wanted))
         console = self.console  # the agent may mute it meanwhile
-        if console is None:
+        lines = text[shown:]
+        if console is None or not lines:
             return
         if self._prefix:
-            lines = b"".join(self._prefix + line for line in lines.splitlines(keepends=True))
+            parts = lines.splitlines(keepends=True)
+            lines = (parts[0] if shown else self._prefix + parts[0]) + b"".join(self._prefix + p for p in parts[1:])
         with self._progress:
             if self._held or (self.stream is Std.ERR and TRACEBACK in lines):
                 if not self._held:

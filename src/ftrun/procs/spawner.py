@@ -102,7 +102,7 @@ class ProcessSpawner:
                 list(argv),
                 env=booted(argv, env),
                 cwd=cwd,
-                stdin=subprocess.DEVNULL,
+                stdin=None,  # ftrun's own, as under torchrun: a breakpoint() in a worker reads the terminal
                 stdout=stdout,
                 stderr=stderr,
                 start_new_session=True,
