@@ -187,6 +187,7 @@ class LiveFtrun:
                 **os.environ,
                 **(env or {}),
             },  # explicit: C-level changes to this process's environment (readline sets LINES) stay out
+            stdin=subprocess.DEVNULL,  # the workers inherit it: never the test runner's (xdist's channel)
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
