@@ -4,14 +4,20 @@ across two; and nothing that only looks like a hang is called one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
 import re
+import select
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, run_ftrun
+from tests.integration.harness import WAIT_S, LiveFtrun, WriteScript, ftrun_argv, run_ftrun
 
 pytestmark = pytest.mark.torch
 
@@ -224,3 +230,48 @@ def test_a_collective_every_rank_entered_that_never_finishes_names_the_rank_stop
         "rank 0 done",
         "rank 1 done",
     ]
+
+
+DEBUGGED = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(4)
+if dist.get_rank() == 0:
+    breakpoint()  # a person debugging rank 0 at ftrun's terminal; rank 1 waits in the all-reduce
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} sum {t.sum().item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_at_a_debuggers_prompt_on_ftruns_terminal_is_not_hung(tmp_path: Path, script: WriteScript) -> None:
+    """Its peers wait for it in a collective, as for a hung rank, but it waits for a person: as long as it reads
+    its terminal, no verdict comes (under torchrun nothing would either, before gloo's own 30 minutes)."""
+    script("w.py", DEBUGGED)
+    person, terminal = pty.openpty()  # ftrun run by hand: its standard input, which its workers inherit
+    proc = subprocess.Popen(ftrun_argv(tmp_path, "--nproc-per-node", "2", "--hang-timeout", "2", "w.py"),
+                            cwd=tmp_path, stdin=terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    os.close(terminal)
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    try:
+        seen, deadline = b"", time.monotonic() + WAIT_S
+        while b"(Pdb) " not in seen and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                seen += os.read(proc.stdout.fileno(), 65536)
+        assert b"(Pdb) " in seen, seen
+        with contextlib.suppress(subprocess.TimeoutExpired):  # three times the hang timeout at the prompt
+            proc.wait(timeout=3 * 2)
+        assert proc.poll() is None, proc.stderr.read().decode()  # found hung, with no restart to spend, it ended
+        os.write(person, b"c\n")
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        os.close(person)
+    assert proc.returncode == 0, err
+    assert "hang:" not in err.decode(), err.decode()
+    assert "0 restarts" in err.decode()
+    assert {b"rank 0 sum 8", b"rank 1 sum 8"} <= set((seen + out).replace(b"(Pdb) ", b"").splitlines())

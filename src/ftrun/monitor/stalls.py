@@ -7,6 +7,8 @@ The rules are :mod:`ftrun.monitor.collectives` (pure); this reads what they judg
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -175,4 +177,35 @@ def _sample(pid: int, now: float) -> Sample | None:
             moved += cio.read_chars + cio.write_chars + cio.read_bytes + cio.write_bytes
     except psutil.Error:
         return None
-    return Sample(now, main, others, moved, stopped)
+    return Sample(now, main, others, moved, stopped, attended=_reads_a_terminal(pid))
+
+
+# The system calls of a main thread waiting to read a terminal: read(fd), or readline's select on its input
+# alone (nfds 1: fd 0). By machine, as /proc/PID/syscall numbers them.
+READ_CALLS = {"x86_64": 0, "aarch64": 63}
+SELECT_CALLS = {"x86_64": (23, 270), "aarch64": (72,)}  # select, pselect6
+
+
+def _reads_a_terminal(pid: int) -> bool:
+    """Whether the process's main thread waits to read a terminal: a person at a prompt, a debugger's (pdb,
+    ``breakpoint()``) or the job's own ``input()``; its peers' wait in a collective is theirs, not a hang. Only
+    where the worker's input is a terminal: ftrun's own, run by hand."""
+    try:
+        with open(f"/proc/{pid}/syscall") as f:  # "NR arg1 ... sp pc" while blocked; "running" otherwise
+            fields = f.read().split()
+    except OSError:  # gone, or not ours to read
+        return False
+    if len(fields) < 2 or not fields[0].isdigit():
+        return False
+    call, first = int(fields[0]), int(fields[1], 16)
+    machine = platform.machine()
+    if call == READ_CALLS.get(machine):
+        fd = first
+    elif call in SELECT_CALLS.get(machine, ()) and first == 1:
+        fd = 0
+    else:
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}").startswith(("/dev/pts/", "/dev/tty", "/dev/console"))
+    except OSError:
+        return False
