@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.integration.harness import WriteScript, run_ftrun
+from tests.integration.harness import LiveFtrun, WriteScript, run_ftrun
 
 DDP_CRASH = """
 import os, time
@@ -85,6 +85,32 @@ def test_a_traceback_no_failure_follows_is_shown_on_the_console(tmp_path: Path, 
     assert r.returncode == 0, r.stderr
     assert "handled, training goes on (shown-9c1d)" in r.stderr, r.stderr
     assert "ZeroDivisionError: division by zero" in r.stderr, r.stderr
+
+
+TICKING = """
+import os, sys, time, traceback
+try:
+    raise KeyError("handled (tick-3e8b)")
+except KeyError:
+    traceback.print_exc()  # then the job goes on, writing to stderr without a pause
+n = 0
+while not os.path.exists("seen"):
+    print(f"tick {n}", file=sys.stderr, flush=True)
+    n += 1
+    time.sleep(0.02)
+"""
+
+
+def test_a_traceback_in_a_stream_that_never_pauses_is_shown_once_its_wait_is_over(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    script("w.py", TICKING)
+    live.append(f := LiveFtrun(tmp_path, "w.py"))
+    f.wait_for_stderr(r"^tick \d+$", timeout=30)  # the held traceback, then the lines after it
+    (tmp_path / "seen").touch()
+    assert f.wait() == 0
+    err = f.stderr()
+    assert err.index("KeyError: 'handled (tick-3e8b)'") < err.index("tick 0"), err
 
 
 def test_last_words_on_stdout_are_shown_when_stderr_is_empty(tmp_path: Path, script: WriteScript) -> None:

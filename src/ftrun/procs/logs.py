@@ -41,6 +41,7 @@ MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's fil
 # at once, and a failed rank's own traceback is shown as soon as the agent has read all of its output.
 TRACEBACK = b"Traceback (most recent call last)"
 HOLD_S = 0.5
+HOLD_BYTES = 1 << 20  # more than this (a worker printing tracebacks in a loop) is shown at once: memory bounded
 # A line left unfinished this long goes to the console as it is (a prompt waiting for input: pdb's "(Pdb) "),
 # the rest after it when it comes; the log file has every byte at once anyway.
 PARTIAL_S = 0.25
@@ -205,15 +206,15 @@ class _Pump(threading.Thread):
             self._progress.notify_all()
         try:
             while True:
+                now = time.monotonic()
+                if self._held and now >= self._hold_until:  # checked at every read: the stream may never pause
+                    self.release()  # the hold is over, and no other rank failed first
+                if due is not None and now >= due:
+                    return None
                 hold = self._hold_until if self._held else None
                 soonest = min((t for t in (hold, due) if t is not None), default=None)
-                wait = None if soonest is None else max(0.0, soonest - time.monotonic())
-                if select.select([self._read_fd], [], [], wait)[0]:
+                if select.select([self._read_fd], [], [], None if soonest is None else max(0.0, soonest - now))[0]:
                     return os.read(self._read_fd, _CHUNK)
-                if hold is not None and time.monotonic() >= hold:
-                    self.release()  # the hold is over, and no other rank failed first
-                if due is not None and time.monotonic() >= due:
-                    return None
         finally:
             with self._progress:
                 self._reading = False
@@ -266,6 +267,8 @@ class _Pump(threading.Thread):
                 if not self._held:
                     self._hold_until = time.monotonic() + HOLD_S
                 self._held.append(lines)
+                if sum(map(len, self._held)) > HOLD_BYTES:
+                    self._hold_until = 0.0  # the next look at the pipe shows it
             else:
                 console.write_lines(self.stream, lines)
 
