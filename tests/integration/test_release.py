@@ -295,6 +295,35 @@ def test_a_failed_workers_teardown_ends_its_own_helpers_unkilled(tmp_path: Path,
     assert (tmp_path / "helper-ended").read_text() == "helper ended with -15"
 
 
+# Rank 1 fails on the first attempt leaving a helper its teardown never ends; the next attempt's rank 0 looks for
+# it until it is gone (or 20 s have passed).
+HELPER_LEFT_BEHIND = """
+import os, subprocess, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt == 0 and rank == 1:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open("helper.pid", "w") as f:
+        f.write(str(helper.pid))
+    raise RuntimeError("failed at step 10")
+if attempt == 0:
+    time.sleep(600)
+if rank == 0:
+    helper, deadline = int(open("helper.pid").read()), time.monotonic() + 20
+    while os.path.exists(f"/proc/{helper}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("helper gone" if not os.path.exists(f"/proc/{helper}") else "helper alive", flush=True)
+"""
+
+
+def test_what_a_failed_workers_teardown_leaves_of_its_helpers_ends_with_it(tmp_path: Path, script: WriteScript) -> None:
+    """Spared while the failed worker finishes, a helper it never ends is killed as the worker is reaped: it does
+    not live on beside the next attempt."""
+    script("w.py", HELPER_LEFT_BEHIND)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "--preload", "json", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "helper gone" in r.stdout.splitlines(), r.stdout
+
+
 DATALOADER_IN_A_FAILED_RANK = """
 import os
 import torch

@@ -456,6 +456,8 @@ class AttemptProcesses:
     def _reap_released(self, w: Worker) -> None:
         assert w.handle is not None
         self._selector.unregister(w.handle.fileno())
+        if w.finishing:  # ended, not reaped yet: its group's id is its own still
+            w.handle.signal_group(signal.SIGKILL)  # what its teardown left of the processes it started
         w.handle.reap()  # the status it ended with was known when it was released
         w._move(ProcessPhase.RELEASED_REAPED)
         self.released.remove(w)
@@ -466,7 +468,7 @@ class AttemptProcesses:
         finishing one: not strays to kill. Its teardown ends what it started (its DataLoader's workers,
         multiprocessing's resource tracker); killed under it, they raised into its teardown (the DataLoader's
         SIGCHLD handler) and the tracker, started again, complained of every segment it never knew. What it
-        leaves behind is an orphan once it is reaped, swept then."""
+        leaves in its process group is killed as it is reaped; what left the group, at the next sweep."""
         pids = {w.pid for w in (*self.workers, *self.released) if w.handle}
         finishing = [w.pid for w in self.released if w.finishing]
         return pids | proctree.descendants(finishing) if finishing else pids
