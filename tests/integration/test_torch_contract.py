@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import POOL, PortTaken, Result, WriteScript, restarted_warm, run_ftrun, with_free_port
+from tests.integration.harness import (
+    POOL,
+    PortTaken,
+    Result,
+    WriteScript,
+    ftrun_argv,
+    restarted_warm,
+    run_ftrun,
+    with_free_port,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -114,3 +126,23 @@ def test_a_breakpoint_in_a_worker_reads_ftruns_standard_input_and_shows_its_prom
     assert "(Pdb) 42\n(Pdb) after the breakpoint\n" in r.stdout, r.stdout
     spawned = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"]
     assert spawned[-1] == (start == "warm"), spawned
+
+
+STDIN_SEEN = """
+import os
+print("stdin:", os.readlink("/proc/self/fd/0"), flush=True)
+"""
+
+
+def test_ftrun_started_with_its_standard_input_closed_gives_its_workers_dev_null(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """Not the first file ftrun opens next (a worker's stacks.txt took fd 0: a worker reading its input read it)."""
+    script("fresh.py", STDIN_SEEN)
+    script("warm.py", restarted_warm(STDIN_SEEN))  # its first attempt fails once the pool is ready
+    for flags in (["--no-warm", "fresh.py"], ["--max-restarts", "1", "warm.py"]):
+        command = shlex.join(ftrun_argv(tmp_path, *flags))
+        done = subprocess.run(["sh", "-c", f"exec {command} <&-"], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, **POOL}, timeout=120, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == ["stdin: /dev/null"], (flags, done.stdout)

@@ -204,6 +204,19 @@ def version() -> str:
         return "unknown"
 
 
+def _stdin_open() -> None:
+    """ftrun started with its standard input closed (``<&-``, a daemon's) reads /dev/null there: else the first
+    file it opens takes fd 0, and the workers, which inherit ftrun's standard input, would read that file."""
+    try:
+        os.fstat(0)
+    except OSError:
+        fd = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: 0
+        if fd != 0:
+            os.dup2(fd, 0)
+            os.close(fd)
+        os.set_inheritable(0, True)  # os.open's descriptors close at exec: a fresh worker would find none
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ftrun`` command; returns the process exit code."""
     args = sys.argv[1:] if argv is None else argv
@@ -219,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ftrun.cli.status import main as status_main
 
         return status_main(args[1:], os.environ)
+    _stdin_open()
     try:
         config = parse(args, os.environ, Path.cwd())
         from ftrun.agent.launch import launch  # after validation: bad input starts nothing
