@@ -310,14 +310,11 @@ def ended(code: int) -> None:
 
 def set_up(request: Message, fds: list[int], filters: Filters) -> None:
     """Become the worker ``request`` describes, as a fresh ``python -u`` would start."""
-    if len(fds) not in (2, 3):
-        raise ValueError(f"expected [stdin,] stdout and stderr descriptors, got {len(fds)}")
+    if len(fds) != 3:
+        raise ValueError(f"expected stdin, stdout and stderr descriptors, got {len(fds)}")
     os.setsid()  # out of the zygote's group: from now on a worker with its own process group
-    stdin = fds[0] if len(fds) == 3 else os.open(os.devnull, os.O_RDONLY)  # ftrun's own, where it has one
-    os.dup2(stdin, 0)
-    os.dup2(fds[-2], 1)
-    os.dup2(fds[-1], 2)
-    for fd in {stdin, *fds}:
+    for std, fd in enumerate(fds):  # ftrun's standard input, the rank's output and error pipes
+        os.dup2(fd, std)
         os.close(fd)
     os.chdir(request["cwd"])
     become_environment({**IMPORTS_SET, **request["env"]})  # the rank's own values win (setdefault, mostly)

@@ -79,9 +79,10 @@ class Standby:
 
     def run(self, request: dict[str, Any], stdout: int, stderr: int) -> AdoptedHandle:
         """The standby becomes the worker ``request`` describes, with ftrun's standard input (as a fresh worker
-        inherits it; none when ftrun has none) and these standard output and error."""
+        inherits it: always open, ftrun's main opens /dev/null there when it starts without one) and these
+        standard output and error."""
         try:
-            messages.send(self.sock, request, (*_own_stdin(), stdout, stderr))
+            messages.send(self.sock, request, (0, stdout, stderr))
         except OSError as e:
             raise PoolError(f"the standby worker {self.handle.pid} is gone ({e})") from None
         finally:
@@ -321,12 +322,3 @@ class Zygote:
             self.proc.kill()
         if wait:
             self.proc.wait()
-
-
-def _own_stdin() -> tuple[int, ...]:
-    """ftrun's standard input, when it has one open."""
-    try:
-        os.fstat(0)
-    except OSError:
-        return ()
-    return (0,)
