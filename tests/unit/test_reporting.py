@@ -167,3 +167,44 @@ def test_the_flight_recorder_torch_dumped_at_a_timeout_is_named_with_how_to_read
     said = f"torch dumped its flight recorder at the timeout: {dump} (read all ranks': python -m torch.distributed"
     assert said in text
     assert text.count("flight recorder") == 1  # rank 0's was not written
+
+
+def test_an_exception_groups_summary_is_the_group_and_its_first_sub_exception(tmp_path: Path) -> None:
+    tb = (
+        "[rank1]:   + Exception Group Traceback (most recent call last):\n"
+        '[rank1]:   |   File "/tmp/job.py", line 10, in <module>\n'
+        '[rank1]:   |     raise ExceptionGroup("two failed", [ValueError("a"), KeyError("b")])\n'
+        "[rank1]:   | ExceptionGroup: two failed (2 sub-exceptions)\n"
+        "[rank1]:   +-+---------------- 1 ----------------\n"
+        "[rank1]:     | ValueError: a\n"
+        "[rank1]:     +---------------- 2 ----------------\n"
+        "[rank1]:     | KeyError: 'b'\n"
+        "[rank1]:     +------------------------------------\n"
+    )
+    r = build_report(
+        [worker(tmp_path, 1, WorkerState.FAILED, 1, 1.0, tb)],
+        run_id="r",
+        attempt=0,
+        will_restart=False,
+        master_port=1,
+        host="h",
+    )
+    assert r.root_cause.last_error == "ExceptionGroup: two failed (2 sub-exceptions); the first: ValueError: a"
+
+
+def test_a_last_line_longer_than_what_is_read_of_the_log_is_shown_by_its_start(tmp_path: Path) -> None:
+    tb = "Traceback (most recent call last):\n  File 'train.py', line 3\nValueError: " + "x" * 2_000_000 + "\n"
+    r = build_report(
+        [worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, tb)],
+        run_id="r",
+        attempt=0,
+        will_restart=False,
+        master_port=1,
+        host="h",
+    )
+    assert r.root_cause.last_error is not None
+    assert r.root_cause.last_error.startswith("ValueError: xxx")
+    assert r.root_cause.last_error.endswith("[... cut: a line of 2000012 bytes, whole in the log]")
+    assert "wrote nothing" not in render(r)
+    assert r.root_cause.cause.endswith("x [...]")
+    assert len(r.root_cause.summary()) < 500

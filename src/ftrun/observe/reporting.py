@@ -29,12 +29,17 @@ from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.errorfile import ErrorRecord, read_error_file
 
 STDERR_TAIL_LINES = 20
+HEADLINE_CHARS = 400  # a root cause's one line: its error's first characters
 STDOUT_TAIL_LINES = 10  # shown when a worker wrote nothing to stderr: its last words may be on stdout
 READ_LINES, READ_BYTES = 400, 256 << 10  # of stderr, read for the error that ended it (teardown warnings follow)
 MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 # The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
 _EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
+_GROUP_HEADER = "Exception Group Traceback (most recent call last)"
+_BOXED_EXCEPTION_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:\s*)?\|\s+([A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit)\b(?::.*)?)$"
+)
 # The last line of a fatal error's dump (faulthandler's): every C extension loaded, 3 KB for a torch job.
 _EXTENSION_MODULES = re.compile(r"^(Extension modules: [^,]*, [^,]*), .*(\(total: \d+\))$")
 
@@ -99,6 +104,8 @@ class WorkerOutcome:
         """How it ended, and the error it ended with: from its error file, else the last exception line in its
         stderr (a script that never called @record: `ModuleNotFoundError: No module named 'x'`)."""
         headline = self.gpu_error.what if self.gpu_error else self.error.headline if self.error else self.last_error
+        if headline and len(headline) > HEADLINE_CHARS:  # a message of megabytes: its start, the report has more
+            headline = headline[:HEADLINE_CHARS] + " [...]"
         return f"{self.how}: {headline}" if headline else self.how
 
     def summary(self) -> str:
@@ -192,10 +199,14 @@ def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
 
 
 def _last_error(tail: Sequence[str]) -> str | None:
-    for line in reversed(tail):
-        found = _EXCEPTION_LINE.match(line.strip())
-        if found:
+    """The exception a traceback ends with; an exception group's (its lines are boxed: "  | ValueError: a"), with
+    its first sub-exception."""
+    for at in range(len(tail) - 1, -1, -1):
+        if found := _EXCEPTION_LINE.match(tail[at].strip()):
             return found.group(1)
+        if _GROUP_HEADER in tail[at]:
+            boxed = [m.group(1) for line in tail[at + 1 :] if (m := _BOXED_EXCEPTION_LINE.match(line.strip()))]
+            return f"{boxed[0]}; the first: {boxed[1]}" if len(boxed) > 1 else boxed[0] if boxed else None
     return None
 
 

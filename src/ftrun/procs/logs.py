@@ -358,20 +358,55 @@ def _unread(fd: int) -> int:
     return buf[0]
 
 
+TAIL_LINE_BYTES = 2000  # a longer line in a tail is cut to its start (the log keeps it whole)
+TAIL_SCAN_BYTES = 16 << 20  # how far back the start of a long last line is looked for
+
+
 def tail_lines(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
-    """The last ``count`` lines of a log file (decoded leniently), [] when missing."""
+    """The last ``count`` lines of a log file (decoded leniently), [] when missing. A line longer than
+    TAIL_LINE_BYTES is cut to its start, where an exception's type and first words are (a 2 MB message), with
+    its length said: even a last line longer than ``max_bytes`` is shown by its start."""
     try:
         with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            lines = [(line, len(line)) for line in f.read().splitlines()]
+            if start and lines and len(lines) <= count:  # the oldest line shown began before what was read
+                lines[0] = _whole_start(f, start, lines[0][0])
     except FileNotFoundError:
         return []
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    if size > max_bytes and lines:
+    if start and len(lines) > count:
         lines = lines[1:]  # the first line is probably cut
-    return lines[-count:]
+    return [_cut(line, length) for line, length in lines[-count:]]
+
+
+def _whole_start(f: BinaryIO, at: int, rest: bytes) -> tuple[bytes, int]:
+    """The line whose end, ``rest``, starts at ``at``: its first TAIL_LINE_BYTES and its whole length."""
+    begin = at
+    while begin > 0 and at - begin < TAIL_SCAN_BYTES:
+        step = min(65536, begin)
+        f.seek(begin - step)
+        block = f.read(step)
+        found = max(block.rfind(b"\n"), block.rfind(b"\r"))
+        if found >= 0:
+            begin -= step - found - 1
+            break
+        begin -= step
+    else:
+        if begin > 0:  # no start within reach: its end it is, said to be cut
+            return b"... " + rest[-TAIL_LINE_BYTES:], -1
+    f.seek(begin)
+    return (f.read(min(at - begin, TAIL_LINE_BYTES)) + rest)[: TAIL_LINE_BYTES + 1], at - begin + len(rest)
+
+
+def _cut(line: bytes, length: int) -> str:
+    """``length``: the whole line's, -1 when longer than TAIL_SCAN_BYTES."""
+    text = line[:TAIL_LINE_BYTES].decode("utf-8", errors="replace")
+    if 0 <= length <= TAIL_LINE_BYTES:
+        return text
+    of = f"{length} bytes" if length > 0 else f"over {TAIL_SCAN_BYTES >> 20} MiB"
+    return f"{text} [... cut: a line of {of}, whole in the log]"
 
 
 CarryOn = Callable[[Path, str, "int | None"], "Path | None"]  # (log dir, run name, SLURM node) -> run dir
