@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,6 +184,50 @@ def test_a_plain_ddp_scripts_exception_is_in_the_root_cause_every_time_on_a_busy
         for p in busy:
             p.kill()
             p.wait()
+
+
+DDP_EXITS = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+def train():
+    for step in range(100):
+        dist.all_reduce(torch.ones(4))
+        if step == 3 and dist.get_rank() == 1:
+            EXIT
+        time.sleep(0.05)
+try:
+    train()
+finally:
+    print("cleaned up", flush=True)
+"""
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("how", ["sys.exit('config error: lr must be > 0')", "exit(2)"])
+@pytest.mark.parametrize("pool", ["fresh", "warm"])
+def test_a_rank_that_exits_is_the_root_cause_not_its_peers_echo(
+    tmp_path: Path, script: WriteScript, how: str, pool: str
+) -> None:
+    """Rank 1 exits (a SystemExit) amid all-reduces: its interpreter's teardown, gloo's, takes 0.4 s, and rank 0
+    raises "Connection closed by peer" within it; rank 1 is the root cause of each attempt."""
+    script("w.py", DDP_EXITS.replace("EXIT", how))
+    fresh = ["--no-warm"] if pool == "fresh" else []
+    r = run_ftrun(tmp_path, *fresh, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 1, r.stderr
+    warm = [e["warm"] for e in r.events() if e["kind"] == "worker_spawned"]
+    assert warm == [False] * 4 if fresh else warm[2:] == [True, True]
+    for attempt in (0, 1):
+        root: Any = r.report(attempt)["root_cause"]
+        assert root["rank"] == 1, (attempt, root)
+        assert root["exit_code"] == (2 if how == "exit(2)" else 1)
+
+
+def test_a_sys_exit_the_script_caught_and_went_on_from_is_no_failure(tmp_path: Path, script: WriteScript) -> None:
+    script("w.py", "import sys\ntry:\n    sys.exit(3)\nexcept SystemExit:\n    pass\nprint('went on')\n")
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 0, r.stderr
+    assert "0 restarts" in r.stderr
 
 
 H200 = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h200"

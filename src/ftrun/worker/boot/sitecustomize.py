@@ -20,6 +20,7 @@ TYPE_CHECKING = False  # nothing more imported in every fresh worker than Python
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
+    from typing import Any
 
 
 def _boot() -> None:
@@ -39,6 +40,7 @@ def _boot() -> None:
             client.attach()
             autobeat.install()
             sys.excepthook = _tells_the_agent(sys.excepthook)
+            _tells_exits()
         except Exception as e:  # the job runs as it would have, only without ftrun's early help
             sys.stderr.write(f"ftrun: could not attach the hang monitor before the job's code: {e!r}\n")
 
@@ -63,10 +65,65 @@ def _tells_the_agent(hook: Callable[..., object]) -> Callable[..., None]:
     return excepthook
 
 
-def _tell_the_end() -> None:
-    from ftrun.worker import client
+def _tells_exits() -> None:
+    """``sys.exit(code)``, ``exit(code)`` in the main thread: once that SystemExit ended the script, the agent
+    hears of the end with its code at the first atexit handler, before the interpreter's teardown (a gloo
+    process group's: 0.4 s), as a warm worker's zygote tells it. Else a peer's echo of this exit ("Connection
+    closed by peer"), told at once as an exception, was taken for the root cause. Python tells no atexit
+    handler why it exits: a SystemExit ended the script when the outermost frame never ran again after the call
+    that raised it (or ended re-raising it, after a ``finally``); one caught, after which the script went on,
+    is not told (its end is then known as before: at the process's exit). ``raise SystemExit`` is not seen."""
+    import _thread
+    import atexit
+    import builtins
 
-    client.script_ended(1)
+    main = _thread.get_ident()
+    noted: list[Any] = []  # the last exit's status, the outermost frame, where that frame was then
+
+    def note(status: object) -> None:
+        if _thread.get_ident() == main:
+            outer = sys._getframe()
+            while outer.f_back is not None:
+                outer = outer.f_back
+            if not noted:
+                atexit.register(_tell_exit, noted)  # the last registered: the first to run
+            noted[:] = [status, outer, outer.f_lasti]
+
+    real_exit = sys.exit
+
+    def exit(status: object = None, /) -> None:
+        note(status)
+        real_exit(status)  # type: ignore[arg-type]
+
+    sys.exit = exit  # type: ignore[assignment]
+    quitter = type(getattr(builtins, "exit", None))  # site's exit() and quit()
+    if quitter.__module__ == "_sitebuiltins":
+        real_call = quitter.__call__
+
+        def call(self: object, code: object = None) -> None:
+            note(code)
+            real_call(self, code)
+
+        quitter.__call__ = call  # type: ignore[method-assign]
+
+
+def _tell_exit(noted: list[Any]) -> None:
+    import opcode
+
+    status, outer, lasti = noted
+    if outer.f_lasti == lasti or outer.f_code.co_code[outer.f_lasti] == opcode.opmap["RERAISE"]:
+        _tell_the_end(0 if status is None else status & 0xFF if isinstance(status, int) else 1)
+
+
+def _tell_the_end(code: int = 1) -> None:
+    if not _told:
+        _told.append(code)
+        from ftrun.worker import client
+
+        client.script_ended(code)
+
+
+_told: list[int] = []  # the end is told once: an exception's after a SystemExit caught is the script's end
 
 
 def _hand_over() -> None:
