@@ -275,3 +275,51 @@ def test_a_rank_at_a_debuggers_prompt_on_ftruns_terminal_is_not_hung(tmp_path: P
     assert "hang:" not in err.decode(), err.decode()
     assert "0 restarts" in err.decode()
     assert {b"rank 0 sum 8", b"rank 1 sum 8"} <= set((seen + out).replace(b"(Pdb) ", b"").splitlines())
+
+
+WAITS_FOR_A_PROGRAM = """
+import subprocess, sys, time
+import torch, torch.distributed as dist
+form, seconds = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+for step in range(3):
+    dist.all_reduce(torch.ones(4))
+    if dist.get_rank() == 0 and step == 1:  # an upload, an evaluation, a job submitted with sbatch --wait
+        if form == "run":
+            subprocess.run(["sleep", seconds])
+        elif form == "check_output":
+            subprocess.check_output(["sleep", seconds])
+        elif form == "capture_output":
+            subprocess.run(f"sleep {seconds}", shell=True, capture_output=True, text=True)
+        else:  # a program that cannot run: it stopped itself
+            subprocess.run(["sh", "-c", "kill -STOP $$"])
+    dist.barrier()
+print("rank", dist.get_rank(), "done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("form", ["run", "check_output", "capture_output"])
+def test_a_rank_waiting_for_an_idle_program_it_started_is_not_hung(
+    tmp_path: Path, script: WriteScript, form: str
+) -> None:
+    """Rank 0 waits for a program that does nothing for three times the hang timeout (its exit, or its output
+    through pipes), its peer for it in a barrier: no verdict, and the console says why (without: "hang: rank 0
+    never entered barrier", the run ends)."""
+    script("w.py", WAITS_FOR_A_PROGRAM)
+    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "2", "w.py", form, "6")
+    assert r.returncode == 0, r.stderr
+    assert [e for e in r.events() if e["kind"] == "hang"] == []
+    assert re.search(r"rank 0 \(local rank 0, pid \d+\) waits for the program it started \(pid \d+: [^)]*sleep 6\); "
+                     r"its peers wait for it in barrier #\d+ since \d+ s", r.stderr), r.stderr  # fmt: skip
+    assert {"rank 0 done", "rank 1 done"} <= set(r.stdout.splitlines())
+
+
+def test_a_rank_waiting_for_a_program_that_cannot_run_is_hung(tmp_path: Path, script: WriteScript) -> None:
+    """The program stopped itself (as one stuck in the kernel: a nvidia-smi hung on a failed GPU)."""
+    script("w.py", WAITS_FOR_A_PROGRAM)
+    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "2", "w.py", "stop", "")
+    assert r.returncode == 1
+    root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert "rank 0 never entered barrier" in root["hang"], root
+    assert "waits for the program" not in r.stderr

@@ -304,7 +304,7 @@ def test_a_rank_waiting_to_read_its_terminal_is_a_persons_pause_not_quiet() -> N
     r = rank(1, [], read_at=130.0, stack_since=100.0)
     at_a_prompt, silent = Progress(), Progress()
     for t in (100.0, 115.0, 130.0):
-        at_a_prompt.add(1, Sample(t, 1.0, 0.0, 0, stopped=False, attended=True), "cmd.py:126")
+        at_a_prompt.add(1, Sample(t, 1.0, 0.0, 0, stopped=False, waiting_for="a person at its terminal"), "cmd.py:126")
         silent.add(1, Sample(t, 1.0, 0.0, 0, stopped=False), "cmd.py:126")
     assert at_a_prompt.quiet_since(r, 130.0) == 130.0  # no CPU, no I/O, the same place: and yet not quiet
     assert silent.quiet_since(r, 130.0) == 100.0

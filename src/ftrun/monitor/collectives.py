@@ -249,7 +249,7 @@ class Sample:
     other_cpu_s: float  # its other threads' and its children's
     io_bytes: int  # bytes it read and wrote, storage and otherwise
     stopped: bool  # state T or t: it cannot run at all
-    attended: bool = False  # its main thread waits to read a terminal: a person at a prompt (pdb, input())
+    waiting_for: str = ""  # whom its main thread waits for, if not itself: a person at a prompt, a program (waits)
 
 
 class Progress:
@@ -271,7 +271,7 @@ class Progress:
         main_busy = sample.main_cpu_s - last.main_cpu_s > BUSY_SHARE * dt and not (spins or looping)
         busy = main_busy or sample.other_cpu_s - last.other_cpu_s > OTHERS_BUSY_SHARE * dt
         moving_io = sample.io_bytes - last.io_bytes > IO_BUSY_BYTES_PER_S * dt
-        if not sample.stopped and (busy or moving_io or sample.attended):  # a person's pause is no hang
+        if not sample.stopped and (busy or moving_io or sample.waiting_for):  # another's wait is no hang of its own
             self._moved[rank] = sample.at
 
     def moved_at(self, rank: int) -> float | None:

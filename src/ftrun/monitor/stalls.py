@@ -7,8 +7,6 @@ The rules are :mod:`ftrun.monitor.collectives` (pure); this reads what they judg
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +25,7 @@ from ftrun.monitor.collectives import (
     stalls,
     suspects,
 )
+from ftrun.monitor.waits import waiting_for
 from ftrun.procs.workers import Worker
 from ftrun.worker.layout import SlotView
 
@@ -71,6 +70,8 @@ class StallWatch:
         # The agent checks every 50 ms while timeouts are in force; the summaries change once a second, and CPU
         # time sampled that often would be all tick granularity (10 ms): looked at once a second at most.
         self._next_look = 0.0
+        self.waits: list[str] = []  # what to say of ranks waiting for another (:meth:`_note_wait`), taken by the caller
+        self._told: set[tuple[int, str, int]] = set()
 
     def new_attempt(self, round_: int | None) -> None:
         self._progress = Progress()
@@ -107,11 +108,23 @@ class StallWatch:
                 quiet[w.rank] = None
                 continue
             self._progress.add(w.rank, sample, r.where, looping=r.looping and now - r.read_at <= STALE_S)
+            self._note_wait(w, sample.waiting_for, watched.stall, now)
             quiet_s = now - self._progress.quiet_since(r, now)
             quiet[w.rank] = (quiet_s, sample.stopped)
             where = r.where if now - r.read_at <= STALE_S else ""
             found[w.rank] = Stalled(w, watched.stall, quiet_s, where, sample.stopped)
         return [found[rank] for rank in culprits(watched, quiet, summaries, now, self.patience)]
+
+    def _note_wait(self, w: Worker, waiting_for: str, stall: Stall, now: float) -> None:
+        """A rank its peers have waited for as long as a hang's quiet_s, itself waiting for another (a program
+        it started): said once a collective, as why no verdict comes."""
+        told = (w.rank, stall.group, stall.seq)
+        if waiting_for and now - stall.since >= self.patience.quiet_s and told not in self._told:
+            self._told.add(told)
+            self.waits.append(
+                f"{w.who} waits for {waiting_for}; its peers wait for it in {stall.op} #{stall.seq} since "
+                f"{now - stall.since:.0f} s: not a hang of its own, left to go on"
+            )
 
 
 class Unmoved:
@@ -177,35 +190,4 @@ def _sample(pid: int, now: float) -> Sample | None:
             moved += cio.read_chars + cio.write_chars + cio.read_bytes + cio.write_bytes
     except psutil.Error:
         return None
-    return Sample(now, main, others, moved, stopped, attended=_reads_a_terminal(pid))
-
-
-# The system calls of a main thread waiting to read a terminal: read(fd), or readline's select on its input
-# alone (nfds 1: fd 0). By machine, as /proc/PID/syscall numbers them.
-READ_CALLS = {"x86_64": 0, "aarch64": 63}
-SELECT_CALLS = {"x86_64": (23, 270), "aarch64": (72,)}  # select, pselect6
-
-
-def _reads_a_terminal(pid: int) -> bool:
-    """Whether the process's main thread waits to read a terminal: a person at a prompt, a debugger's (pdb,
-    ``breakpoint()``) or the job's own ``input()``; its peers' wait in a collective is theirs, not a hang. Only
-    where the worker's input is a terminal: ftrun's own, run by hand."""
-    try:
-        with open(f"/proc/{pid}/syscall") as f:  # "NR arg1 ... sp pc" while blocked; "running" otherwise
-            fields = f.read().split()
-    except OSError:  # gone, or not ours to read
-        return False
-    if len(fields) < 2 or not fields[0].isdigit():
-        return False
-    call, first = int(fields[0]), int(fields[1], 16)
-    machine = platform.machine()
-    if call == READ_CALLS.get(machine):
-        fd = first
-    elif call in SELECT_CALLS.get(machine, ()) and first == 1:
-        fd = 0
-    else:
-        return False
-    try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}").startswith(("/dev/pts/", "/dev/tty", "/dev/console"))
-    except OSError:
-        return False
+    return Sample(now, main, others, moved, stopped, waiting_for=waiting_for(pid))

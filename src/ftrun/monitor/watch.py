@@ -125,6 +125,8 @@ class WorkerWatch:
                 self._hung(f, [w for w in judged if w is not f.worker])
         for stalled in self.stalls.find([w for w in judged if w.state is WorkerState.RUNNING], self.hangs.slot):
             self._stalled(stalled, judged)
+        while self.stalls.waits:
+            self._say(self.stalls.waits.pop(0), always=True)
         for w, why in self.hangs.corrupt_slots(judged):
             self._dumps.start({w.local_rank: w}, self._listens([w]), partial(self._unwatchable, w, why))
         self._expire_timers(running)
