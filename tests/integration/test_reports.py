@@ -223,6 +223,31 @@ def test_a_rank_that_exits_is_the_root_cause_not_its_peers_echo(
         assert root["exit_code"] == (2 if how == "exit(2)" else 1)
 
 
+UNEVEN = """
+import time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(100 if dist.get_rank() == 0 else 3):  # rank 1's data is shorter
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.05)
+print("rank", dist.get_rank(), "done", flush=True)
+"""
+
+
+@pytest.mark.torch
+def test_a_rank_that_ran_fewer_steps_than_its_peers_is_named_in_the_hint(tmp_path: Path, script: WriteScript) -> None:
+    """Rank 1 ends its script at step 3; rank 0's next all-reduce raises "Connection closed by peer", the root
+    cause; the report says rank 1 had ended (cut in its teardown, or exited 0 before), fresh and warm."""
+    script("w.py", UNEVEN)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 1, r.stderr
+    for attempt in (0, 1):
+        report: Any = r.report(attempt)
+        assert report["root_cause"]["rank"] == 0, report
+        assert report["hint"].startswith("rank 1 had ended its script while rank 0 still called collectives"), report
+    assert "do all ranks run as many steps" in r.stderr
+
+
 def test_a_sys_exit_the_script_caught_and_went_on_from_is_no_failure(tmp_path: Path, script: WriteScript) -> None:
     script("w.py", "import sys\ntry:\n    sys.exit(3)\nexcept SystemExit:\n    pass\nprint('went on')\n")
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "w.py")

@@ -208,3 +208,29 @@ def test_a_last_line_longer_than_what_is_read_of_the_log_is_shown_by_its_start(t
     assert "wrote nothing" not in render(r)
     assert r.root_cause.cause.endswith("x [...]")
     assert len(r.root_cause.summary()) < 500
+
+
+ECHO = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5555\n"
+
+
+def test_a_peers_echo_after_a_rank_ended_its_script_hints_at_uneven_steps(tmp_path: Path) -> None:
+    echo = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, ECHO)
+    ended = worker(tmp_path, 1, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
+    ended.script_over = True
+    finished = worker(tmp_path, 2, WorkerState.SUCCEEDED, 0, 4.0)
+    running = worker(tmp_path, 3, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
+    r = build_report(
+        [echo, ended, finished, running], run_id="r", attempt=0, will_restart=False, master_port=1, host="h"
+    )
+    assert r.hint is not None
+    assert r.hint.startswith("ranks 1, 2 had ended their script while rank 0 still called collectives with them")
+    text = render(r)
+    assert "STOPPED BY FTRUN rank 1 (local rank 1, pid 0): killed by SIGTERM in its interpreter's teardown" in text
+    assert "STOPPED BY FTRUN rank 3 (local rank 3, pid 0): killed by SIGTERM\n" in text
+
+
+def test_a_failure_of_its_own_after_a_rank_ended_gets_no_such_hint(tmp_path: Path) -> None:
+    own = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, "OSError: [Errno 28] No space left on device\n")
+    finished = worker(tmp_path, 1, WorkerState.SUCCEEDED, 0, 4.0)
+    r = build_report([own, finished], run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
+    assert r.hint is None

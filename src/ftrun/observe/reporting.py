@@ -27,6 +27,7 @@ from ftrun.procs import disk
 from ftrun.procs.logs import tail_lines
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.errorfile import ErrorRecord, read_error_file
+from ftrun.worker.in_place import BROKEN_BY_A_PEER
 
 STDERR_TAIL_LINES = 20
 HEADLINE_CHARS = 400  # a root cause's one line: its error's first characters
@@ -75,6 +76,7 @@ class WorkerOutcome:
     gpu_error: GpuError | None = None  # the CUDA or NCCL error its stderr shows
     unwritten: int = 0  # bytes of its output its log files lack (the log disk was full or failing)
     in_place: bool = False  # interrupted and kept: its process restarts in place (ftrun.restartable)
+    script_over: bool = False  # its script had ended when ftrun stopped it: the stop cut its teardown
 
     @property
     def how(self) -> str:
@@ -89,7 +91,9 @@ class WorkerOutcome:
             ended = "its function raised" if self.state == WorkerState.FAILED.value else "interrupted"
             return f"{ended}; its process restarts in place"
         if self.signal:
-            return f"killed by {self.signal}"
+            return f"killed by {self.signal}" + (
+                " in its interpreter's teardown: its script had ended" * self.script_over
+            )
         if self.exit_code is None:
             return "exit status unknown (it was not this agent's child when it ended)"
         return f"exit code {self.exit_code}"
@@ -146,6 +150,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         pid=worker.pid,
         state=worker.state.value,
         in_place=worker.kept,
+        script_over=worker.script_over,
         exit_code=worker.exit_code,
         signal=worker.signal_name,
         exit_wall=worker.exit_wall,
@@ -295,7 +300,7 @@ def build_report(
         for o in outcomes
         if o.state == WorkerState.STOPPED.value and (o.host, o.pid, o.rank) != (root.host, root.pid, root.rank)
     )
-    hint = _hint(root, master_port)
+    hint = _hint(root, master_port) or _ended_early(root, outcomes)
     remote = dict(elsewhere) if elsewhere is not None else None
     return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
 
@@ -324,6 +329,26 @@ def _hint(root: WorkerOutcome, port: int) -> str | None:
     if root.signal == "SIGKILL" and root.oom_killed and not (root.hang or root.request):
         return "the kernel's out-of-memory killer killed a process while this attempt ran (oom_kill in /proc/vmstat)"
     return None
+
+
+def _ended_early(root: WorkerOutcome, outcomes: Sequence[WorkerOutcome]) -> str | None:
+    """The root cause is a collective broken by a peer, and ranks here had ended their script before: the
+    classic of ranks that run different numbers of steps (a rank's own data shorter than the others')."""
+    text = "\n".join([*root.stderr_tail, root.error.message if root.error else "", root.last_error or ""])
+    failed = root.ended_wall
+    if failed is None or not any(words in text for words in BROKEN_BY_A_PEER):
+        return None
+    done = [o for o in outcomes if o.rank != root.rank and o.host == root.host]
+    ended = [o.rank for o in done if o.script_over and o.state == WorkerState.STOPPED.value]
+    ended += [o.rank for o in done if o.state == WorkerState.SUCCEEDED.value and (o.exit_wall or failed) < failed]
+    if not ended:
+        return None
+    one = len(ended) == 1
+    ranks = f"rank {ended[0]}" if one else "ranks " + ", ".join(map(str, sorted(ended)))
+    return (
+        f"{ranks} had ended {'its' if one else 'their'} script while rank {root.rank} still called collectives "
+        f"with {'it' if one else 'them'}: do all ranks run as many steps (the same number of batches on each)?"
+    )
 
 
 def when(wall: float | None, *, date: bool = True, unknown: str = "?") -> str:
