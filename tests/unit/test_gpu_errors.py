@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.observe.gpu_errors import BLOCKING, diagnose
-from ftrun.observe.reporting import shown_tail
+from ftrun.observe.last_words import shown_tail
 
 H200 = Path(__file__).resolve().parents[1] / "fixtures" / "gpu" / "h200"
 

@@ -43,7 +43,6 @@ from ftrun.procs.signals import SignalWakeup
 from ftrun.procs.signals import name as signal_name
 from ftrun.procs.signals import notice as signal_notice
 from ftrun.procs.workers import AttemptProcesses, Worker, WorkerState, may_release
-from ftrun.worker.layout import FLAG_EXITING
 
 DRAIN_TIMEOUT_S = 5.0  # after the workers are gone, their pipes close at once unless a stray holds them
 
@@ -242,9 +241,7 @@ class LocalGroup:
             self._settle()
             return [self._stopped()]
         self._pacing.stopping()
-        for w in self._processes.running:  # a rank in its teardown had finished: the report says so
-            slot = self._watch.hangs.slot(w.local_rank)
-            w.script_over = slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_EXITING)
+        self._watch.mark_scripts_over(self._processes.running)
         kept: list[Worker] = []
         if keep:
             kept = self._in_place.set_aside(self._processes, self._processes.running)

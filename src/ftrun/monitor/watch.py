@@ -33,7 +33,7 @@ from ftrun.procs import proctree
 from ftrun.procs.signals import name as signal_name
 from ftrun.procs.workers import Hang, Worker, WorkerState
 from ftrun.reminder import Reminder
-from ftrun.worker.layout import FLAG_MEETING, SlotView
+from ftrun.worker.layout import FLAG_EXITING, FLAG_MEETING, SlotView
 from ftrun.worker.requests import Request
 from ftrun.worker.timeouts import Timeouts
 
@@ -102,6 +102,13 @@ class WorkerWatch:
         when = self.timer.next_expiration() if self.timer is not None else None
         checks.append(None if when is None else max(0.0, when - self._clock.wall()))
         return min((c for c in checks if c is not None), default=None)
+
+    def mark_scripts_over(self, running: list[Worker]) -> None:
+        """As a stop begins: which of ``running`` had ended their script (the stop cuts their teardown), for the
+        report (a rank that ended while its peers still called collectives with it)."""
+        for w in running:
+            slot = self.hangs.slot(w.local_rank)
+            w.script_over = slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_EXITING)
 
     def drain(self) -> None:
         """Read the timer requests waiting and the dumps' wake-ups (their pipes woke the agent)."""

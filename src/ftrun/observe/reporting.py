@@ -22,27 +22,16 @@ from typing import Any
 from ftrun.config import NO_RUN_ID
 from ftrun.errors import ErrorFileError
 from ftrun.observe.gpu_errors import GpuError, diagnose
+from ftrun.observe.last_words import READ_BYTES, READ_LINES, STDOUT_TAIL_LINES, last_error, shown_tail, tail
 from ftrun.private import write_atomically
 from ftrun.procs import disk
-from ftrun.procs.logs import tail_lines
 from ftrun.procs.workers import Worker, WorkerState
 from ftrun.worker.errorfile import ErrorRecord, read_error_file
 from ftrun.worker.in_place import BROKEN_BY_A_PEER
 
-STDERR_TAIL_LINES = 20
 HEADLINE_CHARS = 400  # a root cause's one line: its error's first characters
-STDOUT_TAIL_LINES = 10  # shown when a worker wrote nothing to stderr: its last words may be on stdout
-READ_LINES, READ_BYTES = 400, 256 << 10  # of stderr, read for the error that ended it (teardown warnings follow)
 MAX_SHARED_CHARS = 16_000  # of stacks in a root cause shared with the other nodes
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
-# The last line of a traceback, after any "[rank0]: " prefix (torch's) or "[default0]:" (a launcher's).
-_EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b(?::.*)?)$")
-_GROUP_HEADER = "Exception Group Traceback (most recent call last)"
-_BOXED_EXCEPTION_LINE = re.compile(
-    r"^(?:\[[^\]]*\]:\s*)?\|\s+([A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit)\b(?::.*)?)$"
-)
-# The last line of a fatal error's dump (faulthandler's): every C extension loaded, 3 KB for a torch job.
-_EXTENSION_MODULES = re.compile(r"^(Extension modules: [^,]*, [^,]*), .*(\(total: \d+\))$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +125,7 @@ class FailureReport:
 def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcome:
     error: ErrorRecord | None = None
     problem: str | None = None
-    read = _tail(worker.paths.stderr, READ_LINES, READ_BYTES)
+    read = tail(worker.paths.stderr, READ_LINES, READ_BYTES)
     gpu = diagnose(read)
     stderr_tail = shown_tail(read, gpu)
     try:
@@ -168,51 +157,13 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         waiting_stacks=worker.waiting_stacks or None,
         waiting_in=worker.waiting_in or None,
         request=worker.request or None,
-        stdout_tail=() if stderr_tail else tuple(_tail(worker.paths.stdout, STDOUT_TAIL_LINES)),
-        last_error=_last_error(stderr_tail),
+        stdout_tail=() if stderr_tail else tuple(tail(worker.paths.stdout, STDOUT_TAIL_LINES)),
+        last_error=last_error(stderr_tail),
         oom_killed=oom_killed,
         flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
         gpu_error=gpu,
         unwritten=disk.lost_from(str(worker.paths.stdout)) + disk.lost_from(str(worker.paths.stderr)),
     )
-
-
-def _tail(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
-    """The last lines of a worker's log: the file's, then what its full disk could not take (kept in memory)."""
-    lines = tail_lines(path, count, max_bytes)
-    unwritten = disk.unwritten_tail(str(path))
-    if unwritten:
-        lines += unwritten.decode(errors="replace").splitlines()[-count:]
-    return lines[-count:]
-
-
-def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
-    """The last lines of a worker's stderr to show, or, when the error that ended it came earlier (torch's
-    teardown warnings follow a CUDA error by the dozen), the traceback that holds it. A fatal error's list of
-    extension modules is cut to its count: the stacks above it are what tells."""
-    lines = [_EXTENSION_MODULES.sub(r"\1, ... \2", line) for line in lines]
-    tail = tuple(lines[-STDERR_TAIL_LINES:])
-    end = gpu.line if gpu is not None and gpu.line >= 0 else None
-    if end is None or end >= len(lines) - STDERR_TAIL_LINES:
-        return tail
-    starts = [i for i in range(max(0, end - 60), end + 1) if "Traceback (most recent call last)" in lines[i]]
-    start = starts[-1] if starts else max(0, end - 4)
-    stop = end + 1
-    while stop < min(len(lines), end + 7) and lines[stop].strip():  # the message's own lines that follow
-        stop += 1
-    return (*lines[start:stop], f"... and {len(lines) - stop} more lines (in stderr.log)")
-
-
-def _last_error(tail: Sequence[str]) -> str | None:
-    """The exception a traceback ends with; an exception group's (its lines are boxed: "  | ValueError: a"), with
-    its first sub-exception."""
-    for at in range(len(tail) - 1, -1, -1):
-        if found := _EXCEPTION_LINE.match(tail[at].strip()):
-            return found.group(1)
-        if _GROUP_HEADER in tail[at]:
-            boxed = [m.group(1) for line in tail[at + 1 :] if (m := _BOXED_EXCEPTION_LINE.match(line.strip()))]
-            return f"{boxed[0]}; the first: {boxed[1]}" if len(boxed) > 1 else boxed[0] if boxed else None
-    return None
 
 
 def outcome_json(o: WorkerOutcome) -> dict[str, Any]:
