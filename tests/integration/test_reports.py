@@ -223,6 +223,37 @@ def test_a_rank_that_exits_is_the_root_cause_not_its_peers_echo(
         assert root["exit_code"] == (2 if how == "exit(2)" else 1)
 
 
+FORKS_A_CHILD_THAT_EXITS = """
+import os, sys, time
+import torch, torch.distributed as dist
+pid = os.fork()
+if pid == 0:  # a child of the rank that ends through Python: its atexit handlers run, inherited
+    sys.exit(3)
+os.waitpid(pid, 0)
+dist.init_process_group("gloo")
+for step in range(20):
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.05)
+print("rank", dist.get_rank(), "done", flush=True)
+if dist.get_rank() == 0 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    raise RuntimeError("planned: the next attempt's ranks are warm")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_a_forked_child_that_exits_through_python_is_not_the_ranks_end(tmp_path: Path, script: WriteScript) -> None:
+    """Each rank forks a child that calls sys.exit(3) (without the fix it told the agent the rank's script had
+    ended with 3: released as failed, the root cause); fresh in attempt 0, warm in attempt 1."""
+    script("w.py", FORKS_A_CHILD_THAT_EXITS)
+    r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
+    assert r.returncode == 0, r.stderr
+    root: Any = r.report(0)["root_cause"]
+    assert (root["rank"], root["exit_code"]) == (0, 1), root
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True, True]
+    assert all(f"rank {n} done" in r.log(1, n) for n in range(2))
+
+
 UNEVEN = """
 import time
 import torch, torch.distributed as dist

@@ -89,6 +89,7 @@ class _Attached:
         self._named_step: int | None = None  # by ftrun.snapshot or ftrun.restore: the step computed next
         # What was observed, for calculate_timeouts().
         self._attached = _now()
+        self._pid = os.getpid()  # a child forked from the rank that ends through Python is not the rank's end
         # Start-up is measured from when the agent started this process, the basis it judges it on.
         self._spawned = _spawned_at(environ, self._attached)
         self._idle_since = 0.0  # out of section counts from the end of the first section
@@ -129,6 +130,8 @@ class _Attached:
         """The script itself is over with ``code``; what comes next is the interpreter's teardown. After a
         failure the agent may restart at once, beside the teardown (atexit handlers, torch's finalizers: 30-100
         ms), which it leaves to finish unkilled: the job's open files are flushed first (:mod:`.flush`)."""
+        if os.getpid() != self._pid:
+            return
         layout.ENDED.pack_into(self._map, self._base + layout.OFF_ENDED, _now(), code)
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
@@ -142,6 +145,8 @@ class _Attached:
 
     def _exiting(self) -> None:
         """The script is over: the interpreter's teardown (joining threads, torch) is not a hang."""
+        if os.getpid() != self._pid:
+            return
         self._flags |= layout.FLAG_EXITING
         self._write_flags()
         self.report_imports()
