@@ -234,3 +234,22 @@ def test_a_failure_of_its_own_after_a_rank_ended_gets_no_such_hint(tmp_path: Pat
     finished = worker(tmp_path, 1, WorkerState.SUCCEEDED, 0, 4.0)
     r = build_report([own, finished], run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
     assert r.hint is None
+
+
+def test_a_command_line_error_is_the_root_causes_headline(tmp_path: Path) -> None:
+    usage = "usage: train.py [-h] --lr LR\ntrain.py: error: the following arguments are required: --lr\n"
+    r = build_report(
+        [worker(tmp_path, 0, WorkerState.FAILED, 2, 1.0, usage)],
+        run_id="r", attempt=0, will_restart=False, master_port=1, host="h",
+    )  # fmt: skip
+    assert r.root_cause.cause == "exit code 2: train.py: error: the following arguments are required: --lr"
+
+
+def test_a_last_line_that_is_no_command_line_error_is_no_headline(tmp_path: Path) -> None:
+    noise = "wandb: Find logs at: ./wandb/run-1/logs\n"
+    for code in (1, 2):
+        r = build_report(
+            [worker(tmp_path / str(code), 0, WorkerState.FAILED, code, 1.0, noise)],
+            run_id="r", attempt=0, will_restart=False, master_port=1, host="h",
+        )  # fmt: skip
+        assert r.root_cause.cause == f"exit code {code}"

@@ -20,6 +20,8 @@ _GROUP_HEADER = "Exception Group Traceback (most recent call last)"
 _BOXED_EXCEPTION_LINE = re.compile(
     r"^(?:\[[^\]]*\]:\s*)?\|\s+([A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit)\b(?::.*)?)$"
 )
+MAX_SAID = 300
+_USAGE_ERROR = re.compile(r"^(?:\S+: )?error: ", re.IGNORECASE)  # argparse's "prog: error: ", click's "Error: "
 # The last line of a fatal error's dump (faulthandler's): every C extension loaded, 3 KB for a torch job.
 _EXTENSION_MODULES = re.compile(r"^(Extension modules: [^,]*, [^,]*), .*(\(total: \d+\))$")
 
@@ -50,13 +52,15 @@ def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
     return (*lines[start:stop], f"... and {len(lines) - stop} more lines (in stderr.log)")
 
 
-def last_error(tail: Sequence[str]) -> str | None:
+def last_error(tail: Sequence[str], exit_code: int | None = None) -> str | None:
     """The exception a traceback ends with; an exception group's (its lines are boxed: "  | ValueError: a"), with
-    its first sub-exception."""
+    its first sub-exception. With none, a script that exited 2 on its command line's error said it last:
+    argparse's "train.py: error: the following arguments are required: --lr", click's "Error: No such option"."""
     for at in range(len(tail) - 1, -1, -1):
         if found := _EXCEPTION_LINE.match(tail[at].strip()):
             return found.group(1)
         if _GROUP_HEADER in tail[at]:
             boxed = [m.group(1) for line in tail[at + 1 :] if (m := _BOXED_EXCEPTION_LINE.match(line.strip()))]
             return f"{boxed[0]}; the first: {boxed[1]}" if len(boxed) > 1 else boxed[0] if boxed else None
-    return None
+    said = next((line.strip() for line in reversed(tail) if line.strip()), "")
+    return said[:MAX_SAID] if exit_code == 2 and _USAGE_ERROR.match(said) else None

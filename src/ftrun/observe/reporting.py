@@ -158,7 +158,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         waiting_in=worker.waiting_in or None,
         request=worker.request or None,
         stdout_tail=() if stderr_tail else tuple(tail(worker.paths.stdout, STDOUT_TAIL_LINES)),
-        last_error=last_error(stderr_tail),
+        last_error=last_error(stderr_tail, worker.exit_code),
         oom_killed=oom_killed,
         flight_recorder=str(dump) if (dump := worker.paths.flight_recorder_dump(worker.rank)) else None,
         gpu_error=gpu,
