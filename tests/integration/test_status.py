@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -69,38 +70,55 @@ def job(tmp_path: Path, live: list[LiveFtrun]) -> LiveFtrun:
     return agent
 
 
+@dataclass(frozen=True)
+class Terminal:
+    """A command's terminal: a fresh 150x40 tmux window, which stays when the command ends."""
+
+    socket: str
+
+    def screen(self, scrolled: int = 0) -> str:
+        """What it shows, with the last ``scrolled`` lines that left its top."""
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, "capture-pane", "-p", "-t", "view", "-S", str(-scrolled)],
+            capture_output=True,
+            text=True,
+        )
+        return out.stdout
+
+    def ended(self) -> bool:
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, "display", "-p", "-t", "view", "#{pane_dead}"], capture_output=True, text=True
+        )
+        return out.stdout.strip() == "1"
+
+
 @pytest.fixture
-def tmux(tmp_path: Path) -> Iterator[Callable[..., Callable[[], str]]]:
-    """``tmux(*command)`` runs command in a fresh 150x40 terminal; returns a function that captures the screen."""
+def tmux(tmp_path: Path) -> Iterator[Callable[..., Terminal]]:
+    """``tmux(*command)`` runs command in a :class:`Terminal`."""
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed")
     socket = f"ftrun-test-{os.getpid()}-{tmp_path.name}"
 
-    def start(*command: str) -> Callable[[], str]:
+    def start(*command: str) -> Terminal:
+        window = ["new-session", "-d", "-s", "view", "-x", "150", "-y", "40", *command]
         subprocess.run(
-            ["tmux", "-L", socket, "new-session", "-d", "-s", "view", "-x", "150", "-y", "40", *command],
+            ["tmux", "-L", socket, *window, ";", "set-option", "-t", "view", "remain-on-exit", "on"],
             check=True,
             timeout=WAIT_S,
             # The terminal's own size, not one a parent set (pytest-xdist's workers have COLUMNS=80, LINES=24).
             env={**{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}, "TERM": "xterm-256color"},
         )
-
-        def screen() -> str:
-            out = subprocess.run(
-                ["tmux", "-L", socket, "capture-pane", "-p", "-t", "view"], capture_output=True, text=True
-            )
-            return out.stdout
-
-        return screen
+        return Terminal(socket)
 
     yield start
     subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=WAIT_S)
 
 
 def test_the_live_view_in_a_terminal_follows_a_restart_to_the_end(
-    tmp_path: Path, job: LiveFtrun, tmux: Callable[..., Callable[[], str]]
+    tmp_path: Path, job: LiveFtrun, tmux: Callable[..., Terminal]
 ) -> None:
-    screen = tmux(sys.executable, "-m", "ftrun", "status", str(job.run_dir), "--interval", "0.2")
+    terminal = tmux(sys.executable, "-m", "ftrun", "status", str(job.run_dir), "--interval", "0.2")
+    screen = terminal.screen
     shown = until(showing(screen, lambda s: "running" in s and "train" in s), "two running ranks")
     assert "restarts 0" in shown
     assert "ftrun run t" in shown
@@ -117,6 +135,8 @@ def test_the_live_view_in_a_terminal_follows_a_restart_to_the_end(
     assert job.wait() == 0
     shown = until(showing(screen, lambda s: "finished: succeeded (exit 0)" in s), "the end of the run")
     assert "goodput" in shown
+    until(terminal.ended, "the live view's own end, the run's last view left on the terminal")
+    assert "finished: succeeded (exit 0)" in terminal.screen(scrolled=5)  # its end, and tmux's word, scroll it
 
 
 def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job: LiveFtrun) -> None:
@@ -145,6 +165,15 @@ def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job
     assert ended["nodes"][0]["goodput"]["stepped"]
     once = status(str(job.run_dir), "--once")
     assert "finished: succeeded (exit 0)" in once.stdout
+
+
+def test_status_piped_prints_once_and_ends(tmp_path: Path, job: LiveFtrun) -> None:
+    """``ftrun status RUN_DIR | grep ...`` while the job runs: no live view, which never ended with no terminal
+    to draw on and printed nothing (rich draws a non-terminal's view at its end)."""
+    until(showing(lambda: snapshot(str(job.run_dir)), lambda d: d["phase"] == "running"), "the job running")
+    piped = status(str(job.run_dir))  # its output a pipe; bounded by WAIT_S
+    assert piped.returncode == 0, piped.stderr
+    assert "ftrun run t  running" in piped.stdout, piped.stdout
 
 
 def test_status_answers_from_the_events_before_the_first_status_record(tmp_path: Path, job: LiveFtrun) -> None:

@@ -1,4 +1,5 @@
-"""``ftrun status``: a job as a person wants to see it, live in the terminal, or once, or as JSON.
+"""``ftrun status``: a job as a person wants to see it, live in the terminal until it ends, or once (also
+whenever its output is no terminal), or as JSON.
 
 It reads what the agents write for it and never talks to them: a run
 directory's ``status.json`` (one node, or the node whose logs you have), or,
@@ -61,7 +62,7 @@ def main(argv: Sequence[str], environ: Mapping[str, str]) -> int:
             return 0
         from ftrun.cli.status_view import live, render
 
-        if a.once:
+        if a.once or not sys.stdout.isatty():  # piped, redirected: one snapshot (a live view would never end)
             render(source.snapshot(), sys.stdout)
             return 0
         return live(source.snapshot, a.interval)

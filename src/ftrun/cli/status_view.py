@@ -33,18 +33,25 @@ def render(job: dict[str, Any], out: TextIO) -> None:
     Console(file=out, width=120 if not out.isatty() else None).print(view(job))
 
 
+ENDED = ("finished", "agent gone")  # a job's phases after which nothing changes
+
+
 def live(snapshot: Callable[[], dict[str, Any]], interval_s: float) -> int:
-    """Refresh until Ctrl-C; a snapshot that fails (the agent rewrote its file meanwhile) keeps the last one."""
+    """Refresh until the job has ended (finished, or its agent gone: its last view stays on the terminal) or
+    Ctrl-C; a snapshot that fails (the agent rewrote its file meanwhile) keeps the last one."""
+    job = snapshot()
     try:
-        with Live(view(snapshot()), refresh_per_second=4, screen=False) as shown:
-            while True:
+        with Live(view(job), refresh_per_second=4, screen=False) as shown:
+            while job["phase"] not in ENDED:
                 time.sleep(interval_s)
                 try:
-                    shown.update(view(snapshot()))
+                    job = snapshot()
                 except FtrunError:
                     continue
+                shown.update(view(job))
     except KeyboardInterrupt:
-        return 0
+        pass
+    return 0
 
 
 def _header(job: dict[str, Any]) -> Text:
