@@ -34,7 +34,7 @@ from ftrun.worker import collectives, layout
 from ftrun.worker.flush import flush_open_files
 from ftrun.worker.imports import report_modules
 from ftrun.worker.signals import REQUEST_SIGNAL, STACK_SIGNAL, check_header
-from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled
+from ftrun.worker.timeouts import LEARNED_FLOOR_S, Timeouts, scaled, spawned_at
 from ftrun.worker.unattached import Unattached
 
 DEFAULT_SAFETY_FACTOR = 5.0
@@ -91,7 +91,7 @@ class _Attached:
         self._attached = _now()
         self._pid = os.getpid()  # a child forked from the rank that ends through Python is not the rank's end
         # Start-up is measured from when the agent started this process, the basis it judges it on.
-        self._spawned = _spawned_at(environ, self._attached)
+        self._spawned = spawned_at(environ, self._attached)
         self._idle_since = 0.0  # out of section counts from the end of the first section
         self._first_beat: float | None = None
         self._longest_beat_gap = 0.0
@@ -365,15 +365,6 @@ class _Attached:
 
 def _int(text: str | None) -> int:
     return int(text) if text and text.isdigit() else 0
-
-
-def _spawned_at(environ: Mapping[str, str], attached: float) -> float:
-    """FTRUN_SPAWNED_AT if it is a sane monotonic time before ``attached``, else ``attached``."""
-    try:
-        spawned = float(environ.get("FTRUN_SPAWNED_AT", ""))
-    except ValueError:
-        return attached
-    return spawned if 0 < spawned <= attached else attached
 
 
 def attach() -> None:

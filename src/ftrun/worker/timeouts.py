@@ -127,3 +127,13 @@ def from_nvidia_state(state: dict[str, Any], current: Timeouts) -> Timeouts:
     if not isinstance(found, dict):
         raise ValueError(f"NVIDIA monitor state: {NVIDIA_STATE_KEY!r} must be a mapping, got {found!r:.100}")
     return Timeouts.from_json({"initial_heartbeat": found.get("initial"), "heartbeat": found.get("subsequent")})
+
+
+def spawned_at(environ: Mapping[str, str], attached: float) -> float:
+    """When the agent started this process (the start-up timeout counts from it): FTRUN_SPAWNED_AT if it is a
+    sane monotonic time before ``attached``, else ``attached``."""
+    try:
+        spawned = float(environ.get("FTRUN_SPAWNED_AT", ""))
+    except ValueError:
+        return attached
+    return spawned if 0 < spawned <= attached else attached
