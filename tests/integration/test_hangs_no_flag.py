@@ -323,3 +323,30 @@ def test_a_rank_waiting_for_a_program_that_cannot_run_is_hung(tmp_path: Path, sc
     root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
     assert "rank 0 never entered barrier" in root["hang"], root
     assert "waits for the program" not in r.stderr
+
+
+LEAVES_EARLY = """
+import time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(100 if rank < 2 else 3):  # rank 2's data is shorter: it leaves the loop first
+    dist.all_reduce(torch.ones(4))
+    time.sleep(0.02)
+dist.barrier()
+"""
+
+
+def test_ranks_in_different_collectives_are_named_a_mismatch_and_the_odd_one_blamed(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    script("w.py", LEAVES_EARLY)
+    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "3", "w.py")
+    assert r.returncode == 1
+    root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 2, root
+    assert re.search(
+        r"ranks 0-2 called different collectives as #\d+ of default_pg at [\d:]+ \(ranks 0-1 all_reduce of 16 B; "
+        r"rank 2 barrier of 0 B\): a mismatch, which never finishes \(rank 2's call is the odd one\)",
+        root["hang"],
+    ), root["hang"]

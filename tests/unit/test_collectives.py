@@ -250,6 +250,40 @@ def test_of_ranks_none_of_which_moves_the_one_that_stopped_first_is_blamed() -> 
     assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == []  # one is gone: its exit tells
 
 
+def calls(seq: int, op: str, nbytes: int) -> list[object]:
+    return ["0", "default_pg", seq, seq - 1, [seq, op, nbytes, 80.0]]
+
+
+def test_ranks_in_different_collectives_at_one_count_are_a_mismatch_and_the_odd_call_is_blamed() -> None:
+    """Rank 2 left its loop a step early (its data was shorter) and waits in a barrier where the others wait in
+    all_reduce #7: not a collective every rank entered that never finishes, but a mismatch, which never does."""
+    ops = {0: ("all_reduce", 16), 1: ("all_reduce", 16), 2: ("barrier", 0)}
+    summaries = {r: rank(r, [calls(7, op, n)], stack_since=90.0 + r) for r, (op, n) in ops.items()}
+    [stall] = stalls(summaries.values(), 100.0)
+    assert stall.missing == ()
+    watched = suspects([stall], Patience(10.0))
+    assert watched is not None
+    quiet = dict.fromkeys(ops, (25.0, False))
+    assert culprits(watched, quiet, summaries, 100.0, Patience(10.0)) == [2]  # not rank 0, whose stack is oldest
+    said = stall.describe(2, "12:01:03")
+    assert said == (
+        "ranks 0-2 called different collectives as #7 of default_pg at 12:01:03 (ranks 0-1 all_reduce of 16 B; "
+        "rank 2 barrier of 0 B): a mismatch, which never finishes (rank 2's call is the odd one)"
+    )
+
+
+def test_a_mismatch_of_as_many_ranks_each_way_blames_the_rank_that_stopped_first() -> None:
+    summaries = {r: rank(r, [calls(7, "all_reduce", 16 * (r + 1))], stack_since=95.0 - 5 * r) for r in (0, 1)}
+    [stall] = stalls(summaries.values(), 100.0)
+    watched = suspects([stall], Patience(10.0))
+    assert watched is not None
+    assert culprits(watched, {0: (25.0, False), 1: (25.0, False)}, summaries, 100.0, Patience(10.0)) == [1]
+    assert stall.describe(1, "12:01:03").endswith(
+        "(rank 0 all_reduce of 16 B; rank 1 all_reduce of 32 B): a mismatch, which never finishes "
+        "(rank 1 stopped moving first)"
+    )
+
+
 def test_the_members_missing_from_a_collective_are_suspects_before_a_collective_every_member_entered() -> None:
     behind = ["0", "default_pg", 5, 5, None]  # rank 1 never entered the 6th
     summaries = {0: rank(0, [waits(6, 80.0)]), 1: rank(1, [behind]), 2: rank(2, [waits(6, 80.0)])}

@@ -138,18 +138,44 @@ class Stall:
     nbytes: int
     waiting: tuple[tuple[int, float], ...]  # (rank, when it entered), by rank
     missing: tuple[int, ...]
+    calls: tuple[tuple[int, str, int], ...] = ()  # (rank, op, bytes) of each rank in it, where they differ
 
     @property
     def since(self) -> float:
         """When the first rank entered it."""
         return min(since for _, since in self.waiting)
 
+    def odd_ones(self) -> set[int]:
+        """In a mismatch, the ranks whose call fewer ranks made than another (none where all are as many)."""
+        kinds = self._kinds().values()
+        fewest = min(map(len, kinds), default=0)
+        return (
+            {r for rs in kinds for r in rs if len(rs) == fewest} if fewest < max(map(len, kinds), default=0) else set()
+        )
+
+    def _kinds(self) -> dict[tuple[str, int], list[int]]:
+        kinds: dict[tuple[str, int], list[int]] = {}
+        for r, op, nbytes in self.calls:
+            kinds.setdefault((op, nbytes), []).append(r)
+        return kinds
+
     def describe(self, rank: int, at: str) -> str:
         """'rank 3 never entered all_reduce #1412 (default_pg, 4.0 MB) that ranks 0-2 entered at 12:01:03', or
         where every member entered it: 'ranks 0-3 entered ... at 12:01:03; it never finished (rank 3 stopped
         moving first)'; ``at``: :attr:`since` as the reader's clock of day says it (the caller's local time)."""
-        what = f"{self.op} #{self.seq} ({self.description or 'group ' + self.group}, {_size(self.nbytes)})"
+        group = self.description or "group " + self.group
+        what = f"{self.op} #{self.seq} ({group}, {_size(self.nbytes)})"
         waiting = _ranks([r for r, _ in self.waiting])
+        if self.calls and not self.missing:  # a mismatch: the ranks' #seq are different calls, never one
+            kinds = self._kinds()
+            said = "; ".join(f"{_ranks(rs)} {op} of {_size(n)}" for (op, n), rs in sorted(kinds.items()))
+            why = (
+                f"rank {rank}'s call is the odd one" if rank in self.odd_ones() else f"rank {rank} stopped moving first"
+            )
+            return (
+                f"{waiting} called different collectives as #{self.seq} of {group} at {at} ({said}): a mismatch, "
+                f"which never finishes ({why})"
+            )
         if not self.missing:
             return f"{waiting} entered {what} at {at}; it never finished (rank {rank} stopped moving first)"
         return f"rank {rank} never entered {what} that {waiting} entered at {at}"
@@ -192,7 +218,13 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITE
             continue
         entered = tuple(sorted((rank, g.in_flight.since if g.in_flight else now) for rank, g in stuck))
         missing = tuple(sorted(r.rank for r, g in members if g.entered < seq))
-        found.append(Stall(name, stuck[0][1].description, seq, flying.op, flying.nbytes, entered, missing))
+        calls = tuple(sorted((rank, g.in_flight.op, g.in_flight.nbytes) for rank, g in stuck if g.in_flight))
+        differ = len({(op, nbytes) for _, op, nbytes in calls}) > 1
+        found.append(
+            Stall(
+                name, stuck[0][1].description, seq, flying.op, flying.nbytes, entered, missing, calls if differ else ()
+            )
+        )
     return sorted(found, key=lambda s: (-len(s.waiting), s.since))
 
 
@@ -237,7 +269,9 @@ def culprits(
         return list(hung)
     if len(hung) < len(quiet):
         return []  # one of them moves (or is gone): the collective may be slow, not hung
-    return [min(hung, key=lambda rank: (not hung[rank], summaries[rank].stack_since or now))]
+    odd = watched.stall.odd_ones()  # a mismatch: the ranks whose call is the rare one went astray
+    pick = [rank for rank in hung if rank in odd] or list(hung)
+    return [min(pick, key=lambda rank: (not hung[rank], summaries[rank].stack_since or now))]
 
 
 @dataclass(frozen=True, slots=True)
