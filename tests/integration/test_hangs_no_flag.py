@@ -350,3 +350,30 @@ def test_ranks_in_different_collectives_are_named_a_mismatch_and_the_odd_one_bla
         r"rank 2 barrier of 0 B\): a mismatch, which never finishes \(rank 2's call is the odd one\)",
         root["hang"],
     ), root["hang"]
+
+
+SIZES_DIFFER = """
+import time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(6):
+    last_batch = dist.get_rank() == 1 and step == 3  # rank 1's batch is smaller: a tensor of 3, not 4
+    dist.all_reduce(torch.ones(3 if last_batch else 4))
+    time.sleep(0.02)
+"""
+
+
+def test_a_rank_left_in_a_collective_its_peer_finished_with_another_size_is_named_there(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    """gloo finishes rank 1's all_reduce of 12 B and never rank 0's of 16 B: rank 1 goes on to the next one."""
+    script("w.py", SIZES_DIFFER)
+    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "2", "w.py")
+    assert r.returncode == 1
+    root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == 0, root
+    assert re.search(
+        r"rank 0 never entered all_reduce #(\d+) \(default_pg, 16 B\) that rank 1 entered at [\d:]+: it is still in "
+        r"all_reduce #\d+ \(16 B\), which rank 1 finished \(did the ranks' calls #\d+ match, in size and kind\?\)",
+        root["hang"],
+    ), root["hang"]

@@ -272,6 +272,18 @@ def test_ranks_in_different_collectives_at_one_count_are_a_mismatch_and_the_odd_
     )
 
 
+def test_a_rank_still_in_a_collective_the_others_finished_is_named_with_it() -> None:
+    """Rank 0's all_reduce #4 had 16 B, rank 1's 12 B: gloo finished rank 1's, never rank 0's; rank 1 waits
+    in #5. Rank 0 never entered #5 indeed, and the verdict says where it is instead."""
+    behind = ["0", "default_pg", 4, 3, [4, "all_reduce", 16, 80.0]]
+    [stall] = stalls([rank(0, [behind]), rank(1, [calls(5, "all_reduce", 16)])], 100.0)
+    assert stall.missing == (0,)
+    assert stall.describe(0, "12:01:03") == (
+        "rank 0 never entered all_reduce #5 (default_pg, 16 B) that rank 1 entered at 12:01:03: it is still in "
+        "all_reduce #4 (16 B), which rank 1 finished (did the ranks' calls #4 match, in size and kind?)"
+    )
+
+
 def test_a_mismatch_of_as_many_ranks_each_way_blames_the_rank_that_stopped_first() -> None:
     summaries = {r: rank(r, [calls(7, "all_reduce", 16 * (r + 1))], stack_since=95.0 - 5 * r) for r in (0, 1)}
     [stall] = stalls(summaries.values(), 100.0)

@@ -139,6 +139,7 @@ class Stall:
     waiting: tuple[tuple[int, float], ...]  # (rank, when it entered), by rank
     missing: tuple[int, ...]
     calls: tuple[tuple[int, str, int], ...] = ()  # (rank, op, bytes) of each rank in it, where they differ
+    behind: tuple[tuple[int, InFlight], ...] = ()  # missing ranks still in an earlier one, which the others finished
 
     @property
     def since(self) -> float:
@@ -178,7 +179,14 @@ class Stall:
             )
         if not self.missing:
             return f"{waiting} entered {what} at {at}; it never finished (rank {rank} stopped moving first)"
-        return f"rank {rank} never entered {what} that {waiting} entered at {at}"
+        said = f"rank {rank} never entered {what} that {waiting} entered at {at}"
+        stuck = next((f for r, f in self.behind if r == rank), None)
+        if stuck is not None:  # a collective that did not match on every rank: finished by some, never by it
+            said += (
+                f": it is still in {stuck.op} #{stuck.seq} ({_size(stuck.nbytes)}), which {waiting} finished (did the "
+                f"ranks' calls #{stuck.seq} match, in size and kind?)"
+            )
+        return said
 
 
 def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITED_TO_LOOK_S) -> list[Stall]:
@@ -219,12 +227,15 @@ def stalls(ranks: Iterable[RankCollectives], now: float, waited_s: float = WAITE
         entered = tuple(sorted((rank, g.in_flight.since if g.in_flight else now) for rank, g in stuck))
         missing = tuple(sorted(r.rank for r, g in members if g.entered < seq))
         calls = tuple(sorted((rank, g.in_flight.op, g.in_flight.nbytes) for rank, g in stuck if g.in_flight))
-        differ = len({(op, nbytes) for _, op, nbytes in calls}) > 1
-        found.append(
-            Stall(
-                name, stuck[0][1].description, seq, flying.op, flying.nbytes, entered, missing, calls if differ else ()
+        if len({(op, nbytes) for _, op, nbytes in calls}) == 1:
+            calls = ()  # one call: no mismatch
+        behind = tuple(
+            sorted(
+                (r.rank, g.in_flight) for r, g in members if g.entered < seq and g.in_flight and g.in_flight.seq < seq
             )
         )
+        description = stuck[0][1].description
+        found.append(Stall(name, description, seq, flying.op, flying.nbytes, entered, missing, calls, behind))
     return sorted(found, key=lambda s: (-len(s.waiting), s.since))
 
 
