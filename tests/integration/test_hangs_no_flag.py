@@ -279,6 +279,7 @@ def test_a_rank_at_a_debuggers_prompt_on_ftruns_terminal_is_not_hung(tmp_path: P
 
 WAITS_FOR_A_PROGRAM = """
 import subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
 import torch, torch.distributed as dist
 form, seconds = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")
@@ -291,6 +292,8 @@ for step in range(3):
             subprocess.check_output(["sleep", seconds])
         elif form == "capture_output":
             subprocess.run(f"sleep {seconds}", shell=True, capture_output=True, text=True)
+        elif form == "thread":  # handed to a thread pool, waited for on a lock
+            ThreadPoolExecutor(1).submit(subprocess.run, ["sleep", seconds]).result()
         else:  # a program that cannot run: it stopped itself
             subprocess.run(["sh", "-c", "kill -STOP $$"])
     dist.barrier()
@@ -299,7 +302,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("form", ["run", "check_output", "capture_output"])
+@pytest.mark.parametrize("form", ["run", "check_output", "capture_output", "thread"])
 def test_a_rank_waiting_for_an_idle_program_it_started_is_not_hung(
     tmp_path: Path, script: WriteScript, form: str
 ) -> None:

@@ -15,6 +15,15 @@ WAYS = {
     "its exit": "import subprocess; subprocess.run(['sleep', '30'])",
     "its output": "import subprocess; subprocess.check_output(['sleep', '30'])",
     "its output and errors": "import subprocess; subprocess.run('sleep 30', shell=True, capture_output=True)",
+    "a thread's program": (
+        "import subprocess, concurrent.futures as cf\n"
+        "cf.ThreadPoolExecutor(1).submit(subprocess.run, ['sleep', '30']).result()\n"
+    ),
+    "a thread's sleep": (
+        "import subprocess, time, concurrent.futures as cf\n"
+        "p = subprocess.Popen(['sleep', '30'])\n"
+        "cf.ThreadPoolExecutor(1).submit(time.sleep, 30).result()\n"
+    ),
     "a helper's queue": (
         "import multiprocessing as mp, time\n"
         "def helper(q): time.sleep(30)\n"
@@ -46,7 +55,9 @@ def waiting(request: pytest.FixtureRequest) -> Iterator[psutil.Process]:
         proc.wait()
 
 
-@pytest.mark.parametrize("waiting", ["its exit", "its output", "its output and errors"], indirect=True)
+@pytest.mark.parametrize(
+    "waiting", ["its exit", "its output", "its output and errors", "a thread's program"], indirect=True
+)
 def test_a_process_waiting_for_a_program_it_started_waits_for_that_program(waiting: psutil.Process) -> None:
     [child] = waiting.children()
     said = waiting_for(waiting.pid)
@@ -54,7 +65,9 @@ def test_a_process_waiting_for_a_program_it_started_waits_for_that_program(waiti
     assert "sleep 30" in said
 
 
-@pytest.mark.parametrize("waiting", ["a helper's queue", "a stopped program", "nobody"], indirect=True)
+@pytest.mark.parametrize(
+    "waiting", ["a helper's queue", "a stopped program", "a thread's sleep", "nobody"], indirect=True
+)
 def test_a_process_waiting_for_its_own_helper_or_a_program_that_cannot_run_waits_for_itself(
     waiting: psutil.Process,
 ) -> None:

@@ -4,7 +4,8 @@ timeout either). Read from /proc/PID/syscall, where a blocked thread shows its s
 
 - A person at its terminal: ``read`` of a tty, or readline's ``select`` on fd 0 alone (pdb, ``breakpoint()``,
   ``input()``), where the worker's input is ftrun's terminal, run by hand.
-- A program it started (``subprocess.run``: ``wait4`` for its exit, or ``read``/``poll`` of its output's pipe):
+- A program it started (``subprocess.run``: ``wait4`` for its exit, or ``read``/``poll`` of its output's pipe),
+  in the main thread or in a thread the main thread waits for on a lock (``executor.submit(...).result()``):
   a checkpoint's upload, an evaluation, a job submitted with ``sbatch --wait``. Busy, the program shows
   progress of its own (its CPU time and I/O count as the rank's); idle, it waits in turn (for a remote machine,
   a scheduler), which ftrun cannot tell from a hang, and the rank's peers were waiting for it all the same. Not
@@ -24,22 +25,33 @@ import psutil
 
 # The system calls a main thread waits in, by machine, as /proc/PID/syscall numbers them.
 CALLS = {
-    "x86_64": {0: "read", 23: "select", 270: "select", 7: "poll", 271: "poll", 61: "wait", 247: "waitid"},
-    "aarch64": {63: "read", 72: "select", 73: "poll", 260: "wait", 95: "waitid"},
+    "x86_64": {0: "read", 23: "select", 270: "select", 7: "poll", 271: "poll", 61: "wait", 247: "waitid", 202: "futex"},
+    "aarch64": {63: "read", 72: "select", 73: "poll", 260: "wait", 95: "waitid", 98: "futex"},
 }
 POLLFD = struct.Struct("<ihh")  # struct pollfd: fd, events, revents
 MAX_POLLED = 64  # more descriptors than this polled at once is no wait for one program's output
+MAX_THREADS = 256  # of a process whose main thread waits on a lock, looked through for one waiting for a program
 P_ALL, P_PID = 0, 1  # waitid's idtype
 STUCK = (psutil.STATUS_DISK_SLEEP, psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def waiting_for(pid: int) -> str:
     """Whom the process's main thread waits for: "a person at its terminal", "the program it started (pid N:
-    cmd)", or "" (itself, or what ftrun cannot tell)."""
-    blocked = _blocked(pid)
-    if blocked is None:
-        return ""
+    cmd)", or "" (itself, or what ftrun cannot tell). A main thread waiting on a lock (``future.result()``)
+    waits for the program one of its threads waits for (an upload handed to a thread pool)."""
+    blocked = _blocked(f"/proc/{pid}/syscall")
+    if blocked is not None and blocked[0] == "futex":
+        threads = sorted(os.listdir(f"/proc/{pid}/task"))[:MAX_THREADS] if os.path.isdir(f"/proc/{pid}/task") else []
+        found = (_waits(pid, b) for t in threads if t != str(pid) and (b := _blocked(f"/proc/{pid}/task/{t}/syscall")))
+        return next((said for said in found if said.startswith("the program")), "")
+    return _waits(pid, blocked) if blocked is not None else ""
+
+
+def _waits(pid: int, blocked: tuple[str, list[int]]) -> str:
+    """Whom a thread of the process, blocked in ``blocked``, waits for."""
     call, args = blocked
+    if call == "futex":
+        return ""
     if call in ("wait", "waitid"):
         return _program(pid, _waited_pid(call, args), set())
     fds = _polled(pid, args[0], args[1]) if call == "poll" else [args[0]] if call == "read" else [0]
@@ -51,10 +63,11 @@ def waiting_for(pid: int) -> str:
     return _program(pid, None, pipes) if pipes and call != "select" else ""
 
 
-def _blocked(pid: int) -> tuple[str, list[int]] | None:
-    """The system call the main thread is blocked in, with its arguments; None when it runs or cannot tell."""
+def _blocked(path: str) -> tuple[str, list[int]] | None:
+    """The system call a thread is blocked in (``path``: its /proc syscall file), with its arguments; None when it
+    runs or cannot tell."""
     try:
-        with open(f"/proc/{pid}/syscall") as f:  # "NR arg1 ... arg6 sp pc" while blocked; "running" otherwise
+        with open(path) as f:  # "NR arg1 ... arg6 sp pc" while blocked; "running" otherwise
             fields = f.read().split()
     except OSError:  # gone, or not ours to read
         return None
