@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -340,21 +341,6 @@ dist.barrier()
 """
 
 
-def test_ranks_in_different_collectives_are_named_a_mismatch_and_the_odd_one_blamed(
-    tmp_path: Path, script: WriteScript
-) -> None:
-    script("w.py", LEAVES_EARLY)
-    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "3", "w.py")
-    assert r.returncode == 1
-    root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
-    assert root["rank"] == 2, root
-    assert re.search(
-        r"ranks 0-2 called different collectives as #\d+ of default_pg at [\d:]+ \(ranks 0-1 all_reduce of 16 B; "
-        r"rank 2 barrier of 0 B\): a mismatch, which never finishes \(rank 2's call is the odd one\)",
-        root["hang"],
-    ), root["hang"]
-
-
 SIZES_DIFFER = """
 import time
 import torch, torch.distributed as dist
@@ -365,18 +351,28 @@ for step in range(6):
     time.sleep(0.02)
 """
 
-
-def test_a_rank_left_in_a_collective_its_peer_finished_with_another_size_is_named_there(
-    tmp_path: Path, script: WriteScript
-) -> None:
-    """gloo finishes rank 1's all_reduce of 12 B and never rank 0's of 16 B: rank 1 goes on to the next one."""
-    script("w.py", SIZES_DIFFER)
-    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", "2", "w.py")
-    assert r.returncode == 1
-    root: dict[str, str] = r.report(0)["root_cause"]  # type: ignore[assignment]
-    assert root["rank"] == 0, root
-    assert re.search(
-        r"rank 0 never entered all_reduce #(\d+) \(default_pg, 16 B\) that rank 1 entered at [\d:]+: it is still in "
+# (the job, its ranks, the rank blamed, what its verdict says)
+MISMATCHES = {
+    "a barrier against all-reduces": (
+        LEAVES_EARLY, 3, 2,
+        r"ranks 0-2 called different collectives as #\d+ of default_pg at [\d:]+ \(ranks 0-1 all_reduce of 16 B; "
+        r"rank 2 barrier of 0 B\): a mismatch, which never finishes \(rank 2's call is the odd one\)",
+    ),
+    # gloo finishes rank 1's all_reduce of 12 B and never rank 0's of 16 B: rank 1 goes on to the next one
+    "sizes that differ": (
+        SIZES_DIFFER, 2, 0,
+        r"rank 0 never entered all_reduce #\d+ \(default_pg, 16 B\) that rank 1 entered at [\d:]+: it is still in "
         r"all_reduce #\d+ \(16 B\), which rank 1 finished \(did the ranks' calls #\d+ match, in size and kind\?\)",
-        root["hang"],
-    ), root["hang"]
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_ranks_whose_calls_to_a_collective_differ_are_named_so(tmp_path: Path, script: WriteScript, case: str) -> None:
+    job, nproc, blamed, said = MISMATCHES[case]
+    script("w.py", job)
+    r = run_ftrun(tmp_path, "--hang-timeout", "2", "--max-restarts", "0", "--nproc-per-node", str(nproc), "w.py")
+    assert r.returncode == 1
+    root: dict[str, Any] = r.report(0)["root_cause"]  # type: ignore[assignment]
+    assert root["rank"] == blamed, root
+    assert re.search(said, root["hang"]), root["hang"]

@@ -6,7 +6,7 @@ import json
 import signal
 from pathlib import Path
 
-from ftrun.observe.reporting import build_report, render, write_json
+from ftrun.observe.reporting import FailureReport, build_report, render, write_json
 from ftrun.procs.logs import RankPaths
 from ftrun.procs.workers import ProcessPhase, Worker, WorkerState
 from ftrun.worker.errorfile import exception_record
@@ -35,6 +35,10 @@ def worker(
         exit_wall=1_700_000_000.0 + exit_mono,
         returncode=returncode,
     )
+
+
+def build(workers: list[Worker]) -> FailureReport:
+    return build_report(workers, run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
 
 
 def report_of(workers: list[Worker], port: int = 29500) -> str:
@@ -181,27 +185,13 @@ def test_an_exception_groups_summary_is_the_group_and_its_first_sub_exception(tm
         "[rank1]:     | KeyError: 'b'\n"
         "[rank1]:     +------------------------------------\n"
     )
-    r = build_report(
-        [worker(tmp_path, 1, WorkerState.FAILED, 1, 1.0, tb)],
-        run_id="r",
-        attempt=0,
-        will_restart=False,
-        master_port=1,
-        host="h",
-    )
+    r = build([worker(tmp_path, 1, WorkerState.FAILED, 1, 1.0, tb)])
     assert r.root_cause.last_error == "ExceptionGroup: two failed (2 sub-exceptions); the first: ValueError: a"
 
 
 def test_a_last_line_longer_than_what_is_read_of_the_log_is_shown_by_its_start(tmp_path: Path) -> None:
     tb = "Traceback (most recent call last):\n  File 'train.py', line 3\nValueError: " + "x" * 2_000_000 + "\n"
-    r = build_report(
-        [worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, tb)],
-        run_id="r",
-        attempt=0,
-        will_restart=False,
-        master_port=1,
-        host="h",
-    )
+    r = build([worker(tmp_path, 0, WorkerState.FAILED, 1, 1.0, tb)])
     assert r.root_cause.last_error is not None
     assert r.root_cause.last_error.startswith("ValueError: xxx")
     assert r.root_cause.last_error.endswith("[... cut: a line of 2000012 bytes, whole in the log]")
@@ -219,9 +209,7 @@ def test_a_peers_echo_after_a_rank_ended_its_script_hints_at_uneven_steps(tmp_pa
     ended.script_over = True
     finished = worker(tmp_path, 2, WorkerState.SUCCEEDED, 0, 4.0)
     running = worker(tmp_path, 3, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
-    r = build_report(
-        [echo, ended, finished, running], run_id="r", attempt=0, will_restart=False, master_port=1, host="h"
-    )
+    r = build([echo, ended, finished, running])
     assert r.hint is not None
     assert r.hint.startswith("ranks 1, 2 had ended their script while rank 0 still called collectives with them")
     text = render(r)
@@ -232,24 +220,18 @@ def test_a_peers_echo_after_a_rank_ended_its_script_hints_at_uneven_steps(tmp_pa
 def test_a_failure_of_its_own_after_a_rank_ended_gets_no_such_hint(tmp_path: Path) -> None:
     own = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, "OSError: [Errno 28] No space left on device\n")
     finished = worker(tmp_path, 1, WorkerState.SUCCEEDED, 0, 4.0)
-    r = build_report([own, finished], run_id="r", attempt=0, will_restart=False, master_port=1, host="h")
+    r = build([own, finished])
     assert r.hint is None
 
 
 def test_a_command_line_error_is_the_root_causes_headline(tmp_path: Path) -> None:
     usage = "usage: train.py [-h] --lr LR\ntrain.py: error: the following arguments are required: --lr\n"
-    r = build_report(
-        [worker(tmp_path, 0, WorkerState.FAILED, 2, 1.0, usage)],
-        run_id="r", attempt=0, will_restart=False, master_port=1, host="h",
-    )  # fmt: skip
+    r = build([worker(tmp_path, 0, WorkerState.FAILED, 2, 1.0, usage)])
     assert r.root_cause.cause == "exit code 2: train.py: error: the following arguments are required: --lr"
 
 
 def test_a_last_line_that_is_no_command_line_error_is_no_headline(tmp_path: Path) -> None:
     noise = "wandb: Find logs at: ./wandb/run-1/logs\n"
     for code in (1, 2):
-        r = build_report(
-            [worker(tmp_path / str(code), 0, WorkerState.FAILED, code, 1.0, noise)],
-            run_id="r", attempt=0, will_restart=False, master_port=1, host="h",
-        )  # fmt: skip
+        r = build([worker(tmp_path / str(code), 0, WorkerState.FAILED, code, 1.0, noise)])
         assert r.root_cause.cause == f"exit code {code}"
