@@ -195,6 +195,36 @@ def test_a_static_job_whose_other_node_never_comes_says_what_it_waits_for(
     assert "met" not in f.lines
 
 
+MEETS_AND_SAYS_WHERE = """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print(f"met at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.torch
+def test_a_static_job_meets_at_its_rdzv_endpoint_as_under_torchrun(
+    tmp_path: Path, script: WriteScript, live: list[LiveFtrun]
+) -> None:
+    """``torchrun --nnodes 2 --node-rank N --rdzv-endpoint HOST:PORT`` (the static backend, torchrun's default):
+    the endpoint is the master's address and port. ftrun ignored it (the nodes met at --master-addr, 29500)."""
+    script("w.py", MEETS_AND_SAYS_WHERE)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    nodes = [
+        LiveFtrun(tmp_path, "--nnodes", "2", "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  "--nproc-per-node", "1", "w.py", name=str(n))
+        for n in (0, 1)
+    ]  # fmt: skip
+    live.extend(nodes)
+    for node in nodes:
+        assert node.wait() == 0, node.stderr()
+        assert f"met at 127.0.0.1:{port}" in node.lines, node.lines
+
+
 def marks_of(pids: list[int]) -> str:
     """What the warden looks for in each process's environment (a failing test's clue)."""
     said = []

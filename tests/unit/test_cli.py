@@ -312,6 +312,13 @@ def test_multi_node_modes(tmp_path: Path, script: Path) -> None:
     assert not c.elastic  # static: the flags place this node
     assert c.rdzv.store is None
     assert (c.node_rank, c.master_addr, c.master_port) == (1, "node0", 29500)
+    # torchrun's static rendezvous meets at --rdzv-endpoint when one is given, over --master-addr/--master-port
+    c = parse(
+        tmp_path, "--nnodes", "2", "--node-rank", "1", "--master-addr", "x", "--rdzv-endpoint", "node0:1234", "train.py"
+    )
+    assert (c.rdzv.store, c.master_addr, c.master_port) == (None, "node0", 1234)
+    with pytest.raises(ConfigError, match="has no port, which a static rendezvous"):
+        parse(tmp_path, "--nnodes", "2", "--rdzv-endpoint", "node0", "train.py")
     c = parse(tmp_path, "--standalone", "--rdzv-backend", "c10d", "train.py")
     assert not c.elastic
 

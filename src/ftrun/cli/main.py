@@ -66,6 +66,9 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
         )
     conf = rdzv_flags.parse_rdzv_conf(a.rdzv_conf)
     store = _check_nodes(a, nnodes, conf.etcd)
+    master_addr = a.master_addr
+    if a.rdzv_backend == "static" and a.rdzv_endpoint and not a.standalone:  # torchrun's: the master's address
+        master_addr, master_port = _static_endpoint(a.rdzv_endpoint)
     if a.rdzv_backend == "static" and nnodes.max > 1:
         master_port = master_port or addresses.DEFAULT_STATIC_MASTER_PORT  # every node must use the same one
     if a.start_method not in flags.START_METHODS:
@@ -128,7 +131,7 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
         nnodes=nnodes,
         nproc_per_node=nproc,
         node_rank=node_rank,
-        master_addr=a.master_addr,
+        master_addr=master_addr,
         master_port=master_port or None,
         standalone=a.standalone,
         max_restarts=flags.parse_int("--max-restarts", a.max_restarts, minimum=0),
@@ -168,6 +171,19 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
         metrics=flags.parse_metrics(a.metrics_port),
         accelerators=accelerators_visible(environ),
     )
+
+
+def _static_endpoint(text: str) -> tuple[str, int]:
+    """A static rendezvous's --rdzv-endpoint, as torchrun reads it: the master's HOST:PORT (over --master-addr and
+    --master-port), the port required."""
+    host, port = addresses.parse_endpoint(text)
+    if port is None:
+        raise ConfigError(
+            "--rdzv-endpoint",
+            f"{text!r} has no port, which a static rendezvous (the default --rdzv-backend) needs",
+            "pass e.g. --rdzv-endpoint node0:29500, or --master-addr and --master-port",
+        )
+    return host, port
 
 
 def _check_nodes(a: argparse.Namespace, nnodes: cfg.NodeRange, etcd: tuple[tuple[str, str], ...]) -> StoreUrl | None:
