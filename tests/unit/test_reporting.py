@@ -235,3 +235,14 @@ def test_a_last_line_that_is_no_command_line_error_is_no_headline(tmp_path: Path
     for code in (1, 2):
         r = build([worker(tmp_path / str(code), 0, WorkerState.FAILED, code, 1.0, noise)])
         assert r.root_cause.cause == f"exit code {code}"
+
+
+def test_a_tails_control_bytes_and_colours_are_left_out(tmp_path: Path) -> None:
+    """torch's DataLoader writes a NUL ahead of a worker's traceback; a coloured logger, escape sequences."""
+    err = "\x00[rank1]: Traceback (most recent call last):\n\x1b[31mRuntimeError: DataLoader worker killed\x1b[0m\n"
+    r = build([worker(tmp_path, 1, WorkerState.FAILED, 1, 1.0, err)])
+    assert r.root_cause.stderr_tail == (
+        "[rank1]: Traceback (most recent call last):",
+        "RuntimeError: DataLoader worker killed",
+    )
+    assert r.root_cause.last_error == "RuntimeError: DataLoader worker killed"

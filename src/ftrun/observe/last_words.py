@@ -21,18 +21,21 @@ _BOXED_EXCEPTION_LINE = re.compile(
     r"^(?:\[[^\]]*\]:\s*)?\|\s+([A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit)\b(?::.*)?)$"
 )
 MAX_SAID = 300
+_NOT_TEXT = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")  # ANSI CSI sequences, C0 controls but tab
 _USAGE_ERROR = re.compile(r"^(?:\S+: )?error: ", re.IGNORECASE)  # argparse's "prog: error: ", click's "Error: "
 # The last line of a fatal error's dump (faulthandler's): every C extension loaded, 3 KB for a torch job.
 _EXTENSION_MODULES = re.compile(r"^(Extension modules: [^,]*, [^,]*), .*(\(total: \d+\))$")
 
 
 def tail(path: Path, count: int, max_bytes: int = 65536) -> list[str]:
-    """The last lines of a worker's log: the file's, then what its full disk could not take (kept in memory)."""
+    """The last lines of a worker's log: the file's, then what its full disk could not take (kept in memory), as
+    text: a terminal's colours and control bytes left out (a NUL ahead of a traceback made `grep` call the
+    report binary)."""
     lines = tail_lines(path, count, max_bytes)
     unwritten = disk.unwritten_tail(str(path))
     if unwritten:
         lines += unwritten.decode(errors="replace").splitlines()[-count:]
-    return lines[-count:]
+    return [_NOT_TEXT.sub("", line) for line in lines[-count:]]
 
 
 def shown_tail(lines: Sequence[str], gpu: GpuError | None) -> tuple[str, ...]:
