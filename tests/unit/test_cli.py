@@ -470,6 +470,10 @@ def test_flags_that_cannot_apply_say_so(tmp_path: Path, script: Path, gpu_free: 
     assert any(n.startswith("--numa-binding node cannot apply: no NVIDIA GPU") for n in c.notices)
     assert any(n.startswith("--logs-specs mine has no effect") for n in c.notices)
     assert parse(tmp_path, "--event-log-handler", "console", "train.py").echo_events
+    c = parse(tmp_path, "--nproc-per-node", "2", "--local-ranks-filter", "5,7", "train.py")
+    assert "--local-ranks-filter 5,7: no local rank here is one of them (this node's are 0-1)" in " ".join(c.notices)
+    c = parse(tmp_path, "--nproc-per-node", "2", "--local-ranks-filter", "1,7", "train.py")
+    assert not any("--local-ranks-filter" in n for n in c.notices)
 
 
 def test_environment_of_the_launcher(tmp_path: Path, script: Path) -> None:

@@ -94,6 +94,11 @@ def _parse(argv: Sequence[str], environ: Mapping[str, str], cwd: Path) -> cfg.La
         stderr_filters=flags.parse_filters(a.duplicate_stderr_filters),
     )
     notices += flags.not_applied(logs_specs=a.logs_specs)
+    if logs.local_ranks_filter is not None and not logs.local_ranks_filter & set(range(nproc)):
+        notices.append(
+            f"--local-ranks-filter {a.local_ranks_filter}: no local rank here is one of them (this node's are "
+            f"0-{nproc - 1}): no worker's output reaches the console (the logs have it)"
+        )
     numa_notices, cpu_affinity = flags.numa_binding(a.numa_binding, nproc, environ)
     notices += numa_notices
     config_file = read_config_file(cwd / a.config, [*HANG_KEYS, *NODE_KEYS]) if a.config else {}
