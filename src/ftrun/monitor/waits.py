@@ -41,7 +41,10 @@ def waiting_for(pid: int) -> str:
     waits for the program one of its threads waits for (an upload handed to a thread pool)."""
     blocked = _blocked(f"/proc/{pid}/syscall")
     if blocked is not None and blocked[0] == "futex":
-        threads = sorted(os.listdir(f"/proc/{pid}/task"))[:MAX_THREADS] if os.path.isdir(f"/proc/{pid}/task") else []
+        try:
+            threads = sorted(os.listdir(f"/proc/{pid}/task"))[:MAX_THREADS]
+        except OSError:  # gone meanwhile
+            return ""
         found = (_waits(pid, b) for t in threads if t != str(pid) and (b := _blocked(f"/proc/{pid}/task/{t}/syscall")))
         return next((said for said in found if said.startswith("the program")), "")
     return _waits(pid, blocked) if blocked is not None else ""
@@ -74,7 +77,10 @@ def _blocked(path: str) -> tuple[str, list[int]] | None:
     if len(fields) < 7 or not fields[0].isdigit():
         return None
     call = CALLS.get(platform.machine(), {}).get(int(fields[0]))
-    return (call, [int(x, 16) for x in fields[1:7]]) if call else None
+    try:
+        return (call, [int(x, 16) for x in fields[1:7]]) if call else None
+    except ValueError:  # not the kernel's format: nothing told
+        return None
 
 
 def _waited_pid(call: str, args: list[int]) -> int | None:
