@@ -111,7 +111,11 @@ def _tell_exit(noted: list[Any]) -> None:
     import opcode
 
     status, outer, lasti = noted
-    if outer.f_lasti == lasti or outer.f_code.co_code[outer.f_lasti] == opcode.opmap["RERAISE"]:
+    try:
+        ended = outer.f_lasti == lasti or outer.f_code.co_code[outer.f_lasti] == opcode.opmap["RERAISE"]
+    except (IndexError, KeyError):  # an interpreter whose frames read otherwise: told at the process's exit
+        return
+    if ended:
         _tell_the_end(0 if status is None else status & 0xFF if isinstance(status, int) else 1)
 
 
