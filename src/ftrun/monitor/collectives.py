@@ -148,11 +148,11 @@ class Stall:
 
     def odd_ones(self) -> set[int]:
         """In a mismatch, the ranks whose call fewer ranks made than another (none where all are as many)."""
-        kinds = self._kinds().values()
-        fewest = min(map(len, kinds), default=0)
-        return (
-            {r for rs in kinds for r in rs if len(rs) == fewest} if fewest < max(map(len, kinds), default=0) else set()
-        )
+        kinds = list(self._kinds().values())
+        sizes = [len(ranks) for ranks in kinds]
+        if not sizes or min(sizes) == max(sizes):
+            return set()
+        return {r for ranks in kinds if len(ranks) == min(sizes) for r in ranks}
 
     def _kinds(self) -> dict[tuple[str, int], list[int]]:
         kinds: dict[tuple[str, int], list[int]] = {}
@@ -170,9 +170,8 @@ class Stall:
         if self.calls and not self.missing:  # a mismatch: the ranks' #seq are different calls, never one
             kinds = self._kinds()
             said = "; ".join(f"{_ranks(rs)} {op} of {_size(n)}" for (op, n), rs in sorted(kinds.items()))
-            why = (
-                f"rank {rank}'s call is the odd one" if rank in self.odd_ones() else f"rank {rank} stopped moving first"
-            )
+            odd = rank in self.odd_ones()
+            why = f"rank {rank}'s call is the odd one" if odd else f"rank {rank} stopped moving first"
             return (
                 f"{waiting} called different collectives as #{self.seq} of {group} at {at} ({said}): a mismatch, "
                 f"which never finishes ({why})"
