@@ -133,10 +133,13 @@ def test_the_live_view_in_a_terminal_follows_a_restart_to_the_end(
     assert "exit code 3" in shown
     (tmp_path / "done").touch()
     assert job.wait() == 0
-    shown = until(showing(screen, lambda s: "finished: succeeded (exit 0)" in s), "the end of the run")
+    # The view ends with the run: its last view, then tmux's word, may scroll its head off the screen.
+    shown = until(
+        showing(lambda: terminal.screen(scrolled=50), lambda s: "finished: succeeded (exit 0)" in s), "the end"
+    )
     assert "goodput" in shown
     until(terminal.ended, "the live view's own end, the run's last view left on the terminal")
-    assert "finished: succeeded (exit 0)" in terminal.screen(scrolled=5)  # its end, and tmux's word, scroll it
+    assert "finished: succeeded (exit 0)" in terminal.screen(scrolled=50)
 
 
 def test_once_and_json_while_the_job_runs_and_after_it_ended(tmp_path: Path, job: LiveFtrun) -> None:
