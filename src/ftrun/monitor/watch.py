@@ -106,9 +106,10 @@ class WorkerWatch:
     def mark_scripts_over(self, running: list[Worker]) -> None:
         """As a stop begins: which of ``running`` had ended their script (the stop cuts their teardown), for the
         report (a rank that ended while its peers still called collectives with it)."""
-        for w in running:
+        for w in running:  # ended with an error (told, not yet taken): that error is its story, not its end
             slot = self.hangs.slot(w.local_rank)
-            w.script_over = slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_EXITING)
+            ended = slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_EXITING)
+            w.script_over = ended and slot is not None and not (slot.ended and slot.end_code)
 
     def drain(self) -> None:
         """Read the timer requests waiting and the dumps' wake-ups (their pipes woke the agent)."""
