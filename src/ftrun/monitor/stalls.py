@@ -75,6 +75,7 @@ class StallWatch:
 
     def new_attempt(self, round_: int | None) -> None:
         self._progress = Progress()
+        self._told.clear()  # a new attempt's collectives count from 1 again: its waits are said anew
         if self.share is not None and self._enabled:
             self.share.follow(round_)
 
