@@ -48,7 +48,7 @@ def pool_lines(r: Result) -> list[str]:
 
 PROBE = """
 import ctypes, json, os, sys
-from ftrun.warm.zygote import cuda_driver_initialised
+from ftrun.worker.forkable import cuda_driver_initialised
 seen = [cuda_driver_initialised()]
 ctypes.CDLL("libcuda.so.1").cuInit(0)
 seen.append(cuda_driver_initialised())
@@ -69,7 +69,7 @@ def test_the_driver_is_asked_whether_it_was_initialised_not_whether_it_is_mapped
     assert child == [False, cuda_driver.CUDA_ERROR_NOT_INITIALIZED]  # torch's bad-fork flag covers this case
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     absent = subprocess.run(
-        [sys.executable, "-c", "from ftrun.warm.zygote import cuda_driver_initialised as c; print(c())"],
+        [sys.executable, "-c", "from ftrun.worker.forkable import cuda_driver_initialised as c; print(c())"],
         capture_output=True, text=True, timeout=60, check=True, env=env,
     )  # fmt: skip
     assert absent.stdout == "False\n"  # no driver loaded: none is loaded to ask

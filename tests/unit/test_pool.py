@@ -21,9 +21,9 @@ from ftrun.warm.preload import (
     INDUCTOR_IMPORTS,
     Cache,
     compiles_with_inductor,
-    entry_imports,
     first_step_imports_known,
     installed_modules,
+    read_entry_script,
     read_modules_report,
 )
 
@@ -61,7 +61,11 @@ def test_only_installed_modules_are_preloaded(tmp_path: Path) -> None:
     assert installed_modules(list(files), files) == ["json", "torch", "torch._dynamo"]
     report = tmp_path / "modules.json"
     report.write_text(json.dumps(files))
-    assert read_modules_report(report) == ["json", "torch", "torch._dynamo"]
+    found = read_modules_report(report)
+    assert found is not None
+    assert found[0] == ["json", "torch", "torch._dynamo"]
+    assert found[1]["mymodel"] == files["mymodel"]  # where each top-level module was found, the job's own too
+    assert "torch._dynamo" not in found[1]
     report.write_text("{garbage")
     assert read_modules_report(report) is None
     assert read_modules_report(tmp_path / "missing.json") is None
@@ -85,7 +89,8 @@ def test_a_script_that_compiles_with_inductor_names_inductor_among_its_imports(
     its workers import it only at their first call."""
     assert compiles_with_inductor(ast.parse(source)) is compiles
     (tmp_path / "train.py").write_text(source + "\n")
-    found = entry_imports(Entrypoint(EntrypointKind.SCRIPT, "train.py", ()), tmp_path, sys.executable)
+    reading = read_entry_script(Entrypoint(EntrypointKind.SCRIPT, "train.py", ()), tmp_path, sys.executable)
+    found = [*reading.imports, *reading.later]  # inductor's: imported at the first compile, checked as later ones
     if importlib.util.find_spec("torch") is not None:
         assert set(INDUCTOR_IMPORTS) <= set(found) if compiles else not set(INDUCTOR_IMPORTS) & set(found), found
         assert first_step_imports_known(found) is compiles  # then every first worker waits for the zygote
@@ -100,12 +105,14 @@ def test_a_script_is_warm_from_any_directory_a_module_only_from_its_own(tmp_path
     here.mkdir()
     there.mkdir()
     by_script = Entrypoint(EntrypointKind.SCRIPT, str(script))
-    Cache(tmp_path / "cache", "python", by_script, here).save(["json"], 0.5)
-    assert Cache(tmp_path / "cache", "python", by_script, there).load() == (["json"], 0.5)
+    files = {"json": "/usr/lib/python3.11/json/__init__.py", "numpy": "/site/numpy/__init__.py"}
+    Cache(tmp_path / "cache", "python", by_script, here).save(["json"], 0.5, files)
+    kept = {"json": files["json"]}  # the files of the modules kept: checked by the zygote against this run's
+    assert Cache(tmp_path / "cache", "python", by_script, there).load() == (["json"], 0.5, kept)
     by_module = Entrypoint(EntrypointKind.MODULE, "train")
-    Cache(tmp_path / "cache", "python", by_module, here).save(["json"], 0.5)
-    assert Cache(tmp_path / "cache", "python", by_module, there).load() == ([], None)
-    assert Cache(tmp_path / "cache", "python", by_module, here).load() == (["json"], 0.5)
+    Cache(tmp_path / "cache", "python", by_module, here).save(["json"], 0.5, files)
+    assert Cache(tmp_path / "cache", "python", by_module, there).load() == ([], None, {})
+    assert Cache(tmp_path / "cache", "python", by_module, here).load() == (["json"], 0.5, kept)
 
 
 @dataclass

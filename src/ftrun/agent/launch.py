@@ -13,7 +13,7 @@ import resource
 import secrets
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ftrun.agent import elastic, static
 from ftrun.agent.asked import Asked, LeaveReason
 from ftrun.agent.driver import EXIT_EXCLUDED, Finish, Outcome
-from ftrun.agent.env import Placement, startup_env
+from ftrun.agent.env import Placement, assign, startup_env, worker_env
 from ftrun.agent.executor import Executor
 from ftrun.agent.group import AttemptListener, LocalGroup
 from ftrun.agent.health import HealthWatch
@@ -60,7 +60,7 @@ from ftrun.store.moving import MovingStore
 from ftrun.strangers import files_needed, raise_file_limit
 from ftrun.warm.in_place import InPlaceSpawner, Survivors
 from ftrun.warm.pool import WarmPool
-from ftrun.warm.preload import Cache, entry_imports
+from ftrun.warm.preload import Cache, read_entry_script, script_directory
 
 if TYPE_CHECKING:
     from ftrun.observe.metrics import Metrics
@@ -206,20 +206,39 @@ def warm_pool(config: LaunchConfig, spared: frozenset[int] = frozenset()) -> War
     cache = Cache(w.cache_dir, config.python, config.entrypoint, config.cwd) if w.auto else None
     entry = config.entrypoint
     script = os.path.abspath(config.cwd / entry.target) if entry.kind is EntrypointKind.SCRIPT else None
+    zygote_env = {**config.worker_base_env, **startup_env(config.worker_base_env)}
     pool = WarmPool(
         config.python,
         w.preload,
-        {**config.worker_base_env, **startup_env(config.worker_base_env)},
+        zygote_env,
         auto=w.auto,
         standbys=2 * config.nproc_per_node,  # a restart takes half; a failure right after finds the rest
         workers=config.nproc_per_node,
         cache=cache,
         script=script,
         spared=spared,
+        varying=rank_variables(config, zygote_env),
+        path0=str(script_directory(entry, config.cwd)),
+        cwd=str(config.cwd),
     )
     if w.auto:
-        pool.add(entry_imports(config.entrypoint, config.cwd, config.python))
+        pool.read(read_entry_script(config.entrypoint, config.cwd, config.python))
     return pool
+
+
+def rank_variables(config: LaunchConfig, zygote_env: Mapping[str, str]) -> frozenset[str]:
+    """The variables whose values a worker has apart from its zygote: torchrun's (its rank's, its attempt's), the
+    error and flight recorder files', and what the zygote sets for itself."""
+    unset = {
+        "master_addr": "",
+        "run_id": "",
+        "error_file": "",
+        "flight_recorder_file": "-",
+        "flight_recorder_pipe": "-",
+    }
+    assignment = assign(0, 1, Placement(), role="default", master_port=0, restart_count=0, max_restarts=0, **unset)
+    sample = worker_env(zygote_env, assignment, virtual_local_rank=config.virtual_local_rank)
+    return frozenset(k for k, v in sample.items() if zygote_env.get(k) != v) | {"PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 def check_master_port(config: LaunchConfig) -> None:

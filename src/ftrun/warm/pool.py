@@ -40,9 +40,10 @@ from ftrun.node.idle_cores import IdleCores
 from ftrun.procs import proctree
 from ftrun.procs.spawner import ProcessHandle, ProcessSpawner, signal_strays
 from ftrun.warm import policy
+from ftrun.warm.entry_reading import NOTHING, EntryReading
 from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, first_step_imports_known, read_modules_report
-from ftrun.warm.zygotes import GrownProcess, PoolError, Zygote
+from ftrun.warm.zygotes import ZYGOTE_THREADS, GrownProcess, PoolError, Zygote
 
 Say = Callable[[str], None]
 FIRST_WAIT_S = 60.0  # see WarmPool._wait_for_first: about what a fresh worker's imports take on a busy node
@@ -65,11 +66,16 @@ class WarmPool:
         clock: Clock | None = None,
         spared: frozenset[int] = frozenset(),
         first_wait_s: float = FIRST_WAIT_S,
+        varying: frozenset[str] = frozenset(),
+        path0: str | None = None,
+        cwd: str | None = None,
     ) -> None:
         """``standbys``: how many workers each zygote keeps forked ahead of time; ``workers``: the node's workers
         (default: ``standbys``); ``script``: the entry script's absolute path, compiled once in each zygote;
         ``first_wait_s``: how long the first attempt's workers wait for the zygote preloading what is known
-        (0: they start fresh beside it, as before)."""
+        (0: they start fresh beside it, as before); ``varying``: the variables a worker's environment sets apart
+        from ``env`` (its rank's): a module that reads one at import is the workers' own; ``path0`` and ``cwd``:
+        the workers' sys.path[0] and directory, where the zygote's imports look as theirs do."""
         self._clock = clock or SystemClock()
         self._python = python
         self._script = script
@@ -77,8 +83,13 @@ class WarmPool:
         self._env = env
         self._auto = auto
         self._cache = cache
-        cached, self._import_s = cache.load() if cache is not None and auto else ([], None)
+        cached, self._import_s, files = cache.load() if cache is not None and auto else ([], None, {})
+        self._trusted = list(preload)  # --preload: the user's word that the script's top changes nothing of them
         self._known = list(dict.fromkeys([*preload, *cached]))  # the most we know to preload
+        self._reading: EntryReading = NOTHING  # the entry's leading block, replayed by each zygote before the rest
+        self._files: dict[str, str | None] = dict(files)  # where the workers' imports found each top-level module
+        self._varying = varying | frozenset(ZYGOTE_THREADS)
+        self._where = {"path0": path0, "cwd": cwd}
         self._known_whole = bool(cached)  # what the workers imported over a whole run (see policy.first_fresh)
         self._log = Path(os.devnull)
         self._say: Say = lambda text: None
@@ -108,10 +119,42 @@ class WarmPool:
         """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
         user what to know (the pool is off), ``detail`` how it works (--verbose); ``on_ready`` gets ready reports."""
         self._log, self._say, self._detail, self._on_ready = log, say, detail, on_ready
+        self._say_kept_out()
         self._idle = IdleCores.start()
         self._launch([])
         if self._known:  # at normal priority when the first attempt's workers are to wait for it
             self._launch(self._known, idle=self._first_wait_s <= 0)
+
+    def read(self, reading: EntryReading) -> None:
+        """What the entry script does before its imports (:mod:`ftrun.warm.entry_reading`): each zygote replays its
+        leading block, and checks every other module against what the script changes. What its top keeps out of
+        the pool is said once, with how to keep it warm."""
+        self._reading = reading
+        self.add([*reading.imports, *reading.later])
+
+    def _say_kept_out(self) -> None:
+        stop, kept_out = self._reading.stop, self._reading.kept_out
+        if stop is not None and kept_out:
+            self._say(
+                f"warm pool: {stop.place} ({stop.text}) {stop.why}: what the script imports after it"
+                f" ({policy.packages(kept_out)}) is the workers' own import, not preloaded; to keep it warm,"
+                " move that setting to the launch environment, or name the modules with --preload"
+            )
+
+    def plan(self, modules: Sequence[str]) -> dict[str, object]:
+        """How a new zygote preloads ``modules``: the script's leading block as the script runs it (its imports
+        and literal environment writes, in order; the refused imports left out), then --preload, then the rest,
+        each checked against what the script changes (see :mod:`ftrun.worker.import_watch`)."""
+        wanted = set(modules)
+        steps = [s for s in self._reading.steps if s[0] != "import" or (s[1] in wanted and not self._refused(s[1]))]
+        leading = {s[1] for s in steps if s[0] == "import"}
+        trusted = [m for m in self._trusted if m in wanted and m not in leading and not self._refused(m)]
+        checked = [m for m in modules if m not in leading and m not in trusted]
+        guards = {**self._reading.changes.as_json(), "varying": sorted(self._varying), "files": self._files}
+        return {"steps": steps + [["import", m] for m in trusted], "checked": checked, "guards": guards, **self._where}
+
+    def _refused(self, module: str) -> bool:
+        return policy.refused(module, self._never)
 
     def add(self, modules: Sequence[str]) -> None:
         """More modules known before any worker ran (the entry script's imports). With inductor's among them (its
@@ -134,12 +177,20 @@ class WarmPool:
             zygote = None
             if parent is not None:
                 try:
-                    zygote = parent.grow(preload, idle=idle, standbys=self._standbys)
+                    zygote = parent.grow(preload, idle=idle, standbys=self._standbys, files=self._files)
                 except PoolError as e:
                     self._detail(f"warm pool: {e}; a new zygote preloads them all")
             if zygote is None:
+                plan = self.plan(preload)
                 zygote = Zygote.spawn(
-                    self._python, preload, self._env, self._log, idle=idle, standbys=self._standbys, script=self._script
+                    self._python,
+                    preload,
+                    self._env,
+                    self._log,
+                    idle=idle,
+                    standbys=self._standbys,
+                    script=self._script,
+                    plan=plan,
                 )
             if idle and self.holding:  # started during a hold: it stands still with the others (see hold)
                 zygote.pause(True)
@@ -257,7 +308,7 @@ class WarmPool:
         loaded = f"{info.get('loaded')} of {info.get('preload')} modules preloaded in {took:.2f} s"
         self._detail(f"warm pool ready (pid {z.proc.pid}): {loaded}, {rss:.0f} MiB resident")
         if z.preload and self._cache is not None and self._auto:
-            self._cache.save(z.preload, float(z.ready.get("import_s", 0.0)))
+            self._cache.save(z.preload, float(z.ready.get("import_s", 0.0)), self._files)
 
     def _drop(self, z: Zygote, why: str) -> None:
         z.close()
@@ -266,12 +317,18 @@ class WarmPool:
         if z.culprit:  # one module cannot be forked after: the rest is preloaded without it
             self._never.add(z.culprit)
             rest = [m for m in z.preload if not policy.refused(m, self._never)]
-            self._trouble(
-                f"warm pool: importing {z.culprit!r} {why}; the workers import it themselves, the rest is preloaded"
-                f" ({policy.packages(rest)})"
-            )
+            if z.by_rule:  # the job would differ: said on the console, each module once
+                self._say(
+                    f"warm pool: {z.culprit} {why}: the workers import it themselves, as a fresh process would; to"
+                    f" keep it warm, make that setting in the launch environment, or --preload {z.culprit}"
+                )
+            else:
+                self._trouble(
+                    f"warm pool: importing {z.culprit!r} {why}; the workers import it themselves, the rest is"
+                    f" preloaded ({policy.packages(rest)})"
+                )
             if self._cache is not None:
-                self._cache.save(rest, self._import_s)  # the next run does not try it again
+                self._cache.save(rest, self._import_s, self._files)  # the next run does not try it again
             if rest:
                 self._launch(rest, idle=True)
         elif z.refused:
@@ -300,9 +357,10 @@ class WarmPool:
                 continue
             if self._reports.get(path) != stamp:
                 self._reports[path] = stamp
-                modules = read_modules_report(path)
-                if modules is not None:
-                    self.learn(modules, run_ends=run_ends)
+                found = read_modules_report(path)
+                if found is not None:
+                    self._files.update(found[1])
+                    self.learn(found[0], run_ends=run_ends)
 
     def learn(self, modules: Sequence[str], *, run_ends: bool = False) -> None:
         """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it (kept
@@ -313,7 +371,7 @@ class WarmPool:
         if bigger is None:
             return
         if self._cache is not None:
-            self._cache.save(bigger, self._import_s)
+            self._cache.save(bigger, self._import_s, self._files)
         if not run_ends:
             self._detail(f"warm pool: preloading {len(bigger)} modules the workers imported, for the next restart")
             self._launch(bigger, idle=True, grow=True)

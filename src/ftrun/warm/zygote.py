@@ -38,7 +38,8 @@ import types
 import warnings
 from typing import Any
 
-from ftrun.worker import compile_probes, jemalloc, procfs
+from ftrun.worker import compile_probes, import_watch, jemalloc, procfs
+from ftrun.worker.forkable import unforkable
 from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
 from ftrun.worker.messages import Message, receive, send
 
@@ -62,71 +63,66 @@ def rss_kb() -> int:
     return 0
 
 
-def preload(names: list[str]) -> tuple[list[str], dict[str, str], str | None, str]:
-    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None, the module refused)."""
+def preload(names: list[str], *, leading: bool = True) -> tuple[list[str], dict[str, str], str | None, str]:
+    """Import ``names`` in order; returns (loaded, failed: name -> error, refusal or None, the module refused;
+    a refusal by the pool's rule, not for the fork's sake, is said in RULE_REFUSALS).
+    ``leading``: the script's leading block (its own imports come next; only the rank's values and the files
+    are checked), else modules the workers import later, checked against what the script changes anywhere."""
     loaded, failed = [], {}
     known = jemalloc.mapped_libraries()  # the libraries a jemalloc that starts a thread could be in: those after
     for name in names:
+        refusal = ""
         try:
-            importlib.import_module(name)
+            refusal = checked_import(name, leading=leading)
         except Exception as e:  # a module that cannot be preloaded is imported by the worker itself
             failed[name] = f"{type(e).__name__}: {e}"[:200]
             continue
         loaded.append(name)
         jemalloc.stop_background_threads(known)  # pyarrow's, polars': started again in each worker
-        refusal = unforkable()
+        if refusal:
+            RULE_REFUSALS.append(name)
+        refusal = refusal or unforkable()
         if refusal:
             return loaded, failed, refusal, name
-    failed.update(compile_probes.ask_in_advance())  # what the preloaded compiler works out once per process
-    refusal = unforkable()
-    return loaded, failed, refusal or None, "torch._inductor" if refusal else ""
+    return loaded, failed, None, ""
 
 
-def unforkable() -> str:
-    """Why this process can no longer be forked into workers ("": it can)."""
-    if torch_cuda_initialised() or cuda_driver_initialised():
-        return "initialised CUDA, which a forked worker cannot use (initialise it in the job, not at import)"
-    others = jemalloc.thread_names()[1:] if len(os.listdir("/proc/self/task")) > 1 else []
-    if others:
-        named = ", ".join(sorted(set(others)))
-        return f"started a thread ({named}): forking a process with threads is unsafe"
-    return ""
+def checked_import(name: str, *, leading: bool) -> str:
+    """Import ``name`` watching what it reads; why a worker's own import would differ ("": it would not)."""
+    before = set(sys.modules)
+    watched = {} if leading else dict(filter(None, map(import_watch.owner_of, GUARDS.attributes)))
+    with import_watch.watching(watched) as reads:
+        importlib.import_module(name)
+    new = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n not in before}
+    return import_watch.verdict(name, reads, GUARDS, new, leading=leading)
 
 
-CUDA_DRIVER = "libcuda.so.1"  # the driver's soname, whatever its file is called (libcuda.so.580.95.05)
-CUDA_ERROR_NOT_INITIALIZED = 3
-
-
-def cuda_driver_initialised() -> bool:
-    """Whether the CUDA driver in this process was initialised (``cuInit`` ran), asked of the driver itself.
-
-    A CUDA build of torch maps the driver into every process at ``import torch``: mapped is not initialised,
-    and a child forked then uses CUDA as a fresh process would. After ``cuInit`` (a library asking the device
-    count, even when torch does not know), a forked child cannot initialise it. Before ``cuInit`` every driver
-    call answers CUDA_ERROR_NOT_INITIALIZED; the library is looked up among those already loaded (never loaded
-    here: a node without the driver has nothing to initialise)."""
-    try:
-        driver = ctypes.CDLL(CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return False
-    count = ctypes.c_int(0)
-    return int(driver.cuDeviceGetCount(ctypes.byref(count))) != CUDA_ERROR_NOT_INITIALIZED
-
-
-def torch_cuda_initialised() -> bool:
-    """Torch's own word, where torch.cuda is loaded: it initialised CUDA, or this process is a child of one
-    that had (whose driver answers as if never initialised, and cannot be)."""
-    cuda = sys.modules.get("torch.cuda")
-    if cuda is None:
-        return False
-    bad_fork = getattr(cuda, "_is_in_bad_fork", lambda: False)
-    return bool(getattr(cuda, "_initialized", False) or bad_fork())
+def replay(steps: list[list[str]]) -> list[str]:
+    """The script's leading block, as it runs it: its literal environment writes made, in order, before the
+    imports that follow them; returns the imports done (stopped at the first refusal, see :func:`preload`)."""
+    done: list[str] = []
+    for step in steps:
+        if step[0] == "import":
+            done.append(step[1])
+            continue
+        key = step[1]
+        REPLAYED.add(key)
+        if key in THREAD_PINS:  # the zygote's pools stay pinned (safe to fork); each worker sizes them so
+            THREAD_STEPS.append(step)
+            continue
+        if step[0] == "setenv":
+            os.environ[key] = step[2]
+        elif step[0] == "setdefault":
+            os.environ.setdefault(key, step[2])
+        else:
+            os.environ.pop(key, None)
+    return done
 
 
 def main() -> int:
     claim_the_title()
     sock = socket.socket(fileno=int(sys.argv[1]))
-    names: list[str] = json.loads(sys.stdin.buffer.read() or b"[]")
+    plan: Message = json.loads(sys.stdin.buffer.read() or b"{}")
     started = time.monotonic()
     idle = "--idle" in sys.argv[2:]
     if idle:  # preload on CPU time nobody else wants: never slow down the workers it will serve
@@ -135,16 +131,31 @@ def main() -> int:
     # torch.cuda.is_available() (which libraries call at import) asks NVML, not the CUDA driver: a driver
     # initialised here would not survive the fork. The workers get the variable as the job set it, or not.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    return serve(sock, names, started, idle=idle)
+    GUARDS.__init__(**vars(import_watch.Guards.from_json(plan.get("guards") or {})))  # type: ignore[misc]
+    if plan.get("cwd"):  # where the script's imports look first, as for the worker: its directory and cwd
+        os.chdir(plan["cwd"])
+    if plan.get("path0") is not None:
+        sys.path[0] = plan["path0"]
+    return serve(sock, list(plan.get("steps") or []), list(plan.get("checked") or []), started, idle=idle)
 
 
-def serve(sock: socket.socket, names: list[str], started: float, *, idle: bool, inherited: int = 0) -> int:
-    """Preload ``names`` (at idle CPU priority where ``idle``; ``inherited``: how many its parent had), say ready
-    or refused, then serve the agent's requests: standby workers, and bigger zygotes grown from this one."""
+def serve(
+    sock: socket.socket, steps: list[list[str]], checked: list[str], started: float, *, idle: bool, inherited: int = 0
+) -> int:
+    """Preload the leading block's ``steps``, then the ``checked`` modules (at idle CPU priority where ``idle``;
+    ``inherited``: how many its parent had), say ready or refused, then serve the agent's requests: standby
+    workers, and bigger zygotes grown from this one."""
     started_with = dict(os.environ)
-    loaded, failed, refusal, culprit = preload(names)
-    # What the preloaded modules set in the environment at import, a fresh worker's imports set too.
-    IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v})
+    loaded, failed, refusal, culprit = preload(replay(steps))
+    if not refusal:
+        more, more_failed, refusal, culprit = preload(checked, leading=False)
+        loaded, failed = loaded + more, {**failed, **more_failed}
+    if not refusal:
+        failed.update(compile_probes.ask_in_advance())  # what the preloaded compiler works out once per process
+        refusal, culprit = unforkable() or None, "torch._inductor"
+    # What the preloaded modules set in the environment at import, a fresh worker's imports set too (the
+    # script's own writes, replayed, are the script's to make again).
+    IMPORTS_SET.update({k: v for k, v in os.environ.items() if started_with.get(k) != v and k not in REPLAYED})
     # As a fresh worker has them once it imported the same modules (torch and numpy add theirs at import).
     filters = list(warnings.filters)
     if idle:
@@ -153,7 +164,7 @@ def serve(sock: socket.socket, names: list[str], started: float, *, idle: bool, 
         except PermissionError:
             refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
     if refusal:
-        send(sock, {"refused": refusal, "module": culprit})
+        send(sock, {"refused": refusal, "module": culprit, "rule": culprit in RULE_REFUSALS})
         while (leftover := receive(sock))[0] is not None:  # exiting with requests unread would reset the
             for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
                 os.close(fd)
@@ -242,7 +253,9 @@ def grown(parent: socket.socket, request: Message, fd: int, intermediate: int) -
         idle = bool(request.get("idle"))
         if idle:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        code = serve(sock, list(request["grow"]), time.monotonic(), idle=idle, inherited=int(request["inherited"]))
+        if isinstance(request.get("files"), dict):  # what the workers' imports found, as of now
+            GUARDS.files.update(import_watch.Guards.from_json({"files": request["files"]}).files)  # type: ignore[attr-defined]
+        code = serve(sock, [], list(request["grow"]), time.monotonic(), idle=idle, inherited=int(request["inherited"]))
     except SystemExit:
         raise  # a worker forked from this zygote ends as Python ends (its atexit handlers run)
     except BaseException as e:  # nothing of the parent's loop may run here
@@ -330,7 +343,7 @@ def set_up(request: Message, fds: list[int], filters: Filters) -> None:
 
         faulthandler.enable(all_threads=True)
     redraw_randomness()
-    restore_threads()
+    restore_threads(threads_env())
     jemalloc.start_again()
     if os.environ.get("FTRUN_MONITOR"):
         # Before the job's code: its stacks can be dumped even if it hangs in an import (no py-spy needed),
@@ -368,6 +381,25 @@ def fresh_argv(request: Message) -> list[str]:
 
 ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
 IMPORTS_SET: dict[str, str] = {}  # variables the preloaded modules set at import
+GUARDS = import_watch.Guards()  # what the modules imported after the script's leading block must not depend on
+RULE_REFUSALS: list[str] = []  # modules refused because a worker's own import would differ (not the fork)
+REPLAYED: set[str] = set()  # the variables the leading block's literal writes set (replayed before its imports)
+THREAD_PINS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # the zygote's own (agent: zygotes.py)
+THREAD_STEPS: list[list[str]] = []  # the leading block's writes of those, applied to the pools' sizes in each worker
+
+
+def threads_env() -> dict[str, str]:
+    """The worker's environment with the leading block's thread counts written, as a fresh worker's pools
+    (loaded by the imports that follow the writes) read them."""
+    env = dict(os.environ)
+    for step in THREAD_STEPS:
+        if step[0] == "setenv":
+            env[step[1]] = step[2]
+        elif step[0] == "setdefault":
+            env.setdefault(step[1], step[2])
+        else:
+            env.pop(step[1], None)
+    return env
 
 
 def become_environment(env: dict[str, str]) -> None:

@@ -143,9 +143,12 @@ class Zygote:
         idle: bool,
         standbys: int,
         script: str | None = None,
+        plan: Mapping[str, object] | None = None,
     ) -> Zygote:
         """Start a zygote preloading ``preload`` and ask it for ``standbys`` workers forked ahead of time;
-        ``script``: the entry script (absolute), which the zygote compiles once for all its workers."""
+        ``script``: the entry script (absolute), which the zygote compiles once for all its workers; ``plan``: how
+        (:func:`ftrun.warm.pool.WarmPool.plan`: the script's leading block replayed, the later imports checked;
+        default: ``preload`` imported as given)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [python, "-m", "ftrun.warm.zygote", str(theirs.fileno())] + (["--idle"] if idle else [])
         with os.fdopen(append_fd(log), "ab") as err:
@@ -162,7 +165,7 @@ class Zygote:
         theirs.close()
         assert proc.stdin is not None
         try:  # the list can be long: a pipe, not argv (which has a size limit)
-            proc.stdin.write(json.dumps(preload).encode())
+            proc.stdin.write(json.dumps(plan or {"steps": [["import", m] for m in preload]}).encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once: the first look at it finds out
@@ -171,16 +174,20 @@ class Zygote:
             zygote.ask_standby()
         return zygote
 
-    def grow(self, preload: list[str], *, idle: bool, standbys: int) -> Zygote:
+    def grow(
+        self, preload: list[str], *, idle: bool, standbys: int, files: Mapping[str, str | None] | None = None
+    ) -> Zygote:
         """A zygote forked from this ready one, which imports only what ``preload`` adds to this one's: the
         job's big imports (torch: ~1.5 s of a core) are not paid again for each bigger zygote, and its pages
-        stay shared with this one's. Raises PoolError when this one cannot fork it now."""
+        stay shared with this one's; ``files``: where the workers' imports found each top-level module (the new
+        one checks its own imports find the same). Raises PoolError when this one cannot fork it now."""
         if self.ready is None or self.paused or self.failed:
             raise PoolError("the zygote is not ready to grow another")
         have = set(self.preload)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         added = [m for m in preload if m not in have]
         request = {"agent_pid": os.getpid(), "grow": added, "idle": idle, "inherited": self.ready.get("loaded", 0)}
+        request["files"] = dict(files or {})
         try:
             messages.send(self._sock, request, (theirs.fileno(),))
             with selectors.DefaultSelector() as sel:  # the agent's loop waits: briefly (a fork takes ~10 ms)
@@ -210,6 +217,7 @@ class Zygote:
         self.ready: dict[str, Any] | None = None
         self.refused = ""
         self.culprit = ""  # the module it refused (left out of every preload from then on)
+        self.by_rule = False  # refused because a worker's own import would differ (not for the fork's sake)
         self.failed = ""  # why it can no longer serve
         self._asked: deque[socket.socket] = deque()  # standbys asked for, in order; the zygote answers in order
         self._standbys: deque[Standby] = deque()
@@ -231,6 +239,7 @@ class Zygote:
             if "refused" in answer:
                 self.refused = self.failed = str(answer["refused"])
                 self.culprit = str(answer.get("module", ""))
+                self.by_rule = bool(answer.get("rule"))
                 return False
             self.ready = answer
             # A hold may have stopped it after it said so and before the agent read it: a ready zygote only

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 POOLS: list[Any] = []  # threadpoolctl's controllers of the BLAS/OpenMP libraries the zygote loaded
@@ -64,32 +65,35 @@ def redraw_randomness() -> None:
         torch.default_generator.seed()  # a fresh process seeds it from the OS: torch.initial_seed() differs
 
 
-def restore_threads() -> None:
-    """The zygote pinned its thread pools to 1 (safe to fork); the worker gets what a fresh process would."""
+def restore_threads(env: Mapping[str, str] | None = None) -> None:
+    """The zygote pinned its thread pools to 1 (safe to fork); the worker gets what a fresh process would, from
+    ``env`` (default: os.environ; the zygote's: as the script's top sets it before its imports load the pools)."""
+    env = os.environ if env is None else env
     torch = sys.modules.get("torch")
     torch_dir = os.path.dirname(getattr(torch, "__file__", None) or "/nonexistent") + os.sep
     torch_pool_set = False
     for pool in POOLS:
         if pool.internal_api == "openmp" and pool.filepath.startswith(torch_dir):
-            size, torch_pool_set = torch_threads(), True  # torch sizes its own OpenMP at first use, by its rule
+            size, torch_pool_set = torch_threads(env), True  # torch sizes its own OpenMP at first use, by its rule
         else:
-            wanted = _from_environment(POOL_VARIABLES[pool.internal_api])
+            wanted = _from_environment(POOL_VARIABLES[pool.internal_api], env)
             size = wanted or (physical_cores() if pool.internal_api == "mkl" else len(os.sched_getaffinity(0)))
         if pool.num_threads != size:
             pool.set_num_threads(size)
     if torch is not None and not torch_pool_set:  # torch.set_num_threads also starts a thread pool at once,
-        torch.set_num_threads(torch_threads())  # which a fresh process starts on first use: only as a fallback
+        torch.set_num_threads(torch_threads(env))  # which a fresh process starts on first use: only as a fallback
 
 
-def torch_threads() -> int:
+def torch_threads(env: Mapping[str, str] | None = None) -> int:
     """torch's intra-op threads in a fresh process: OMP_NUM_THREADS / MKL_NUM_THREADS, else physical cores."""
-    return _from_environment(("OMP_NUM_THREADS", "MKL_NUM_THREADS")) or physical_cores()
+    return _from_environment(("OMP_NUM_THREADS", "MKL_NUM_THREADS"), env) or physical_cores()
 
 
-def _from_environment(names: tuple[str, ...]) -> int | None:
+def _from_environment(names: tuple[str, ...], env: Mapping[str, str] | None = None) -> int | None:
     """The first of ``names`` set to a positive count (OMP_NUM_THREADS may be a list per nesting level)."""
+    env = os.environ if env is None else env
     for name in names:
-        first = os.environ.get(name, "").split(",")[0].strip()
+        first = env.get(name, "").split(",")[0].strip()
         if first.isdigit() and int(first) > 0:
             return int(first)
     return None
