@@ -304,8 +304,9 @@ class _Collector:
         self.other = ""
 
     def visit_tree(self, tree: ast.Module, filename: str) -> None:
+        replayed = {id(n) for node in ast.walk(tree) if id(node) in self.replayed for n in ast.walk(node)}
         for node in ast.walk(tree):
-            if id(node) in self.replayed:
+            if id(node) in replayed:
                 continue
             place = f"{filename}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.stmt) and literal_env_steps(node) is not None:

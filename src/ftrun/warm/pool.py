@@ -114,6 +114,7 @@ class WarmPool:
         self._troubled = False  # a trouble of the pool's was said on the console (the others go to --verbose)
         self._reports: dict[Path, int] = {}  # each worker's report of its imports, by its mtime
         self._to_grow: list[str] = []  # a bigger zygote's modules, waiting for the zygote to grow it from
+        self._said_other = False  # the script's change that keeps every later import out was said
 
     def start(self, log: Path, say: Say, on_ready: Callable[[dict[str, Any]], None], detail: Say) -> None:
         """Start the base zygote, and one preloading what is known. Their output goes to ``log``; ``say`` tells the
@@ -149,7 +150,7 @@ class WarmPool:
         steps = [s for s in self._reading.steps if s[0] != "import" or (s[1] in wanted and not self._refused(s[1]))]
         leading = {s[1] for s in steps if s[0] == "import"}
         trusted = [m for m in self._trusted if m in wanted and m not in leading and not self._refused(m)]
-        checked = [m for m in modules if m not in leading and m not in trusted]
+        checked = [m for m in modules if m not in leading and m not in trusted and not self._reading.changes.other]
         guards = {**self._reading.changes.as_json(), "varying": sorted(self._varying), "files": self._files}
         return {"steps": steps + [["import", m] for m in trusted], "checked": checked, "guards": guards, **self._where}
 
@@ -315,12 +316,15 @@ class WarmPool:
         if z in self._zygotes:
             self._zygotes.remove(z)
         if z.culprit:  # one module cannot be forked after: the rest is preloaded without it
-            self._never.add(z.culprit)
+            self._never |= {z.culprit, *z.by_rule}
             rest = [m for m in z.preload if not policy.refused(m, self._never)]
-            if z.by_rule:  # the job would differ: said on the console, each module once
+            if z.by_rule:  # the job would differ: said on the console
+                shown = "; ".join(f"{m} {reason}" for m, reason in list(z.by_rule.items())[:4])
+                more = f" (and {len(z.by_rule) - 4} more)" if len(z.by_rule) > 4 else ""
                 self._say(
-                    f"warm pool: {z.culprit} {why}: the workers import it themselves, as a fresh process would; to"
-                    f" keep it warm, make that setting in the launch environment, or --preload {z.culprit}"
+                    f"warm pool: {shown}{more}: the workers import {'it' if len(z.by_rule) == 1 else 'them'}"
+                    " themselves, as a fresh process would; to keep them warm, make that setting in the launch"
+                    " environment, or name the modules with --preload"
                 )
             else:
                 self._trouble(
@@ -366,6 +370,14 @@ class WarmPool:
         """--warm auto: the workers imported ``modules``; a bigger zygote is started when it is worth it (kept
         for the next run only when ``run_ends``: no restart can come)."""
         if not self._auto or self._off:
+            return
+        if self._reading.changes.other:  # no check could tell whether an import after it saw the change
+            if not self._said_other:
+                self._said_other = True
+                self._say(
+                    f"warm pool: {self._reading.changes.other}: what the workers import after the script's top is"
+                    " their own import, not preloaded; to keep it warm, name the modules with --preload"
+                )
             return
         bigger = policy.worth_preloading(self.preloading, modules, self._never)
         if bigger is None:

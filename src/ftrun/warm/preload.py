@@ -100,7 +100,9 @@ def read_entry_script(entry: Entrypoint, cwd: Path, python: str) -> EntryReading
     installed = set(installed_modules(imports, {n: _origin(n.split(".")[0], path) for n in imports}))
     steps = [s for s in reading.steps if s[0] != "import" or s[1] in installed]
     later = list(INDUCTOR_IMPORTS) if tree_compiles else []  # at its first compile: checked as any later import
-    return EntryReading(steps, reading.stop, reading.kept_out, reading.changes, later)
+    leading = set(imports)
+    kept_out = [m for m in reading.kept_out if m not in leading and _origin(m.split(".")[0], path) is not None]
+    return EntryReading(steps, reading.stop, kept_out, reading.changes, later)
 
 
 def _compiles(source: Path) -> bool:

@@ -71,30 +71,36 @@ def preload(names: list[str], *, leading: bool = True) -> tuple[list[str], dict[
     loaded, failed = [], {}
     known = jemalloc.mapped_libraries()  # the libraries a jemalloc that starts a thread could be in: those after
     for name in names:
-        refusal = ""
+        refusal, root = "", name
         try:
-            refusal = checked_import(name, leading=leading)
+            refusal, root = checked_import(name, leading=leading)
         except Exception as e:  # a module that cannot be preloaded is imported by the worker itself
             failed[name] = f"{type(e).__name__}: {e}"[:200]
             continue
         loaded.append(name)
         jemalloc.stop_background_threads(known)  # pyarrow's, polars': started again in each worker
-        if refusal:
-            RULE_REFUSALS.append(name)
-        refusal = refusal or unforkable()
+        if refusal:  # this zygote can no longer serve; it goes on to judge the rest, so that one more does
+            RULE_REFUSALS[root] = refusal
+        refusal = unforkable()
         if refusal:
             return loaded, failed, refusal, name
+    if RULE_REFUSALS:
+        first = next(iter(RULE_REFUSALS))
+        return loaded, failed, RULE_REFUSALS[first], first
     return loaded, failed, None, ""
 
 
-def checked_import(name: str, *, leading: bool) -> str:
-    """Import ``name`` watching what it reads; why a worker's own import would differ ("": it would not)."""
+def checked_import(name: str, *, leading: bool) -> tuple[str, str]:
+    """Import ``name`` watching what it reads; why a worker's own import would differ ("": it would not), and
+    the outermost package this import loaded (what is left to the workers then: its parts share its import)."""
     before = set(sys.modules)
     watched = {} if leading else dict(filter(None, map(import_watch.owner_of, GUARDS.attributes)))
     with import_watch.watching(watched) as reads:
         importlib.import_module(name)
     new = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n not in before}
-    return import_watch.verdict(name, reads, GUARDS, new, leading=leading)
+    parts = name.split(".")
+    root = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in new), name)
+    return import_watch.verdict(name, reads, GUARDS, new, leading=leading), root
 
 
 def replay(steps: list[list[str]]) -> list[str]:
@@ -164,7 +170,8 @@ def serve(
         except PermissionError:
             refusal = "cannot return to normal CPU priority after preloading (RLIMIT_NICE)"
     if refusal:
-        send(sock, {"refused": refusal, "module": culprit, "rule": culprit in RULE_REFUSALS})
+        by_rule = dict(RULE_REFUSALS) if culprit in RULE_REFUSALS else {}
+        send(sock, {"refused": refusal, "module": culprit, "by_rule": by_rule})
         while (leftover := receive(sock))[0] is not None:  # exiting with requests unread would reset the
             for fd in leftover[1]:  # socket before the agent read the refusal: wait for it to hang up
                 os.close(fd)
@@ -382,7 +389,7 @@ def fresh_argv(request: Message) -> list[str]:
 ENVIRONMENT: dict[str, str] = {}  # the zygote's own environment, as its workers inherit it (plain dict: fast)
 IMPORTS_SET: dict[str, str] = {}  # variables the preloaded modules set at import
 GUARDS = import_watch.Guards()  # what the modules imported after the script's leading block must not depend on
-RULE_REFUSALS: list[str] = []  # modules refused because a worker's own import would differ (not the fork)
+RULE_REFUSALS: dict[str, str] = {}  # module -> why a worker's own import would differ (not for the fork's sake)
 REPLAYED: set[str] = set()  # the variables the leading block's literal writes set (replayed before its imports)
 THREAD_PINS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # the zygote's own (agent: zygotes.py)
 THREAD_STEPS: list[list[str]] = []  # the leading block's writes of those, applied to the pools' sizes in each worker

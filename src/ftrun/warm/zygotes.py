@@ -217,7 +217,7 @@ class Zygote:
         self.ready: dict[str, Any] | None = None
         self.refused = ""
         self.culprit = ""  # the module it refused (left out of every preload from then on)
-        self.by_rule = False  # refused because a worker's own import would differ (not for the fork's sake)
+        self.by_rule: dict[str, str] = {}  # the modules refused because a worker's own import would differ, why
         self.failed = ""  # why it can no longer serve
         self._asked: deque[socket.socket] = deque()  # standbys asked for, in order; the zygote answers in order
         self._standbys: deque[Standby] = deque()
@@ -239,7 +239,8 @@ class Zygote:
             if "refused" in answer:
                 self.refused = self.failed = str(answer["refused"])
                 self.culprit = str(answer.get("module", ""))
-                self.by_rule = bool(answer.get("rule"))
+                found = answer.get("by_rule")
+                self.by_rule = {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
                 return False
             self.ready = answer
             # A hold may have stopped it after it said so and before the agent read it: a ready zygote only

@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 THIS_FILE = __file__
-PASSING_FRAMES = {os.__file__, getattr(sys.modules.get("_collections_abc"), "__file__", "")}
+# os.py's and the mapping ABCs' frames, as their code names its file ("<frozen os>": Python 3.11 freezes them)
+PASSING_FRAMES = {os.getenv.__code__.co_filename, Mapping.get.__code__.co_filename}
 
 
 @dataclass
