@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 # A step the zygote replays, in order: ["import", module], ["setenv", key, value], ["setdefault", key, value],
-# ["unsetenv", key]. JSON-ready: the zygote reads them from its standard input.
+# ["putenv", key, value], ["unsetenv", key]. JSON-ready: the zygote reads them from its standard input.
 Step = list[str]
 
 ENV_METHODS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
@@ -158,19 +158,19 @@ def literal_env_steps(node: ast.stmt) -> list[Step] | None:  # noqa: PLR0911 - o
         return None
     call = node.value
     func = _dotted(call.func)
-    args = [_literal(a) for a in call.args]
-    if None in args or any(k.arg is None for k in call.keywords):
-        return None if func not in ("os.environ.update",) or call.args else _update_keywords(call)
-    if func == "os.environ.setdefault" and len(args) == 2 and not call.keywords:
-        return [["setdefault", args[0], args[1]]]  # type: ignore[list-item]
-    if func == "os.putenv" and len(args) == 2 and not call.keywords:
-        return [["setenv", args[0], args[1]]]  # type: ignore[list-item]
-    if func in ("os.unsetenv",) and len(args) == 1:
-        return [["unsetenv", args[0]]]  # type: ignore[list-item]
-    if func == "os.environ.pop" and len(args) in (1, 2) and not call.keywords:
-        return [["unsetenv", args[0]]]  # type: ignore[list-item]
     if func == "os.environ.update":
         return _update_keywords(call)
+    args = [_literal(a) for a in call.args]
+    if None in args or call.keywords:
+        return None
+    if func == "os.environ.setdefault" and len(args) == 2:
+        return [["setdefault", args[0], args[1]]]  # type: ignore[list-item]
+    if func == "os.putenv" and len(args) == 2:  # the C library's environment only, not os.environ
+        return [["putenv", args[0], args[1]]]  # type: ignore[list-item]
+    if func == "os.unsetenv" and len(args) == 1:
+        return [["unsetenv", args[0]]]  # type: ignore[list-item]
+    if func == "os.environ.pop" and len(args) in (1, 2):
+        return [["unsetenv", args[0]]]  # type: ignore[list-item]
     return None
 
 
@@ -236,8 +236,8 @@ def _imports(node: ast.stmt) -> list[tuple[str, int]]:
 def _what_it_changes(node: ast.stmt, modules: dict[str, str], local: set[str]) -> str:
     """Why ``node`` may change what a later import gives ("" when it cannot): every statement but definitions,
     docstrings, ``pass`` and assignments to plain names of values whose calls change nothing."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Pass | ast.Global):
-        return ""  # a definition runs nothing of its body (its decorators' calls: below, like any call)
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Pass | ast.Global | ast.ImportFrom):
+        return ""  # a definition runs nothing of its body; `from __future__` imports nothing
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
         return ""
     if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Delete):

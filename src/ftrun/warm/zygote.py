@@ -120,6 +120,8 @@ def replay(steps: list[list[str]]) -> list[str]:
             os.environ[key] = step[2]
         elif step[0] == "setdefault":
             os.environ.setdefault(key, step[2])
+        elif step[0] == "putenv":
+            os.putenv(key, step[2])
         else:
             os.environ.pop(key, None)
     return done
@@ -400,7 +402,7 @@ def threads_env() -> dict[str, str]:
     (loaded by the imports that follow the writes) read them."""
     env = dict(os.environ)
     for step in THREAD_STEPS:
-        if step[0] == "setenv":
+        if step[0] in ("setenv", "putenv"):
             env[step[1]] = step[2]
         elif step[0] == "setdefault":
             env.setdefault(step[1], step[2])
