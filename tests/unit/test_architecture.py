@@ -29,6 +29,7 @@ PURE = [
     "ftrun.monitor.blame",
     "ftrun.worker.requests",
     "ftrun.warm.policy",
+    "ftrun.warm.entry_reading",
     "ftrun.rendezvous.succession",
     "ftrun.rendezvous.records",
     "ftrun.monitor.stragglers",

@@ -55,8 +55,8 @@ def test_literal_environment_writes_are_replayed_in_order_before_the_imports_aft
         ('warnings.filterwarnings("ignore")', "configures warnings"),
         ("logging.basicConfig(level=logging.INFO)", "configures logging"),
         ("importlib.reload(utils)", "imports by importlib"),
-        ("setup()", "calls setup(), the script's own function"),
-        ("for i in range(3): pass", "runs a for statement"),
+        ("setup()", "calls setup(), which sets the environment to a computed value"),
+        ("for k in ('A',): os.environ[k] = '1'", "sets the environment to a computed value"),
     ],
 )
 def test_the_first_statement_that_cannot_be_replayed_stops_the_preload(statement: str, why: str) -> None:
@@ -64,7 +64,7 @@ def test_the_first_statement_that_cannot_be_replayed_stops_the_preload(statement
         import os, sys, torch, warnings, logging, importlib
         import pkg.utils as utils
         def setup():
-            pass
+            os.environ["A"] = str(port)
         port = 1
         {statement}
         import transformers
@@ -131,3 +131,28 @@ def test_a_change_no_check_can_see_is_named() -> None:
     assert r.changes.other == "train.py:3 sets torch's default dtype"
     r = read("import os\ndef main(k):\n    os.environ[k] = '1'\n")
     assert r.changes.env_unknown == "train.py:3"
+
+
+def test_a_call_of_the_scripts_own_function_is_judged_by_its_body() -> None:
+    r = read("""
+        import os, time
+        def wait_for(path):
+            import json
+            while not os.path.exists(path):
+                time.sleep(0.1)
+            if os.environ.get("X"):
+                raise SystemExit(3)
+        def setup():
+            os.environ["HF_HOME"] = "/data"
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            wait_for("ready")
+            raise SystemExit(3)
+        import torch
+        setup()
+        import transformers
+    """)
+    assert r.imports == ["os", "time", "torch"]
+    assert r.stop is not None
+    assert r.stop.line == 15
+    assert r.stop.why == "calls setup(), which sets the environment to a computed value"
+    assert r.kept_out == ["transformers"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 # A step the zygote replays, in order: ["import", module], ["setenv", key, value], ["setdefault", key, value],
@@ -109,7 +109,7 @@ def read_entry(
     kept_out: list[str] = []
     replayed: set[int] = set()  # ids of the statements replayed (their writes are not changes to guard against)
     lines = source.decode("utf-8", "replace").splitlines()
-    local = _local_functions(tree)
+    judge = _Judge(modules, tree, lambda name: own_source(name) is not None)
     for node in _run_at_top(tree.body):
         if stop is not None:
             kept_out += [n for n, _ in _imports(node)]
@@ -128,7 +128,7 @@ def read_entry(
             steps += env
             replayed.add(id(node))
             continue
-        why = _what_it_changes(node, modules, local)
+        why = judge.statement(node)
         if why:
             stop = _stop(filename, node, lines, why)
     changes = _Collector(modules, replayed)
@@ -233,26 +233,76 @@ def _imports(node: ast.stmt) -> list[tuple[str, int]]:
     return []
 
 
-def _what_it_changes(node: ast.stmt, modules: dict[str, str], local: set[str]) -> str:
-    """Why ``node`` may change what a later import gives ("" when it cannot): every statement but definitions,
-    docstrings, ``pass`` and assignments to plain names of values whose calls change nothing."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Pass | ast.Global | ast.ImportFrom):
-        return ""  # a definition runs nothing of its body; `from __future__` imports nothing
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-        return ""
-    if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Delete):
-        targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
-        for target in targets:
-            why = _written(target, modules)
+COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)
+QUIET = (ast.Pass, ast.Global, ast.Nonlocal, ast.Break, ast.Continue, ast.Return, ast.Raise, ast.Assert)
+
+
+class _Judge:
+    """Whether a statement may change what a later import gives: the script's own functions it calls are read
+    too (a call of one that only reads, waits or prints changes nothing), each once."""
+
+    def __init__(self, modules: dict[str, str], tree: ast.Module, own: Callable[[str], bool]) -> None:
+        self.modules = modules
+        self.own = own
+        self.defs: dict[str, ast.stmt] = {
+            n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        self.judged: dict[str, str] = {}
+
+    def statement(self, node: ast.stmt) -> str:
+        """Why ``node`` may change what a later import gives ("" when it cannot): definitions, docstrings,
+        control flow, assignments to plain names, imports of installed modules and calls that change nothing."""
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            return self.calls([*node.decorator_list])  # a definition runs nothing of its body
+        if isinstance(node, ast.Import | ast.ImportFrom):  # (at top level: the steps; deeper: learned later)
+            own = [n for n, level in _imports(node) if level or self.own(n)]
+            return f"imports the job's own module {own[0]}, which may change them" if own else ""
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Delete):
+            targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+            for target in targets:
+                why = _written(target, self.modules)
+                if why:
+                    return why
+        elif isinstance(node, COMPOUND):
+            heads = [getattr(node, "test", None), getattr(node, "iter", None)]
+            heads += [item.context_expr for item in getattr(node, "items", [])]
+            why = self.calls([h for h in heads if h is not None])
+            for child in ast.iter_child_nodes(node):
+                handlers = child.body if isinstance(child, ast.ExceptHandler) else [child]
+                for stmt in handlers:
+                    why = why or (self.statement(stmt) if isinstance(stmt, ast.stmt) else "")
+            return why
+        elif not isinstance(node, (ast.Expr, *QUIET)):
+            return f"runs a {type(node).__name__.lower()} statement"
+        return self.calls([node])
+
+    def calls(self, nodes: Sequence[ast.AST]) -> str:
+        for call in (n for node in nodes for n in ast.walk(node) if isinstance(n, ast.Call)):
+            why = self.call(call)
             if why:
                 return why
-    if not isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.Delete | ast.Expr):
-        return f"runs a {type(node).__name__.lower()} statement"
-    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
-        why = _call_changes(call, modules, local)
-        if why:
-            return why
-    return ""
+        return ""
+
+    def call(self, call: ast.Call) -> str:
+        func = call.func
+        if isinstance(func, ast.Name) and func.id in self.defs:
+            if func.id not in self.judged:
+                self.judged[func.id] = ""  # a recursive call is judged by the rest of the body
+                body = self.defs[func.id]
+                stmts = [s for n in ast.walk(body) if n is not body for s in [n] if isinstance(s, ast.stmt)]
+                found = next((w for w in map(self.statement_alone, stmts) if w), "")
+                self.judged[func.id] = f"calls {func.id}(), which {found}" if found else ""
+            return self.judged[func.id]
+        return _call_changes(call, self.modules)
+
+    def statement_alone(self, node: ast.stmt) -> str:
+        """A statement inside a function, its nested blocks judged as statements of their own."""
+        if isinstance(node, COMPOUND):
+            heads = [getattr(node, "test", None), getattr(node, "iter", None)]
+            return self.calls([h for h in heads if h is not None])
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            return ""  # its statements are walked as the body's
+        return self.statement(node)
 
 
 def _written(target: ast.expr, modules: dict[str, str]) -> str:
@@ -269,11 +319,9 @@ def _written(target: ast.expr, modules: dict[str, str]) -> str:
     return ""
 
 
-def _call_changes(call: ast.Call, modules: dict[str, str], local: set[str]) -> str:  # noqa: PLR0911 - one per kind
+def _call_changes(call: ast.Call, modules: dict[str, str]) -> str:  # noqa: PLR0911 - one per kind
     func = call.func
     if isinstance(func, ast.Name):
-        if func.id in local:
-            return f"calls {func.id}(), the script's own function"
         if func.id in ("exec", "eval", "setattr", "delattr"):
             return f"calls {func.id}()"
         return ""
@@ -281,7 +329,7 @@ def _call_changes(call: ast.Call, modules: dict[str, str], local: set[str]) -> s
         return ""
     dotted = _module_attribute(func, modules)
     parts = dotted.split(".")
-    if dotted.startswith("os.environ.") or dotted in ("os.putenv", "os.unsetenv"):
+    if (dotted.startswith("os.environ.") and func.attr in ENV_METHODS) or dotted in ("os.putenv", "os.unsetenv"):
         return "sets the environment to a computed value"
     if len(parts) >= 3 and parts[0] == "sys" and parts[1] in SYS_PATH | {"modules"}:
         return f"changes sys.{parts[1]}"
@@ -347,7 +395,7 @@ class _Collector:
             return
         dotted = _module_attribute(func, self.modules)
         parts = dotted.split(".")
-        if dotted.startswith("os.environ.") or dotted in ("os.putenv", "os.unsetenv"):
+        if (dotted.startswith("os.environ.") and func.attr in ENV_METHODS) or dotted in ("os.putenv", "os.unsetenv"):
             key = _literal(call.args[0]) if call.args else None
             if func.attr in ("update", "clear", "popitem") or key is None:
                 keys = _update_keywords(call) if func.attr == "update" else None
@@ -415,10 +463,6 @@ def _dotted(node: ast.expr) -> str:
 
 def _literal(node: ast.expr) -> str | None:
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-
-
-def _local_functions(tree: ast.Module) -> set[str]:
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
 
 
 def _own_modules(
