@@ -48,8 +48,9 @@ GUARDS = Guards(
 )
 
 
-OFFLINE = "reads HF_DATASETS_OFFLINE at import, which train.py:5 sets"
-RANKS = "reads LOCAL_RANK at import, whose value differs in each worker"
+KEEP = "(to keep it warm, make that setting in the launch environment, or --preload m)"
+OFFLINE = f"reads HF_DATASETS_OFFLINE at import, which train.py:5 sets {KEEP}"
+RANKS = "reads LOCAL_RANK at import, whose value differs in each worker (no one zygote can import it for all)"
 
 
 @pytest.mark.parametrize(
@@ -59,7 +60,7 @@ RANKS = "reads LOCAL_RANK at import, whose value differs in each worker"
         (Reads(env={"HF_DATASETS_OFFLINE": None}), {}, False, OFFLINE),
         (Reads(env={"HF_DATASETS_OFFLINE": None}), {}, True, ""),  # the leading block runs before the write
         (Reads(env={"LOCAL_RANK": "0"}), {}, True, RANKS),
-        (Reads(attributes={"cfg.DEVICE"}), {}, False, "reads cfg.DEVICE at import, which train.py:9 sets"),
+        (Reads(attributes={"cfg.DEVICE"}), {}, False, f"reads cfg.DEVICE at import, which train.py:9 sets {KEEP}"),
         (Reads(), {"yaml": "/site/yaml/__init__.py"}, True,
          "finds yaml at /site/yaml/__init__.py, where the workers' own import found /job/vendor/yaml/__init__.py"),
         (Reads(), {"yaml": "/job/vendor/yaml/__init__.py"}, False, ""),

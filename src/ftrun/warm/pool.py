@@ -321,11 +321,8 @@ class WarmPool:
             if z.by_rule:  # the job would differ: said on the console
                 shown = "; ".join(f"{m} {reason}" for m, reason in list(z.by_rule.items())[:4])
                 more = f" (and {len(z.by_rule) - 4} more)" if len(z.by_rule) > 4 else ""
-                self._say(
-                    f"warm pool: {shown}{more}: the workers import {'it' if len(z.by_rule) == 1 else 'them'}"
-                    " themselves, as a fresh process would; to keep them warm, make that setting in the launch"
-                    " environment, or name the modules with --preload"
-                )
+                them = "it" if len(z.by_rule) == 1 else "them"
+                self._say(f"warm pool: {shown}{more}: the workers import {them} themselves, as a fresh process would")
             else:
                 self._trouble(
                     f"warm pool: importing {z.culprit!r} {why}; the workers import it themselves, the rest is"

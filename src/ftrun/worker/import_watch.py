@@ -161,19 +161,20 @@ def verdict(  # noqa: PLR0911 - one return per reason
     matter there."""
     for key in sorted(reads.env):
         if key in guards.varying:
-            return f"reads {key} at import, whose value differs in each worker"
+            return f"reads {key} at import, whose value differs in each worker (no one zygote can import it for all)"
     for name, file in new.items():
         if name in guards.files and guards.files[name] != file:
             return f"finds {name} at {file}, where the workers' own import found {guards.files[name]}"
     if leading:
         return ""
+    keep = f"to keep it warm, make that setting in the launch environment, or --preload {module}"
     if guards.other:
-        return f"is imported after the script's top, and {guards.other}"
+        return f"is imported after the script's top, and {guards.other} ({keep})"
     for key in sorted(reads.env):
         if key in guards.env:
-            return f"reads {key} at import, which {guards.env[key]} sets"
+            return f"reads {key} at import, which {guards.env[key]} sets ({keep})"
         if guards.env_unknown:
-            return f"reads {key} at import, and {guards.env_unknown} sets a variable named at run time"
+            return f"reads {key} at import, and {guards.env_unknown} sets a variable named at run time ({keep})"
     for dotted in sorted(reads.attributes):
-        return f"reads {dotted} at import, which {guards.attributes.get(dotted, 'the script')} sets"
+        return f"reads {dotted} at import, which {guards.attributes.get(dotted, 'the script')} sets ({keep})"
     return ""
