@@ -183,3 +183,85 @@ def test_a_warm_worker_imports_what_a_fresh_one_would(
         assert "--preload" in console
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(tmp_path / "cache")
+
+
+# A Hugging Face job for an offline cluster, as its users write it: offline and cache variables first, then its
+# imports; a tiny GPT-2 built from its config (nothing downloaded), a `datasets` table, DDP over gloo, a
+# checkpoint at every step. Rank 1 crashes at step 4 of the first attempt; the restart resumes from the
+# checkpoint and ends with the weights of a run that never failed.
+HF_JOB = """
+import os
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HOME"] = "hf-home"
+import hashlib
+import sys
+import datasets
+import torch
+import torch.distributed as dist
+import transformers
+import transformers.utils.hub
+from torch.nn.parallel import DistributedDataParallel
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, steps = dist.get_rank(), 8
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = DistributedDataParallel(transformers.GPT2LMHeadModel(config))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    table = datasets.Dataset.from_dict({"ids": [[(i * 7 + j) % 64 for j in range(16)] for i in range(64)]})
+    table.set_format("torch")
+    start = 0
+    if os.path.exists("ckpt.pt"):
+        state = torch.load("ckpt.pt")
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"]
+    for step in range(start, steps):
+        batch = table[(step * 4 + rank * 2) % 64 : (step * 4 + rank * 2) % 64 + 2]["ids"]
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, "ckpt.tmp")
+            os.replace("ckpt.tmp", "ckpt.pt")
+        dist.barrier()
+        if step == 3 and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and len(sys.argv) > 1:
+            os._exit(3)
+    if rank == 0:
+        weights = b"".join(p.detach().numpy().tobytes() for p in model.module.parameters())
+        print("checksum", hashlib.sha256(weights).hexdigest()[:16], "offline", transformers.utils.hub.is_offline_mode(),
+              datasets.config.HF_DATASETS_OFFLINE, flush=True)
+    dist.barrier()
+    del model
+    dist.destroy_process_group()
+
+
+main()
+"""
+
+
+def test_a_hugging_face_job_set_up_for_an_offline_cluster_restarts_warm_to_the_clean_runs_weights(
+    tmp_path: Path, script: WriteScript
+) -> None:
+    pytest.importorskip("transformers")
+    script("hf.py", HF_JOB)
+    runs = {}
+    for name, flags, args in (("clean", ["--no-warm"], []), ("crashed", [], ["crash"])):
+        work = tmp_path / name
+        work.mkdir()
+        (work / "hf.py").write_text((tmp_path / "hf.py").read_text())
+        r = run_ftrun(work, "--nproc-per-node", "2", "--max-restarts", "1", *flags, "hf.py", *args, timeout=300,
+                      env={"FTRUN_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        runs[name] = r
+    clean, crashed = (r.stdout.split("checksum ")[-1].split()[:4] for r in runs.values())
+    assert clean == crashed, (clean, crashed)
+    assert clean[2:] == ["True", "True"]  # offline, as the script's top said, on the warm restart too
+    r = runs["crashed"]
+    assert [e["warm"] for e in r.events() if e["kind"] == "worker_spawned" and e["attempt"] == 1] == [True, True]
+    assert "warm pool:" not in r.stderr  # the script's top is all replayed: nothing kept out of the pool
