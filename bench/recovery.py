@@ -18,13 +18,18 @@ every rank having finished its first step after the restart; how many recovered 
 and, for ftrun, its own part: the failed worker's exit seen -> every new worker running its own code.
 
     python bench/recovery.py [--reps 3] [--crash-at 0,10,40,300] [--fault crash|raise] [--cuda-standin]
-                             [--nproc 2] [--job ddp|stack] [--busy]
+                             [--nproc 2] [--job ddp|stack] [--busy] [--top-env literal|computed]
 
 --busy: one busy loop per core for the whole run, at normal priority (a node whose cores are all taken).
 
 --job stack: the real-stack job instead (examples/pretrain_stack.py: FSDP2 on a 2-D mesh, torch.compile with
 inductor, DCP every 5 steps, a StatefulDataLoader over a datasets table); rank 1 exits (os._exit) at the step
 (--fault raise: raises).
+
+--top-env literal|computed: the ddp job with a variable set at its top, before `import torch` (a copy of it in the
+run's directory): `os.environ["HF_HUB_OFFLINE"] = "1"` (the pool replays it and preloads all it would), or
+`os.environ["RUN_TAG"] = str(os.getpid())` (a computed value stops the pool's preload of what follows: torch is
+preloaded only once the workers reported it, each import checked).
 
 --cuda-standin: a GPU node's driver on this machine: the stand-in CUDA driver (ftrun.testing.cuda_driver)
 preloaded into every launcher and worker, and every worker initialises it first (cuInit), as GPU jobs do.
@@ -83,6 +88,7 @@ def run_once(
     driver: str | None,
     nproc: int = 2,
     stack: bool = False,
+    top_env: str = "",
 ) -> Trial:
     timeline, events = workdir / "timeline.jsonl", workdir / "events.jsonl"
     flags = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
@@ -93,7 +99,7 @@ def run_once(
         flags += ["--log-dir", str(workdir / "logs"), "--event-log", str(events)]
     if launcher == "torchrun-noshare":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    job = job_command(launcher, crash_at, workdir, fault, bool(driver), stack)
+    job = job_command(launcher, crash_at, workdir, fault, bool(driver), stack, top_env)
     launched = time.time()
     with (workdir / "launcher.log").open("w") as log:
         proc = subprocess.Popen(
@@ -136,14 +142,28 @@ def run_once(
     return Trial(launcher, crash_at, recovery, bool(complete) and complete[0] == 1, own, stop, released, warm, start)
 
 
-def job_command(launcher: str, crash_at: int, workdir: Path, fault: str, cuinit: bool, stack: bool) -> list[str]:
+TOP_ENV = {
+    "literal": 'import os\nos.environ["HF_HUB_OFFLINE"] = "1"\n',
+    "computed": 'import os\nos.environ["RUN_TAG"] = str(os.getpid())\n',
+}
+
+
+def job_command(
+    launcher: str, crash_at: int, workdir: Path, fault: str, cuinit: bool, stack: bool, top_env: str = ""
+) -> list[str]:
     timeline, steps = workdir / "timeline.jsonl", crash_at + 5
+    script = JOB
+    if top_env:  # the job with a variable set before its imports (after its start stamp)
+        source = JOB.read_text()
+        stamp = "STARTED = time.time()  # before any import: when this worker began running its own code\n"
+        script = workdir.parent / f"plain_ddp_{top_env}.py"  # the same file for every run: the cache's key
+        script.write_text(source.replace(stamp, stamp + TOP_ENV[top_env]))
     if stack:
         job = [str(STACK), "--workdir", str(workdir), "--crash-at", str(crash_at), "--timeline", str(timeline)]
         job += ["--steps", str(steps), "--crash-by", "raise" if fault == "raise" else "exit"]
         job += ["--restartable"] if launcher == "ftrun-in-place" else []
     else:
-        job = [str(JOB), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
+        job = [str(script), "--steps", str(steps), f"--{fault}-at", str(crash_at), "--timeline", str(timeline)]
         job += ["--checkpoint", str(workdir / "ckpt.pt")] + (["--cuinit"] if cuinit else [])
     return job
 
@@ -182,6 +202,7 @@ def main() -> None:
                    help="ddp: bench/plain_ddp.py; stack: examples/pretrain_stack.py (FSDP2, DCP, torch.compile, "
                    "a datasets loader; steps of its own length, a SIGKILL-free exit at the step)")  # fmt: skip
     p.add_argument("--busy", action="store_true", help="every core taken by a busy loop (see above)")
+    p.add_argument("--top-env", choices=["literal", "computed"], default="", help="a variable set before the imports")
     args = p.parse_args()
     cores = (os.cpu_count() or 1) if args.busy else 0
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
@@ -215,7 +236,7 @@ def run_all(args: argparse.Namespace) -> None:
                     workdir = Path(tmp) / f"{launcher}-{rep}-{crash_at}"
                     workdir.mkdir()
                     t = run_once(launcher, crash_at, workdir, cache, args.timeout, args.fault, driver, args.nproc,
-                                 args.job == "stack")  # fmt: skip
+                                 args.job == "stack", args.top_env)  # fmt: skip
                     trials.append(t)
                     rec = f"{t.recovery_s:.3f} s" if t.recovery_s is not None else "never"
                     how = "" if t.warm is None else (" (warm)" if t.warm else " (cold)")
