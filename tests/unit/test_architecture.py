@@ -261,6 +261,20 @@ def test_the_package_rules_can_fail() -> None:
     assert "agent" not in MAY_IMPORT["worker"]
 
 
+def test_no_wait_takes_only_descriptors_below_1024() -> None:
+    """select(2) refuses a descriptor numbered past FD_SETSIZE (1,024), which an agent with a raised file limit
+    and many connections reaches: every wait for a descriptor goes through ftrun.worker.readable (poll)."""
+    pattern = re.compile(r"\bselect\.select\s*\(|\bfrom select import\b.*\bselect\b")
+    found = [
+        f"{name}:{n}"
+        for name, path in modules().items()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line.split("#")[0])
+    ]
+    assert not found, f"select.select in {found}: use ftrun.worker.readable.wait_readable (poll takes any number)"
+    assert pattern.search("ready = select.select([fd], [], [], 1)")  # the search can fail
+
+
 def test_at_most_eight_modules_directly_under_ftrun() -> None:
     top = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -13,7 +13,6 @@ checked (``builtin:gpu``) at the next attempt's start, whether or not ``--health
 from __future__ import annotations
 
 import os
-import select
 import threading
 from collections.abc import Callable, Sequence
 
@@ -22,6 +21,7 @@ from ftrun.config import HealthSpec
 from ftrun.node.health import Verdict, run_check
 from ftrun.observe.events import EventKind
 from ftrun.procs.workers import Worker
+from ftrun.worker.readable import wait_readable
 from ftrun.worker.signals import REQUEST_SIGNAL
 
 GPU_CHECK = "builtin:gpu"
@@ -74,7 +74,7 @@ class HealthWatch:
                 return failed
             wait = min(self._spec.interval_s, left)
             self._say(f"{self._host} stays out of the job; its health checks run again in {wait:.0f} s")
-            select.select([wake_fd], [], [], wait)
+            wait_readable(wake_fd, wait)
             if interrupted():
                 return failed
 

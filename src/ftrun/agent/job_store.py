@@ -12,7 +12,6 @@ handle there.
 from __future__ import annotations
 
 import errno
-import select
 import socket
 import ssl
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from ftrun.store.greeting import probe
 from ftrun.store.moving import MovingStore
 from ftrun.store.tcp import TcpStoreClient
 from ftrun.store.url import StoreUrl
+from ftrun.worker.readable import wait_readable
 
 if TYPE_CHECKING:
     from ftrun.agent.narrator import Narrator
@@ -120,7 +120,7 @@ def serve_on_for_others(server: TcpStoreServer, run_id: str, narrator: Narrator,
         "left (a signal to ftrun stops it now, and they lose it)"
     )
     while others:
-        if select.select([wakeup.fd], [], [], 0.5)[0] and wakeup.drain():
+        if wait_readable(wakeup.fd, 0.5) and wakeup.drain():
             narrator.warn(f"stopping the store on {where} now: job(s) {others} lose it")
             return
         others = _other_jobs(server, run_id)
@@ -188,7 +188,7 @@ def wait_for_names(
                 "for it to, as for a store's pod that has not started yet"
             )
             said = True
-        select.select([wake_fd], [], [], min(NAME_RETRY_S, max(0.0, deadline - clock.monotonic())))
+        wait_readable(wake_fd, min(NAME_RETRY_S, max(0.0, deadline - clock.monotonic())))
 
 
 def open_job_store(

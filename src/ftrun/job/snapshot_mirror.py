@@ -23,7 +23,6 @@ import hmac
 import json
 import mmap
 import os
-import select
 import socket
 import socketserver
 import struct
@@ -36,6 +35,7 @@ from typing import Any, BinaryIO
 from ftrun.jsonobject import object_or_none
 from ftrun.strangers import AtTheDoor
 from ftrun.worker import snapshot_budget as budget
+from ftrun.worker.readable import wait_readable
 from ftrun.worker.snapshot_file import (
     HEAD,
     PEER_DIR,
@@ -349,7 +349,7 @@ def _into_file(sock: socket.socket, fd: int, size: int) -> int:
             try:
                 n = os.splice(sock.fileno(), w, min(PIPE_SIZE, size - got))
             except BlockingIOError:  # the socket has a timeout, so it does not block: wait as it would
-                if not select.select([sock], [], [], IO_TIMEOUT_S)[0]:
+                if not wait_readable(sock, IO_TIMEOUT_S):
                     raise TimeoutError(f"nothing came for {IO_TIMEOUT_S:.0f} s") from None
                 continue
             if not n:

@@ -16,7 +16,6 @@ import array
 import contextlib
 import fcntl
 import os
-import select
 import shutil
 import tempfile
 import termios
@@ -32,6 +31,7 @@ from ftrun.errors import ConfigError
 from ftrun.node import process_limit
 from ftrun.private import DIR_MODE, append_fd, make_dir, own_dir
 from ftrun.procs import disk
+from ftrun.worker.readable import wait_readable
 
 _CHUNK = 65536
 MAX_LINE = 65536  # a console line longer than this is shown cut (the rank's file keeps it whole)
@@ -213,7 +213,7 @@ class _Pump(threading.Thread):
                     return None
                 hold = self._hold_until if self._held else None
                 soonest = min((t for t in (hold, due) if t is not None), default=None)
-                if select.select([self._read_fd], [], [], None if soonest is None else max(0.0, soonest - now))[0]:
+                if wait_readable(self._read_fd, None if soonest is None else max(0.0, soonest - now)):
                     return os.read(self._read_fd, _CHUNK)
         finally:
             with self._progress:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -37,6 +36,7 @@ import sys
 from pathlib import Path
 
 from ftrun.procs import proctree
+from ftrun.worker.readable import pause, wait_readable
 
 TREE_READ_EVERY_S = 0.5  # tree mode: how often the agent's descendants are read
 AGENT_EXIT_WAIT_S = 10.0  # a goodbye comes just before the agent exits: its own exit is awaited first
@@ -139,8 +139,7 @@ def main(agent: int, cgroup: str, memory: str = "") -> None:
     seen: dict[int, int] = {}
     said = b""
     while True:
-        ready, _, _ = select.select([0], [], [], TREE_READ_EVERY_S)
-        if ready:
+        if wait_readable(0, TREE_READ_EVERY_S):
             chunk = os.read(0, 64)
             if not chunk:
                 break
@@ -177,7 +176,7 @@ def _await_exit(agent: int) -> None:
     with contextlib.suppress(OSError):
         fd = os.pidfd_open(agent)
         try:
-            select.select([fd], [], [], AGENT_EXIT_WAIT_S)  # readable once it exited
+            wait_readable(fd, AGENT_EXIT_WAIT_S)  # readable once it exited
         finally:
             os.close(fd)
 
@@ -194,7 +193,7 @@ def _kill_cgroup(path: Path) -> int:
                     os.kill(pid, signal.SIGKILL)
     deadline = EMPTY_WAIT_S
     while _pids(procs) and deadline > 0:
-        select.select([], [], [], 0.05)
+        pause(0.05)
         deadline -= 0.05
     with contextlib.suppress(OSError):
         path.rmdir()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import select
 import selectors
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from ftrun.procs import proctree
 from ftrun.procs.logs import RankOutput, RankPaths
 from ftrun.procs.signals import name as signal_name
 from ftrun.procs.spawner import ProcessHandle, Spawner
+from ftrun.worker.readable import wait_readable
 
 KILL_WAIT_S = 60.0  # after SIGKILL; only a process stuck in uninterruptible I/O takes longer
 HOPELESS_LOOK_S = 0.5  # how often a stop asks which workers not to wait for (see Workers.stop)
@@ -422,12 +422,12 @@ class AttemptProcesses:
         for w in waited:
             assert w.handle is not None
             left = (w.exit_mono or 0.0) + grace_s - self._clock.monotonic()
-            if w.finishing and not select.select([w.handle.fileno()], [], [], max(0.0, left))[0]:
+            if w.finishing and not wait_readable(w.handle.fileno(), max(0.0, left)):
                 self.end_stuck(grace_s, say)
         deadline = self._clock.monotonic() + KILL_WAIT_S
         for w in waited:
             assert w.handle is not None
-            if select.select([w.handle.fileno()], [], [], max(0.0, deadline - self._clock.monotonic()))[0]:
+            if wait_readable(w.handle.fileno(), max(0.0, deadline - self._clock.monotonic())):
                 self._reap_released(w)
         return waited
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import select
 import signal
 import socket
 import struct
@@ -26,6 +25,7 @@ from ftrun.procs import proctree
 from ftrun.procs.spawner import ProcessHandle, Spawner
 from ftrun.worker import messages
 from ftrun.worker.in_place import ENV
+from ftrun.worker.readable import wait_readable
 from ftrun.worker.signals import INTERRUPT_SIGNAL
 
 ARRIVAL_READ_S = 1.0  # a process that connected sends its one message at once
@@ -99,7 +99,7 @@ class Survivors:
         """Wait at most ``timeout_s`` until each of ``pids`` parked (or exited); returns those parked."""
         deadline = time.monotonic() + timeout_s
         while not pids <= self._arrived.keys() and (left := deadline - time.monotonic()) > 0:
-            select.select([self._door], [], [], left)
+            wait_readable(self._door, left)
             self.take_arrivals()
         self._interrupted -= pids
         return pids & self._arrived.keys()
@@ -172,7 +172,7 @@ def _read_arrival(conn: socket.socket) -> Parked | None:
     """The message a parking process sends as it connects: who it is (its pid from the kernel) and why."""
     try:
         pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        if not select.select([conn], [], [], ARRIVAL_READ_S)[0]:
+        if not wait_readable(conn, ARRIVAL_READ_S):
             raise OSError("no message")
         message = object_or_none(conn.recv(messages.MAX_MESSAGE), limit=messages.MAX_MESSAGE)
         if message is None:

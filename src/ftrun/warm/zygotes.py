@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import selectors
 import signal
 import socket
@@ -21,6 +20,7 @@ from typing import Any
 from ftrun.private import append_fd
 from ftrun.procs import proctree
 from ftrun.worker import messages
+from ftrun.worker.readable import wait_readable
 
 FORK_TIMEOUT_S = 10.0
 GROW_TIMEOUT_S = 1.0  # for a zygote forked from a ready one to say its pid
@@ -75,7 +75,7 @@ class Standby:
         self.handle = AdoptedHandle(pid, warm=warm)
 
     def alive(self) -> bool:
-        return not select.select([self.handle], [], [], 0)[0]  # a pidfd is readable once the process exited
+        return not wait_readable(self.handle, 0)  # a pidfd is readable once the process exited
 
     def run(self, request: dict[str, Any], stdout: int, stderr: int) -> AdoptedHandle:
         """The standby becomes the worker ``request`` describes, with ftrun's standard input (as a fresh worker
@@ -106,7 +106,7 @@ class GrownProcess:
         self._pidfd = os.pidfd_open(pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None and (self._pidfd < 0 or select.select([self._pidfd], [], [], 0)[0]):
+        if self.returncode is None and (self._pidfd < 0 or wait_readable(self._pidfd, 0)):
             self.returncode = -1
             with contextlib.suppress(ChildProcessError):  # reaped already by the agent's reaping of orphans
                 done, status = os.waitpid(self.pid, os.WNOHANG)  # never blocks, should the pid be another's now
@@ -119,7 +119,7 @@ class GrownProcess:
 
     def wait(self) -> int:
         if self._pidfd >= 0:
-            select.select([self._pidfd], [], [])
+            wait_readable(self._pidfd, None)
         return self.poll() or 0
 
     def send_signal(self, sig: int) -> None:
