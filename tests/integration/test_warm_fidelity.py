@@ -58,6 +58,9 @@ facts = {
     "gc_frozen": gc.get_freeze_count() > 0,
     "switch_interval": sys.getswitchinterval(),
     "recursion_limit": sys.getrecursionlimit(),
+    # what the script can observe of its imports: settings the preloaded modules made as they were imported
+    "imported_settings": [str(torch.get_default_dtype()), torch.backends.cudnn.benchmark, np.get_printoptions(),
+                          logging.getLogger("torch").level, torch.distributed.is_available()],
     "affinity": sorted(os.sched_getaffinity(0)),
     "scheduling": [os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)],
     # glibc's record of the thread's id (a raw clone left the zygote's: this raised EINVAL)

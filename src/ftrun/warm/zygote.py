@@ -28,6 +28,7 @@ import gc
 import importlib
 import importlib.machinery
 import io
+import itertools
 import json
 import os
 import signal
@@ -93,11 +94,13 @@ def preload(names: list[str], *, leading: bool = True) -> tuple[list[str], dict[
 def checked_import(name: str, *, leading: bool) -> tuple[str, str]:
     """Import ``name`` watching what it reads; why a worker's own import would differ ("": it would not), and
     the outermost package this import loaded (what is left to the workers then: its parts share its import)."""
-    before = set(sys.modules)
+    if name in sys.modules:  # imported with an earlier one (most of a report's modules are): judged with it
+        return "", name
+    before = len(sys.modules)  # modules are added at the end: what this import loaded comes after
     watched = {} if leading else dict(filter(None, map(import_watch.owner_of, GUARDS.attributes)))
     with import_watch.watching(watched) as reads:
         importlib.import_module(name)
-    new = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items()) if n not in before}
+    new = {n: getattr(m, "__file__", None) for n, m in itertools.islice(list(sys.modules.items()), before, None)}
     parts = name.split(".")
     root = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in new), name)
     return import_watch.verdict(name, reads, GUARDS, new, leading=leading), root
@@ -109,7 +112,8 @@ def replay(steps: list[list[str]]) -> list[str]:
     done: list[str] = []
     for step in steps:
         if step[0] == "import":
-            done.append(step[1])
+            if step[1] not in done:
+                done.append(step[1])
             continue
         key = step[1]
         REPLAYED.add(key)
