@@ -48,9 +48,9 @@ def test_literal_environment_writes_are_replayed_in_order_before_the_imports_aft
 @pytest.mark.parametrize(
     ("statement", "why"),
     [
-        ('os.environ["PORT"] = str(port)', "sets the environment to a computed value"),
+        ("os.environ[name] = str(port)", "sets the environment to a computed value"),
         ('sys.path.insert(0, "vendor")', "changes sys.path"),
-        ('utils.DEVICE = "cpu"', "sets pkg.utils.DEVICE, an attribute of an imported module"),
+        ("utils.DEVICE, x = 'cpu', 1", "sets pkg.utils.DEVICE, an attribute of an imported module"),
         ("torch.set_default_dtype(torch.float64)", "sets torch's default dtype"),
         ('warnings.filterwarnings("ignore")', "configures warnings"),
         ("logging.basicConfig(level=logging.INFO)", "configures logging"),
@@ -65,7 +65,7 @@ def test_the_first_statement_that_cannot_be_replayed_stops_the_preload(statement
         import pkg.utils as utils
         def setup():
             os.environ["A"] = str(port)
-        port = 1
+        port, name = 1, "PORT"
         {statement}
         import transformers
     """)
@@ -156,3 +156,23 @@ def test_a_call_of_the_scripts_own_function_is_judged_by_its_body() -> None:
     assert r.stop.line == 15
     assert r.stop.why == "calls setup(), which sets the environment to a computed value"
     assert r.kept_out == ["transformers"]
+
+
+def test_past_a_write_the_zygote_can_check_the_later_imports_are_checked_not_kept_out() -> None:
+    r = read("""
+        import os, sys, time
+        os.environ["RUN_TAG"] = str(os.getpid())
+        import torch
+        os.environ["B"] = "2"
+        import transformers
+        sys.path.insert(0, "vendor")
+        import yaml
+    """)
+    assert r.imports == ["os", "sys", "time"]
+    assert r.later == ["torch", "transformers"]  # checked against RUN_TAG and B, which the script writes
+    assert r.changes.env == {"RUN_TAG": "train.py:3", "B": "train.py:5"}
+    assert r.stop is not None
+    assert r.stop.line == 7
+    assert r.kept_out == ["yaml"]
+    r = read('import os, pkg.utils as u\nu.DEVICE = "cpu"\nos.environ.setdefault("K", u.DEVICE)\nimport pkg.model\n')
+    assert (r.later, r.stop, r.changes.attributes) == (["pkg.model"], None, {"pkg.utils.DEVICE": "train.py:2"})

@@ -110,6 +110,8 @@ def read_entry(
     replayed: set[int] = set()  # ids of the statements replayed (their writes are not changes to guard against)
     lines = source.decode("utf-8", "replace").splitlines()
     judge = _Judge(modules, tree, lambda name: own_source(name) is not None)
+    checking = False  # past a change every later import is checked against (a variable named, an attribute)
+    later: list[str] = []
     for node in _run_at_top(tree.body):
         if stop is not None:
             kept_out += [n for n, _ in _imports(node)]
@@ -121,15 +123,20 @@ def read_entry(
                 stop = _stop(filename, node, lines, f"imports the job's own module {own[0]}, which may change them")
                 kept_out += [n for n, level in imported if not level and n not in own]
                 continue
-            steps += [["import", n] for n, _ in imported]
+            if checking:
+                later += [n for n, _ in imported]
+            else:
+                steps += [["import", n] for n, _ in imported]
             continue
-        env = literal_env_steps(node)
+        env = None if checking else literal_env_steps(node)
         if env is not None:
             steps += env
             replayed.add(id(node))
             continue
         why = judge.statement(node)
-        if why:
+        if why and _checkable(node, modules) and not judge.calls(_values(node)):
+            checking = True  # what it writes is among the changes each later import is checked against
+        elif why:
             stop = _stop(filename, node, lines, why)
     changes = _Collector(modules, replayed)
     changes.visit_tree(tree, filename)
@@ -141,7 +148,39 @@ def read_entry(
             continue
         changes.modules = _module_names(own_tree)
         changes.visit_tree(own_tree, own_file)
-    return EntryReading(steps, stop, list(dict.fromkeys(kept_out)), changes.result())
+    return EntryReading(steps, stop, list(dict.fromkeys(kept_out)), changes.result(), list(dict.fromkeys(later)))
+
+
+def _values(node: ast.stmt) -> list[ast.expr]:
+    """What a write computes: its value, or its call's arguments."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        return [*node.value.args, *(k.value for k in node.value.keywords)]
+    value = getattr(node, "value", None)
+    return [value] if isinstance(value, ast.expr) else []
+
+
+def _checkable(node: ast.stmt, modules: dict[str, str]) -> bool:
+    """Whether every later import can be checked against what ``node`` changes: it writes variables it names
+    (``os.environ["RUN_TAG"] = str(os.getpid())``) or attributes of imported modules (``utils.DEVICE = "cpu"``),
+    whose readers the zygote sees (``ftrun.worker.import_watch``)."""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        func, args = node.value.func, node.value.args
+        named = bool(args) and _literal(args[0]) is not None
+        return _dotted(func) in ("os.environ.setdefault", "os.environ.pop", "os.putenv", "os.unsetenv") and named
+    if not isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for target in targets:
+        if _is_environ_item(target):
+            if _literal(target.slice) is None:  # type: ignore[attr-defined]
+                return False
+        elif not isinstance(target, ast.Attribute):
+            return False
+        else:
+            dotted = _module_attribute(target, modules)
+            if not dotted or dotted.startswith("sys."):
+                return False
+    return True
 
 
 def literal_env_steps(node: ast.stmt) -> list[Step] | None:  # noqa: PLR0911 - one return per form

@@ -95,11 +95,12 @@ def read_entry_script(entry: Entrypoint, cwd: Path, python: str) -> EntryReading
     except (OSError, SyntaxError, ValueError):
         return NOTHING
     imports = reading.imports
-    tree_compiles = "torch" in {n.split(".")[0] for n in imports} and _compiles(source)
+    tree_compiles = "torch" in {n.split(".")[0] for n in [*imports, *reading.later]} and _compiles(source)
     path = [first, *sys.path[1:]]
     installed = set(installed_modules(imports, {n: _origin(n.split(".")[0], path) for n in imports}))
     steps = [s for s in reading.steps if s[0] != "import" or s[1] in installed]
-    later = list(INDUCTOR_IMPORTS) if tree_compiles else []  # at its first compile: checked as any later import
+    checked = installed_modules(reading.later, {n: _origin(n.split(".")[0], path) for n in reading.later})
+    later = checked + (list(INDUCTOR_IMPORTS) if tree_compiles else [])  # at its first compile: checked too
     leading = set(imports)
     kept_out = [m for m in reading.kept_out if m not in leading and _origin(m.split(".")[0], path) is not None]
     return EntryReading(steps, reading.stop, kept_out, reading.changes, later)
