@@ -30,6 +30,7 @@ PURE = [
     "ftrun.worker.requests",
     "ftrun.warm.policy",
     "ftrun.warm.entry_reading",
+    "ftrun.warm.script_changes",
     "ftrun.rendezvous.succession",
     "ftrun.rendezvous.records",
     "ftrun.monitor.stragglers",
