@@ -33,10 +33,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ftrun.procs import proctree
-from ftrun.worker.readable import pause, wait_readable
+from ftrun.worker.readable import wait_readable
 
 TREE_READ_EVERY_S = 0.5  # tree mode: how often the agent's descendants are read
 AGENT_EXIT_WAIT_S = 10.0  # a goodbye comes just before the agent exits: its own exit is awaited first
@@ -193,7 +194,7 @@ def _kill_cgroup(path: Path) -> int:
                     os.kill(pid, signal.SIGKILL)
     deadline = EMPTY_WAIT_S
     while _pids(procs) and deadline > 0:
-        pause(0.05)
+        time.sleep(0.05)
         deadline -= 0.05
     with contextlib.suppress(OSError):
         path.rmdir()

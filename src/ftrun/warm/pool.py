@@ -43,7 +43,8 @@ from ftrun.warm import policy
 from ftrun.warm.entry_reading import NOTHING, EntryReading
 from ftrun.warm.policy import worker_request
 from ftrun.warm.preload import Cache, first_step_imports_known, read_modules_report
-from ftrun.warm.zygotes import ZYGOTE_THREADS, GrownProcess, PoolError, Zygote
+from ftrun.warm.zygotes import GrownProcess, PoolError, Zygote
+from ftrun.worker.fresh import ZYGOTE_THREADS
 
 Say = Callable[[str], None]
 FIRST_WAIT_S = 60.0  # see WarmPool._wait_for_first: about what a fresh worker's imports take on a busy node

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import importlib
 import importlib.machinery
 import io
-import itertools
 import json
 import os
 import signal
@@ -41,7 +41,7 @@ from typing import Any
 
 from ftrun.worker import compile_probes, import_watch, jemalloc, procfs
 from ftrun.worker.forkable import unforkable
-from ftrun.worker.fresh import find_pools, physical_cores, redraw_randomness, restore_threads
+from ftrun.worker.fresh import ZYGOTE_THREADS, find_pools, physical_cores, redraw_randomness, restore_threads
 from ftrun.worker.messages import Message, receive, send
 
 Filters = list[Any]  # warnings.filters as the preloaded modules left them, which each worker starts with
@@ -100,7 +100,7 @@ def checked_import(name: str, *, leading: bool) -> tuple[str, str]:
     watched = {} if leading else dict(filter(None, map(import_watch.owner_of, GUARDS.attributes)))
     with import_watch.watching(watched) as reads:
         importlib.import_module(name)
-    new = {n: getattr(m, "__file__", None) for n, m in itertools.islice(list(sys.modules.items()), before, None)}
+    new = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())[before:]}
     parts = name.split(".")
     root = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in new), name)
     return import_watch.verdict(name, reads, GUARDS, new, leading=leading), root
@@ -143,7 +143,8 @@ def main() -> int:
     # torch.cuda.is_available() (which libraries call at import) asks NVML, not the CUDA driver: a driver
     # initialised here would not survive the fork. The workers get the variable as the job set it, or not.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    GUARDS.__init__(**vars(import_watch.Guards.from_json(plan.get("guards") or {})))  # type: ignore[misc]
+    global GUARDS  # noqa: PLW0603 - the zygote's one record of them, set once as it starts
+    GUARDS = import_watch.Guards.from_json(plan.get("guards") or {})
     if plan.get("cwd"):  # where the script's imports look first, as for the worker: its directory and cwd
         os.chdir(plan["cwd"])
     if plan.get("path0") is not None:
@@ -267,7 +268,9 @@ def grown(parent: socket.socket, request: Message, fd: int, intermediate: int) -
         if idle:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         if isinstance(request.get("files"), dict):  # what the workers' imports found, as of now
-            GUARDS.files.update(import_watch.Guards.from_json({"files": request["files"]}).files)  # type: ignore[attr-defined]
+            global GUARDS  # noqa: PLW0603 - this zygote's own from here on
+            found = import_watch.Guards.from_json({"files": request["files"]}).files
+            GUARDS = dataclasses.replace(GUARDS, files={**GUARDS.files, **found})
         code = serve(sock, [], list(request["grow"]), time.monotonic(), idle=idle, inherited=int(request["inherited"]))
     except SystemExit:
         raise  # a worker forked from this zygote ends as Python ends (its atexit handlers run)
@@ -397,7 +400,7 @@ IMPORTS_SET: dict[str, str] = {}  # variables the preloaded modules set at impor
 GUARDS = import_watch.Guards()  # what the modules imported after the script's leading block must not depend on
 RULE_REFUSALS: dict[str, str] = {}  # module -> why a worker's own import would differ (not for the fork's sake)
 REPLAYED: set[str] = set()  # the variables the leading block's literal writes set (replayed before its imports)
-THREAD_PINS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # the zygote's own (agent: zygotes.py)
+THREAD_PINS = tuple(ZYGOTE_THREADS)  # the zygote's own pools' sizes, never the workers'
 THREAD_STEPS: list[list[str]] = []  # the leading block's writes of those, applied to the pools' sizes in each worker
 
 

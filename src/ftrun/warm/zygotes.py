@@ -20,14 +20,11 @@ from typing import Any
 from ftrun.private import append_fd
 from ftrun.procs import proctree
 from ftrun.worker import messages
+from ftrun.worker.fresh import ZYGOTE_THREADS
 from ftrun.worker.readable import wait_readable
 
 FORK_TIMEOUT_S = 10.0
 GROW_TIMEOUT_S = 1.0  # for a zygote forked from a ready one to say its pid
-
-# The zygote pins its own thread pools (never the workers'): a library that starts threads at import
-# (OpenMP, BLAS) would make the zygote unsafe to fork.
-ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 class PoolError(Exception):

@@ -27,6 +27,9 @@ POOLS: list[Any] = []  # threadpoolctl's controllers of the BLAS/OpenMP librarie
 CORES: dict[frozenset[int], int] = {}  # CPUs allowed -> physical cores among them (sysfs reads: ~0.7 ms a worker)
 
 # Where each kind of pool reads its size at start-up, first found wins (then: the CPUs, or physical cores).
+# The zygote pins its own thread pools (never the workers'): a library that starts threads at import (OpenMP,
+# BLAS) would make it unsafe to fork. Each worker sizes its pools again, as a fresh process would.
+ZYGOTE_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 POOL_VARIABLES = {
     "openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"),
     "mkl": ("MKL_NUM_THREADS", "OMP_NUM_THREADS"),

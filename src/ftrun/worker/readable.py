@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import select
-import time
 from typing import Protocol
 
 
@@ -23,8 +22,3 @@ def wait_readable(fd: int | HasFileno, timeout_s: float | None) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLPRI)
     return bool(poller.poll(None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))))
-
-
-def pause(seconds: float) -> None:
-    """A short wait with nothing to wait for (a loop polling a state that has no descriptor)."""
-    time.sleep(seconds)
