@@ -171,17 +171,17 @@ class LiveFtrun:
 
     def __init__(
         self, tmp_path: Path, *args: str, name: str = "", run_id: str | None = RUN_ID,
-        env: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None, wrapper: Sequence[str] = (),
     ) -> None:  # fmt: skip
         """``name`` keeps several agents in one test apart (their logs and stderr); ``env``: added to the
-        environment."""
+        environment; ``wrapper``: a command that execs ftrun's (its arguments follow), as ``prlimit --``."""
         suffix = f"-{name}" if name else ""
         self.stderr_path = tmp_path / f"ftrun{suffix}.stderr"
         self._stderr = self.stderr_path.open("w")
         self._stderr_lines: list[str] = []
         self._stderr_changed = threading.Condition()
         self.proc = subprocess.Popen(
-            ftrun_argv(tmp_path, *args, logs=f"logs{suffix}", run_id=run_id),
+            [*wrapper, *ftrun_argv(tmp_path, *args, logs=f"logs{suffix}", run_id=run_id)],
             cwd=tmp_path,
             env={
                 **os.environ,

@@ -12,6 +12,7 @@ import resource
 import socket
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,60 @@ def test_two_agents_flooded_at_every_port_both_live_and_train_again_together(
         assert "Traceback" not in said
         told = [int(port) for _, port in re.findall(r"ftrun: (.+) on port (\d+): refusing connections", said)]
         assert len(told) == len(set(told)), said  # each flood said once, not per connection
+
+
+# Starts an agent as a node with a high file limit does: its soft limit at MANY_FILES, and IDLE descriptors of
+# its own, held idle from the start, so that every descriptor it opens after (pipes, pidfds, sockets, logs) is
+# numbered past select()'s 1,024.
+HOLDING = """
+import os, resource, sys
+files, idle = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+for fd in [os.open(os.devnull, os.O_RDONLY) for _ in range(idle)]:
+    os.set_inheritable(fd, True)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+MANY_FILES, IDLE = 65_536, 1_100
+
+
+@pytest.mark.slow
+def test_two_agents_whose_descriptors_pass_1024_both_live_a_crash_and_train_again(
+    tmp_path: Path, live: list[LiveFtrun], held: list[socket.socket], own_tcp_server: str
+) -> None:
+    """Two agents at a soft file limit of 65,536 (or the hard limit, where lower), as clusters set it: each
+    holds more than 1,024 descriptors (idle files of its own from its start, and strangers at its ports, which
+    that limit lets it accept); rank 1 is SIGKILLed: both agents live, and both ranks train again in the round
+    after (select() takes no descriptor past 1,024: both agents died of it in the warm pool once)."""
+    files = min(MANY_FILES, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # a container may cap it (20,000)
+    if files < 4 * IDLE:
+        pytest.skip(f"this machine's hard file limit ({files}) leaves no room past 1,024")
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "holding.py").write_text(HOLDING)
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", own_tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2"]
+    flags += ["--metrics-port", "127.0.0.1:0", "job.py", str(tmp_path)]
+    wrapper = [sys.executable, str(tmp_path / "holding.py"), str(files), str(IDLE)]
+    agents = [LiveFtrun(tmp_path, *flags, name=n, run_id="many-files", wrapper=wrapper) for n in ("a", "b")]
+    live.extend(agents)
+    for agent in agents:
+        agent.wait_for_lines(r"up rank=\d restart=0", 1)
+    for agent in agents:
+        for port in listening(agent.proc.pid):
+            flood(port, FLOOD, held)
+    time.sleep(2)  # the kernel completes their handshakes; the agents accept what they will
+    for agent in agents:
+        me = psutil.Process(agent.proc.pid)
+        assert me.rlimit(psutil.RLIMIT_NOFILE)[0] == files
+        assert me.num_fds() > IDLE + FLOOD // 2, me.num_fds()  # its own idle files and the strangers it took
+    (tmp_path / "crash").touch()
+    for agent in agents:
+        agent.wait_for_lines(r"up rank=\d restart=1", 1)  # the round after: spawned, piped, logged, reported
+    (tmp_path / "done").touch()
+    for agent in agents:
+        assert agent.wait(WAIT_S) == 0, agent.stderr()
+        said = agent.stderr()
+        assert "out of range" not in said, said
+        assert "Traceback" not in said, said
 
 
 def test_the_agent_raises_its_file_limit_and_the_job_keeps_the_one_it_was_given(tmp_path: Path) -> None:
