@@ -43,10 +43,11 @@ while not os.path.exists(stop):
 
 class Agent:
     def __init__(
-        self, node: netns.Node, store: netns.Node | str, tmp: Path, *extra: str, job: Sequence[str] = ()
-    ) -> None:
+        self, node: netns.Node, store: netns.Node | str, tmp: Path, *extra: str, job: Sequence[str] = (),
+        local_addr: bool = True,
+    ) -> None:  # fmt: skip
         """``store``: the node whose address is the endpoint, or the endpoint's host name; ``job``: the script and
-        its arguments (TRAINS by default)."""
+        its arguments (TRAINS by default); ``local_addr`` False: no --local-addr (the agent finds its own)."""
         self.node = node
         self.logs = tmp / f"logs-{node.name}"
         self.stderr_path = tmp / f"agent-{node.name}.stderr"
@@ -54,9 +55,9 @@ class Agent:
         job = job or [str(tmp / "train.py"), str(tmp / "train.log"), str(tmp / "stop")]
         # GLOO_SOCKET_IFNAME: the machine's host name, which gloo would bind to, is no node's own here
         argv = [sys.executable, "-m", "ftrun", "--log-dir", str(self.logs), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{endpoint}:{PORT}", "--rdzv-id", "netfaults", "--local-addr", node.addr,
-                "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "10", "--rdzv-conf", TTL_CONF, *extra,
-                *job]  # fmt: skip
+                "--rdzv-endpoint", f"{endpoint}:{PORT}", "--rdzv-id", "netfaults",
+                *(["--local-addr", node.addr] if local_addr else []), "--nnodes", "1:2", "--nproc-per-node", "1",
+                "--max-restarts", "10", "--rdzv-conf", TTL_CONF, *extra, *job]  # fmt: skip
         with self.stderr_path.open("w") as err:
             self.proc = subprocess.Popen(node.argv(argv), cwd=tmp, stdout=subprocess.DEVNULL, stderr=err,
                                          env={**os.environ, "NODE": node.name, "GLOO_SOCKET_IFNAME": "eth0"},
@@ -409,5 +410,77 @@ def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tm
             finish(tmp_path, agents[1:])
             # The job's store is b's: a2 hosts none of it, and each no longer waited close_timeout for the other.
             assert ["still registered" in agent.stderr for agent in agents[1:]] == [False, False]
+        finally:
+            stop_all(tmp_path, agents)
+
+
+@pytest.mark.slow
+def test_a_lost_store_host_started_again_without_names_or_local_addr_joins_the_survivor(tmp_path: Path) -> None:
+    """As clusters that name nothing of their peers run it: no hosts file per node (each reads the machine's,
+    where its own name is a loopback one), no --local-addr, the endpoint an address. The store's host is lost,
+    the survivor takes the store over; the host starts again on its address with its command. The survivor
+    advertised an address its peers reach (never localhost): the host joins it, world 2, and neither node
+    floods its console meanwhile (the started-again host once printed 21,349 lines in 10 s, and never joined)."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    agents: list[Agent] = []
+    with netns.Network(hosts_files=False) as net:
+        try:
+            a, b = net.add("a"), net.add("b")
+            agents += [Agent(a, a, tmp_path, local_addr=False), Agent(b, a, tmp_path, local_addr=False)]
+            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
+            agents[0].close()  # the node is lost: its agent and its worker
+            lost_at = time.time()
+            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            said = agents[1].stderr
+            assert f"this node hosts the store now, on {b.addr}:" in said, said
+            net.remove(a)
+            again = net.add("a2", addr=a.addr)  # started again on its address
+            before = len(agents[1].stderr.splitlines())
+            started_at = time.time()
+            agents.append(Agent(again, again, tmp_path, local_addr=False))
+            until(lambda: all_train(tmp_path, {"a2", "b"}, started_at), "a2 and b train together", 10.0)  # the issue's
+            took = time.time() - started_at
+            print(f"started-again host training with the survivor {took:.1f} s after its start")
+            lines_said = {"b": len(agents[1].stderr.splitlines()) - before, "a2": len(agents[2].stderr.splitlines())}
+            print(f"console lines meanwhile: {lines_said}")
+            assert max(lines_said.values()) <= 20, (agents[1].stderr, agents[2].stderr)
+            assert "localhost" not in agents[1].stderr + agents[2].stderr
+            assert_no_two_rounds_trained_at_once(tmp_path)
+            assert not [x for x in lines(tmp_path) if x["node"] == "a2" and x["world"] == 1]  # never alone
+            finish(tmp_path, agents[1:])
+        finally:
+            stop_all(tmp_path, agents)
+
+
+@pytest.mark.slow
+def test_a_node_told_of_a_store_it_cannot_reach_says_so_once_and_how_to_fix_it(tmp_path: Path) -> None:
+    """The survivor's --local-addr is a name only its own node resolves: the host started again is told the
+    job's store is there, cannot reach it, and says so once, with the address and --local-addr, without
+    flooding its console; the survivor trains on."""
+    (tmp_path / "train.py").write_text(TRAINS)
+    agents: list[Agent] = []
+    with netns.Network() as net:
+        try:
+            a, b = net.add("a"), net.add("b")
+            net.name("ftstore", a.addr)
+            net.name("b-private", b.addr, only=b)
+            agents += [Agent(a, "ftstore", tmp_path), Agent(b, "ftstore", tmp_path, "--local-addr", "b-private")]
+            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
+            agents[0].close()
+            lost_at = time.time()
+            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            again = net.add("a2")
+            net.name("ftstore", again.addr)
+            agents.append(Agent(again, "ftstore", tmp_path))
+            until(lambda: "which this node cannot reach" in agents[2].stderr, "a2 says it cannot reach it", 30.0)
+            told_at = time.time()
+            until(lambda: time.time() > told_at + 3, "3 s more of what a2 says", 10.0)  # a flood shows by then
+            said = agents[2].stderr
+            [told] = [line for line in said.splitlines() if "which this node cannot reach" in line]
+            assert "b-private:29455" in told, told
+            assert "--local-addr" in told, told
+            assert len(said.splitlines()) <= 20, said
+            assert all_train(tmp_path, {"b"}, told_at), "the survivor stopped training"
+            agents.pop().close()  # it waits for a store it cannot reach, as told
         finally:
             stop_all(tmp_path, agents)

@@ -61,7 +61,9 @@ class Node:
         return Executor(static.step, state, self.group, clock=self.clock, fresh_port=lambda: next(PORTS)).run()
 
     def run_elastic(self, store: MemoryStore) -> int:
-        rdzv = rendezvous_for(self.config, store, clock=self.clock, me=node_id("h"), log=self.group.narrator.say)
+        rdzv = rendezvous_for(
+            self.config, store, clock=self.clock, me=node_id("h"), addr="127.0.0.1", log=self.group.narrator.say
+        )
         try:
             rdzv.start()
             executor = Executor(

@@ -21,7 +21,7 @@ from ftrun.agent.returned_host import ReturnedHost
 from ftrun.clock import Clock
 from ftrun.config import LaunchConfig
 from ftrun.errors import ConfigError, FtrunError, StoreError
-from ftrun.node.addresses import is_loopback
+from ftrun.node.addresses import is_loopback, unreachable
 from ftrun.node.ports import is_local_address, listener_of
 from ftrun.observe.events import EventKind
 from ftrun.rendezvous.liveness import refuses
@@ -226,6 +226,7 @@ class StoreSuccession:
         self._me = me
         self.server: TcpStoreServer | None = None  # the store this node took over, if it did
         self._returned: ReturnedHost | None = None  # then: the lost host started again at the endpoint is told
+        self._unreachable: set[str] = set()  # successors' addresses said to be out of reach
 
     def __call__(self, successor: Head | None) -> None:
         """Host the store here, or go to ``successor``'s; None: no successor is known (no round closed yet, or
@@ -246,12 +247,26 @@ class StoreSuccession:
             self._returned = self._watch_the_endpoint(successor, self.server.store_id)
         else:
             self._say(f"the store's host was lost: {successor.node_id} hosts the store now, on {where}")
+            self._tell_if_unreachable(successor)
         moved = self._config.rdzv.store
         assert moved is not None  # a store that moves is an elastic job's
         url = moved.at(successor.addr, self._port)
         port = successor.alive_port
         dead = (lambda: refuses(successor.addr, port)) if port else None
         self._store.move_to(open_job_store(self._config, url, self._deadline_s, self._say, dead))
+
+    def _tell_if_unreachable(self, successor: Head) -> None:
+        """Said once per address: retrying cannot help, the node that hosts the store must advertise another."""
+        endpoint = self._config.rdzv.store
+        why = unreachable(successor.addr, endpoint.endpoints if endpoint is not None else [])
+        if not why or successor.addr in self._unreachable:
+            return
+        self._unreachable.add(successor.addr)
+        self._say(
+            f"the job's store is on {successor.node_id} at {successor.addr}:{self._port}, which this node cannot "
+            f"reach: {why}. That node advertises an address its peers do not reach: start it with --local-addr "
+            "set to one they do (its IP address, or a name every node resolves)"
+        )
 
     def _watch_the_endpoint(self, here: Head, store_id: str) -> ReturnedHost:
         endpoint = self._config.rdzv.store

@@ -44,6 +44,7 @@ from ftrun.job.peer_relay import job_key
 from ftrun.monitor.watch import WorkerWatch
 from ftrun.node import memory_limit, process_limit
 from ftrun.node.health import Verdict
+from ftrun.node.own_address import advertised_address
 from ftrun.node.ports import in_use, reserve_port
 from ftrun.procs import proctree
 from ftrun.procs.logs import Console
@@ -323,13 +324,16 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
     port = server.port if server is not None else url.endpoints[0][1]  # where a successor serves the store too
     me = node_id(narrator.host)
     succession = StoreSuccession(config, store, port, deadline, narrator.warn, me)
-    liveness = start_liveness(config, narrator)  # its port tells a dead agent from a slow one (a lost successor too)
+    # What the peers reach this node on; over TLS a successor's certificate is checked against the name it gives.
+    addr = advertised_address(config.local_addr, url.endpoints, narrator.warn, prefer_name=url.tls)
+    liveness = start_liveness(config, addr, narrator)  # its port tells a dead agent from a slow one (a lost successor)
     try:
         rendezvous = rendezvous_for(
             config,
             store,
             clock=clock,
             me=me,
+            addr=addr,
             log=partial(narrator.say, detail=True),
             warn=narrator.warn,
             move_store=succession if config.rdzv.embedded_store else None,
@@ -350,7 +354,7 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
             return succession.server is not None or (server is not None and store.current is endpoint_store)
 
         try:
-            return _take_part(node, group, store, rendezvous, hosting)
+            return _take_part(node, group, store, rendezvous, hosting, addr)
         finally:
             group.close()
     finally:
@@ -361,12 +365,12 @@ def run_elastic(node: NodeParts, server: TcpStoreServer | None) -> int:
 
 
 def _take_part(
-    node: NodeParts, group: LocalGroup, store: Store, rendezvous: Rendezvous, hosting: Callable[[], bool]
+    node: NodeParts, group: LocalGroup, store: Store, rendezvous: Rendezvous, hosting: Callable[[], bool], addr: str
 ) -> int:
     """This node's part in the elastic job, from its first rendezvous to the end; ``hosting``: whether the store
-    lives in this process now (the endpoint, or a successor's)."""
+    lives in this process now (the endpoint, or a successor's); ``addr``: what the peers reach this node on."""
     config, clock, narrator, conf = node.config, node.clock, node.narrator, node.config.rdzv.conf
-    group.mirror_snapshots(config.local_addr or socket.getfqdn())
+    group.mirror_snapshots(addr)
     exclusions = Exclusions(store, config.run_id)
     excluded = exclusions.reason(group.host)
     if excluded is not None:
@@ -402,12 +406,11 @@ def _take_part(
         rendezvous.close(leave=True)
 
 
-def start_liveness(config: LaunchConfig, narrator: Narrator) -> Liveness | None:
+def start_liveness(config: LaunchConfig, addr: str, narrator: Narrator) -> Liveness | None:
     """This agent's listener (:mod:`ftrun.rendezvous.liveness`): a connection refused there proves it dead. With a
     store whose leases outlive a dead agent by their TTL (etcd), the agents also hold connections to each other,
     which tell at once; with the embedded store, it tells a lost successor from a slow one. None, said, when this
-    node cannot listen."""
-    addr = config.local_addr or socket.getfqdn()
+    node cannot listen on ``addr``."""
     try:
         # The key from the token (else the run id), never from the store: a node that started again at the
         # endpoint, hosting a store of its own until it is told where the job's is, holds the same one.
@@ -440,18 +443,20 @@ def rendezvous_for(
     *,
     clock: Clock,
     me: str,
+    addr: str,
     log: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
     move_store: Callable[[Head | None], None] | None = None,
     liveness: Liveness | None = None,
 ) -> Rendezvous:
-    """This node's side of the rendezvous of ``config``'s job (not started); ``me``: the node's id (node_id)."""
+    """This node's side of the rendezvous of ``config``'s job (not started); ``me``: the node's id (node_id);
+    ``addr``: what the peers reach it on (the master address of rounds it leads, the store it takes over)."""
     conf = config.rdzv.conf
     rules = Rules(
         config.nnodes.min, config.nnodes.max, conf.last_call_timeout_s, conf.join_timeout_s, config.max_restarts
     )
     alive_port = liveness.port if liveness is not None else 0
-    node = Me(me, config.local_addr or socket.getfqdn(), config.nproc_per_node, alive_port)
+    node = Me(me, addr, config.nproc_per_node, alive_port)
     timing = Timing(conf.keep_alive_interval_s, conf.keep_alive_max_attempt)
 
     def offer_port() -> int:

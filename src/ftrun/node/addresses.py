@@ -1,4 +1,5 @@
-"""Ports and endpoints: their parsing and their defaults, shared by the configuration and the stores.
+"""Ports and endpoints: their parsing and their defaults, shared by the configuration and the stores; which
+hosts only this machine reaches, and which a peer surely cannot.
 
 A leaf module (it imports only :mod:`ftrun.errors`), so that the flag parsers and the
 store URL parser can both use it without importing each other.
@@ -7,6 +8,8 @@ store URL parser can both use it without importing each other.
 from __future__ import annotations
 
 import ipaddress
+import socket
+from collections.abc import Sequence
 
 from ftrun.errors import ConfigError
 
@@ -56,3 +59,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def unreachable(addr: str, store_endpoints: Sequence[tuple[str, int]]) -> str:
+    """Why a peer's advertised ``addr`` surely cannot be reached from here ("" when it may be): a name that does
+    not resolve, or a loopback address in a job whose store is not on this host's loopback (it names this
+    node, not the peer). A refused or slow connection is no proof: the peer may not serve yet."""
+    if is_loopback(addr):
+        if store_endpoints and all(is_loopback(host) for host, _ in store_endpoints):
+            return ""
+        return "a loopback address: here it names this node, not that one"
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"it does not resolve here ({getattr(e, 'strerror', None) or e})"
+    return ""

@@ -61,12 +61,16 @@ def _hosts(node: Node) -> Path:
 
 
 class Network:
-    def __init__(self) -> None:
+    def __init__(self, hosts_files: bool = True) -> None:
+        """``hosts_files`` False: the nodes read this machine's ``/etc/hosts``, as containers that name nothing
+        of their peers do (here the machine's own name is a loopback one: ``socket.getfqdn()`` says localhost)."""
+        self._hosts_files = hosts_files
         self._id = secrets.token_hex(3)
         self._subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
         self.bridge = f"ftbr{self._id}"
         self.nodes: list[Node] = []
-        self._names: dict[str, str] = {}  # host name -> address, in every node's /etc/hosts
+        self._names: dict[str, tuple[str, str]] = {}  # host name -> its address, the one node's namespace or ""
+        self._links = 0  # nodes added so far: each one's link and default address are its own
 
     @property
     def gateway(self) -> str:
@@ -79,28 +83,45 @@ class Network:
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         return self
 
-    def add(self, name: str) -> Node:
-        n = len(self.nodes)
-        node = Node(name, f"ft{self._id}{name}", f"{self._subnet}.{n + 2}", f"fth{self._id}{n}")
+    def add(self, name: str, addr: str = "") -> Node:
+        """A node named ``name``, on a new address or on ``addr`` (a removed node's: a node requeued, a pod with a
+        stable address)."""
+        n = self._links
+        self._links += 1
+        node = Node(name, f"ft{self._id}{name}", addr or f"{self._subnet}.{n + 2}", f"fth{self._id}{n}")
         _ip("netns", "add", node.netns)
         self.nodes.append(node)  # from here on close() removes it
         _ip("link", "add", node.host_link, "type", "veth", "peer", "name", "eth0", "netns", node.netns)
         _ip("link", "set", node.host_link, "master", self.bridge, "up")
         inside = ("netns", "exec", node.netns, "ip")
+        # Its hardware address follows its address: a node started again on it is the same machine to its
+        # peers, whose neighbour caches would send to a gone link for ~30 s otherwise (no gratuitous ARP).
+        mac = "02:00:" + ":".join(f"{int(octet):02x}" for octet in node.addr.split("."))
+        _ip(*inside, "link", "set", "eth0", "address", mac)
         _ip(*inside, "addr", "add", f"{node.addr}/24", "dev", "eth0")
         _ip(*inside, "link", "set", "eth0", "up")
         _ip(*inside, "link", "set", "lo", "up")
         self._write_hosts(node)  # before anything runs there: ``ip netns exec`` mounts it over /etc/hosts
         return node
 
-    def name(self, host: str, addr: str) -> None:
-        """Make ``host`` resolve to ``addr`` in every node, from now on (processes running there included)."""
-        self._names[host] = addr
+    def name(self, host: str, addr: str, only: Node | None = None) -> None:
+        """Make ``host`` resolve to ``addr`` in every node (or ``only`` in that one), from now on (processes
+        running there included)."""
+        self._names[host] = (addr, only.netns if only is not None else "")
         for node in self.nodes:
             self._write_hosts(node)
 
+    def remove(self, node: Node) -> None:
+        """The node gone, its namespace and link with it (its processes must be gone first); its address free."""
+        _ip("netns", "del", node.netns, check=False)
+        shutil.rmtree(_hosts(node).parent, ignore_errors=True)
+        self.nodes.remove(node)
+
     def _write_hosts(self, node: Node) -> None:
-        lines = ["127.0.0.1 localhost", f"{node.addr} {node.name}"] + [f"{a} {h}" for h, a in self._names.items()]
+        if not self._hosts_files:
+            return
+        named = [f"{a} {h}" for h, (a, where) in self._names.items() if where in ("", node.netns)]
+        lines = ["127.0.0.1 localhost", f"{node.addr} {node.name}", *named]
         path = _hosts(node)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")  # in place: a running node's mount shows the new names
