@@ -38,6 +38,8 @@ PURE = [
     "ftrun.worker.snapshot_budget",
     "ftrun.agent.snapshot_plan",
     "ftrun.observe.gpu_errors",
+    "ftrun.observe.repeats",
+    "ftrun.reminder",
 ]
 # What a pure module may not reach, directly or through any ftrun module it imports.
 FORBIDDEN = {

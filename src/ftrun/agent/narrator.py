@@ -9,6 +9,8 @@ that only speaks (hosting the store, the health checks, the rendezvous' log) tak
 from __future__ import annotations
 
 import os
+import threading
+import time
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from ftrun.observe.events import EventKind, EventLog, summarize
 from ftrun.observe.goodput import measure
 from ftrun.observe.history import before_requeue
 from ftrun.observe.node_status import NodeStatus
+from ftrun.observe.repeats import Repeats
 from ftrun.observe.reports import Reports
 from ftrun.procs.logs import Console, open_run_dir
 
@@ -38,6 +41,8 @@ class Narrator:
         self.reports = reports
         self._last_reason = ""
         self._finished = False
+        self._repeats = Repeats()  # a line that comes again and again: a few times, then once a minute
+        self._repeats_lock = threading.Lock()  # said from the agent's threads too (the store's, the pool's)
 
     @classmethod
     def open(cls, config: LaunchConfig, console: Console, clock: Clock, host: str) -> Narrator:
@@ -62,7 +67,10 @@ class Narrator:
         """ftrun's own messages go to stderr, as torchrun's do, leaving stdout to the workers. With LOGLEVEL at
         WARNING or above only those said ``always`` (what went wrong, notices, the summary) are shown; a
         ``detail`` (how ftrun works as it goes: warm pool, rendezvous steps) only with --verbose."""
-        _say(self._config, self.console, text, always=always, detail=detail)
+        with self._repeats_lock:
+            shown = self._repeats.admit(text, time.monotonic())
+        if shown is not None:
+            _say(self._config, self.console, shown, always=always, detail=detail)
 
     def warn(self, text: str) -> None:
         """What a user must hear whatever the log level."""

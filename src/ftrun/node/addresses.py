@@ -63,14 +63,16 @@ def is_loopback(host: str) -> bool:
 
 def unreachable(addr: str, store_endpoints: Sequence[tuple[str, int]]) -> str:
     """Why a peer's advertised ``addr`` surely cannot be reached from here ("" when it may be): a name that does
-    not resolve, or a loopback address in a job whose store is not on this host's loopback (it names this
-    node, not the peer). A refused or slow connection is no proof: the peer may not serve yet."""
+    not resolve, or a loopback address (or a name for one here) in a job whose store is not on this host's
+    loopback: it names this node, not the peer. A refused or slow connection is no proof: the peer may not serve yet."""
     if is_loopback(addr):
         if store_endpoints and all(is_loopback(host) for host, _ in store_endpoints):
             return ""
         return "a loopback address: here it names this node, not that one"
     try:
-        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+        found = {str(info[4][0]) for info in socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as e:
         return f"it does not resolve here ({getattr(e, 'strerror', None) or e})"
+    if all(map(is_loopback, found)) and not all(is_loopback(host) for host, _ in store_endpoints):
+        return f"it resolves here to {', '.join(sorted(found))}, which names this node, not that one"
     return ""

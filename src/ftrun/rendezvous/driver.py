@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import selectors
 from collections.abc import Callable
-from typing import TypeVar
 
 from ftrun.clock import Clock
 from ftrun.errors import (
@@ -32,14 +31,15 @@ from ftrun.errors import (
 )
 from ftrun.rendezvous import state
 from ftrun.rendezvous.failover import StoreFailover
+from ftrun.rendezvous.jobs_store import JobsStore
 from ftrun.rendezvous.lease import LeaseKeeper
 from ftrun.rendezvous.liveness import Liveness, Watched
 from ftrun.rendezvous.places import Places
 from ftrun.rendezvous.records import (
     Head,
     Keys,
+    LenientReader,
     NodeInfo,
-    RecordError,
     RoundRecord,
     Status,
     decode_head,
@@ -52,7 +52,6 @@ from ftrun.rendezvous.state import Action, Advice, Decision, Local, Me, Rules, T
 from ftrun.rendezvous.values import JobValues
 from ftrun.store.base import EventType, Store, Watch
 
-T = TypeVar("T")
 RETRY_S = 1.0  # cut off from the store: how often to try again
 MAX_STEPS = 10_000  # store actions in one next(); each is a compare-and-set won or a record changed
 
@@ -106,10 +105,10 @@ class Rendezvous:
         self._changed_at = 0.0
         self._waiting_since = 0.0
         self._joined_wall = clock.wall()
-        self._bad_keys: set[str] = set()  # malformed records already reported
+        self._decode = LenientReader(self._warn)  # a record that is not ftrun's: said once, ignored
         self._places = Places(store, self._keys, me.node_id, self._decode)
         self._cut_off_since: float | None = None  # monotonic: since when store calls fail
-        self._moved_to: Head | None = None  # this store is not the job's: the job's is there (r/moved_to)
+        self._jobs_store = JobsStore(rules.join_timeout_s)  # this store is not the job's: the job's is there
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -162,6 +161,7 @@ class Rendezvous:
         Cut off from the store, the node goes on as long as its lease may still hold, stops its workers when it
         may have lapsed (by its own clock: the others may form a round without it from then on), and keeps
         trying to reach the store, to rejoin as a newcomer, for up to the join timeout."""
+        going_to = self._jobs_store.going_to  # set: this call is the first on the job's store, where it was sent
         try:
             advice = self._next(local)
         except StoreGone as e:
@@ -173,6 +173,7 @@ class Rendezvous:
                 f"rendezvous: the store answers again after {self._clock.monotonic() - self._cut_off_since:.1f} s"
             )
             self._cut_off_since = None
+        self._jobs_store.answered(going_to)
         return advice
 
     def _cut_off(self, local: Local, e: StoreError) -> Advice:
@@ -197,34 +198,37 @@ class Rendezvous:
         rendezvous is: every survivor goes to the successor (:func:`succession.takeover`) and the job re-forms in
         the next round, the lost node counted as lost (a failure of the round, as any lost node)."""
         lost = self._failover.host
+        going = self._jobs_store.going_to
         plan = self._failover.take_over(self._record, e)
         self._leave_this_store()
+        now = self._clock.monotonic()
+        if going is not None and lost == going.node_id:  # the job's store, where this node was sent, refused it
+            advice, said = self._jobs_store.refused(now, f"{plan.why} ({e})")
+            self._warn_once(said)
+            self._failover.move(plan)
+            return advice
         if plan.host is None:
             self._warn(f"rendezvous: {plan.why} ({e}); waiting for a store at the endpoint, as early nodes do")
         else:
             self._warn(f"rendezvous: the store's host {lost} is lost ({e}); {plan.host.node_id} takes over")
         self._failover.move(plan)
-        now = self._clock.monotonic()
         if local.running_round is not None:
             running = f"my workers run in round {local.running_round}"
             stop = f"{running}, but {plan.why}: stopping them; the job re-forms there"
             return Advice(Decision(Action.STOP, stop, record=plan.seed), now)
         return Advice(Decision(Action.WAIT, plan.why, record=plan.seed, wake_at=now), now)
 
-    def _go_to_the_jobs_store(self, local: Local, head: Head) -> Advice:
-        """This store is not the job's: this node started again at the endpoint with the job's command (a lost
-        host's pod recreated, its node requeued) and hosts a new store there, while the survivors train on the
-        store one of them took over; its host found this one and wrote where it is. Go there and join as a
-        newcomer: one store, one job. Workers started here stop first (this store's rounds are no job's)."""
-        self._moved_to = None
+    def _go_to_the_jobs_store(self, local: Local) -> Advice:
+        """This store is not the job's (:mod:`ftrun.rendezvous.jobs_store`): go there, join as a newcomer."""
         self._leave_this_store()
-        why = f"the job's store is on {head.node_id} ({head.addr}), which took it over from a lost host"
-        self._warn(f"rendezvous: this store at the endpoint is not the job's: {why}; joining there")
+        head, advice, said = self._jobs_store.go(self._clock.monotonic(), local.running_round)
+        self._warn_once(said)
         self._failover.go_to(head)
-        now = self._clock.monotonic()
-        if local.running_round is not None:
-            return Advice(Decision(Action.STOP, f"my workers run in round {local.running_round}, but {why}"), now)
-        return Advice(Decision(Action.WAIT, why, wake_at=now), now)
+        return advice
+
+    def _warn_once(self, said: str) -> None:
+        if said:  # "" when it was said before
+            self._warn(said)
 
     def _leave_this_store(self) -> None:
         """Before moving to another store: nothing read from this one, no lease, no watch on it is kept."""
@@ -244,8 +248,11 @@ class Rendezvous:
         for _ in range(MAX_STEPS):
             self._absorb()
             now = self._clock.monotonic()
-            if self._moved_to is not None and self._failover.can_move:
-                return self._go_to_the_jobs_store(local, self._moved_to)
+            told = self._jobs_store.told
+            if told is not None and self._failover.can_move:
+                if self._jobs_store.pausing(now):
+                    return self._jobs_store.wait(told, now)
+                return self._go_to_the_jobs_store(local)
             if self._keeper is None:  # lost: the workers stop first; a new lease only for a node without any
                 if local.running_round is not None:
                     return Advice(self._fence(local.running_round), now)
@@ -395,7 +402,7 @@ class Rendezvous:
             if revision > self._record_rev:
                 self._apply_round(value, revision)
         elif key == self._keys.moved_to and value is not None:
-            self._moved_to = self._decode(decode_head, key, value)
+            self._jobs_store.told = self._decode(decode_head, key, value)
         elif key == self._keys.store_host:
             self._failover.host = "" if value is None else value.decode(errors="replace")
         elif key == self._keys.leader:
@@ -484,16 +491,3 @@ class Rendezvous:
     def _unwatch(self, watch: Watch) -> None:
         self._selector.unregister(watch.fileno())
         watch.close()
-
-    # --- records read from the store -----------------------------------------------------------
-
-    def _decode(self, decoder: Callable[[bytes], T], key: str, raw: bytes) -> T | None:
-        """A record read from the store, or None when it is not one of ftrun's: records are data, never commands,
-        and whoever can reach the store could have written it. Said once per key; the record is ignored."""
-        try:
-            return decoder(raw)
-        except RecordError as e:
-            if key not in self._bad_keys:
-                self._bad_keys.add(key)
-                self._warn(f"rendezvous: ignoring a malformed record at {key} ({e}); ftrun did not write it")
-            return None

@@ -21,12 +21,15 @@ from __future__ import annotations
 import enum
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ftrun.errors import FtrunError
 from ftrun.jsonobject import load_object
 from ftrun.store import keyspace
+
+T = TypeVar("T")
 
 SCHEMA_VERSION = 2
 MAX_RECORD_BYTES = 16 * 1024 * 1024  # a roster of 100,000 nodes is a few MiB; every other record is small
@@ -34,6 +37,24 @@ MAX_RECORD_BYTES = 16 * 1024 * 1024  # a roster of 100,000 nodes is a few MiB; e
 
 class RecordError(FtrunError):
     """A rendezvous record in the store is corrupt or hostile; the message names the field."""
+
+
+class LenientReader:
+    """Records read from the store, None for one that is not ftrun's: records are data, never commands, and
+    whoever can reach the store could have written it. Said once per key (``warn``); the record is ignored."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._warn = warn
+        self._bad_keys: set[str] = set()  # malformed records already said
+
+    def __call__(self, decoder: Callable[[bytes], T], key: str, raw: bytes) -> T | None:
+        try:
+            return decoder(raw)
+        except RecordError as e:
+            if key not in self._bad_keys:
+                self._bad_keys.add(key)
+                self._warn(f"rendezvous: ignoring a malformed record at {key} ({e}); ftrun did not write it")
+            return None
 
 
 class Status(enum.Enum):

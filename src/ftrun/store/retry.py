@@ -1,4 +1,5 @@
-"""Retry policy for store operations: which errors are worth retrying, and for how long.
+"""Retry policy for store operations: which errors are worth retrying, and for how long; :class:`Backoff`, the
+pause before trying again, for every loop of ftrun's that retries (none may spin).
 
 Retried: the store could not be reached or the connection broke (refused,
 reset, timed out, a leader change in etcd). Fatal at once: wrong credentials,
@@ -21,6 +22,29 @@ from ftrun.clock import Clock, SystemClock
 from ftrun.errors import StoreConnectionLost, StoreUnavailable
 
 T = TypeVar("T")
+
+
+class Backoff:
+    """How long to wait before trying again what failed: the pause doubles from ``first_s`` up to ``most_s``,
+    each drawn between half and all of it, so that many nodes that failed together do not try again together."""
+
+    def __init__(self, first_s: float, most_s: float, jitter: Callable[[], float]) -> None:
+        """``jitter``: a draw in [0, 1) (``random.random``)."""
+        self.first_s = first_s
+        self.most_s = most_s
+        self._jitter = jitter
+        self._pause = first_s
+        self.tries = 0  # failed tries since the last success
+
+    def failed(self) -> float:
+        """A try failed: the pause before the next one."""
+        pause = self._pause * (0.5 + self._jitter() / 2)
+        self._pause = min(self._pause * 2, self.most_s)
+        self.tries += 1
+        return pause
+
+    def succeeded(self) -> None:
+        self._pause, self.tries = self.first_s, 0
 
 
 class RequestNotSent(StoreConnectionLost):
@@ -62,7 +86,7 @@ class RetryPolicy:
     ) -> T:
         clock = clock or SystemClock()
         start = clock.monotonic()
-        backoff = self.initial_backoff_s
+        backoff = Backoff(self.initial_backoff_s, self.max_backoff_s, jitter)
         while True:
             try:
                 return attempt()
@@ -70,5 +94,4 @@ class RetryPolicy:
                 waited = clock.monotonic() - start
                 if waited >= self.deadline_s:
                     raise StoreUnavailable(endpoint, waited, f"{type(e).__name__}: {e}") from e
-                sleep(min(backoff * (0.5 + jitter() / 2), self.deadline_s - waited))
-                backoff = min(backoff * 2, self.max_backoff_s)
+                sleep(min(backoff.failed(), self.deadline_s - waited))

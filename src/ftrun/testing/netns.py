@@ -69,7 +69,7 @@ class Network:
         self._subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
         self.bridge = f"ftbr{self._id}"
         self.nodes: list[Node] = []
-        self._names: dict[str, tuple[str, str]] = {}  # host name -> its address, the one node's namespace or ""
+        self._names: dict[tuple[str, str], str] = {}  # (host name, one node's namespace or "": all) -> address
         self._links = 0  # nodes added so far: each one's link and default address are its own
 
     @property
@@ -105,9 +105,9 @@ class Network:
         return node
 
     def name(self, host: str, addr: str, only: Node | None = None) -> None:
-        """Make ``host`` resolve to ``addr`` in every node (or ``only`` in that one), from now on (processes
-        running there included)."""
-        self._names[host] = (addr, only.netns if only is not None else "")
+        """Make ``host`` resolve to ``addr`` in every node (or in ``only``, over what every node has; "": not
+        at all there), from now on (processes running there included)."""
+        self._names[host, only.netns if only is not None else ""] = addr
         for node in self.nodes:
             self._write_hosts(node)
 
@@ -120,8 +120,9 @@ class Network:
     def _write_hosts(self, node: Node) -> None:
         if not self._hosts_files:
             return
-        named = [f"{a} {h}" for h, (a, where) in self._names.items() if where in ("", node.netns)]
-        lines = ["127.0.0.1 localhost", f"{node.addr} {node.name}", *named]
+        named = {h: a for (h, where), a in self._names.items() if where == ""}
+        named |= {h: a for (h, where), a in self._names.items() if where == node.netns}
+        lines = ["127.0.0.1 localhost", f"{node.addr} {node.name}", *(f"{a} {h}" for h, a in named.items() if a)]
         path = _hosts(node)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")  # in place: a running node's mount shows the new names
