@@ -120,6 +120,7 @@ def text(h: NodeHistory) -> str:
         lines.append(f"attempt {s.number}: {span}{took}{first}: {how}{rounds.get(s.number, '')}")
         if s.restore:
             lines.append(f"  snapshots: {s.restore}")
+        lines += [f"  teardown: {stuck}" for stuck in s.stuck]
         before = h.spans[i - 1] if i else None
         if s.in_place[0] and before is not None and before.kept is not None:
             lines.append("  " + in_place_line(s, before.kept, h.run_dir))

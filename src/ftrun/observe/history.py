@@ -31,6 +31,7 @@ class Span:
     # not parked in time, how long the interrupt took, when it was over)
     in_place: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # its ranks restarted in
     # place, and those started anew
+    stuck: list[str] = field(default_factory=list)  # its workers whose teardown was stuck after the script ended
 
     def take(self, e: Event, run_dir: Path) -> None:
         """One event of this attempt."""
@@ -43,6 +44,14 @@ class Span:
         elif e.kind is EventKind.KEPT_IN_PLACE:
             ranks, late = list(e.data.get("ranks", [])), list(e.data.get("late", []))
             self.kept = (ranks, late, float(e.data.get("interrupt_s", 0.0)), e.wall)
+        elif e.kind is EventKind.TEARDOWN_STUCK:
+            rank = e.data.get("rank", "?")
+            self.stuck.append(
+                f"rank {rank}: its script ended (exit code {e.data.get('end_code')}) but its interpreter's "
+                f"teardown was stuck after {e.data.get('grace_s')} s (a thread that never returned, a finalizer): "
+                f"ended, with the script's result; its stacks in {run_dir / f'attempt_{self.number}' / str(rank)}"
+                "/stderr.log"
+            )
         elif e.kind is EventKind.GROUP_STOPPING and self.end is None:
             self.end = e.wall
         elif e.kind is EventKind.FAILURE:

@@ -55,6 +55,7 @@ def _tells_the_agent(hook: Callable[..., object]) -> Callable[..., None]:
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         hook(kind, value, tb)
+        _uncaught.append(1)
         if sys.stderr is sys.__stderr__:
             _tell_the_end()
         else:
@@ -89,6 +90,7 @@ def _tells_exits() -> None:
                 atexit.register(_tell_exit, noted)  # the last registered: the first to run
             noted[:] = [status, outer, outer.f_lasti]
 
+    _tells_the_end_before_threads_join(noted)
     real_exit = sys.exit
 
     def exit(status: object = None, /) -> None:
@@ -105,6 +107,28 @@ def _tells_exits() -> None:
             real_call(self, code)
 
         quitter.__call__ = call  # type: ignore[method-assign]
+
+
+def _tells_the_end_before_threads_join(noted: list[Any]) -> None:
+    """The script's end, told as Python joins the threads it left (``threading._shutdown``, before any atexit
+    handler): a non-daemon thread that never returns held a fresh worker there, its script over, with the agent
+    never told (it waited for ever, or took the destroyed group's last collective for a hang and failed a run
+    whose script had succeeded). The code: the uncaught exception's 1, a ``sys.exit`` that ended the script,
+    else 0 (a bare ``raise SystemExit(n)`` is not seen: its process's own exit status tells it, unless its
+    teardown is stuck too)."""
+    import threading
+
+    join = threading._shutdown  # type: ignore[attr-defined]
+
+    def shutdown() -> None:
+        if not _told:
+            if noted and not _uncaught:
+                _tell_exit(noted)
+            if not _told:
+                _tell_the_end(1 if _uncaught else 0)
+        join()
+
+    threading._shutdown = shutdown  # type: ignore[attr-defined]
 
 
 def _tell_exit(noted: list[Any]) -> None:
@@ -128,6 +152,7 @@ def _tell_the_end(code: int = 1) -> None:
 
 
 _told: list[int] = []  # the end is told once: an exception's after a SystemExit caught is the script's end
+_uncaught: list[int] = []  # an exception ended the script (told at once, or after every hook)
 
 
 def _hand_over() -> None:
