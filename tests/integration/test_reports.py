@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -266,17 +267,22 @@ print("rank", dist.get_rank(), "done", flush=True)
 
 
 @pytest.mark.torch
-def test_a_rank_that_ran_fewer_steps_than_its_peers_is_named_in_the_hint(tmp_path: Path, script: WriteScript) -> None:
-    """Rank 1 ends its script at step 3; rank 0's next all-reduce raises "Connection closed by peer", the root
-    cause; the report says rank 1 had ended (cut in its teardown, or exited 0 before), fresh and warm."""
+def test_a_rank_that_ran_fewer_steps_than_its_peers_is_the_root_cause(tmp_path: Path, script: WriteScript) -> None:
+    """Rank 1 ends its script at step 3; rank 0's next all-reduce raises "Connection closed by peer", the echo:
+    the root cause, in the headline and in the fields, is rank 1 (cut in its teardown, or exited 0 before),
+    fresh and warm."""
     script("w.py", UNEVEN)
     r = run_ftrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1", "w.py")
     assert r.returncode == 1, r.stderr
     for attempt in (0, 1):
         report: Any = r.report(attempt)
-        assert report["root_cause"]["rank"] == 0, report
-        assert report["hint"].startswith("rank 1 had ended its script while rank 0 still called collectives"), report
-    assert "do all ranks run as many steps" in r.stderr
+        assert (report["root_cause"]["rank"], report["root_cause"]["left"]) == (1, "rank 0"), report
+        assert [o["rank"] for o in report["other_failures"]] == [0], report
+        assert report["hint"].startswith("rank 0's error is the echo: it called a collective with rank 1"), report
+    assert "Do all ranks run as many steps" in r.stderr
+    assert re.search(r"ROOT CAUSE  rank 1 \(local rank 1, pid \d+\) on \S+: its script ended", r.stderr), r.stderr
+    assert "  rank      : 1 (local_rank: 1)" in r.stderr
+    assert "root cause: rank 1 (local rank 1" in r.stderr  # the run's last words
 
 
 def test_a_sys_exit_the_script_caught_and_went_on_from_is_no_failure(tmp_path: Path, script: WriteScript) -> None:

@@ -203,17 +203,25 @@ def test_a_last_line_longer_than_what_is_read_of_the_log_is_shown_by_its_start(t
 ECHO = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5555\n"
 
 
-def test_a_peers_echo_after_a_rank_ended_its_script_hints_at_uneven_steps(tmp_path: Path) -> None:
+def test_a_rank_that_ended_its_script_before_its_peers_echo_is_the_root_cause(tmp_path: Path) -> None:
+    """Uneven data: rank 0's broken collective is the echo of ranks that had ended (rank 1 cut in its teardown,
+    rank 2 exited 0 before): the first of them to end is the root cause, rank 0's error the next line."""
     echo = worker(tmp_path, 0, WorkerState.FAILED, 1, 5.0, ECHO)
     ended = worker(tmp_path, 1, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
-    ended.script_over = True
+    ended.script_over, ended.script_ended_wall = True, 3.0
     finished = worker(tmp_path, 2, WorkerState.SUCCEEDED, 0, 4.0)
     running = worker(tmp_path, 3, WorkerState.STOPPED, -signal.SIGTERM, 5.1)
     r = build([echo, ended, finished, running])
+    assert (r.root_cause.rank, r.root_cause.left) == (1, "rank 0")
+    assert [o.rank for o in r.other_failures] == [0]
     assert r.hint is not None
-    assert r.hint.startswith("ranks 1, 2 had ended their script while rank 0 still called collectives with them")
+    assert r.hint.startswith("rank 0's error is the echo: it called a collective with ranks 1, 2, whose script")
+    assert r.root_cause.summary().startswith("rank 1 (local rank 1, pid 0 on ")
+    assert "its script ended while rank 0 still called collectives with it" in r.root_cause.summary()
     text = render(r)
-    assert "STOPPED BY FTRUN rank 1 (local rank 1, pid 0): killed by SIGTERM in its interpreter's teardown" in text
+    assert "ROOT CAUSE  rank 1 (local rank 1, pid 0) on " in text
+    assert "ALSO FAILED rank 0 (local rank 0, pid 0): exit code 1" in text
+    assert "STOPPED BY FTRUN rank 1" not in text
     assert "STOPPED BY FTRUN rank 3 (local rank 3, pid 0): killed by SIGTERM\n" in text
 
 

@@ -110,6 +110,8 @@ class WorkerWatch:
             slot = self.hangs.slot(w.local_rank)
             ended = slot is not None and slot.pid == w.pid and bool(slot.flags & FLAG_EXITING)
             w.script_over = ended and slot is not None and not (slot.ended and slot.end_code)
+            if w.script_over and slot is not None and slot.ended:  # told on the workers' monotonic clock
+                w.script_ended_wall = self._clock.wall() - (self._clock.monotonic() - slot.ended)
 
     def drain(self) -> None:
         """Read the timer requests waiting and the dumps' wake-ups (their pipes woke the agent)."""

@@ -14,7 +14,7 @@ import re
 import signal
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
@@ -66,9 +66,14 @@ class WorkerOutcome:
     unwritten: int = 0  # bytes of its output its log files lack (the log disk was full or failing)
     in_place: bool = False  # interrupted and kept: its process restarts in place (ftrun.restartable)
     script_over: bool = False  # its script had ended when ftrun stopped it: the stop cut its teardown
+    left: str | None = None  # the ranks that still called collectives with it when its script ended (uneven data)
+    script_ended_wall: float | None = None  # when its script ended, where it told (its teardown cut after)
 
     @property
     def how(self) -> str:
+        if self.left:
+            ended = "" if self.exit_code == 0 or self.script_over else f" ({self._end()})"
+            return f"its script ended{ended} while {self.left} still called collectives with it"
         if self.request:
             return f"{self.request}, then {self._end()}"
         if self.hang:
@@ -90,6 +95,8 @@ class WorkerOutcome:
     @property
     def ended_wall(self) -> float | None:
         """When it ended: its exit, else (its process kept, its function raised) its error's record."""
+        if self.script_over and self.script_ended_wall is not None:
+            return self.script_ended_wall
         return self.exit_wall or (self.error.timestamp if self.error is not None else None)
 
     @property
@@ -140,6 +147,7 @@ def outcome(worker: Worker, host: str, oom_killed: bool = False) -> WorkerOutcom
         state=worker.state.value,
         in_place=worker.kept,
         script_over=worker.script_over,
+        script_ended_wall=worker.script_ended_wall,
         exit_code=worker.exit_code,
         signal=worker.signal_name,
         exit_wall=worker.exit_wall,
@@ -251,7 +259,17 @@ def build_report(
         for o in outcomes
         if o.state == WorkerState.STOPPED.value and (o.host, o.pid, o.rank) != (root.host, root.pid, root.rank)
     )
-    hint = _hint(root, master_port) or _ended_early(root, outcomes)
+    hint = _hint(root, master_port)
+    early = _left_early(root, outcomes)
+    if early and hint is None:  # the rank that left is the root cause; the broken collective's error, its echo
+        first = min(early, key=lambda o: (o.ended_wall or float("inf"), o.rank))
+        echo, root = root, replace(first, left=f"rank {root.rank}")
+        failed = [echo, *failed]
+        stopped = tuple(o for o in stopped if o is not first)
+        hint = (
+            f"rank {echo.rank}'s error is the echo: it called a collective with {_ranks_named(early)}, whose "
+            "script had ended. Do all ranks run as many steps (the same number of batches on each)?"
+        )
     remote = dict(elsewhere) if elsewhere is not None else None
     return FailureReport(run_id, attempt, will_restart, master_port, root, tuple(failed), stopped, hint, remote)
 
@@ -282,24 +300,21 @@ def _hint(root: WorkerOutcome, port: int) -> str | None:
     return None
 
 
-def _ended_early(root: WorkerOutcome, outcomes: Sequence[WorkerOutcome]) -> str | None:
+def _left_early(root: WorkerOutcome, outcomes: Sequence[WorkerOutcome]) -> list[WorkerOutcome]:
     """The root cause is a collective broken by a peer, and ranks here had ended their script before: the
     classic of ranks that run different numbers of steps (a rank's own data shorter than the others')."""
     text = "\n".join([*root.stderr_tail, root.error.message if root.error else "", root.last_error or ""])
     failed = root.ended_wall
     if failed is None or not any(words in text for words in BROKEN_BY_A_PEER):
-        return None
+        return []
     done = [o for o in outcomes if o.rank != root.rank and o.host == root.host]
-    ended = [o.rank for o in done if o.script_over and o.state == WorkerState.STOPPED.value]
-    ended += [o.rank for o in done if o.state == WorkerState.SUCCEEDED.value and (o.exit_wall or failed) < failed]
-    if not ended:
-        return None
-    one = len(ended) == 1
-    ranks = f"rank {ended[0]}" if one else "ranks " + ", ".join(map(str, sorted(ended)))
-    return (
-        f"{ranks} had ended {'its' if one else 'their'} script while rank {root.rank} still called collectives "
-        f"with {'it' if one else 'them'}: do all ranks run as many steps (the same number of batches on each)?"
-    )
+    ended = [o for o in done if o.script_over and o.state == WorkerState.STOPPED.value]
+    return ended + [o for o in done if o.state == WorkerState.SUCCEEDED.value and (o.exit_wall or failed) < failed]
+
+
+def _ranks_named(outcomes: Sequence[WorkerOutcome]) -> str:
+    ranks = sorted(o.rank for o in outcomes)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def when(wall: float | None, *, date: bool = True, unknown: str = "?") -> str:

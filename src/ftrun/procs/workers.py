@@ -128,6 +128,7 @@ class Worker:
     hang: Hang | None = None  # set when the watchdog found it hung (state FAILED while still running)
     ended_code: int | None = None  # its script had ended with this code when ftrun ended its stuck teardown
     script_over: bool = False  # its script had ended when a stop came (the stop cut its interpreter's teardown)
+    script_ended_wall: float | None = None  # then: when its script ended, as it told
     waiting_stacks: str = ""  # a rank found waiting for the hung one in a collective: its stacks
     waiting_in: str = ""  # and the collective it waited in ("all_reduce (torch/distributed/...)")
     request: str = ""  # the workload control request it made ("stopped the job: loss is NaN")
