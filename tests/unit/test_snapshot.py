@@ -91,7 +91,10 @@ def test_a_rank_keeps_two_steps_and_writes_the_oldest_file_again_never_whole_unt
     assert snap.read(snap.path_of(in_ftrun, 3, 3))[1]["w"][0] == 3.0
 
 
-def test_a_step_pinned_for_the_copies_between_nodes_is_kept_beyond_the_two_newest(in_ftrun: Path) -> None:
+def test_a_step_pinned_for_the_copies_between_nodes_is_kept_beyond_the_two_newest(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(snap.ENV_COPIES, "1")  # a job of several nodes: the agent's mirror copies steps on
     for step in (1, 2):
         snap.snapshot(step, {"w": torch.full((1 << 10,), float(step))})
         snap.wait()
@@ -127,7 +130,7 @@ def test_a_snapshot_over_the_ranks_share_of_snapshot_memory_is_refused_once_and_
     in_ftrun: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(snap, "_writer", snap._Writer())
-    monkeypatch.setenv(snap.ENV_MEMORY, str(5 << 20))  # 5 MiB: three files of 2 MiB do not fit
+    monkeypatch.setenv(snap.ENV_MEMORY, str(3 << 20))  # 3 MiB: not even one kept 2 MiB file and the one written
     for step in (1, 2):
         snap.snapshot(step, {"w": torch.zeros(1 << 19)})
         snap.wait()
@@ -139,6 +142,20 @@ def test_a_snapshot_over_the_ranks_share_of_snapshot_memory_is_refused_once_and_
     snap.snapshot(3, {"w": torch.zeros(1 << 19)})
     snap.wait()
     assert snap.is_whole(snap.path_of(in_ftrun, 3, 3))
+
+
+def test_a_share_too_small_for_two_steps_keeps_one_and_says_so_once(
+    in_ftrun: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """5 MiB holds two 2 MiB files, not three: one step kept (and the one being written), said once."""
+    monkeypatch.setattr(snap, "_writer", snap._Writer())
+    monkeypatch.setenv(snap.ENV_MEMORY, str(5 << 20))
+    for step in (1, 2, 3, 4):
+        snap.snapshot(step, {"w": torch.zeros(1 << 19)})
+        snap.wait()
+        assert len(list(in_ftrun.glob("step-*/rank-3.snap"))) == 1  # one kept (the spare is the next write's)
+    said = capsys.readouterr().err
+    assert said.count("ftrun.snapshot: rank 3 keeps 1 step (2 files), not 2 steps (3 files)") == 1, said
 
 
 def test_the_next_optimizer_step_waits_for_the_copy_and_changes_nothing_copied(in_ftrun: Path) -> None:

@@ -19,11 +19,22 @@ def test_a_rank_holds_its_kept_steps_the_one_being_written_the_pinned_and_a_peer
     )
 
 
-def test_both_doors_ask_the_same_question() -> None:
-    assert budget.fits(0, 100 * GIB, pinned=2, copies=True)  # no bound
-    assert budget.fits(3 * GIB, GIB, pinned=0, copies=False)
-    assert not budget.fits(3 * GIB, GIB, pinned=1, copies=False)  # a pinned step counts
-    assert not budget.fits(5 * GIB, GIB, pinned=0, copies=True)  # and the copies a node holds for its peer
+def test_a_share_too_small_for_the_usual_count_keeps_fewer_pins_then_fewer_steps_then_none() -> None:
+    keep = budget.keep_for
+    assert keep(0, 100 * GIB, copies=True) == budget.FULL  # no bound
+    assert keep(8 * GIB, GIB, copies=True) == budget.Keep(2, 2, True)  # 8 files: the usual count
+    assert keep(7 * GIB, GIB, copies=True) == budget.Keep(2, 1, True)
+    assert keep(6 * GIB, GIB, copies=True) == budget.Keep(2, 0, True)
+    assert keep(5 * GIB, GIB, copies=True) == budget.Keep(1, 1, True)
+    assert keep(4 * GIB, GIB, copies=True) == budget.Keep(1, 0, True)  # one step with its copies
+    assert keep(4 * GIB - 1, GIB, copies=True) is None
+    assert keep(3 * GIB, GIB, copies=False) == budget.Keep(2, 0, False)  # one node: no copies, no pins
+    assert keep(2 * GIB, GIB, copies=False) == budget.Keep(1, 0, False)
+    assert keep(2 * GIB - 1, GIB, copies=False) is None
+    for share in range(1, 10):  # what it keeps is a bound: its files never pass the share
+        found = keep(share * GIB, GIB, copies=True)
+        assert found is None or found.files * GIB <= share * GIB
+    assert budget.Keep(1, 0, True).says() == "1 step and no older ones for the copies between nodes (4 files)"
 
 
 def test_all_but_the_newest_kept_are_pruned_less_the_pinned() -> None:
@@ -31,3 +42,10 @@ def test_all_but_the_newest_kept_are_pruned_less_the_pinned() -> None:
     assert budget.to_prune([5, 1, 3, 4], pinned={3}) == [1]
     assert budget.to_prune([7]) == []
     assert budget.still_pinned([2, 9, 4]) == [4, 9]
+
+
+def test_what_a_rank_keeps_is_what_its_pruners_keep() -> None:
+    one = budget.Keep(1, 0, True)
+    assert budget.to_prune([5, 1, 3, 4], pinned={3, 4}, keep=one) == [1, 3, 4]  # no pins within this share
+    assert budget.to_prune([5, 1, 3, 4], pinned={3, 4}, keep=budget.Keep(1, 1, True)) == [1, 3]
+    assert budget.still_pinned([2, 9, 4], one) == []

@@ -92,7 +92,7 @@ class SnapshotKeeper:
         a lost node's ranks restore from their copy (:mod:`ftrun.job.snapshot_mirror`)."""
         if self._mirror is None:
             try:
-                self._mirror = SnapshotMirror.serve(self.dir, host, job_key)
+                self._mirror = SnapshotMirror.serve(self.dir, host, job_key, self._rank_share)
             except OSError as e:  # the job goes on; a node lost takes its snapshots with it
                 self._say(f"snapshots are not copied to another node: cannot listen on {host} ({e})")
 

@@ -100,10 +100,15 @@ class _Handler(socketserver.BaseRequestHandler):
         ):
             return  # not the job's: nothing kept, nothing served
         if op == "put" and size > 0:
+            # As many copies as this node's ranks keep of their own (snapshot_budget.keep_for: the same rule,
+            # ranks alike in size); none where not even one fits.
+            keep = budget.keep_for(self.server.share, size, copies=True)
+            if keep is None:
+                return
             self.server.announce(step)
             into = peer_path(self.server.directory, step, rank)
             if _receive(sock, into, size, self.server.key, nonce):
-                _prune(self.server.directory, rank)
+                _prune(self.server.directory, rank, keep)
                 sock.sendall(b"ok\n")
         elif op == "get":
             self._send(sock, step, rank, theirs)
@@ -128,10 +133,11 @@ class _Server(AtTheDoor, socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], directory: Path, key: bytes) -> None:
+    def __init__(self, address: tuple[str, int], directory: Path, key: bytes, share: int) -> None:
         super().__init__(address, _Handler)
         self.directory = directory
         self.key = key
+        self.share = share  # a rank's share of --snapshot-memory (0: no bound)
         self.open_door(f"the snapshot copies' server on port {self.server_address[1]}")
         self.announced: tuple[int, ...] = ()  # the newest steps the previous node began to copy here (PINNED)
         self._lock = threading.Lock()
@@ -147,10 +153,11 @@ class _Server(AtTheDoor, socketserver.ThreadingTCPServer):
 
 class SnapshotMirror:
     @classmethod
-    def serve(cls, directory: Path, host: str, job_key: bytes) -> SnapshotMirror:
-        """This node's mirror, listening on ``host`` (a port of its own)."""
+    def serve(cls, directory: Path, host: str, job_key: bytes, share: int = 0) -> SnapshotMirror:
+        """This node's mirror, listening on ``host`` (a port of its own); ``share``: a rank's share of
+        --snapshot-memory, within which it keeps the copies."""
         key = hmac.new(job_key, b"ftrun snapshot mirror", hashlib.sha256).digest()
-        server = _Server((host, 0), directory, key)
+        server = _Server((host, 0), directory, key, share)
         mirror = cls(server, directory, key)
         threading.Thread(target=server.serve_forever, name="ftrun-mirror", daemon=True).start()
         return mirror
@@ -404,8 +411,8 @@ def pin(directory: Path, step: int) -> None:
         (directory / STEP_DIR.format(old) / PIN_MARK).unlink(missing_ok=True)
 
 
-def _prune(directory: Path, rank: int) -> None:
-    for step in budget.to_prune(held(directory).get(rank, set())):  # the last one kept as the rank's spare
+def _prune(directory: Path, rank: int, keep: budget.Keep) -> None:
+    for step in budget.to_prune(held(directory).get(rank, set()), keep=keep):  # the last one kept: the spare
         with contextlib.suppress(OSError):
             peer_path(directory, step, rank).replace(spare_of(directory / PEER_DIR, rank))
         with contextlib.suppress(OSError):

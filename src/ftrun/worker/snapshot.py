@@ -55,6 +55,7 @@ class _Writer:
         self.streams: dict[Any, Any] = {}  # device -> the copies' stream
         self.restored: set[Path] = set()  # files whose pages restored tensors are on
         self.refused = False  # a snapshot did not fit --snapshot-memory (said once)
+        self.keep: budget.Keep | None = None  # what this rank keeps within its share, as decided last
         self.no_room = False  # /dev/shm had no room for a snapshot (said once)
         self.error: BaseException | None = None
         self.blocked_s = 0.0
@@ -268,22 +269,32 @@ def wait() -> None:
 
 
 def _fits(step: int, size: int) -> bool:
-    """Whether the files this snapshot needs fit this rank's share of --snapshot-memory (:mod:`snapshot_budget`).
-    When they do not, it is said once, and no snapshot is taken."""
+    """Whether this rank keeps snapshots of ``size`` within its share of --snapshot-memory, and how many
+    (:func:`snapshot_budget.keep_for`: fewer pins, then fewer steps, before none), said once each."""
     share = int(os.environ.get(ENV_MEMORY) or 0)
-    pinned = _pinned_older(Path(os.environ.get(ENV_DIR, ".")), _rank())
-    if budget.fits(share, size, pinned=pinned, copies=copies_held()):
-        return True
-    if not _writer.refused:
-        _writer.refused = True
-        need = budget.need(size, pinned=pinned, copies=copies_held())
-        sys.stderr.write(
-            f"ftrun.snapshot: no snapshots on rank {_rank()}: step {step}'s state takes {_gib(size)}, and "
-            f"{need.says()} need {_gib(need.bytes)}, over this rank's share of --snapshot-memory ({_gib(share)}); "
-            "raise --snapshot-memory or snapshot less\n"
-        )
-        sys.stderr.flush()
-    return False
+    keep = budget.keep_for(share, size, copies=copies_held())
+    if keep is None:
+        if not _writer.refused:
+            _writer.refused = True
+            least = budget.Keep(1, 0, copies_held())
+            sys.stderr.write(
+                f"ftrun.snapshot: no snapshots on rank {_rank()}: step {step}'s state takes {_gib(size)}, and even "
+                f"{least.says()} need {_gib(least.files * size)}, over this rank's share of --snapshot-memory "
+                f"({_gib(share)}); raise --snapshot-memory or snapshot less\n"
+            )
+            sys.stderr.flush()
+        return False
+    if keep != _writer.keep:  # the node's mirror keeps as many copies: the same rule, the same size
+        if not keep.full and (_writer.keep is None or keep.files < _writer.keep.files):
+            usual = budget.keep_for(0, size, copies=copies_held())
+            assert usual is not None
+            sys.stderr.write(
+                f"ftrun.snapshot: rank {_rank()} keeps {keep.says()}, not {usual.says()}: step {step}'s state "
+                f"takes {_gib(size)}, and this rank's share of --snapshot-memory is {_gib(share)}\n"
+            )
+            sys.stderr.flush()
+        _writer.keep = keep
+    return True
 
 
 def _no_room(step: int, size: int, error: OSError) -> None:
@@ -306,13 +317,6 @@ def copies_held() -> bool:
 def _whole_files(directory: Path, rank: int) -> list[Path]:
     """This rank's whole files, oldest step first."""
     return sorted(p for p in directory.glob(f"step-*/{path_of(directory, 0, rank).name}") if is_whole(p))
-
-
-def _pinned_older(directory: Path, rank: int) -> int:
-    """This rank's files kept for the copies between nodes beyond its newest kept (two at most, while the
-    copies lag behind the job)."""
-    mine = _whole_files(directory, rank)
-    return sum(file.is_pinned(p.parent) for p in mine[: max(0, len(mine) - budget.KEEP)])
 
 
 def _step_of(path: Path) -> int:
@@ -442,7 +446,7 @@ def _prune(directory: Path, rank: int) -> None:
     snapshot writes again (memory is what snapshots cost)."""
     mine = {_step_of(p): p for p in _whole_files(directory, rank)}
     pinned = {step for step, p in mine.items() if file.is_pinned(p.parent)}
-    for old in (mine[step] for step in budget.to_prune(mine, pinned)):
+    for old in (mine[step] for step in budget.to_prune(mine, pinned, _writer.keep or budget.FULL)):
         with contextlib.suppress(OSError):  # the agent may have pruned it first
             if old in _writer.restored:
                 old.unlink()  # its pages stay the restored tensors' until they go
