@@ -506,3 +506,50 @@ def test_a_job_that_reshards_gets_every_old_ranks_part_from_the_survivors_and_th
         assert survivor.wait() == 0, survivor.stderr()
     never_lost = {s: [float((s + 1) * steps * (steps - 1) // 2)] * 4 for s in range(nodes)}  # a run never failed
     assert {s: json.loads((tmp_path / f"slice-{s}").read_text()) for s in range(nodes)} == never_lost
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("files", [8])  # at 4 (one step kept), one file over was sampled now and then: issue 70
+def test_a_node_lost_mid_copy_leaves_the_others_within_their_snapshot_memory(
+    tmp_path: Path, live: list[LiveFtrun], tcp_server: str, files: int
+) -> None:
+    """Three nodes, one rank each, under a --snapshot-memory of ``files`` states: the third node is SIGKILLed
+    while the copies go on; the other two re-form (a world of 2, the old world's parts offered for a job that
+    reshards) and train on. Each survivor's /dev/shm, sampled all along, is within the bound before the loss
+    and again once the new world has snapshotted (the old world's files and the copies of a node that is no
+    longer the previous one go as the new world's steps come; they stayed for the whole attempt before). Not
+    yet within it: the moment between, when the old world's restored step is still there beside the new
+    world's first file, as when a world grows."""
+    (tmp_path / "w.py").write_text(BIG_STATE)
+    memory = files * STATE + STATE // 2
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", tcp_server, "--rdzv-conf", f"{CONF},is_host=false"]
+    flags += ["--local-addr", "127.0.0.1", "--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3"]
+    flags += ["--snapshot-memory", str(memory), str(tmp_path / "w.py"), "120"]
+    agents = [LiveFtrun(tmp_path, *flags, name=n, run_id=f"shm-lost-{files}") for n in "abc"]
+    live.extend(agents)
+    for agent in agents:  # the first round may have had 2 of them: a world that grew, settling as one shrinks
+        agent.wait_for_stderr(r"round \d+: group rank \d of 3")
+    three_at = time.monotonic() + 2.0  # the world of 3's first snapshots written and copied
+    before = after = 0
+    lost_at = settled_at = None
+    while any(a.proc.poll() is None for a in agents[:2]):
+        now = [node_bytes(a) for a in agents[:2]]
+        if time.monotonic() < three_at:
+            pass
+        elif lost_at is None:
+            before = max([before, *now])
+            if node_bytes(agents[2]) > 3 * STATE:  # its own steps and copies in, more coming: lost
+                os.killpg(agents[2].proc.pid, signal.SIGKILL)
+                lost_at = time.monotonic()
+        elif settled_at is None:
+            if all(re.search(r"round \d+: group rank \d of 2", a.stderr()) for a in agents[:2]):
+                settled_at = time.monotonic() + 2.0  # the new world's first snapshots written and copied
+        elif time.monotonic() > settled_at:
+            after = max([after, *now])
+        time.sleep(0.02)  # sampling a quantity that changes with no event to wait on; bounded by the agents' end
+    for agent in agents[:2]:
+        assert agent.wait() == 0, agent.stderr()
+    assert lost_at is not None
+    assert settled_at is not None
+    assert before <= memory, (before, memory)
+    assert 2 * STATE < after <= memory, (after, memory)

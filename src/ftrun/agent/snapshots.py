@@ -28,7 +28,7 @@ from ftrun.job.board import JobBoard
 from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision, Offer, RoundAgreement, alone
 from ftrun.job.snapshot_mirror import SnapshotMirror, held, whole_files
 from ftrun.private import own_dir
-from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, RESTORE_UNAGREED
+from ftrun.worker.snapshot import ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RANKS, ENV_RESTORE, RESTORE_UNAGREED
 from ftrun.worker.snapshot_file import (
     STEP_DIR,
     CorruptSnapshot,
@@ -85,6 +85,7 @@ class SnapshotKeeper:
         self._failed_after: dict[int, int] = {}  # a restored step -> the attempts that failed before a newer one
         self._mirror: SnapshotMirror | None = None
         self._held: dict[int, set[int]] = {}
+        self._ranks: list[int] = []  # this attempt's local ranks
         self.restoring = ""  # what this attempt's workers restore, as said ("": no snapshot to speak of)
 
     def mirror(self, host: str, job_key: bytes) -> None:
@@ -103,6 +104,7 @@ class SnapshotKeeper:
         node's snapshots are copied to the next node as they come."""
         if self._mirror is not None:
             self._mirror.stop_sending()
+        self._ranks = list(ranks)
         self._held = held(self.dir)
         found = {r: whole_steps(self.dir, [r]) | self._held.get(r, set()) for r in ranks}
         plan = plan_attempt(
@@ -228,6 +230,7 @@ class SnapshotKeeper:
 
     def env(self) -> dict[str, str]:
         env = {ENV_DIR: str(self.dir), ENV_MEMORY: str(self._rank_share), ENV_COPIES: "1" if self._mirror else "0"}
+        env[ENV_RANKS] = ",".join(map(str, self._ranks))
         if self._restore is not None or self._unagreed:
             env[ENV_RESTORE] = RESTORE_UNAGREED if self._unagreed else str(self._restore)
         return env

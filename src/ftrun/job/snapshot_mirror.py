@@ -412,7 +412,14 @@ def pin(directory: Path, step: int) -> None:
 
 
 def _prune(directory: Path, rank: int, keep: budget.Keep) -> None:
-    for step in budget.to_prune(held(directory).get(rank, set()), keep=keep):  # the last one kept: the spare
+    copies = held(directory)
+    kept = sorted(copies.get(rank, set()))[-keep.steps :]
+    for other, steps in copies.items():  # a node that is the previous one no more: its ranks' copies go
+        for step in (s for s in steps if other != rank and kept and s < kept[0] - 1):
+            peer_path(directory, step, other).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (directory / PEER_DIR / STEP_DIR.format(step)).rmdir()
+    for step in budget.to_prune(copies.get(rank, set()), keep=keep):  # the last one kept: the spare
         with contextlib.suppress(OSError):
             peer_path(directory, step, rank).replace(spare_of(directory / PEER_DIR, rank))
         with contextlib.suppress(OSError):

@@ -41,6 +41,7 @@ ENV_DIR = "FTRUN_SNAPSHOT_DIR"
 ENV_RESTORE = "FTRUN_RESTORE_STEP"
 ENV_MEMORY = "FTRUN_SNAPSHOT_MEMORY"  # bytes this rank's files may take: its share of --snapshot-memory
 RESTORE_UNAGREED = "unagreed"  # in ENV_RESTORE: the nodes did not agree on a step (ftrun.job.snapshot_agreement)
+ENV_RANKS = "FTRUN_SNAPSHOT_RANKS"  # this attempt's ranks on this node: the files of any other are an old world's
 ENV_COPIES = "FTRUN_SNAPSHOT_COPIES"  # "1": the job has several nodes, and this node holds its predecessor's copies
 AT_ONCE_BYTES = 1 << 20
 
@@ -445,6 +446,8 @@ def _prune(directory: Path, rank: int) -> None:
     on its way to the next node, or the one a lost node's meets); the oldest is kept as the spare the next
     snapshot writes again (memory is what snapshots cost)."""
     mine = {_step_of(p): p for p in _whole_files(directory, rank)}
+    if mine:
+        _drop_an_old_world(directory, max(mine))
     pinned = {step for step, p in mine.items() if file.is_pinned(p.parent)}
     for old in (mine[step] for step in budget.to_prune(mine, pinned, _writer.keep or budget.FULL)):
         with contextlib.suppress(OSError):  # the agent may have pruned it first
@@ -454,6 +457,24 @@ def _prune(directory: Path, rank: int) -> None:
                 old.replace(file.spare_of(directory, rank))
         with contextlib.suppress(OSError):  # the other ranks' parts may still be there
             old.parent.rmdir()
+
+
+def _drop_an_old_world(directory: Path, newest: int) -> None:
+    """The files here of ranks this node runs no more (a world before this attempt's, its restore done), of the
+    steps before ``newest``, this rank's newest whole: this world's own steps are the restore from now on, and
+    they are what the share holds."""
+    here = {int(r) for r in os.environ.get(ENV_RANKS, "").split(",") if r.isdigit()}
+    if not here:
+        return
+    for step, step_dir in file.step_dirs(directory).items():
+        if step >= newest:
+            continue
+        for part in step_dir.glob("rank-*.snap"):
+            rank = part.stem.removeprefix("rank-")
+            if rank.isdigit() and int(rank) not in here:
+                part.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # this world's files of the step, or a mark: kept, pruned as usual
+            step_dir.rmdir()
 
 
 def _hook_optimizer(torch: Any) -> None:
