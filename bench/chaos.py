@@ -48,8 +48,8 @@ FAULTS = ("kill", "cut-short", "cut-long", "reset", "host", "host")  # a host lo
 class Job:
     """The job's agents, one per node; ``host``: the node whose agent serves the store now."""
 
-    def __init__(self, nodes: list[netns.Node], work: Path, steps: int) -> None:
-        self.nodes, self.work, self.steps = nodes, work, steps
+    def __init__(self, nodes: list[netns.Node], work: Path, steps: int, max_restarts: int = 100) -> None:
+        self.nodes, self.work, self.steps, self.max_restarts = nodes, work, steps, max_restarts
         self.host = nodes[0]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.lost: list[subprocess.Popen[bytes]] = []  # agents killed on purpose
@@ -63,8 +63,8 @@ class Job:
         w = self.work
         argv = [sys.executable, "-m", "ftrun", "--log-dir", str(w / f"logs-{node.name}-{n}"), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.host.addr}:{PORT}", "--rdzv-id", "chaos", "--local-addr", node.addr,
-                "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", "100", "--rdzv-conf", CONF,
-                str(JOB), "--steps", str(self.steps), "--step-time", "0.05", "--every", "1",
+                "--nnodes", "2:2", "--nproc-per-node", "1", "--max-restarts", str(self.max_restarts),
+                "--rdzv-conf", CONF, str(JOB), "--steps", str(self.steps), "--step-time", "0.05", "--every", "1",
                 "--timeline", str(w / "timeline.jsonl"), "--checkpoint", str(w / "ckpt.pt"),
                 "--checksum", str(w / "checksum")]  # fmt: skip
         with (w / f"agent-{node.name}-{n}.stderr").open("w") as err:
