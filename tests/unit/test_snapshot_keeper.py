@@ -10,7 +10,7 @@ import pytest
 from ftrun.agent import snapshots
 from ftrun.agent.snapshots import Restore, SnapshotKeeper, restore_plan, whole_steps
 from ftrun.job.snapshot_agreement import UNAGREED_STEP, Decision
-from ftrun.worker.snapshot import BAD_MARK, ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RESTORE, path_of
+from ftrun.worker.snapshot import BAD_MARK, ENV_COPIES, ENV_DIR, ENV_MEMORY, ENV_RANKS, ENV_RESTORE, path_of
 from ftrun.worker.snapshot_file import FOOT
 
 ALONE = restore_plan(1, None, None, 0)
@@ -35,7 +35,13 @@ def test_a_restart_restores_the_newest_step_whole_on_every_rank_and_not_a_bad_on
         part(keeper.dir, step, 1, whole=step != 5)  # rank 1 died writing step 5
     assert whole_steps(keeper.dir, [0, 1]) == {3, 4}
     keeper.new_attempt([0, 1], ALONE)
-    assert keeper.env() == {ENV_DIR: str(keeper.dir), ENV_RESTORE: "4", ENV_MEMORY: str(1 << 30), ENV_COPIES: "0"}
+    assert keeper.env() == {
+        ENV_DIR: str(keeper.dir),
+        ENV_RESTORE: "4",
+        ENV_MEMORY: str(1 << 30),
+        ENV_COPIES: "0",
+        ENV_RANKS: "0,1",
+    }
     (keeper.dir / "step-000000000004" / BAD_MARK).touch()  # rank 1's part of step 4 did not verify
     keeper.new_attempt([0, 1], ALONE)
     assert keeper.env()[ENV_RESTORE] == "3"
