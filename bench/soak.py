@@ -12,6 +12,7 @@ does is started again, and the soak goes on). The job's weights are bench/chaos.
 iproute2.
 
     python bench/soak.py [--minutes 30] [--faults 200] [--seed 1] [--sample-s 5] [--keep DIR]
+    python bench/soak.py --report DIR/soak/samples.jsonl    # the figures again, from a kept run
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def window(rows: list[dict[str, float]], first: bool) -> list[dict[str, float]]:
 
 
 def report(rows: list[dict[str, float]]) -> list[str]:
-    """Each figure's median over the first 5 minutes and the last 5 (log growth: MiB per hour)."""
+    """Each figure's median and least over the first 5 minutes and the last 5 (log growth: MiB per hour): the
+    least is the floor a leak would lift (the nodes' processes' RSS moves between levels with the zygotes and
+    workers up at a sample)."""
     head, tail = window(rows, True), window(rows, False)
     lines = []
     for key, what in [("agent_rss_mib", "the agents' RSS (MiB)"), ("rss_mib", "the nodes' processes' RSS (MiB)"),
@@ -136,8 +139,11 @@ def report(rows: list[dict[str, float]]) -> list[str]:
         a = statistics.median(r.get(key, 0.0) for r in head)
         b = statistics.median(r.get(key, 0.0) for r in tail)
         peak = max(r.get(key, 0.0) for r in rows)
+        low_a, low_b = min(r.get(key, 0.0) for r in head), min(r.get(key, 0.0) for r in tail)
         ratio = f"{b / a:.2f}" if a else "-"
-        lines.append(f"  {what:34s} first 5 min {a:9.1f}   last 5 min {b:9.1f}   ratio {ratio}   peak {peak:9.1f}")
+        floor = f"{low_b / low_a:.2f}" if low_a else "-"
+        lines.append(f"  {what:34s} first 5 min {a:9.1f} (least {low_a:9.1f})   last 5 min {b:9.1f} "
+                     f"(least {low_b:9.1f})   ratio {ratio} (least {floor})   peak {peak:9.1f}")  # fmt: skip
     for part, name in [(head, "first"), (tail, "last")]:
         span = part[-1]["t"] - part[0]["t"]
         grown = part[-1]["logs_mib"] - part[0]["logs_mib"]
@@ -202,7 +208,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sample-s", type=float, default=5.0)
     p.add_argument("--keep", type=Path, help="keep the runs' logs and timelines in this new directory")
+    p.add_argument("--report", type=Path, help="only print the figures of a kept run's samples.jsonl")
     a = p.parse_args()
+    if a.report:
+        print("\n".join(report([json.loads(line) for line in a.report.read_text().splitlines()])))
+        return 0
     why = netns.available()
     if why:
         print(f"soak: cannot run here: {why}", file=sys.stderr)
