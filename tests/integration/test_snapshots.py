@@ -508,6 +508,16 @@ def test_a_job_that_reshards_gets_every_old_ranks_part_from_the_survivors_and_th
     assert {s: json.loads((tmp_path / f"slice-{s}").read_text()) for s in range(nodes)} == never_lost
 
 
+SETTLED = 10  # snapshots after a world changed, by when its own steps and copies are all there
+
+
+def newest_step(agents: list[LiveFtrun]) -> int:
+    """The newest step any of the agents' ranks began to snapshot (-1: none yet)."""
+    steps = [int(d.name.removeprefix("step-")) for a in agents for root in snapshot_root().glob(f"{a.proc.pid}-*")
+             for d in root.glob("step-*") if d.name.removeprefix("step-").isdigit()]  # fmt: skip
+    return max(steps, default=-1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("files", [8])  # at 4 (one step kept), one file over was sampled now and then: issue 70
 def test_a_node_lost_mid_copy_leaves_the_others_within_their_snapshot_memory(
@@ -529,27 +539,27 @@ def test_a_node_lost_mid_copy_leaves_the_others_within_their_snapshot_memory(
     live.extend(agents)
     for agent in agents:  # the first round may have had 2 of them: a world that grew, settling as one shrinks
         agent.wait_for_stderr(r"round \d+: group rank \d of 3")
-    three_at = time.monotonic() + 2.0  # the world of 3's first snapshots written and copied
+    three_from = newest_step(agents[:2]) + SETTLED  # the world of 3's own snapshots written and copied
     before = after = 0
-    lost_at = settled_at = None
+    lost_at = settled_from = None
     while any(a.proc.poll() is None for a in agents[:2]):
         now = [node_bytes(a) for a in agents[:2]]
-        if time.monotonic() < three_at:
+        if newest_step(agents[:2]) < three_from:
             pass
         elif lost_at is None:
             before = max([before, *now])
             if node_bytes(agents[2]) > 3 * STATE:  # its own steps and copies in, more coming: lost
                 os.killpg(agents[2].proc.pid, signal.SIGKILL)
                 lost_at = time.monotonic()
-        elif settled_at is None:
+        elif settled_from is None:
             if all(re.search(r"round \d+: group rank \d of 2", a.stderr()) for a in agents[:2]):
-                settled_at = time.monotonic() + 2.0  # the new world's first snapshots written and copied
-        elif time.monotonic() > settled_at:
+                settled_from = newest_step(agents[:2]) + SETTLED  # the new world's own, written and copied
+        elif newest_step(agents[:2]) >= settled_from:
             after = max([after, *now])
         time.sleep(0.02)  # sampling a quantity that changes with no event to wait on; bounded by the agents' end
     for agent in agents[:2]:
         assert agent.wait() == 0, agent.stderr()
     assert lost_at is not None
-    assert settled_at is not None
+    assert settled_from is not None
     assert before <= memory, (before, memory)
     assert 2 * STATE < after <= memory, (after, memory)
