@@ -379,6 +379,15 @@ def test_a_rank_waiting_for_a_node_cut_off_whose_sigterm_handler_cannot_run_is_n
     assert said.startswith("ftrun: rank "), said
 
 
+def lose_the_store_host(tmp: Path, agents: list[Agent]) -> None:
+    """Once both nodes train, the store's host (the first) is lost, its agent and its worker: the other trains
+    alone on the store it took over."""
+    until(lambda: both_train(tmp, 0.0), "both nodes train together", WAIT_S * 3)
+    agents[0].close()
+    lost_at = time.time()
+    until(lambda: all_train(tmp, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+
+
 @pytest.mark.slow
 def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tmp_path: Path) -> None:
     """The endpoint is a name (a pod's DNS name). The store's host is lost, the survivor takes the store over;
@@ -392,10 +401,7 @@ def test_a_lost_store_host_started_again_with_its_command_joins_the_survivors(tm
             a, b = net.add("a"), net.add("b")
             net.name("ftstore", a.addr)
             agents += [Agent(a, "ftstore", tmp_path), Agent(b, "ftstore", tmp_path)]
-            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
-            agents[0].close()  # the pod is lost: its agent and its worker
-            lost_at = time.time()
-            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            lose_the_store_host(tmp_path, agents)
             assert "this node hosts the store now" in agents[1].stderr, agents[1].stderr
             again = net.add("a2")  # recreated: a new address, the name moved to it
             net.name("ftstore", again.addr)
@@ -427,10 +433,7 @@ def test_a_lost_store_host_started_again_without_names_or_local_addr_joins_the_s
         try:
             a, b = net.add("a"), net.add("b")
             agents += [Agent(a, a, tmp_path, local_addr=False), Agent(b, a, tmp_path, local_addr=False)]
-            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
-            agents[0].close()  # the node is lost: its agent and its worker
-            lost_at = time.time()
-            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            lose_the_store_host(tmp_path, agents)
             said = agents[1].stderr
             assert f"this node hosts the store now, on {b.addr}:" in said, said
             net.remove(a)
@@ -467,10 +470,7 @@ def test_a_node_told_of_a_store_it_cannot_reach_says_so_once_and_how_to_fix_it(t
             net.name("ftstore", a.addr)
             net.name("b-alias", b.addr)
             agents += [Agent(a, "ftstore", tmp_path), Agent(b, "ftstore", tmp_path, "--local-addr", "b-alias")]
-            until(lambda: both_train(tmp_path, 0.0), "both nodes train together", WAIT_S * 3)
-            agents[0].close()
-            lost_at = time.time()
-            until(lambda: all_train(tmp_path, {"b"}, lost_at), "b trains alone on the store it took over", 60.0)
+            lose_the_store_host(tmp_path, agents)
             again = net.add("a2")
             net.name("ftstore", again.addr)
             net.name("b-alias", "127.0.0.1" if there == "loopback" else "", only=again)
